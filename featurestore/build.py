@@ -1,0 +1,115 @@
+"""``featurestore capture``: run the target over the on-policy conversations, store hidden states.
+
+Reads the ``prompts`` table's training rows, sends prompt + response token ids through a capture
+engine, and appends rows to ``features`` in atomic chunks. Resumable like ingest: ids already in the
+features table are skipped, and no engine starts when nothing is left to capture.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import pyarrow as pa
+from tqdm import tqdm
+
+from eaglenest.errors import StoreError
+from eaglenest.featurestore import schema as S
+from eaglenest.featurestore import store
+from eaglenest.featurestore.capture import Capturer, dtype_name, resolve_layer_ids
+
+log = logging.getLogger(__name__)
+
+_DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+                  "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def target_facts(target: str) -> dict:
+    """num_hidden_layers, hidden_size and dtype from a local target's config.json (or the hub cache)."""
+    path = Path(target) / "config.json"
+    if path.is_file():
+        cfg = json.loads(path.read_text())
+    else:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(target).to_dict()
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    return {"num_layers": int(cfg["num_hidden_layers"]), "hidden_size": int(cfg["hidden_size"]),
+            "dtype": _DTYPE_ALIASES.get(dtype.replace("torch.", ""), "bfloat16")}
+
+
+def feature_meta(target: str, layer_ids: list[int], engine_dtype: str) -> S.FeatureMeta:
+    facts = target_facts(target)
+    ids = resolve_layer_ids(layer_ids, facts["num_layers"])
+    dtype = facts["dtype"] if engine_dtype == "auto" else _DTYPE_ALIASES.get(engine_dtype, engine_dtype)
+    ident = json.dumps({"target": str(target), "layer_ids": ids, "last": facts["num_layers"], "dtype": dtype,
+                        "schema_version": S.SCHEMA_VERSION}, sort_keys=True)
+    return S.FeatureMeta(target=str(target), layer_ids=ids, last_layer_id=facts["num_layers"],
+                         hidden_size=facts["hidden_size"], dtype=dtype,
+                         feature_set_id=hashlib.sha256(ident.encode()).hexdigest()[:16])
+
+
+def pending_conversations(store_uri: str) -> list[dict]:
+    """Training rows of the prompts table that have a response and no features yet, by id."""
+    rows = store.read(store_uri, store.PROMPTS, filter="split = 'train' AND finish_reason != ''").to_pylist()
+    done = store.sample_ids(store_uri, store.FEATURES)
+    return sorted((r for r in rows if r["sample_id"] not in done), key=lambda r: r["sample_id"])
+
+
+def feature_row(conv: dict, aux, last, meta: S.FeatureMeta) -> dict:
+    prompt, response = conv["prompt_token_ids"], conv["response_token_ids"]
+    return {
+        "sample_id": conv["sample_id"], "domain": conv["domain"], "source": conv["source"],
+        "split": conv["split"], "mode": conv["mode"], "gen_params_id": conv["gen_params_id"],
+        "num_tokens": len(prompt) + len(response), "num_loss_tokens": len(response),
+        "input_ids": list(prompt) + list(response),
+        # Loss on every token the target generated (its end-of-turn token included), none on the prompt.
+        "loss_mask": [0] * len(prompt) + [1] * len(response),
+        "aux_hidden": S.encode_tensor(aux, meta.dtype), "last_hidden": S.encode_tensor(last, meta.dtype),
+    }
+
+
+def capture(*, target: str, store_uri: str, cfg) -> dict:
+    t0 = time.time()
+    if not store.exists(store_uri, store.PROMPTS):
+        raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
+    meta = feature_meta(target, cfg.layer_ids, cfg.engine.dtype)
+    todo = pending_conversations(store_uri)
+    passes, tokens = 0, 0
+    if todo:
+        longest = max(len(c["prompt_token_ids"]) + len(c["response_token_ids"]) for c in todo)
+        if longest + 1 > cfg.engine.max_model_len:
+            raise StoreError(f"a conversation has {longest} tokens: raise featurestore.engine.max_model_len")
+        with Capturer(target, meta.layer_ids, meta.last_layer_id, cfg.engine) as cap, \
+                tqdm(total=len(todo), desc="featurestore: capture", unit="sample") as bar:
+            for i in range(0, len(todo), cfg.commit_every):
+                chunk = todo[i:i + cfg.commit_every]
+                rows = []
+                for j in range(0, len(chunk), cfg.batch_size):
+                    part = chunk[j:j + cfg.batch_size]
+                    seqs = [c["prompt_token_ids"] + c["response_token_ids"] for c in part]
+                    for conv, (aux, last) in zip(part, cap.capture(seqs)):
+                        if dtype_name(aux) != meta.dtype:
+                            raise StoreError(f"engine produced {dtype_name(aux)}, table is {meta.dtype}: "
+                                             "set featurestore.engine.dtype")
+                        rows.append(feature_row(conv, aux, last, meta))
+                store.append(store_uri, store.FEATURES, pa.Table.from_pylist(rows, schema=S.features_schema(meta)),
+                             meta=meta)
+                tokens += sum(r["num_tokens"] for r in rows)
+                bar.update(len(chunk))
+            passes = cap.num_forward_passes
+    table = store.read(store_uri, store.FEATURES, columns=["domain", "num_tokens", "num_loss_tokens"]) \
+        if store.exists(store_uri, store.FEATURES) else None
+    per_domain = collections.Counter(table.column("domain").to_pylist()) if table is not None else {}
+    return {
+        "feature_set_id": meta.feature_set_id, "layer_ids": list(meta.layer_ids),
+        "last_layer_id": meta.last_layer_id, "dtype": meta.dtype,
+        "captured": len(todo), "target_forward_passes": passes, "captured_tokens": tokens,
+        "samples_per_domain": dict(sorted(per_domain.items())),
+        "features_table_version": store.latest_version(store_uri, store.FEATURES) if table is not None else None,
+        "seconds": round(time.time() - t0, 2),
+    }

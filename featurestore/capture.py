@@ -1,0 +1,121 @@
+"""Capture a target's hidden states with vLLM's ``extract_hidden_states`` method.
+
+The engine runs the target over fixed token sequences (prompt + on-policy response, generation of a
+single throw-away token) and our connector (:mod:`eaglenest.featurestore.connector`) spools each
+request's ``[num_tokens, num_layers, hidden]`` tensor to a private directory; this module reads it
+back, checks the token ids, and deletes the spool file. Layers captured are the EAGLE-3 aux layers
+followed by the last layer (vLLM ids; id L is the last block's output before the final norm), so
+one pass yields both the draft's inputs and the target's own logits basis.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from eaglenest.engine import EngineConfig, close_llm, make_llm
+from eaglenest.errors import ConfigError, StoreError
+
+log = logging.getLogger(__name__)
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """vLLM's default EAGLE-3 aux layers, (2, L//2, L-3), in vLLM's convention."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    if len(set(ids)) != 3:
+        raise ConfigError(f"featurestore.layer_ids: the default rule gives {ids} for a {num_layers}-layer "
+                          "target; set three distinct ids explicitly")
+    return ids
+
+
+def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    ids = tuple(layer_ids) or default_layer_ids(num_layers)
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ConfigError(f"featurestore.layer_ids: {bad} outside 0..{num_layers} (vLLM convention)")
+    return ids
+
+
+class Capturer:
+    """A live vLLM engine that returns hidden states for token sequences. Use as a context manager."""
+
+    def __init__(self, target: str, layer_ids: tuple[int, ...], num_layers: int, engine: EngineConfig):
+        from eaglenest.featurestore import connector
+
+        self.layer_ids = tuple(layer_ids)
+        self.capture_ids = [*self.layer_ids, num_layers]
+        self._spool = Path(tempfile.mkdtemp(prefix="eaglenest-capture-"))
+        self.num_forward_passes = 0
+        self.llm = make_llm(
+            target, engine,
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.capture_ids}},
+            },
+            kv_transfer_config={
+                "kv_connector": connector.CONNECTOR_NAME,
+                "kv_connector_module_path": connector.MODULE_PATH,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(self._spool)},
+            },
+        )
+
+    def __enter__(self) -> "Capturer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        shutil.rmtree(self._spool, ignore_errors=True)
+        llm, self.llm = getattr(self, "llm", None), None
+        close_llm(llm)
+
+    def capture(self, sequences: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each token sequence, ``(aux [T, n_aux, H], last [T, H])`` as numpy (torch dtype kept)."""
+        from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(map(int, s))) for s in sequences]
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.num_forward_passes += len(prompts)
+        results = []
+        for seq, out in zip(sequences, outputs):
+            path = (out.kv_transfer_params or {}).get("hidden_states_path")
+            if path is None:
+                raise StoreError("vLLM returned no hidden states: is the capture connector loaded?")
+            data = load_hidden_states(path)
+            cleanup_hidden_states(path)
+            hs, ids = data["hidden_states"], data["token_ids"]
+            if ids.tolist() != list(map(int, seq)):
+                raise StoreError("captured token ids differ from the sequence sent")
+            if hs.shape[0] != len(seq) or hs.shape[1] != len(self.capture_ids):
+                raise StoreError(f"captured shape {tuple(hs.shape)} for {len(seq)} tokens, "
+                                 f"{len(self.capture_ids)} layers")
+            results.append((_to_numpy(hs[:, :-1]), _to_numpy(hs[:, -1])))
+        return results
+
+
+def _to_numpy(t) -> np.ndarray:
+    import torch
+
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy()
+    return t.numpy()
+
+
+def dtype_name(array: np.ndarray, torch_dtype: str | None = None) -> str:
+    if array.dtype == np.uint16:
+        return "bfloat16"
+    return {"float32": "float32", "float16": "float16"}[str(array.dtype)]

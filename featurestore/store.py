@@ -1,0 +1,112 @@
+"""Thin, validated access to the store's Lance tables: append, read a pinned version, tag.
+
+A store is a LanceDB directory; each table is a Lance dataset ``<uri>/<name>.lance``. Every write
+is one Lance commit (atomic: a reader sees all of it or none of it) and is validated against the
+declared schema first. Reads name a version so a finished run can be replayed on identical data.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+
+from eaglenest.errors import SchemaError, StoreError
+from eaglenest.featurestore import schema as S
+
+log = logging.getLogger(__name__)
+
+PROMPTS = "prompts"
+FEATURES = "features"
+
+
+def _lance():
+    from eaglenest.errors import require
+
+    return require("lance", "featurestore")
+
+
+def table_path(uri: str, name: str) -> Path:
+    return Path(uri) / f"{name}.lance"
+
+
+def exists(uri: str, name: str) -> bool:
+    return (table_path(uri, name) / "_versions").is_dir()
+
+
+def expected_schema(name: str, meta: S.FeatureMeta | None = None) -> pa.Schema:
+    if name == PROMPTS:
+        return S.PROMPTS_SCHEMA
+    if name == FEATURES:
+        if meta is None:
+            raise SchemaError("writing features needs its FeatureMeta")
+        return S.features_schema(meta)
+    raise StoreError(f"unknown table '{name}'")
+
+
+def append(uri: str, name: str, table: pa.Table, *, meta: S.FeatureMeta | None = None) -> int:
+    """Validate ``table`` and append it as one commit (creating the table). Returns the new version."""
+    lance = _lance()
+    want = expected_schema(name, meta)
+    S.validate(table.schema, want, what=f"write to '{name}'")
+    table = table.select(want.names).cast(want)
+    path = table_path(uri, name)
+    if exists(uri, name):
+        ds = lance.dataset(str(path))
+        S.validate(ds.schema, want, what=f"table '{name}'")
+        if name == FEATURES and S.feature_meta(ds.schema) != meta:
+            raise SchemaError(f"table '{name}' holds another feature set ({S.feature_meta(ds.schema)}); "
+                              "use a new store or table")
+        ds = lance.write_dataset(table, str(path), mode="append")
+    else:
+        Path(uri).mkdir(parents=True, exist_ok=True)
+        ds = lance.write_dataset(table, str(path), schema=want, mode="create")
+    log.debug("appended %d rows to %s (version %d)", table.num_rows, path, ds.version)
+    return ds.version
+
+
+def dataset(uri: str, name: str, version: int | str | None = None):
+    """Open a table at ``version`` (a number or a tag; latest when None), validating its schema."""
+    lance = _lance()
+    if not exists(uri, name):
+        raise StoreError(f"no table '{name}' in store {uri}")
+    try:
+        ds = lance.dataset(str(table_path(uri, name)), version=version)
+    except (ValueError, OSError) as exc:
+        raise StoreError(f"table '{name}' in {uri}: cannot open version {version!r} ({exc})") from None
+    base = S.PROMPTS_SCHEMA if name == PROMPTS else S.FEATURES_SCHEMA
+    S.validate(ds.schema, base, what=f"table '{name}'")
+    return ds
+
+
+def latest_version(uri: str, name: str) -> int:
+    return dataset(uri, name).version
+
+
+def read(uri: str, name: str, *, version: int | str | None = None, columns: list[str] | None = None,
+         filter: str | None = None) -> pa.Table:
+    return dataset(uri, name, version).to_table(columns=columns, filter=filter)
+
+
+def iter_batches(uri: str, name: str, *, version: int | str | None = None,
+                 columns: list[str] | None = None, filter: str | None = None,
+                 batch_size: int = 64) -> Iterator[pa.RecordBatch]:
+    ds = dataset(uri, name, version)
+    yield from ds.to_batches(columns=columns, filter=filter, batch_size=batch_size)
+
+
+def sample_ids(uri: str, name: str, *, filter: str | None = None) -> set[str]:
+    """Ids already in a table (empty if the table does not exist yet): what a resumed run skips."""
+    if not exists(uri, name):
+        return set()
+    return set(read(uri, name, columns=["sample_id"], filter=filter).column("sample_id").to_pylist())
+
+
+def tag(uri: str, name: str, tag_name: str, version: int) -> None:
+    ds = dataset(uri, name)
+    if tag_name in ds.tags.list():
+        ds.tags.update(tag_name, version)
+    else:
+        ds.tags.create(tag_name, version)

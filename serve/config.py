@@ -1,0 +1,35 @@
+"""The ``serve`` recipe section: where the exported draft goes and how vLLM runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from eaglenest.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    #: Draft checkpoint to export, relative to run.workdir (train.output_subdir of the train stage).
+    checkpoint_subdir: str = "train"
+    #: vLLM-loadable draft directory, relative to run.workdir.
+    draft_subdir: str = "draft"
+    #: Weight dtype of the exported draft; "auto" = the target's torch_dtype.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: vLLM speculative decoding settings (used by the load check and the evaluate stage).
+    num_speculative_tokens: int = 3
+    #: On CPU: fraction of the NUMA node's RAM reserved for the KV cache.
+    gpu_memory_utilization: float = 0.15
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("checkpoint_subdir", "draft_subdir"):
+            value = getattr(self, name)
+            if not value or value.startswith("/") or ".." in value.split("/"):
+                raise ConfigError(f"serve.{name}: a relative path inside run.workdir, got {value!r}")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"serve.num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"serve.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len < 16:
+            raise ConfigError(f"serve.max_model_len: must be >= 16, got {self.max_model_len}")

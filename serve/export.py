@@ -1,0 +1,149 @@
+"""Export a trained draft checkpoint as a vLLM-loadable ``LlamaForCausalLMEagle3`` directory.
+
+The one boundary between eaglenest's training module and the serving format. Output:
+
+* ``config.json``: a one-layer Llama config (``architectures: ["LlamaForCausalLMEagle3"]``) with
+  the target's shape, rope settings and max_position_embeddings, ``vocab_size`` = target vocab,
+  ``draft_vocab_size``, ``target_hidden_size``, ``eagle_config`` (aux layer ids in vLLM's
+  convention, ``use_aux_hidden_state``), the EAGLE-3.1 flags and ``torch_dtype``.
+* ``model.safetensors``: ``fc.weight`` (+ ``input_norm.weight`` / ``fc_norm.{i}.weight`` when the
+  3.1 flags are on), ``midlayer.*`` in HF Llama names, ``norm.weight``, ``lm_head.weight``,
+  ``d2t`` (int64 offsets: target = draft + d2t[draft]) and ``t2d`` (bool; vLLM skips it). No
+  ``embed_tokens``: vLLM shares the target's.
+* ``README.md`` (model card) and ``provenance.json``.
+
+vLLM renames ``midlayer.`` to ``layers.0.``, stacks q/k/v into ``qkv_proj`` and gate/up into
+``gate_up_proj``, and loads ``d2t`` into ``draft_id_to_target_id`` (tests/serve checks this
+against vLLM's own mapper). Floating weights are cast to the export dtype; maps stay integer/bool.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglenest.errors import ConfigError
+from eaglenest.provenance import write_json_atomic, write_provenance
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+#: Keys copied verbatim from the target's config.json (shape and positional encoding).
+FROM_TARGET = ("hidden_act", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
+               "bos_token_id", "eos_token_id", "pad_token_id", "attention_bias", "mlp_bias")
+FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def draft_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype: str) -> dict[str, Any]:
+    """The exported ``config.json`` from a checkpoint's info and the target's config."""
+    d = info["draft_config"]
+    cfg: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": d["hidden_size"],
+        "intermediate_size": d["intermediate_size"],
+        "num_attention_heads": d["num_attention_heads"],
+        "num_key_value_heads": d["num_key_value_heads"],
+        "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        "num_hidden_layers": 1,
+        "vocab_size": int(target_cfg["vocab_size"]),
+        "draft_vocab_size": d["draft_vocab_size"],
+        "target_hidden_size": d["target_hidden_size"],
+        "rms_norm_eps": d["rms_norm_eps"],
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(info["layer_ids"]),
+                         "use_aux_hidden_state": True},
+        "torch_dtype": dtype,
+    }
+    for key in FROM_TARGET:
+        if target_cfg.get(key) is not None:
+            cfg[key] = target_cfg[key]
+    for flag in FLAGS:
+        cfg[flag] = bool(d.get(flag, False))
+    if cfg["hidden_size"] != target_cfg["hidden_size"]:
+        raise ConfigError("draft hidden size differs from the target's: vLLM shares the target embeddings")
+    return cfg
+
+
+def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str | Path,
+                 dtype: str = "auto", argv: list[str] | None = None,
+                 recipe: dict[str, Any] | None = None) -> Path:
+    """Write the vLLM draft directory ``out_dir`` from checkpoint ``ckpt_dir``; returns out_dir."""
+    from safetensors.torch import load_file, save_file
+
+    from eaglenest.train.checkpoint import WEIGHTS, read_info
+    from eaglenest.train.target import target_config, torch_dtype_name
+
+    info = read_info(ckpt_dir)
+    target_cfg = target_config(target_dir)
+    if dtype == "auto":
+        dtype = torch_dtype_name(target_cfg)
+    if dtype not in DTYPES:
+        raise ConfigError(f"serve.dtype: cannot export as {dtype!r} (one of {', '.join(DTYPES)})")
+    cfg = draft_hf_config(info, target_cfg, dtype=dtype)
+    state = load_file(str(Path(ckpt_dir) / WEIGHTS))
+    tensors = {}
+    for name, t in state.items():
+        if name.startswith("embed_tokens."):
+            continue
+        tensors[name] = t.to(DTYPES[dtype]).contiguous() if t.is_floating_point() else t.contiguous()
+    tensors["d2t"] = tensors["d2t"].to(torch.int64)
+    tensors["t2d"] = tensors["t2d"].to(torch.bool)
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    write_json_atomic(tmp / "config.json", cfg)
+    inputs = {"checkpoint": str(ckpt_dir), "step": info.get("step"), "store_uri": info.get("store_uri"),
+              "table": "features", "version": info.get("table_version"), "target": str(target_dir)}
+    write_provenance(tmp, config=recipe or {"serve": {"dtype": dtype}}, argv=argv, inputs=inputs)
+    (tmp / "README.md").write_text(model_card(cfg, info, inputs), encoding="utf-8")
+    # Replace the whole directory at once so vLLM never reads a half-written draft.
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    log.info("exported draft (%s, %d tensors) to %s", dtype, len(tensors), out_dir)
+    return out_dir
+
+
+def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]) -> str:
+    m = info.get("metrics") or {}
+    acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc", [])) or "n/a"
+    return f"""# EAGLE-3 draft head (eaglenest)
+
+Speculative-decoding draft for the target `{inputs['target']}`, in vLLM's `{ARCHITECTURE}` format.
+
+```python
+from vllm import LLM
+llm = LLM(model="{inputs['target']}",
+          speculative_config={{"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": 3}})
+```
+
+| | |
+|---|---|
+| aux layers (vLLM ids) | {cfg['eagle_config']['eagle_aux_hidden_state_layer_ids']} |
+| draft vocab | {cfg['draft_vocab_size']} of {cfg['vocab_size']} target ids (coverage of loss tokens: {info.get('vocab_coverage', float('nan')):.3f}) |
+| hidden / heads / kv heads | {cfg['hidden_size']} / {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} |
+| EAGLE-3.1 flags | {', '.join(f for f in FLAGS if cfg[f]) or 'none'} |
+| dtype | {cfg['torch_dtype']} |
+| trained steps | {info.get('step')} (TTT steps {info.get('train_config', {}).get('ttt_steps')}) |
+| features | `{inputs['store_uri']}` table `features` version {inputs['version']} |
+| last logged loss | {m.get('loss', float('nan')):.4f} |
+| last logged per-step top-1 accuracy | {acc} |
+
+`d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`. Full provenance in `provenance.json`.
+Training configuration:
+
+```json
+{json.dumps(info.get('train_config', {}), indent=2, sort_keys=True)}
+```
+"""

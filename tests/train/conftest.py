@@ -1,0 +1,42 @@
+"""Fixtures for the train tests: helper modules loaded by path, a random tiny target, features."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def load_helper(name: str):
+    spec = importlib.util.spec_from_file_location(f"_eaglenest_test_{name}", HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def synth():
+    return load_helper("synth")
+
+
+@pytest.fixture(scope="session")
+def reference():
+    return load_helper("reference_ttt")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory, synth):
+    return synth.make_target(tmp_path_factory.mktemp("target") / "tiny-target")
+
+
+@pytest.fixture(scope="session")
+def feature_store(tmp_path_factory, synth, tiny_target):
+    """A store with 24 greedy samples (prompt 8, response 24) and 4 held-out ones."""
+    uri = str(tmp_path_factory.mktemp("store") / "store")
+    samples = synth.greedy_sequences(tiny_target, n=28, prompt_len=8, gen_len=24)
+    synth.write_features(uri, tiny_target, samples[:24])
+    version = synth.write_features(uri, tiny_target, samples[24:], split="heldout")
+    return uri, version

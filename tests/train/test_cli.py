@@ -1,0 +1,41 @@
+"""The train and serve CLIs: dry run, config errors as exit code 2, end to end on a tiny store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eaglenest.serve.cli import main as serve_main
+from eaglenest.train.cli import main as train_main
+
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml")
+
+
+def test_dry_run_prints_train_section(capsys):
+    assert train_main(["run", "--recipe", RECIPE, "--dry-run", "train.ttt_steps=3"]) == 0
+    assert json.loads(capsys.readouterr().out)["train"]["ttt_steps"] == 3
+
+
+@pytest.mark.parametrize("override, key", [("train.ttt_steps=0", "train.ttt_steps"),
+                                           ("train.nope=1", "train.nope"),
+                                           ("serve.dtype=int8", "serve.dtype")])
+def test_config_errors_exit_2(capsys, override, key):
+    assert train_main(["run", "--recipe", RECIPE, override]) == 2
+    assert key in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_then_export(tmp_path, feature_store, tiny_target, capsys):
+    uri, version = feature_store
+    common = ["--recipe", RECIPE, f"run.workdir={tmp_path}", f"run.target={tiny_target}", f"run.store={uri}"]
+    assert train_main(["run", *common, "train.num_steps=2", "train.draft_vocab_size=256",
+                       "train.ttt_steps=2", f"train.table_version={version}"]) == 0
+    assert serve_main(["export", *common]) == 0
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 256 and cfg["torch_dtype"] == "float32"
+    prov = json.loads((tmp_path / "train" / "provenance.json").read_text())
+    assert prov["inputs"]["version"] == version and prov["config"]["train"]["num_steps"] == 2
+    assert serve_main(["export", *common[:2], f"run.workdir={tmp_path / 'empty'}",
+                       f"run.target={tiny_target}"]) == 2

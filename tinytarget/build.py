@@ -1,0 +1,120 @@
+"""``eaglenest-tiny-target``: build the tiny target LLM fixture (corpus -> tokenizer -> model).
+
+Writes a Hugging Face model folder (config, fp32 safetensors, tokenizer, generation config, model
+card, provenance.json) that vLLM and transformers load offline, plus the demo's prompt files
+(``recipes/data/<domain>.jsonl``, drawn with a different seed). ``--prompts-only`` writes just
+the prompt files. Run from the repository root; paths are relative to the working directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+NUM_EVAL_PER_DOMAIN = 100
+NUM_GREEDY_PER_DOMAIN = 8
+EVAL_SEED_OFFSET = 7919  # held-out samples: a seed the training corpus never uses
+
+
+def build(out: Path, *, shape, cfg) -> dict:
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    from eaglenest.provenance import write_provenance
+    from eaglenest.tinytarget import corpus, tokenizer, train
+    from eaglenest.tinytarget.card import write_model_card
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.num_threads)
+    samples = corpus.generate(cfg.num_train_samples, seed=cfg.seed)
+    texts = [corpus.to_raw_text(s) for s in samples] + [s["system"] for s in samples if s.get("system")]
+    tok = tokenizer.train_tokenizer(texts, vocab_size=shape.vocab_size)
+    tokenizer.save_hf_tokenizer(tok, out, model_max_length=shape.max_position_embeddings)
+    tokenizer.check_hf_tokenizer(out)
+    hf_tok = AutoTokenizer.from_pretrained(str(out))
+
+    rows = train.pack(train.render_documents(samples, hf_tok, raw_fraction=cfg.raw_fraction,
+                                             seed=cfg.seed), cfg.seq_len_tokens)
+    ids = tokenizer.special_ids(tok)
+    model = LlamaForCausalLM(train.llama_config(shape, ids))
+    num_params = sum(p.numel() for p in model.parameters())
+    log.info("model: %.2fM parameters, %d packed rows", num_params / 1e6, len(rows))
+    train_stats = train.train(model, rows, cfg)
+
+    held_out = corpus.generate(NUM_EVAL_PER_DOMAIN * len(corpus.DOMAINS),
+                               seed=cfg.seed + EVAL_SEED_OFFSET)
+    eval_stats = train.evaluate_domains(model, hf_tok, held_out)
+    greedy_stats, examples = {}, {}
+    for d in corpus.DOMAINS:
+        picks = [s for s in held_out if s["domain"] == d][:NUM_GREEDY_PER_DOMAIN]
+        results = [train.greedy_chat(model, hf_tok, s) for s in picks]
+        greedy_stats[d] = {
+            "stop_rate": sum(stop for _, stop in results) / len(results),
+            "exact_rate": sum(t == s["response"] for (t, _), s in zip(results, picks)) / len(results)}
+        examples[d] = f"{picks[0]['prompt']}\n---\n{results[0][0]}"
+        log.info("%s: %s greedy %s", d, eval_stats[d], greedy_stats[d])
+
+    model.save_pretrained(str(out))
+    _add_legacy_dtype(out / "config.json")
+    GenerationConfig(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
+                     pad_token_id=ids["pad_token_id"]).save_pretrained(str(out))
+    write_model_card(out, shape=shape, cfg=cfg, num_params=num_params,
+                     tokenizer_vocab=tok.get_vocab_size(), train_stats=train_stats,
+                     eval_stats=eval_stats, greedy_stats=greedy_stats, samples=examples)
+    metrics = {"num_params": num_params, "tokenizer_vocab": tok.get_vocab_size(),
+               "train": train_stats, "held_out": eval_stats, "greedy": greedy_stats,
+               "greedy_examples": examples}
+    write_provenance(out, config={"shape": dataclasses.asdict(shape), "train": dataclasses.asdict(cfg)},
+                     inputs={"corpus": f"eaglenest.tinytarget.corpus seed={cfg.seed}",
+                             "held_out": f"seed={cfg.seed + EVAL_SEED_OFFSET}"},
+                     extra={"metrics": metrics})
+    return metrics
+
+
+def _add_legacy_dtype(path: Path) -> None:
+    """transformers 5 writes ``dtype``; older readers look for ``torch_dtype``. Write both."""
+    import json
+
+    config = json.loads(path.read_text())
+    config["torch_dtype"] = config["dtype"]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from eaglenest.tinytarget.prompts import PROMPT_SEED, write_prompt_files
+    from eaglenest.tinytarget.train import ModelShape, TrainConfig
+
+    p = argparse.ArgumentParser(prog="eaglenest-tiny-target", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("assets/tiny-target"), help="model folder")
+    p.add_argument("--prompts-out", type=Path, default=Path("recipes/data"),
+                   help="folder for <domain>.jsonl prompt files")
+    p.add_argument("--steps", type=int, default=TrainConfig().num_steps, help="optimizer steps")
+    p.add_argument("--seed", type=int, default=TrainConfig().seed, help="training seed")
+    p.add_argument("--prompt-seed", type=int, default=PROMPT_SEED, help="seed of the prompt files")
+    p.add_argument("--prompts-only", action="store_true", help="write the prompt files and stop")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.steps < 1:
+        print("eaglenest-tiny-target: error: --steps must be >= 1", file=sys.stderr)
+        return 2
+    if args.prompt_seed == args.seed:
+        print("eaglenest-tiny-target: error: --prompt-seed must differ from --seed", file=sys.stderr)
+        return 2
+    write_prompt_files(args.prompts_out, seed=args.prompt_seed)
+    if args.prompts_only:
+        return 0
+    cfg = TrainConfig(seed=args.seed, num_steps=args.steps)
+    metrics = build(args.out, shape=ModelShape(), cfg=cfg)
+    log.info("wrote %s (%.1f s training)", args.out, metrics["train"]["train_seconds"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

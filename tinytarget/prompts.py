@@ -1,0 +1,56 @@
+"""Prompt source files for the demo manifest: ``recipes/data/<domain>.jsonl``.
+
+Drawn from the corpus generators with a seed different from the training seed, so most prompts are
+fresh to the model (the prompt space is small, so a few can coincide with training prompts by
+chance; the answers are never shipped). Lines are ``{"id", "prompt", "system"?}``, written in a
+fixed order with sorted keys, so the files are byte-identical on every rebuild.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from eaglenest.tinytarget import corpus
+
+log = logging.getLogger(__name__)
+
+PROMPT_SEED = 20251129
+NUM_PROMPTS_PER_DOMAIN = 150
+
+
+def prompt_records(domain: corpus.Domain, *, seed: int = PROMPT_SEED,
+                   num_prompts: int = NUM_PROMPTS_PER_DOMAIN) -> list[dict]:
+    """``num_prompts`` distinct prompts of ``domain`` (duplicates of an earlier prompt are skipped)."""
+    out, seen = [], set()
+    stream = corpus.iter_domain(domain, seed=seed)
+    for _ in range(num_prompts * 50):
+        sample = next(stream)
+        key = (sample["prompt"], sample.get("system"))
+        if key in seen:
+            continue
+        seen.add(key)
+        rec = {"id": f"{domain}-{len(out):04d}", "prompt": sample["prompt"]}
+        if sample.get("system"):
+            rec["system"] = sample["system"]
+        out.append(rec)
+        if len(out) == num_prompts:
+            return out
+    raise RuntimeError(f"{domain}: could not draw {num_prompts} distinct prompts")
+
+
+def write_prompt_files(outdir: str | Path, *, seed: int = PROMPT_SEED,
+                       num_prompts: int = NUM_PROMPTS_PER_DOMAIN) -> list[Path]:
+    """Write one JSONL per domain into ``outdir`` and return the paths."""
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for domain in corpus.DOMAINS:
+        path = outdir / f"{domain}.jsonl"
+        lines = [json.dumps(r, sort_keys=True, ensure_ascii=False)
+                 for r in prompt_records(domain, seed=seed, num_prompts=num_prompts)]
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        paths.append(path)
+        log.info("wrote %d prompts to %s", len(lines), path)
+    return paths

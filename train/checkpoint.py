@@ -1,0 +1,76 @@
+"""Draft checkpoints: ``draft.safetensors`` (trainable weights + d2t/t2d) and ``checkpoint.json``.
+
+The frozen target embeddings are not stored (they are the target's; :func:`load_checkpoint`
+takes them from the target directory when asked). ``checkpoint.json`` holds the draft's Llama
+config (with ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_layer_ids`` in vLLM's
+convention and the 3.1 flags), the features table version it was trained on, the step and the
+last metrics: everything :mod:`eaglenest.serve.export` needs without re-reading the store.
+Both files are written through a temporary name and a rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig
+
+from eaglenest.errors import StoreError
+from eaglenest.provenance import write_json_atomic
+from eaglenest.train.model import Eagle3Draft
+
+FORMAT = "eaglenest-draft/1"
+WEIGHTS = "draft.safetensors"
+INFO = "checkpoint.json"
+
+
+def save_checkpoint(outdir: str | Path, model: Eagle3Draft, *, info: dict[str, Any]) -> Path:
+    """Write weights and ``checkpoint.json`` (``info`` plus format and draft config) to ``outdir``."""
+    from safetensors.torch import save_file
+
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().clone() for k, v in model.trainable_state_dict().items()}
+    tmp = outdir / f".{WEIGHTS}.tmp{os.getpid()}"
+    save_file(tensors, str(tmp), metadata={"format": FORMAT})
+    os.replace(tmp, outdir / WEIGHTS)
+    record = dict(info)
+    record["format"] = FORMAT
+    record["draft_config"] = model.config.to_dict()
+    write_json_atomic(outdir / INFO, record)
+    return outdir
+
+
+def read_info(ckpt_dir: str | Path) -> dict[str, Any]:
+    p = Path(ckpt_dir) / INFO
+    if not p.is_file():
+        raise StoreError(f"{ckpt_dir}: no {INFO} (not a draft checkpoint; run `train run` first)")
+    info = json.loads(p.read_text(encoding="utf-8"))
+    if info.get("format") != FORMAT:
+        raise StoreError(f"{p}: format {info.get('format')!r}, this eaglenest reads {FORMAT}")
+    return info
+
+
+def load_checkpoint(ckpt_dir: str | Path, *, target_dir: str | Path | None = None
+                    ) -> tuple[Eagle3Draft, dict[str, Any]]:
+    """Rebuild the draft from a checkpoint; embeddings from ``target_dir`` if given, else zeros."""
+    from safetensors.torch import load_file
+
+    info = read_info(ckpt_dir)
+    cfg = LlamaConfig.from_dict(info["draft_config"])
+    model = Eagle3Draft(cfg)
+    state = load_file(str(Path(ckpt_dir) / WEIGHTS))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise StoreError(f"{ckpt_dir}: weights do not match the config (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    if target_dir is not None:
+        from eaglenest.train.target import load_target_tensors
+
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(load_target_tensors(target_dir)["embed"])
+    return model, info

@@ -1,0 +1,75 @@
+"""The ``train`` recipe section: one flat, frozen, keyword-only dataclass.
+
+Defaults make the toy recipe (tiny target, hidden 128, vocab 2048) train in a few CPU minutes.
+Every check names the key to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from eaglenest.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    #: Rows of the draft lm_head: the most frequent target ids among loss tokens.
+    draft_vocab_size: int = 1024
+    #: Unrolled TTT steps per position (vLLM drafts this many tokens well at most).
+    ttt_steps: int = 7
+    #: Weight of step k's loss is step_decay ** k.
+    step_decay: float = 0.8
+    #: Peak AdamW learning rate, reached after warmup_steps, then cosine to lr * min_lr_ratio.
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    #: Clip the global gradient norm to this value (0 = no clipping).
+    grad_clip: float = 1.0
+    #: Passes over the training rows; num_steps > 0 stops earlier.
+    num_epochs: int = 4
+    num_steps: int = 0
+    #: Samples are packed into rows of at most pack_tokens tokens (longer samples are truncated);
+    #: batch_rows rows make one optimizer step.
+    pack_tokens: int = 512
+    batch_rows: int = 4
+    #: None: use run.seed. Seeds the init, the sample order and packing.
+    seed: int | None = None
+    #: EAGLE-3.1 options (vLLM reads them from the exported config.json).
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
+    #: Features table version (number or tag) to train on; None = latest, pinned in provenance.
+    table_version: int | str | None = None
+    #: Rows of the features table with this split value are trained on.
+    split: str = "train"
+    #: Outputs go to <run.workdir>/<output_subdir>/.
+    output_subdir: str = "train"
+    log_every_steps: int = 10
+    #: torch intra-op threads (the machines running the toy have 2 cores).
+    num_threads: int = 2
+
+    def __post_init__(self) -> None:
+        positive = ("draft_vocab_size", "ttt_steps", "pack_tokens", "batch_rows", "num_epochs",
+                    "log_every_steps", "num_threads")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "num_steps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
+        if not 0 < self.step_decay <= 1:
+            raise ConfigError(f"train.step_decay: must be in (0, 1], got {self.step_decay}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if not self.output_subdir or "/" in self.output_subdir or self.output_subdir.startswith("."):
+            raise ConfigError(f"train.output_subdir: a plain directory name, got {self.output_subdir!r}")
+
+    def flags(self):
+        from eaglenest.train.model import DraftFlags
+
+        return DraftFlags(norm_before_fc=self.norm_before_fc, fc_norm=self.fc_norm,
+                          norm_before_residual=self.norm_before_residual, norm_output=self.norm_output)

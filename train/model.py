@@ -1,0 +1,227 @@
+"""The EAGLE-3 draft head, computed exactly as vLLM's ``llama_eagle3.py`` computes it at inference.
+
+Shape of one draft step (H = draft hidden size, usually the target's)::
+
+    g      = fc(aux)                        # step 0 only: [n_aux*H] -> [H]
+    x      = cat(input_layernorm(embed(tok)), hidden_norm(hidden))       # [2H], the qkv input
+    res    = hidden                         # or hidden_norm(hidden) with norm_before_residual
+    res    = res + o_proj(attn(x))
+    res    = res + mlp(post_attention_layernorm(res))
+    normed = norm(res)                      # -> lm_head (draft vocab)
+    next   = res                            # or normed with norm_output: the next step's hidden
+
+Norms, rotary embedding and MLP are Hugging Face Llama modules used by import; the attention is
+written here because it takes a 2H input and, in training, the training-time-test (TTT) layout:
+step 0 attends causally over the whole sequence, step k>0 additionally to the same chain's own
+keys of steps 1..k ("diagonal" entries), see :mod:`eaglenest.train.ttt`. The trade-off: a
+dense [T, T] score matrix per head (simple, exact, fine up to a few thousand tokens per row)
+instead of a flex/flash kernel.
+
+Embeddings are the target's and frozen. The draft module holds no globals and its single block is
+a submodule (``midlayer``), so FSDP2 ``fully_shard(model.midlayer)`` then ``fully_shard(model)``
+applies as for any stack of blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+#: Keys copied from the target's config.json into the draft's (architecture and rope settings).
+TARGET_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "rms_norm_eps", "hidden_act", "max_position_embeddings", "rope_parameters",
+               "rope_theta", "rope_scaling", "vocab_size", "attention_bias", "mlp_bias",
+               "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftFlags:
+    """EAGLE-3.1 options, all off by default (vLLM's defaults)."""
+
+    norm_before_fc: bool = False        # one RMSNorm over the concatenated aux features
+    fc_norm: bool = False               # one RMSNorm per aux layer before fc
+    norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of hidden
+    norm_output: bool = False           # next step's hidden = normed output instead of prenorm
+
+
+def draft_config(target_cfg: dict[str, Any], *, draft_vocab_size: int, layer_ids: tuple[int, ...],
+                 flags: DraftFlags) -> LlamaConfig:
+    """A one-layer Llama config for the draft, derived from the target's ``config.json`` dict."""
+    kw = {k: target_cfg[k] for k in TARGET_KEYS if target_cfg.get(k) is not None}
+    kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+    cfg = LlamaConfig(**kw, num_hidden_layers=1, tie_word_embeddings=False)
+    cfg.draft_vocab_size = int(draft_vocab_size)
+    cfg.target_hidden_size = int(target_cfg["hidden_size"])
+    cfg.eagle_aux_layer_ids = [int(i) for i in layer_ids]
+    for f in dataclasses.fields(flags):
+        setattr(cfg, f.name, bool(getattr(flags, f.name)))
+    return cfg
+
+
+def head_dim_of(cfg: LlamaConfig) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class DraftAttention(nn.Module):
+    """Multi-head attention over a 2H input with an explicit TTT key cache.
+
+    ``cache`` is a list of (k, v) pairs: entry 0 holds the step-0 keys of every position
+    ([B, kvh, T, d], attended through ``mask``), entries 1..k hold one key per chain
+    ([B, kvh, T, d], chain t attends only to its own entry t).
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        bias = bool(getattr(cfg, "attention_bias", False))
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(2 * h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> torch.Tensor:
+        """``mask``: bool [B, T, T], True where query t may see step-0 key s. Appends to ``cache``."""
+        q = self._heads(self.q_proj(x), self.num_heads)
+        k = self._heads(self.k_proj(x), self.num_kv_heads)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        cache.append((k, v))
+        rep = self.num_heads // self.num_kv_heads
+        keys = [kk.repeat_interleave(rep, dim=1) for kk, _ in cache]
+        vals = [vv.repeat_interleave(rep, dim=1) for _, vv in cache]
+        scale = 1.0 / math.sqrt(self.head_dim)
+        # Scores against the step-0 context: [B, h, T, T]; masked entries get -inf. Every query
+        # sees at least its own step-0 key (t <= t) or, for k > 0, its diagonal keys, so no row
+        # is all -inf (padding rows see themselves).
+        s0 = torch.matmul(q, keys[0].transpose(-1, -2)) * scale
+        s0 = s0.masked_fill(~mask[:, None], float("-inf"))
+        # Scores against the chain's own later steps: one per step, [B, h, T, 1] each.
+        sd = [(q * kk).sum(-1, keepdim=True) * scale for kk in keys[1:]]
+        p = torch.softmax(torch.cat([s0, *sd], dim=-1), dim=-1)
+        t = s0.shape[-1]
+        out = torch.matmul(p[..., :t], vals[0])
+        for j, vv in enumerate(vals[1:]):
+            out = out + p[..., t + j: t + j + 1] * vv
+        b, _, tq, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, tq, self.num_heads * self.head_dim))
+
+
+class DraftLayer(nn.Module):
+    """vLLM's EAGLE-3 first decoder layer (qkv over [embeds ; hidden])."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=eps)
+        self.mlp = LlamaMLP(cfg)
+        self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
+
+    def forward(self, embeds, hidden, cos, sin, cache, mask) -> torch.Tensor:
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
+        residual = residual + self.self_attn(x, cos, sin, cache, mask)
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+class Eagle3Draft(nn.Module):
+    """The draft model: fc over aux features, one layer, final norm, lm_head over the draft vocab."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        h, th = cfg.hidden_size, cfg.target_hidden_size
+        n_aux = len(cfg.eagle_aux_layer_ids)
+        eps = cfg.rms_norm_eps
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.input_norm = LlamaRMSNorm(n_aux * th, eps=eps) if cfg.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList([LlamaRMSNorm(th, eps=eps) for _ in range(n_aux)])
+                        if cfg.fc_norm else None)
+        self.fc = nn.Linear(n_aux * th, h, bias=False)
+        self.midlayer = DraftLayer(cfg)
+        self.norm = LlamaRMSNorm(h, eps=eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(cfg)
+        # Vocabulary maps (see eaglenest.train.vocab); buffers so they travel with state_dict.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """[..., n_aux*H_target] (aux layers concatenated in ascending id order) -> [..., H]."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux)
+
+    def step(self, token_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+             cache: list, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step for all chains. Returns (normed [B,T,H], next hidden [B,T,H])."""
+        embeds = self.embed_tokens(token_ids)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        res = self.midlayer(embeds, hidden, cos, sin, cache, mask)
+        normed = self.norm(res)
+        return normed, (normed if self.config.norm_output else res)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(normed)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything but the frozen target embeddings (what a checkpoint stores)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def causal_doc_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """bool [B, T, T]: query t sees key s iff s <= t and both belong to the same document.
+
+    Padding carries doc id -1: padded queries see earlier padding (harmless, their loss is masked)
+    and always their own key, so no softmax row is empty.
+    """
+    t = doc_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    eye = torch.eye(t, dtype=torch.bool, device=doc_ids.device)
+    return (causal & same) | eye
+
+
+def init_weights(model: Eagle3Draft, *, seed: int, std: float = 0.02) -> None:
+    """Deterministic init: normal(0, std) linears, ones for norms (embeddings left alone)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("embed_tokens."):
+                continue
+            if p.ndim == 1:
+                p.fill_(1.0) if "norm" in name else p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+__all__ = ["DraftFlags", "Eagle3Draft", "causal_doc_mask", "draft_config", "init_weights"]

@@ -1,23 +1,59 @@
-"""The ``evaluate`` section of a recipe."""
+"""The ``evaluate`` section of a recipe: what to decode, how long, and the throughput sweep."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from eaglenest.engine import EngineConfig
+from eaglenest.errors import ConfigError
+
+#: Context buckets of the issue: prompt lengths in tokens (1K .. 32K).
+DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvaluateConfig:
-    #: Exported draft directory; empty means ``<workdir>/draft``.
+    #: Exported draft directory; empty means ``<workdir>/<serve.draft_subdir>``.
     draft: str = ""
     num_speculative_tokens: int = 3
     temperature: float = 0.0
     max_tokens: int = 160
-    #: Prompts drawn from the store's prompts table with this split.
+    #: Which prompts: the store's own split, MT-Bench or SPEED-Bench (published formats).
+    prompt_set: Literal["heldout", "mt_bench", "speed_bench"] = "heldout"
+    #: For mt_bench / speed_bench: a local file or directory, or a hub dataset id.
+    prompt_path: str = ""
+    #: SPEED-Bench config (``qualitative`` or ``throughput_1k`` ...) and split.
+    speed_bench_config: str = "qualitative"
+    hub_split: str = "test"
+    #: Drop evaluation prompts whose normalised content matches a training prompt (reported).
+    exclude_overlap: bool = True
+    #: Prompts drawn from the store's prompts table with this split (prompt_set=heldout).
     split: str = "heldout"
-    #: At most this many prompts per domain (0 = all).
+    #: At most this many prompts per domain / category (0 = all).
     max_prompts_per_domain: int = 0
+    #: Context buckets (prompt tokens), built from held-out material; empty disables them.
+    context_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    bucket_prompts: int = 1
+    bucket_max_tokens: int = 64
     #: Also decode without speculation and report whether outputs are token-for-token identical.
     check_lossless: bool = True
+    #: Throughput sweep (``evaluate throughput``): concurrency levels, seeds, prompts, output length.
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    throughput_seeds: tuple[int, ...] = (0, 1)
+    throughput_prompts: int = 16
+    throughput_max_tokens: int = 48
     engine: EngineConfig = EngineConfig()
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"evaluate.num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
+        if self.prompt_set != "heldout" and not self.prompt_path:
+            raise ConfigError(f"evaluate.prompt_path: required for prompt_set={self.prompt_set} "
+                              "(a local file/directory or a hub dataset id)")
+        if any(b < 16 for b in self.context_buckets):
+            raise ConfigError(f"evaluate.context_buckets: lengths must be >= 16 tokens, got {self.context_buckets}")
+        if any(c < 1 for c in self.concurrency) or not self.concurrency:
+            raise ConfigError(f"evaluate.concurrency: positive integers, got {self.concurrency}")
+        if self.bucket_prompts < 1 or self.throughput_prompts < 1:
+            raise ConfigError("evaluate.bucket_prompts / evaluate.throughput_prompts: must be >= 1")

@@ -1,4 +1,8 @@
-"""Write an evaluation report as ``report.json`` and a Markdown table (``report.md``)."""
+"""Write an evaluation report: ``report.json``, a Markdown summary (``report.md``) and PNG plots.
+
+The Markdown names which average each AL column is (pooled over draft rounds, or the mean over
+requests); both come from vLLM. Plots are drawn by ``evaluate.plots`` (matplotlib, Agg backend).
+"""
 
 from __future__ import annotations
 
@@ -11,23 +15,39 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
+def _table(rows: list[tuple[str, dict]], k: int, first: str, extra: tuple[str, ...] = ()) -> list[str]:
+    head = [first, *extra, "prompts", "AL pooled", "AL per-request", "accept rate"] + [f"pos {i + 1}" for i in range(k)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, d in rows:
+        pos = list(d.get("acceptance_by_position") or []) + [None] * k
+        cells = [name, *(d.get(e) for e in extra), d["prompts"], d["acceptance_length"],
+                 d.get("acceptance_length_per_request"), d["acceptance_rate"], *pos[:k]]
+        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     k = report["num_speculative_tokens"]
-    head = ["domain", "prompts", "AL", "accept rate"] + [f"pos {i + 1}" for i in range(k)]
+    avg = report.get("averages") or {"acceptance_length": report["al_average"]}
+    p = report.get("prompts") or {}
     lines = [
         f"# Acceptance length: {report['draft']}",
         "",
         f"Target `{report['target']}`, {k} speculative tokens, temperature {report['temperature']}, "
-        f"split `{report['split']}`. AL is {report['al_average']}; measured from vLLM's spec-decode counters.",
+        f"prompt set `{p.get('prompt_set', report['split'])}`. Everything is measured by vLLM itself.",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *[f"- **{'AL pooled' if key == 'acceptance_length' else 'AL per-request'}**: {text}."
+          for key, text in avg.items()],
+        "- **pos k**: share of draft rounds whose k-th draft token was accepted (pooled).",
     ]
-    rows = list(report["domains"].items()) + [("**overall**", report["overall"])]
-    for name, d in rows:
-        pos = list(d.get("acceptance_by_position") or []) + [None] * k
-        cells = [name, d["prompts"], d["acceptance_length"], d["acceptance_rate"], *pos[:k]]
-        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+    if p:
+        lines.append(f"- Prompts loaded: {p.get('loaded')}; excluded as overlapping the training pool: "
+                     f"{p.get('overlap_excluded')} ({p.get('overlap_check')}).")
+    lines += ["", "## By domain" if p.get("prompt_set", "heldout") == "heldout" else "## By category", ""]
+    lines += _table(list(report["domains"].items()) + [("**overall**", report["overall"])], k, "group")
+    if report.get("context_buckets"):
+        lines += ["", f"## By context length ({report.get('bucket_max_tokens')} output tokens per prompt)", ""]
+        lines += _table(list(report["context_buckets"].items()), k, "bucket", extra=("prompt_tokens",))
     if "lossless" in report:
         ll = report["lossless"]
         lines += ["", f"Lossless check (greedy, same prompts without speculation): "
@@ -35,9 +55,16 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(outdir: str | Path, report: dict) -> None:
+def write_report(outdir: str | Path, report: dict, *, plots: bool = True) -> list[Path]:
+    """Write report.json, report.md and (unless ``plots`` is off) the PNG plots; returns the PNGs."""
     outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(outdir / "report.json", report)
     tmp = outdir / ".report.md.tmp"
     tmp.write_text(markdown(report), encoding="utf-8")
     tmp.replace(outdir / "report.md")
+    if not plots:
+        return []
+    from eaglenest.evaluate.plots import al_plots
+
+    return al_plots(report, outdir)

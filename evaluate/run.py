@@ -1,86 +1,164 @@
-"""``evaluate al``: serve target + draft with vLLM, decode held-out prompts, report AL per domain.
+"""``evaluate al``: serve target + draft with vLLM, decode prompt groups and context buckets, report AL.
 
-One engine with the draft decodes each domain in turn (counter deltas give per-domain figures);
-optionally a second engine without speculation decodes the same prompts so the report can state
-whether speculation was lossless (token-for-token identical greedy output).
+One engine with the draft decodes each group in turn (a manifest domain, or an MT-Bench /
+SPEED-Bench category), then one group per context bucket (1K .. 32K prompt tokens built from
+held-out material, see ``buckets``). Counter deltas give the pooled AL of a group; vLLM's
+per-request spec-decode metrics give the per-request average. Optionally a second engine without
+speculation decodes the same prompts so the report can state whether speculation was lossless
+(token-for-token identical greedy output). Both engines share one ``max_model_len`` that fits the
+longest bucket; at most one engine is alive at a time.
 """
 
 from __future__ import annotations
 
-import collections
-import json
 import logging
 import time
 from pathlib import Path
 
 from eaglenest.engine import close_llm, make_llm
-from eaglenest.errors import EaglenestError, StoreError
-from eaglenest.evaluate.al import SpecCounters, read_counters
-from eaglenest.featurestore import store
+from eaglenest.errors import EaglenestError
+from eaglenest.evaluate.al import SpecCounters, per_request_summary, read_counters
+from eaglenest.evaluate.buckets import build_bucket_prompts, bucket_length
+from eaglenest.evaluate.prompts import heldout, load_prompt_set
 
 log = logging.getLogger(__name__)
 
+AVERAGES = {
+    "acceptance_length": "pooled over draft rounds: 1 + accepted / rounds, from vLLM's counters",
+    "acceptance_length_per_request": "mean over requests of each request's AL, from vLLM's "
+                                     "per-request spec-decode metrics",
+}
+
 
 def eval_prompts(store_uri: str, split: str, max_per_domain: int) -> dict[str, list[dict]]:
-    """Conversations to decode, grouped by domain, in a stable order."""
-    if not store.exists(store_uri, store.PROMPTS):
-        raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
-    rows = store.read(store_uri, store.PROMPTS, columns=["sample_id", "domain", "messages_json"],
-                      filter=f"split = '{split}'").to_pylist()
-    if not rows:
-        raise StoreError(f"no '{split}' prompts in {store_uri}")
-    groups: dict[str, list[dict]] = collections.defaultdict(list)
-    for r in sorted(rows, key=lambda r: r["sample_id"]):
-        msgs = [m for m in json.loads(r["messages_json"]) if m["role"] != "assistant"]
-        if max_per_domain <= 0 or len(groups[r["domain"]]) < max_per_domain:
-            groups[r["domain"]].append({"sample_id": r["sample_id"], "messages": msgs})
+    """Held-out conversations to decode, grouped by domain, in a stable order."""
+    groups = heldout(store_uri, split)
+    if max_per_domain > 0:
+        groups = {d: ps[:max_per_domain] for d, ps in groups.items()}
     return dict(sorted(groups.items()))
 
 
-def _decode(llm, prompts: list[dict], cfg) -> list[list[int]]:
+def _params(cfg, max_tokens: int):
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=0)
-    outs = llm.chat([p["messages"] for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return SamplingParams(temperature=cfg.temperature, max_tokens=max_tokens, seed=0)
+
+
+def _decode(llm, prompts: list[dict], cfg, *, max_tokens: int | None = None) -> list:
+    """Decode chat prompts or token-id prompts; returns vLLM CompletionOutputs in prompt order."""
+    from vllm.inputs import TokensPrompt
+
+    sp = _params(cfg, max_tokens or cfg.max_tokens)
+    if prompts and "prompt_token_ids" in prompts[0]:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p["prompt_token_ids"]) for p in prompts], sp,
+                            use_tqdm=False)
+    else:
+        outs = llm.chat([p["messages"] for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def _max_positions(target: str) -> int:
+    from transformers import AutoConfig
+
+    return int(getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", 4096))
+
+
+def _measure(llm, prompts, cfg, *, max_tokens=None) -> tuple[dict, list[list[int]], SpecCounters]:
+    before = read_counters(llm)
+    outs = _decode(llm, prompts, cfg, max_tokens=max_tokens)
+    delta = read_counters(llm) - before
+    toks = [list(o.token_ids) for o in outs]
+    row = {"prompts": len(prompts), "output_tokens": sum(map(len, toks)), **delta.summary(),
+           **per_request_summary([getattr(o, "spec_decode_metrics", None) for o in outs])}
+    return row, toks, delta
 
 
 def evaluate_al(*, target: str, draft: str, store_uri: str, cfg) -> dict:
     if not (Path(draft) / "config.json").is_file():
         raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
-    groups = eval_prompts(store_uri, cfg.split, cfg.max_prompts_per_domain)
+    groups, prompt_info = load_prompt_set(cfg, store_uri)
+    max_pos = _max_positions(target)
+    longest = max((bucket_length(b, max_positions=max_pos, max_tokens=cfg.bucket_max_tokens)
+                   for b in cfg.context_buckets), default=0)
+    max_len = max(cfg.engine.max_model_len, min(max_pos, longest + cfg.bucket_max_tokens))
+    engine = cfg.engine.__class__(**{**cfg.engine.__dict__, "max_model_len": max_len})
     t0 = time.time()
     spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": cfg.num_speculative_tokens}
-    llm = make_llm(target, cfg.engine, speculative_config=spec, disable_log_stats=False)
-    domains, outputs, total = {}, {}, SpecCounters(0, 0, 0, ())
+    llm = make_llm(target, engine, speculative_config=spec, disable_log_stats=False,
+                   per_request_spec_decode_metrics="summary")
+    domains, buckets, outputs, total = {}, {}, {}, SpecCounters(0, 0, 0, ())
+    all_outs: list = []
+    bucket_prompts: dict[int, list[dict]] = {}
     try:
-        for domain, prompts in groups.items():
-            before = read_counters(llm)
-            toks = _decode(llm, prompts, cfg)
-            delta = read_counters(llm) - before
+        for name, prompts in groups.items():
+            row, toks, delta = _measure(llm, prompts, cfg)
             total = total + delta
             outputs.update({p["sample_id"]: t for p, t in zip(prompts, toks)})
-            domains[domain] = {"prompts": len(prompts), "output_tokens": sum(map(len, toks)), **delta.summary()}
-            log.info("%s: AL %.3f over %d prompts", domain, domains[domain]["acceptance_length"] or 0, len(prompts))
+            domains[name] = row
+            log.info("%s: AL %.3f over %d prompts", name, row["acceptance_length"] or 0, len(prompts))
+        if cfg.context_buckets:
+            bucket_prompts = _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos)
+            for b, prompts in bucket_prompts.items():
+                row, toks, _ = _measure(llm, prompts, cfg, max_tokens=cfg.bucket_max_tokens)
+                row["prompt_tokens"] = len(prompts[0]["prompt_token_ids"])
+                row["material_passes"] = max(p["material_passes"] for p in prompts)
+                outputs.update({p["sample_id"]: t for p, t in zip(prompts, toks)})
+                buckets[str(b)] = row
+                log.info("context %d: AL %.3f", b, row["acceptance_length"] or 0)
     finally:
         close_llm(llm)
+    overall_prompts = [p for ps in groups.values() for p in ps]
     report = {
-        "target": target, "draft": draft, "split": cfg.split,
+        "target": target, "draft": draft, "split": cfg.split, "prompts": prompt_info,
         "num_speculative_tokens": cfg.num_speculative_tokens, "temperature": cfg.temperature,
-        "al_average": "pooled over draft rounds: 1 + accepted / rounds",
-        "overall": {"prompts": sum(d["prompts"] for d in domains.values()), **total.summary()},
-        "domains": domains, "seconds_speculative": round(time.time() - t0, 2),
+        "max_tokens": cfg.max_tokens, "bucket_max_tokens": cfg.bucket_max_tokens,
+        "al_average": AVERAGES["acceptance_length"], "averages": AVERAGES,
+        "overall": {"prompts": len(overall_prompts), **total.summary(),
+                    **_merge_per_request([domains[g] for g in domains])},
+        "domains": domains, "context_buckets": buckets, "seconds_speculative": round(time.time() - t0, 2),
     }
     if cfg.check_lossless:
-        report["lossless"] = _check_lossless(target, groups, outputs, cfg)
+        report["lossless"] = _check_lossless(target, engine, groups, bucket_prompts, outputs, cfg)
     return report
 
 
-def _check_lossless(target: str, groups: dict[str, list[dict]], outputs: dict, cfg) -> dict:
-    llm = make_llm(target, cfg.engine)
+def _merge_per_request(rows: list[dict]) -> dict:
+    """Per-request mean over all groups (weighting each group by its requests)."""
+    n = sum(r.get("requests_with_drafts", 0) for r in rows)
+    if not n:
+        return {"acceptance_length_per_request": None}
+    mean = sum(r["acceptance_length_per_request"] * r["requests_with_drafts"] for r in rows if r["requests_with_drafts"]) / n
+    k = max(len(r["acceptance_by_position_per_request"]) for r in rows)
+    pos = [sum(r["acceptance_by_position_per_request"][i] * r["requests_with_drafts"] for r in rows
+               if len(r["acceptance_by_position_per_request"]) > i) / n for i in range(k)]
+    return {"requests_with_drafts": n, "acceptance_length_per_request": round(mean, 4),
+            "acceptance_by_position_per_request": [round(x, 4) for x in pos]}
+
+
+def _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos):
+    """Held-out (prompt, answer) material: reuse the held-out decode, or decode held-out prompts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    if cfg.prompt_set == "heldout":
+        pool = [p for ps in groups.values() for p in ps]
+    else:  # other prompt sets: the target answers held-out prompts once (not part of the report)
+        pool = [p for ps in heldout(store_uri, cfg.split).values() for p in ps][:64]
+        outs = _decode(llm, pool, cfg)
+        outputs = {**outputs, **{p["sample_id"]: list(o.token_ids) for p, o in zip(pool, outs)}}
+    material = [(p["messages"], tok.decode(outputs[p["sample_id"]], skip_special_tokens=True)) for p in pool]
+    return build_bucket_prompts(tok, material, tuple(cfg.context_buckets), per_bucket=cfg.bucket_prompts,
+                                max_positions=max_pos, max_tokens=cfg.bucket_max_tokens, seed=cfg.engine.seed)
+
+
+def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, cfg) -> dict:
+    llm = make_llm(target, engine)
     try:
         prompts = [p for ps in groups.values() for p in ps]
-        base = _decode(llm, prompts, cfg)
+        base = [list(o.token_ids) for o in _decode(llm, prompts, cfg)]
+        for ps in bucket_prompts.values():
+            prompts += ps
+            base += [list(o.token_ids) for o in _decode(llm, ps, cfg, max_tokens=cfg.bucket_max_tokens)]
     finally:
         close_llm(llm)
     diff = [p["sample_id"] for p, b in zip(prompts, base) if outputs[p["sample_id"]] != b]

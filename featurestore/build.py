@@ -8,7 +8,6 @@ features table are skipped, and no engine starts when nothing is left to capture
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import logging
 import time
@@ -17,9 +16,9 @@ from pathlib import Path
 import pyarrow as pa
 from tqdm import tqdm
 
-from eaglenest.errors import StoreError
+from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore import store
+from eaglenest.featurestore import identity, store
 from eaglenest.featurestore.capture import Capturer, dtype_name, resolve_layer_ids
 
 log = logging.getLogger(__name__)
@@ -42,22 +41,42 @@ def target_facts(target: str) -> dict:
             "dtype": _DTYPE_ALIASES.get(dtype.replace("torch.", ""), "bfloat16")}
 
 
-def feature_meta(target: str, layer_ids: list[int], engine_dtype: str) -> S.FeatureMeta:
+def feature_meta(target: str, layer_ids: list[int], engine_dtype: str, *, storage: str = "raw",
+                 sample_ids=(), gen_params_ids=()) -> S.FeatureMeta:
+    """The feature set's metadata, its identity hash over everything that shapes the tensors."""
     facts = target_facts(target)
     ids = resolve_layer_ids(layer_ids, facts["num_layers"])
     dtype = facts["dtype"] if engine_dtype == "auto" else _DTYPE_ALIASES.get(engine_dtype, engine_dtype)
-    ident = json.dumps({"target": str(target), "layer_ids": ids, "last": facts["num_layers"], "dtype": dtype,
-                        "schema_version": S.SCHEMA_VERSION}, sort_keys=True)
+    comps = identity.components(target=target, layer_ids=ids, last_layer_id=facts["num_layers"], dtype=dtype,
+                                storage=storage, sample_ids=sample_ids, gen_params_ids=gen_params_ids)
     return S.FeatureMeta(target=str(target), layer_ids=ids, last_layer_id=facts["num_layers"],
-                         hidden_size=facts["hidden_size"], dtype=dtype,
-                         feature_set_id=hashlib.sha256(ident.encode()).hexdigest()[:16])
+                         hidden_size=facts["hidden_size"], dtype=dtype, storage=storage,
+                         feature_set_id=identity.identity_hash(comps), identity=json.dumps(comps, sort_keys=True))
 
 
-def pending_conversations(store_uri: str) -> list[dict]:
-    """Training rows of the prompts table that have a response and no features yet, by id."""
+def pool_conversations(store_uri: str) -> list[dict]:
+    """Training rows of the prompts table that have a response: the pool a feature set covers."""
     rows = store.read(store_uri, store.PROMPTS, filter="split = 'train' AND finish_reason != ''").to_pylist()
-    done = store.sample_ids(store_uri, store.FEATURES)
-    return sorted((r for r in rows if r["sample_id"] not in done), key=lambda r: r["sample_id"])
+    return sorted(rows, key=lambda r: r["sample_id"])
+
+
+def pending_conversations(store_uri: str, table: str = store.FEATURES) -> list[dict]:
+    """Pool rows with no features yet in ``table``, by id."""
+    done = store.sample_ids(store_uri, table)
+    return [r for r in pool_conversations(store_uri) if r["sample_id"] not in done]
+
+
+def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta) -> bool:
+    """True when ``table`` already holds this feature set; refuses a different one, naming the keys."""
+    if not store.exists(store_uri, table):
+        return False
+    have = S.feature_meta(store.dataset(store_uri, table).schema)
+    if have.feature_set_id == meta.feature_set_id:
+        return True
+    diff = identity.differences(have.identity_components, meta.identity_components) or ["feature_set_id"]
+    raise StoreError(f"table '{table}' holds feature set {have.feature_set_id}, this capture is "
+                     f"{meta.feature_set_id}: differs in {'; '.join(diff)}. Set featurestore.table to a new "
+                     "name (or restore those keys)")
 
 
 def feature_row(conv: dict, aux, last, meta: S.FeatureMeta) -> dict:
@@ -73,12 +92,20 @@ def feature_row(conv: dict, aux, last, meta: S.FeatureMeta) -> dict:
     }
 
 
-def capture(*, target: str, store_uri: str, cfg) -> dict:
+def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None) -> dict:
+    """Capture every pool conversation not yet in ``cfg.table``; zero passes if the set exists."""
     t0 = time.time()
+    name = cfg.table
+    if cfg.storage != "raw":
+        raise ConfigError("featurestore.storage: only 'raw' is implemented so far (fp8_e4m3 is planned)")
     if not store.exists(store_uri, store.PROMPTS):
         raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
-    meta = feature_meta(target, cfg.layer_ids, cfg.engine.dtype)
-    todo = pending_conversations(store_uri)
+    pool = pool_conversations(store_uri)
+    meta = feature_meta(target, cfg.layer_ids, cfg.engine.dtype, storage=cfg.storage,
+                        sample_ids=[r["sample_id"] for r in pool], gen_params_ids=[r["gen_params_id"] for r in pool])
+    reused = check_reuse(store_uri, name, meta)
+    done = store.sample_ids(store_uri, name)
+    todo = [r for r in pool if r["sample_id"] not in done]
     passes, tokens = 0, 0
     if todo:
         longest = max(len(c["prompt_token_ids"]) + len(c["response_token_ids"]) for c in todo)
@@ -97,19 +124,29 @@ def capture(*, target: str, store_uri: str, cfg) -> dict:
                             raise StoreError(f"engine produced {dtype_name(aux)}, table is {meta.dtype}: "
                                              "set featurestore.engine.dtype")
                         rows.append(feature_row(conv, aux, last, meta))
-                store.append(store_uri, store.FEATURES, pa.Table.from_pylist(rows, schema=S.features_schema(meta)),
-                             meta=meta)
+                counts = collections.Counter(r["domain"] for r in rows)
+                store.append(store_uri, name, pa.Table.from_pylist(rows, schema=S.features_schema(meta)),
+                             meta=meta, lineage={**(lineage or {}), "feature_set_id": meta.feature_set_id,
+                                                 "code_version": _code_version(),
+                                                 "counts_per_domain": dict(sorted(counts.items()))})
                 tokens += sum(r["num_tokens"] for r in rows)
                 bar.update(len(chunk))
             passes = cap.num_forward_passes
-    table = store.read(store_uri, store.FEATURES, columns=["domain", "num_tokens", "num_loss_tokens"]) \
-        if store.exists(store_uri, store.FEATURES) else None
+    table = store.read(store_uri, name, columns=["domain", "num_tokens", "num_loss_tokens"]) \
+        if store.exists(store_uri, name) else None
     per_domain = collections.Counter(table.column("domain").to_pylist()) if table is not None else {}
     return {
         "feature_set_id": meta.feature_set_id, "layer_ids": list(meta.layer_ids),
         "last_layer_id": meta.last_layer_id, "dtype": meta.dtype,
+        "table": name, "reused": bool(reused and not todo),
         "captured": len(todo), "target_forward_passes": passes, "captured_tokens": tokens,
         "samples_per_domain": dict(sorted(per_domain.items())),
-        "features_table_version": store.latest_version(store_uri, store.FEATURES) if table is not None else None,
+        "features_table_version": store.latest_version(store_uri, name) if table is not None else None,
         "seconds": round(time.time() - t0, 2),
     }
+
+
+def _code_version() -> str:
+    from eaglenest.provenance import code_version
+
+    return code_version()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from eaglenest.engine import EngineConfig
 
@@ -15,4 +16,8 @@ class FeaturestoreConfig:
     commit_every: int = 64
     #: Samples sent to the engine at once.
     batch_size: int = 32
+    #: Table that holds this feature set (one table per feature set; its identity is in the metadata).
+    table: str = "features"
+    #: "raw" keeps the target dtype bit-exactly; "fp8_e4m3" halves bf16 bytes (per-token scale, lossy).
+    storage: Literal["raw", "fp8_e4m3"] = "raw"
     engine: EngineConfig = EngineConfig()

@@ -70,6 +70,10 @@ class FeatureMeta:
     hidden_size: int
     dtype: str                       # "float32" | "float16" | "bfloat16"
     feature_set_id: str = ""
+    #: "raw": tensors in ``dtype``, bit-exact; "fp8_e4m3": e4m3 bytes + one fp32 scale per token row.
+    storage: str = "raw"
+    #: JSON of the identity components hashed into ``feature_set_id`` (see featurestore/identity.py).
+    identity: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -78,7 +82,12 @@ class FeatureMeta:
     def from_json(cls, text: str) -> "FeatureMeta":
         d = json.loads(text)
         d["layer_ids"] = tuple(d["layer_ids"])
-        return cls(**d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @property
+    def identity_components(self) -> dict:
+        return json.loads(self.identity) if self.identity else {}
 
 
 def features_schema(meta: FeatureMeta) -> pa.Schema:

@@ -36,35 +36,33 @@ def exists(uri: str, name: str) -> bool:
     return (table_path(uri, name) / "_versions").is_dir()
 
 
+def is_features(name: str) -> bool:
+    """Every table but ``prompts`` holds one feature set (``featurestore.table``, default features)."""
+    return name != PROMPTS
+
+
 def expected_schema(name: str, meta: S.FeatureMeta | None = None) -> pa.Schema:
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise StoreError(f"bad table name '{name}': use letters, digits, '_' or '-' (featurestore.table)")
     if name == PROMPTS:
         return S.PROMPTS_SCHEMA
-    if name == FEATURES:
-        if meta is None:
-            raise SchemaError("writing features needs its FeatureMeta")
-        return S.features_schema(meta)
-    raise StoreError(f"unknown table '{name}'")
+    if meta is None:
+        raise SchemaError(f"writing features table '{name}' needs its FeatureMeta")
+    return S.features_schema(meta)
 
 
-def append(uri: str, name: str, table: pa.Table, *, meta: S.FeatureMeta | None = None) -> int:
-    """Validate ``table`` and append it as one commit (creating the table). Returns the new version."""
-    lance = _lance()
-    want = expected_schema(name, meta)
-    S.validate(table.schema, want, what=f"write to '{name}'")
-    table = table.select(want.names).cast(want)
-    path = table_path(uri, name)
-    if exists(uri, name):
-        ds = lance.dataset(str(path))
-        S.validate(ds.schema, want, what=f"table '{name}'")
-        if name == FEATURES and S.feature_meta(ds.schema) != meta:
-            raise SchemaError(f"table '{name}' holds another feature set ({S.feature_meta(ds.schema)}); "
-                              "use a new store or table")
-        ds = lance.write_dataset(table, str(path), mode="append")
-    else:
-        Path(uri).mkdir(parents=True, exist_ok=True)
-        ds = lance.write_dataset(table, str(path), schema=want, mode="create")
-    log.debug("appended %d rows to %s (version %d)", table.num_rows, path, ds.version)
-    return ds.version
+def append(uri: str, name: str, table: pa.Table, *, meta: S.FeatureMeta | None = None,
+           lineage: dict | None = None) -> int:
+    """Validate ``table`` and append it as one commit (creating the table). Returns the new version.
+
+    The single-writer case of :mod:`eaglenest.featurestore.fragments` (write fragments, one commit).
+    """
+    from eaglenest.featurestore import fragments
+
+    frags = fragments.write_fragment(uri, name, table, meta=meta)
+    version = fragments.commit_fragments(uri, name, frags, meta=meta, lineage=lineage)
+    log.debug("appended %d rows to %s (version %d)", table.num_rows, table_path(uri, name), version)
+    return version
 
 
 def dataset(uri: str, name: str, version: int | str | None = None):
@@ -77,6 +75,7 @@ def dataset(uri: str, name: str, version: int | str | None = None):
     except (ValueError, OSError) as exc:
         raise StoreError(f"table '{name}' in {uri}: cannot open version {version!r} ({exc})") from None
     base = S.PROMPTS_SCHEMA if name == PROMPTS else S.FEATURES_SCHEMA
+    # A version number past the latest, or an unknown tag, is a user error, not a traceback.
     S.validate(ds.schema, base, what=f"table '{name}'")
     return ds
 

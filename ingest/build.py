@@ -1,8 +1,13 @@
 """``ingest build``: manifest -> prompt pool -> on-policy responses in the store's ``prompts`` table.
 
-Resumable by construction: sample ids are content hashes, every chunk of ``commit_every`` prompts is
-one atomic Lance commit, and a re-run skips ids already in the table, so a killed run loses at most
-the chunk in flight and never duplicates a row. No engine is started when nothing is left to do.
+Resumable and exactly-once by construction: sample ids are content hashes; the training prompts
+still missing from the table are cut into shards of ``commit_every``; each shard's rows are written
+as Lance fragments (by whichever process ran it) and committed by this driver in one Append commit
+as the shard finishes. A re-run skips ids already in the table. So a killed run loses at most the
+shards in flight (their fragments are uncommitted garbage, never visible), and a shard whose Dask
+worker died is simply run again elsewhere, its lost fragments never committed: no row can appear
+twice. Failed prompts (backend errors after retries) are not written, reported per prompt in the
+stats, and retried by the next run. No engine is started when nothing is left to do.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import time
 import pyarrow as pa
 from tqdm import tqdm
 
+from eaglenest.errors import StoreError
 from eaglenest.featurestore import schema, store
-from eaglenest.ingest.manifest import Manifest
+from eaglenest.ingest.config import IngestConfig
+from eaglenest.ingest.manifest import Generation, Manifest
 from eaglenest.ingest.pool import PoolEntry
 from eaglenest.ingest.regen import gen_params_id, heldout_row, regenerate
 
@@ -29,43 +36,113 @@ def chat_template(target: str) -> str:
     return tok.chat_template or ""
 
 
-def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, engine,
-          commit_every: int) -> dict:
+def make_backend(cfg: IngestConfig, target: str):
+    from eaglenest.ingest import backends
+
+    if cfg.backend == "endpoints":
+        return backends.EndpointBackend(
+            cfg.endpoints, target=target, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
+            max_retries=cfg.max_retries, backoff_s=cfg.retry_backoff_s,
+            in_flight_per_endpoint=cfg.in_flight_per_endpoint, allow_remote=cfg.allow_remote_endpoints)
+    from eaglenest.engine import make_llm
+
+    return backends.LocalBackend(make_llm(target, cfg.engine))
+
+
+def write_rows(store_uri: str, rows: list[dict]) -> list:
+    """Fragments of ``rows`` for the prompts table (no commit; runs in any process)."""
+    from eaglenest.featurestore.fragments import write_fragment
+
+    return write_fragment(store_uri, store.PROMPTS, pa.Table.from_pylist(rows, schema=schema.PROMPTS_SCHEMA))
+
+
+def commit(store_uri: str, fragments: list, lineage: dict) -> int:
+    from eaglenest.featurestore.fragments import commit_fragments
+
+    return commit_fragments(store_uri, store.PROMPTS, fragments, lineage=lineage)
+
+
+def run_shard(backend, store_uri: str, entries: list[PoolEntry], gen: Generation, gen_id: str) -> dict:
+    """Regenerate one shard and write its fragments (not committed): the unit an executor runs."""
+    rows, failures = regenerate(backend, entries, gen, gen_id)
+    return {"fragments": write_rows(store_uri, rows) if rows else [], "rows": len(rows),
+            "failures": failures, "tokens": sum(len(r["response_token_ids"]) for r in rows)}
+
+
+def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, cfg: IngestConfig) -> dict:
     """Regenerate what is missing from the prompts table; return the run's stats."""
     t0 = time.time()
     gen_id = gen_params_id(manifest.generation, chat_template(target))
-    done = store.sample_ids(store_uri, store.PROMPTS)
+    try:
+        done = store.sample_ids(store_uri, store.PROMPTS)
+    except OSError as exc:
+        raise StoreError(f"run.store_uri: cannot read the prompts table in {store_uri} ({exc})") from None
     todo = [e for e in pool if e.sample_id not in done]
     heldout = [e for e in todo if e.split == "heldout"]
     train = [e for e in todo if e.split == "train"]
+    lineage = {"stage": "ingest", "manifest": manifest.name, "manifest_hash": manifest.content_hash(),
+               "gen_params_id": gen_id}
     if heldout:
-        _commit(store_uri, [heldout_row(e, gen_id) for e in heldout])
-    generated_tokens = 0
-    if train:
-        from eaglenest.engine import make_llm
-
-        llm = make_llm(target, engine)
+        _guarded(lambda: commit(store_uri, write_rows(store_uri, [heldout_row(e, gen_id) for e in heldout]),
+                                {**lineage, "shard": "heldout"}), store_uri)
+    shards = [train[i:i + cfg.commit_every] for i in range(0, len(train), cfg.commit_every)]
+    totals = {"rows": 0, "tokens": 0, "failures": [], "retries": 0}
+    if shards:
+        runner = _run_dask if cfg.executor == "dask" else _run_inprocess
         with tqdm(total=len(train), desc="ingest: regenerate", unit="prompt") as bar:
-            for i in range(0, len(train), commit_every):
-                rows = regenerate(llm, train[i:i + commit_every], manifest.generation, gen_id)
-                _commit(store_uri, rows)
-                n = sum(len(r["response_token_ids"]) for r in rows)
-                generated_tokens += n
-                bar.update(len(rows))
-                bar.set_postfix(tok_s=f"{generated_tokens / max(time.time() - t0, 1e-9):.0f}")
+            def on_result(k: int, res: dict) -> None:
+                if res["fragments"]:
+                    _guarded(lambda: commit(store_uri, res["fragments"], {**lineage, "shard": k}), store_uri)
+                totals["rows"] += res["rows"]
+                totals["tokens"] += res["tokens"]
+                totals["failures"] += res["failures"]
+                totals["retries"] += res.get("retries", 0)
+                bar.update(len(shards[k]))
+                bar.set_postfix(tok_s=f"{totals['tokens'] / max(time.time() - t0, 1e-9):.0f}",
+                                failed=len(totals["failures"]))
+
+            runner(shards, cfg=cfg, target=target, store_uri=store_uri, gen=manifest.generation,
+                   gen_id=gen_id, on_result=on_result)
     table = store.read(store_uri, store.PROMPTS, columns=["domain", "split", "finish_reason"])
     counts = collections.Counter(zip(table.column("domain").to_pylist(), table.column("split").to_pylist()))
     truncated = sum(1 for f in table.column("finish_reason").to_pylist() if f == "length")
     return {
         "manifest": manifest.name, "manifest_hash": manifest.content_hash(), "gen_params_id": gen_id,
+        "backend": cfg.backend, "executor": cfg.executor, "shards": len(shards),
         "pool_size": len(pool), "skipped_existing": len(pool) - len(todo),
-        "regenerated": len(train), "heldout_written": len(heldout), "generated_tokens": generated_tokens,
+        "regenerated": totals["rows"], "heldout_written": len(heldout), "generated_tokens": totals["tokens"],
+        "failed": len(totals["failures"]), "failures": totals["failures"], "retries": totals["retries"],
         "truncated_responses": truncated,
+        "weights": {d: c.weight for d, c in manifest.domains.items()},
         "counts": {f"{d}/{s}": n for (d, s), n in sorted(counts.items())},
         "prompts_table_version": store.latest_version(store_uri, store.PROMPTS),
         "seconds": round(time.time() - t0, 2),
     }
 
 
-def _commit(store_uri: str, rows: list[dict]) -> None:
-    store.append(store_uri, store.PROMPTS, pa.Table.from_pylist(rows, schema=schema.PROMPTS_SCHEMA))
+def _guarded(fn, store_uri: str):
+    """Turn an OS-level write failure (disk full, permissions) into one clear line; nothing committed."""
+    try:
+        return fn()
+    except OSError as exc:
+        raise StoreError(f"run.store_uri: cannot write the prompts table in {store_uri}: "
+                         f"{str(exc).splitlines()[0][:300]}; no partial version was committed") from None
+
+
+def _run_inprocess(shards, *, cfg, target, store_uri, gen, gen_id, on_result) -> None:
+    backend = make_backend(cfg, target)
+    try:
+        for k, shard in enumerate(shards):
+            before = getattr(backend, "retries", 0)
+            res = _guarded(lambda: run_shard(backend, store_uri, shard, gen, gen_id), store_uri)
+            res["retries"] = getattr(backend, "retries", 0) - before
+            on_result(k, res)
+    finally:
+        backend.close()
+
+
+def _run_dask(shards, *, cfg, target, store_uri, gen, gen_id, on_result) -> None:
+    from eaglenest.ingest import dask_executor
+
+    dask_executor.run(shards, cfg=cfg, target=target, store_uri=store_uri, gen=gen, gen_id=gen_id,
+                      on_result=on_result)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from eaglenest.engine import EngineConfig
 
@@ -11,6 +12,22 @@ from eaglenest.engine import EngineConfig
 class IngestConfig:
     #: The domain manifest (YAML); `ingest build --manifest PATH` overrides it.
     manifest: str = "recipes/manifests/toy.yaml"
-    #: Prompts per atomic commit to the prompts table; a killed run resumes after the last commit.
+    #: Prompts per shard; each shard is one atomic commit, so a killed run resumes after the last one.
     commit_every: int = 64
     engine: EngineConfig = EngineConfig()
+    #: "vllm": an in-process engine; "endpoints": running OpenAI-compatible vLLM servers.
+    backend: Literal["vllm", "endpoints"] = "vllm"
+    #: Server base URLs (``http://127.0.0.1:8000``), data parallel; loopback unless allowed below.
+    endpoints: list[str] = dataclasses.field(default_factory=list)
+    allow_remote_endpoints: bool = False
+    #: Name of the environment variable holding the servers' API key ("" = none). Never the key.
+    api_key_env: str = ""
+    request_timeout_s: float = 120.0
+    max_retries: int = 3
+    retry_backoff_s: float = 0.5
+    in_flight_per_endpoint: int = 8
+    #: "inprocess", or "dask": shards run as Dask tasks (retried elsewhere if a worker dies).
+    executor: Literal["inprocess", "dask"] = "inprocess"
+    #: Dask scheduler address (``tcp://host:8786``); "" starts a LocalCluster of ``dask_workers``.
+    dask_scheduler: str = ""
+    dask_workers: int = 2

@@ -1,8 +1,11 @@
 """The domain manifest: what prompts a run draws, from where, under which licence, how they are split.
 
-Parsed with the YAML safe loader and validated into frozen dataclasses; every problem is reported as
-one line naming its dotted key (``domains.code.sources[0].path: file not found``). Validation happens
-before anything is written, so a bad manifest costs nothing.
+Parsed with the YAML safe loader (no object construction) and validated into frozen dataclasses.
+Validation collects *every* problem before reporting, each one line that starts with its dotted key
+(``domains.code.sources[0].path: file not found``), so one ``ingest validate`` run shows all that a
+manifest needs fixed. The trade-off: the structural walk below mirrors ``eaglenest.config.build``
+per field instead of stopping at the first error; leaf values still go through ``build`` so types
+are checked by one implementation. Validation happens before anything is written.
 """
 
 from __future__ import annotations
@@ -10,12 +13,23 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import typing
 from pathlib import Path
+from typing import Any, Literal, Mapping, get_args, get_origin
 
 from eaglenest.config import build, load_yaml, to_dict
 from eaglenest.errors import ManifestError
 
 MANIFEST_VERSION = 1
+
+
+class ManifestProblems(ManifestError):
+    """Every problem of one manifest; ``str()`` is the first, ``problems`` holds all of them."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        more = f" (and {len(problems) - 1} more: run `ingest validate`)" if len(problems) > 1 else ""
+        super().__init__(problems[0] + more)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,6 +43,8 @@ class Source:
     #: Column holding the user prompt, and optionally a system prompt.
     field: str = "prompt"
     system_field: str = ""
+    #: Column holding a whole conversation (list of {role, content}); replaces ``field`` when set.
+    messages_field: str = ""
     licence: str = ""
     provenance: str = ""
 
@@ -38,16 +54,37 @@ class Generation:
     temperature: float = 0.0
     max_tokens: int = 160
     seed: int = 0
+    #: Reasoning ("thinking") mode of chat templates that have one; "default" passes nothing.
+    reasoning: Literal["default", "on", "off"] = "default"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Domain:
     sources: list[Source]
     #: Most prompts kept from this domain (after deduplication), held-out ones included.
-    cap_prompts: int
-    #: Overrides of the manifest-wide values for this domain.
+    cap_prompts: int | None = None
+    #: Most prompt tokens (target tokenizer) kept from this domain; with ``cap_prompts`` both apply.
+    cap_tokens: int | None = None
+    #: Relative sampling weight of this domain in training mixtures (recorded; >= 0).
+    weight: float = 1.0
+    #: Overrides of the manifest-wide values for this domain (fraction or count, not both).
     held_out_fraction: float | None = None
+    held_out_count: int | None = None
     raw_fraction: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Contamination:
+    """Evaluation sets whose prompts must not appear in the training split."""
+
+    #: MT-Bench ``question.jsonl`` files (``turns`` lists) and SPEED-Bench style JSONL (``prompt``
+    #: or ``turns``/``messages``); paths resolved like source paths.
+    mt_bench: list[str] = dataclasses.field(default_factory=list)
+    speed_bench: list[str] = dataclasses.field(default_factory=list)
+    #: "drop" removes contaminated prompts from the pool; "error" refuses to build.
+    action: Literal["drop", "error"] = "drop"
+    #: Also flag near duplicates (word 5-gram Jaccard >= threshold) of eval prompts and within the pool.
+    near_duplicate_threshold: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,13 +97,23 @@ class Manifest:
     allow_unlicensed: bool = False
     #: Share of each domain's prompts kept out of training for evaluation (by content hash).
     held_out_fraction: float = 0.2
+    #: Exact number of held-out prompts per domain instead of a fraction (by content hash).
+    held_out_count: int | None = None
     #: Share of training prompts regenerated as raw completions instead of through the chat template.
     raw_fraction: float = 0.2
     generation: Generation = Generation()
+    contamination: Contamination = Contamination()
 
-    def held_out(self, domain: str) -> float:
-        d = self.domains[domain].held_out_fraction
-        return self.held_out_fraction if d is None else d
+    def held_out(self, domain: str) -> tuple[str, float]:
+        """("count", n) or ("fraction", f) for ``domain``; a domain override beats the manifest's."""
+        d = self.domains[domain]
+        if d.held_out_count is not None:
+            return "count", d.held_out_count
+        if d.held_out_fraction is not None:
+            return "fraction", d.held_out_fraction
+        if self.held_out_count is not None:
+            return "count", self.held_out_count
+        return "fraction", self.held_out_fraction
 
     def raw(self, domain: str) -> float:
         d = self.domains[domain].raw_fraction
@@ -77,59 +124,141 @@ class Manifest:
 
 
 def load_manifest(path: str | Path, *, base_dir: str | Path | None = None) -> Manifest:
-    """Load and fully validate a manifest (local source paths resolved against ``base_dir`` or cwd)."""
+    """Load and fully validate a manifest; raise :class:`ManifestProblems` listing every problem."""
     data = load_yaml(path, error=ManifestError)
-    manifest = build(Manifest, data, error=ManifestError)
-    validate(manifest, base_dir=base_dir)
+    gen = data.get("generation")
+    if isinstance(gen, dict) and isinstance(gen.get("reasoning"), bool):  # YAML 1.1 reads `off` as False
+        gen["reasoning"] = "on" if gen["reasoning"] else "off"
+    problems: list[str] = []
+    manifest = _walk(Manifest, data, "", problems)
+    if manifest is not None:
+        problems += check(manifest, base_dir=base_dir)
+    if problems:
+        raise ManifestProblems(problems)
     return manifest
 
 
 def validate(m: Manifest, *, base_dir: str | Path | None = None) -> None:
+    problems = check(m, base_dir=base_dir)
+    if problems:
+        raise ManifestProblems(problems)
+
+
+def _key(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _walk(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
+    """Like ``config.build`` but records every problem and returns None where one was found."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, Mapping):
+            problems.append(f"{where or 'manifest'}: expected a mapping, got {type(value).__name__}")
+            return None
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
+        n0 = len(problems)
+        problems += [f"{_key(where, str(k))}: unknown key" for k in sorted(map(str, set(value) - set(fields)))]
+        kwargs = {}
+        for name, f in fields.items():
+            if name in value:
+                kwargs[name] = _walk(hints[name], value[name], _key(where, name), problems)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                problems.append(f"{_key(where, name)}: required key is missing")
+        return tp(**kwargs) if len(problems) == n0 else None
+    if origin is dict and isinstance(value, Mapping):
+        _k, v_tp = get_args(tp)
+        n0 = len(problems)
+        out = {str(k): _walk(v_tp, v, _key(where, str(k)), problems) for k, v in value.items()}
+        return out if len(problems) == n0 else None
+    if origin is list and isinstance(value, (list, tuple)):
+        (item_tp,) = get_args(tp)
+        n0 = len(problems)
+        out = [_walk(item_tp, v, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+        return out if len(problems) == n0 else None
+    try:
+        return build(tp, value, where=where, error=ManifestError)
+    except ManifestError as exc:
+        problems.append(str(exc))
+        return None
+
+
+def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
+    """Semantic checks of a structurally valid manifest: every problem, one line each, key first."""
+    p: list[str] = []
     if m.version != MANIFEST_VERSION:
-        raise ManifestError(f"version: manifest version {m.version}, this eaglenest reads {MANIFEST_VERSION}")
+        p.append(f"version: manifest version {m.version}, this eaglenest reads {MANIFEST_VERSION}")
     if not m.domains:
-        raise ManifestError("domains: at least one domain is required")
-    _fraction("held_out_fraction", m.held_out_fraction)
-    _fraction("raw_fraction", m.raw_fraction)
-    if m.generation.max_tokens < 1:
-        raise ManifestError("generation.max_tokens: must be at least 1")
+        p.append("domains: at least one domain is required")
+    p += _fraction("held_out_fraction", m.held_out_fraction)
+    p += _fraction("raw_fraction", m.raw_fraction)
+    if m.held_out_count is not None and m.held_out_count < 0:
+        p.append(f"held_out_count: {m.held_out_count} is negative")
+    g = m.generation
+    if g.max_tokens < 1:
+        p.append("generation.max_tokens: must be at least 1")
+    if g.temperature < 0:
+        p.append(f"generation.temperature: {g.temperature} is negative")
+    c = m.contamination
+    if c.near_duplicate_threshold is not None and not 0.0 < c.near_duplicate_threshold <= 1.0:
+        p.append(f"contamination.near_duplicate_threshold: {c.near_duplicate_threshold} is not in (0, 1]")
+    for kind in ("mt_bench", "speed_bench"):
+        for i, path in enumerate(getattr(c, kind)):
+            if not resolve_path(path, base_dir).is_file():
+                p.append(f"contamination.{kind}[{i}]: file not found: {path}")
     for name, d in m.domains.items():
         where = f"domains.{name}"
         if not name.replace("_", "").replace("-", "").isalnum():
-            raise ManifestError(f"{where}: domain names use letters, digits, '-' and '_'")
-        if d.cap_prompts < 1:
-            raise ManifestError(f"{where}.cap_prompts: must be at least 1")
+            p.append(f"{where}: domain names use letters, digits, '-' and '_'")
+        if d.cap_prompts is None and d.cap_tokens is None:
+            p.append(f"{where}.cap_prompts: required key is missing (give cap_prompts and/or cap_tokens)")
+        for key in ("cap_prompts", "cap_tokens"):
+            v = getattr(d, key)
+            if v is not None and v < 1:
+                p.append(f"{where}.{key}: must be at least 1")
+        if d.weight < 0:
+            p.append(f"{where}.weight: {d.weight} is negative")
         if d.held_out_fraction is not None:
-            _fraction(f"{where}.held_out_fraction", d.held_out_fraction)
+            p += _fraction(f"{where}.held_out_fraction", d.held_out_fraction)
+            if d.held_out_count is not None:
+                p.append(f"{where}.held_out_count: give held_out_fraction or held_out_count, not both")
+        if d.held_out_count is not None and d.held_out_count < 0:
+            p.append(f"{where}.held_out_count: {d.held_out_count} is negative")
         if d.raw_fraction is not None:
-            _fraction(f"{where}.raw_fraction", d.raw_fraction)
+            p += _fraction(f"{where}.raw_fraction", d.raw_fraction)
         if not d.sources:
-            raise ManifestError(f"{where}.sources: at least one source is required")
+            p.append(f"{where}.sources: at least one source is required")
         for i, s in enumerate(d.sources):
-            _check_source(f"{where}.sources[{i}]", s, m, base_dir)
+            p += _check_source(f"{where}.sources[{i}]", s, m, base_dir)
+    return p
 
 
-def _fraction(key: str, value: float) -> None:
-    if not 0.0 <= value < 1.0:
-        raise ManifestError(f"{key}: {value} is not in [0, 1)")
+def _fraction(key: str, value: float) -> list[str]:
+    return [] if 0.0 <= value < 1.0 else [f"{key}: {value} is not in [0, 1)"]
 
 
-def _check_source(where: str, s: Source, m: Manifest, base_dir: str | Path | None) -> None:
+def _check_source(where: str, s: Source, m: Manifest, base_dir: str | Path | None) -> list[str]:
+    p = []
     if bool(s.path) == bool(s.hf_id):
-        raise ManifestError(f"{where}: give exactly one of 'path' or 'hf_id'")
+        p.append(f"{where}: give exactly one of 'path' or 'hf_id'")
     if not m.allow_unlicensed:
         if not (s.licence or m.licence):
-            raise ManifestError(f"{where}.licence: required (or set allow_unlicensed: true)")
+            p.append(f"{where}.licence: required (or set allow_unlicensed: true)")
         if not s.provenance:
-            raise ManifestError(f"{where}.provenance: required (or set allow_unlicensed: true)")
+            p.append(f"{where}.provenance: required (or set allow_unlicensed: true)")
     if s.path:
-        p = resolve_path(s.path, base_dir)
-        if not p.is_file():
-            raise ManifestError(f"{where}.path: file not found: {s.path}")
-        if p.suffix not in (".jsonl", ".json", ".parquet"):
-            raise ManifestError(f"{where}.path: {p.suffix or 'no suffix'} is not .jsonl, .json or .parquet")
+        path = resolve_path(s.path, base_dir)
+        if not path.is_file():
+            p.append(f"{where}.path: file not found: {s.path}")
+        elif path.suffix not in (".jsonl", ".json", ".parquet"):
+            p.append(f"{where}.path: {path.suffix or 'no suffix'} is not .jsonl, .json or .parquet")
+    return p
 
 
 def resolve_path(path: str, base_dir: str | Path | None) -> Path:
+    """A source path made absolute (``~`` expanded, symlinks resolved) against ``base_dir`` or cwd."""
     p = Path(path).expanduser()
-    return p if p.is_absolute() or base_dir is None else Path(base_dir) / p
+    p = p if p.is_absolute() or base_dir is None else Path(base_dir) / p
+    return p.resolve()

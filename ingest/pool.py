@@ -3,7 +3,8 @@
 Loading is the only I/O; everything after it is a pure function of the loaded records, so the same
 manifest and sources always give the same pool. Order, the held-out split and the chat/raw choice
 are all derived from a hash of the normalised content (never from file order or a random state),
-so adding a source does not reshuffle the prompts already chosen.
+so adding a source does not reshuffle the prompts already chosen. A conversation (several user
+turns) is one pool entry; its identity is the hash of its system prompt and every user turn.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import dataclasses
 import hashlib
 import json
 import logging
-import re
-import unicodedata
 from pathlib import Path
+from typing import Callable
 
 from eaglenest.errors import ManifestError
+from eaglenest.text import content_key, normalise
 from eaglenest.ingest.manifest import Manifest, Source, resolve_path
 
 log = logging.getLogger(__name__)
@@ -31,22 +32,15 @@ class PoolEntry:
     mode: str      # "chat" | "raw"
     system: str
     prompt: str
+    #: Further user turns of a multi-turn conversation, answered on-policy in order.
+    later_turns: tuple[str, ...] = ()
 
     def messages(self) -> list[dict[str, str]]:
         msgs = [{"role": "system", "content": self.system}] if self.system else []
         return msgs + [{"role": "user", "content": self.prompt}]
 
-
-def normalise(text: str) -> str:
-    """Unicode NFKC, unified newlines, trimmed trailing spaces: what counts as 'the same prompt'."""
-    text = unicodedata.normalize("NFKC", text).replace("\r\n", "\n").replace("\r", "\n")
-    return "\n".join(line.rstrip() for line in text.strip().split("\n"))
-
-
-def content_key(text: str) -> str:
-    """Hash used for deduplication and contamination checks: case- and whitespace-insensitive."""
-    squashed = re.sub(r"\s+", " ", normalise(text).lower())
-    return hashlib.sha256(squashed.encode()).hexdigest()
+    def user_turns(self) -> list[str]:
+        return [self.prompt, *self.later_turns]
 
 
 def _unit(key: str, salt: str) -> float:
@@ -54,70 +48,122 @@ def _unit(key: str, salt: str) -> float:
     return int(hashlib.sha256(f"{salt}:{key}".encode()).hexdigest()[:12], 16) / float(1 << 48)
 
 
-def load_source(src: Source, *, where: str, base_dir: str | Path | None = None) -> list[dict]:
-    """Rows of one source as dicts with ``prompt`` and ``system`` (I/O edge)."""
+def _read_rows(src: Source, where: str, base_dir) -> tuple[list, str]:
     if src.path:
         p = resolve_path(src.path, base_dir)
+        if not p.is_file():
+            raise ManifestError(f"{where}.path: file not found: {src.path}")
         if p.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            rows = pq.read_table(p).to_pylist()
-        else:
-            text = p.read_text(encoding="utf-8")
-            try:
-                rows = ([json.loads(line) for line in text.splitlines() if line.strip()]
-                        if p.suffix == ".jsonl" else json.loads(text))
-            except json.JSONDecodeError as exc:
-                raise ManifestError(f"{where}.path: {p} is not valid JSON ({exc})") from None
-        label = str(src.path)
-    else:
-        from eaglenest.errors import require
+            return pq.read_table(p).to_pylist(), str(src.path)
+        text = p.read_text(encoding="utf-8")
+        try:
+            rows = ([json.loads(line) for line in text.splitlines() if line.strip()]
+                    if p.suffix == ".jsonl" else json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{where}.path: {p} is not valid JSON ({exc})") from None
+        return rows, str(src.path)
+    from eaglenest.errors import require
 
-        datasets = require("datasets", "ingest")
-        ds = datasets.load_dataset(src.hf_id, src.hf_config or None, split=src.hf_split)
-        rows, label = list(ds), f"hf:{src.hf_id}/{src.hf_config or 'default'}/{src.hf_split}"
+    datasets = require("datasets", "ingest")
+    ds = datasets.load_dataset(src.hf_id, src.hf_config or None, split=src.hf_split)
+    return list(ds), f"hf:{src.hf_id}/{src.hf_config or 'default'}/{src.hf_split}"
+
+
+def load_source(src: Source, *, where: str, base_dir: str | Path | None = None) -> list[dict]:
+    """Rows of one source as dicts with ``prompt``, ``system``, ``later_turns`` (I/O edge)."""
+    rows, label = _read_rows(src, where, base_dir)
     out = []
     for i, row in enumerate(rows):
-        if not isinstance(row, dict) or src.field not in row:
-            raise ManifestError(f"{where}.field: row {i} of {label} has no column '{src.field}'")
+        col = src.messages_field or src.field
+        if not isinstance(row, dict) or col not in row:
+            key = "messages_field" if src.messages_field else "field"
+            raise ManifestError(f"{where}.{key}: row {i} of {label} has no column '{col}'")
         system = str(row.get(src.system_field) or "") if src.system_field else ""
-        out.append({"prompt": str(row[src.field]), "system": system, "source": label})
+        if src.messages_field:
+            msgs = row[col]
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+                raise ManifestError(f"{where}.messages_field: row {i} of {label} is not a list of messages")
+            system = system or next((str(m.get("content", "")) for m in msgs if m.get("role") == "system"), "")
+            turns = [str(m.get("content", "")) for m in msgs if m.get("role") == "user"]
+            if not turns:
+                continue
+        else:
+            turns = [str(row[col])]
+        out.append({"prompt": turns[0], "later_turns": turns[1:], "system": system, "source": label})
     return out
 
 
-def build_pool(manifest: Manifest, loaded: dict[str, list[dict]]) -> list[PoolEntry]:
-    """Pure: the pool from the rows loaded per domain (``loaded[domain]``)."""
+def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
+               count_tokens: Callable[[str], int] | None = None) -> list[PoolEntry]:
+    """Pure: the pool from the rows loaded per domain (``loaded[domain]``).
+
+    ``count_tokens`` (text -> number of target tokens) is needed only by domains with ``cap_tokens``.
+    """
     pool: list[PoolEntry] = []
     seen: set[str] = set()
-    for domain in manifest.domains:
+    for domain, dcfg in manifest.domains.items():
         cands = {}
         for row in loaded.get(domain, []):
-            prompt = normalise(row["prompt"])
-            if not prompt:
+            turns = [normalise(t) for t in [row["prompt"], *row.get("later_turns", [])]]
+            if not turns[0] or not all(turns):
                 continue
-            key = content_key(row["system"] + "\n" + prompt)
+            system = normalise(row["system"])
+            key = content_key("\n".join([system, *turns]))
             if key in seen or key in cands:
                 continue  # exact duplicate (also across domains: first domain wins)
-            cands[key] = (prompt, normalise(row["system"]), row["source"])
-        chosen = sorted(cands)[: manifest.domains[domain].cap_prompts]
+            cands[key] = (turns, system, row["source"])
+        chosen, tokens = [], 0
+        for key in sorted(cands):
+            if dcfg.cap_prompts is not None and len(chosen) >= dcfg.cap_prompts:
+                break
+            if dcfg.cap_tokens is not None:
+                if count_tokens is None:
+                    raise ManifestError(f"domains.{domain}.cap_tokens: needs the target's tokenizer")
+                turns, system, _ = cands[key]
+                n = count_tokens("\n".join([system, *turns]))
+                if tokens + n > dcfg.cap_tokens:
+                    break  # stop (not skip): a later, shorter prompt never jumps the hash order
+                tokens += n
+            chosen.append(key)
         seen.update(chosen)
+        held = _heldout_keys(manifest, domain, chosen)
         for key in chosen:
-            prompt, system, source = cands[key]
-            heldout = _unit(key, "heldout") < manifest.held_out(domain)
-            raw = not heldout and _unit(key, "raw") < manifest.raw(domain)
+            turns, system, source = cands[key]
+            heldout = key in held
+            raw = not heldout and len(turns) == 1 and _unit(key, "raw") < manifest.raw(domain)
             pool.append(PoolEntry(sample_id=f"{domain}-{key[:16]}", domain=domain, source=source,
                                   split="heldout" if heldout else "train",
-                                  mode="raw" if raw else "chat", system=system, prompt=prompt))
+                                  mode="raw" if raw else "chat", system=system, prompt=turns[0],
+                                  later_turns=tuple(turns[1:])))
     return pool
 
 
-def load_pool(manifest: Manifest, *, base_dir: str | Path | None = None) -> list[PoolEntry]:
+def _heldout_keys(manifest: Manifest, domain: str, chosen: list[str]) -> set[str]:
+    kind, value = manifest.held_out(domain)
+    if kind == "fraction":
+        return {k for k in chosen if _unit(k, "heldout") < value}
+    return set(sorted(chosen, key=lambda k: _unit(k, "heldout"))[: int(value)])
+
+
+def token_counter(target: str) -> Callable[[str], int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def load_pool(manifest: Manifest, *, base_dir: str | Path | None = None,
+              target: str | None = None) -> list[PoolEntry]:
     loaded = {
         name: [r for i, s in enumerate(d.sources)
                for r in load_source(s, where=f"domains.{name}.sources[{i}]", base_dir=base_dir)]
         for name, d in manifest.domains.items()
     }
-    return build_pool(manifest, loaded)
+    needs_tokens = any(d.cap_tokens is not None for d in manifest.domains.values())
+    counter = token_counter(target) if needs_tokens and target else None
+    return build_pool(manifest, loaded, count_tokens=counter)
 
 
 def raw_text(entry: PoolEntry) -> str:

@@ -57,7 +57,7 @@ def run(tmp_path_factory, root, tiny_target):
     stats["capture"] = json.loads((work / "featurestore" / "stats.json").read_text())
     _cmd(root, "train", "run", *common, "train.num_epochs=3")
     _cmd(root, "serve", "export", *common)
-    _cmd(root, "evaluate", "al", *common, "evaluate.max_prompts_per_domain=8")
+    _cmd(root, "evaluate", "al", *common, "evaluate.max_prompts_per_domain=8", "evaluate.context_buckets=[1024]")
     return {"work": work, "manifest": manifest, "common": common, "stats": stats, "root": root}
 
 

@@ -1,7 +1,15 @@
-"""``train run``: train an EAGLE-3 draft from the run's feature store (see docs/training.md)."""
+"""``train run`` / ``train launch``: train an EAGLE-3 draft from the run's feature store.
+
+``train run`` works as a plain process and under ``torchrun --nproc-per-node N -m
+eaglenest.train.cli run ...`` (FSDP2, see docs/training.md). ``train launch --nproc N ...`` is
+the same as that torchrun line: it starts torchrun with this interpreter and waits for it.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
 import sys
 
 from eaglenest.cli import Command, run
@@ -10,14 +18,32 @@ from eaglenest.cli import Command, run
 def _run(recipe, args) -> int:
     from eaglenest.train.loop import train
 
+    main_rank = os.environ.get("RANK", "0") == "0"
+    if not main_rank:  # torchrun: one rank reports
+        logging.getLogger("eaglenest").setLevel(logging.WARNING)
     r = recipe.run
     summary = train(recipe.train, store_uri=r.store_uri, workdir=r.workdir, target_dir=r.target,
-                    seed=r.seed, argv=sys.argv, recipe=recipe.to_dict())
-    print(f"draft checkpoint: {summary.outdir} (step {summary.steps}, features v{summary.table_version})")
+                    seed=r.seed, argv=sys.argv, recipe=recipe.to_dict(), evaluate=recipe.evaluate)
+    if main_rank:
+        print(f"draft checkpoint: {summary.outdir} (step {summary.steps}, features v{summary.table_version}, "
+              f"data stall {100 * summary.stall_fraction:.2f}%)")
     return 0
 
 
-COMMANDS = {"run": Command(_run, "train a draft head on the features table (TTT objective)")}
+def _launch(recipe, args) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "eaglenest.train.cli", "run"]
+    if args.recipe:
+        cmd += ["--recipe", args.recipe]
+    cmd += list(args.overrides) + ["-v"] * args.verbose
+    return subprocess.call(cmd)
+
+
+COMMANDS = {
+    "run": Command(_run, "train a draft head on the features table (TTT objective)"),
+    "launch": Command(_launch, "run `train run` under torchrun with --nproc ranks (FSDP2)",
+                      args=[(("--nproc",), {"type": int, "default": 2, "help": "ranks (processes)"})]),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

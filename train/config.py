@@ -7,6 +7,7 @@ Every check names the key to change.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from eaglenest.errors import ConfigError
 
@@ -47,16 +48,36 @@ class TrainConfig:
     #: Outputs go to <run.workdir>/<output_subdir>/.
     output_subdir: str = "train"
     log_every_steps: int = 10
-    #: torch intra-op threads (the machines running the toy have 2 cores).
+    #: torch intra-op threads per rank (the machines running the toy have 2 cores).
     num_threads: int = 2
+    #: "auto": continue from <output_subdir>/state/ if it holds a state of the same recipe and
+    #: table version (refused, naming the difference, otherwise); "never": start over.
+    resume: Literal["auto", "never"] = "auto"
+    #: Write the full training state every this many steps (0 = only at the end); keep the last N.
+    state_every_steps: int = 25
+    keep_states: int = 2
+    #: Served-AL checkpoint selection: every N steps (0 = off) export the draft, serve it with vLLM
+    #: on select_prompts_per_domain prompts per domain of select_split, keep the best by served AL.
+    select_every_steps: int = 0
+    select_prompts_per_domain: int = 4
+    select_split: str = "heldout"
+    #: Batches read ahead by the loader thread (per rank).
+    prefetch_batches: int = 2
+    #: FSDP2 mixed precision on CUDA (parameters; gradients reduce in fp32). CPU runs stay fp32.
+    param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    #: Attention is computed in query chunks of this many tokens (with recomputation in backward)
+    #: for rows longer than it, so activation memory grows ~linearly with sequence length.
+    attn_chunk_tokens: int = 2048
 
     def __post_init__(self) -> None:
         positive = ("draft_vocab_size", "ttt_steps", "pack_tokens", "batch_rows", "num_epochs",
-                    "log_every_steps", "num_threads")
+                    "log_every_steps", "num_threads", "keep_states", "select_prompts_per_domain",
+                    "prefetch_batches", "attn_chunk_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "num_steps", "weight_decay", "grad_clip"):
+        for name in ("warmup_steps", "num_steps", "weight_decay", "grad_clip", "state_every_steps",
+                     "select_every_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:

@@ -1,9 +1,15 @@
-"""Training rows from the ``features`` table: decode, pack, pad.
+"""Training rows from the ``features`` table: a global batch plan, per-rank reads, a prefetcher.
 
-The selected split is read once at a pinned version into an Arrow table (raw tensor bytes, the
-compact form; decoding happens per batch). That keeps the loader trivially deterministic and
-restartable; the trade-off is that the split must fit in RAM (the toy set does by far). A
-streaming loader over ``store.iter_batches`` with the same packing would lift that limit.
+Every rank opens the table at the same pinned version and reads only the small columns
+(``split``, ``num_tokens``, ``num_loss_tokens``) to build the same global plan. The feature bytes
+of a batch are then read with ``dataset.take`` by the rank that trains on them: with W ranks,
+rank r gets rows ``r, r+W, ...`` of every global batch, so no rank reads another's shard and
+the split never has to fit in RAM. A background thread (:class:`Prefetcher`) reads and collates
+the next batches while the current step runs; the time the step waits for it is the data stall.
+
+Trade-off: one ``take`` per batch (random access, ~ms on local disk) instead of a sequential
+scan; it keeps the global plan identical for any world size, which is what makes a 2-rank
+trajectory equal to a 1-rank one and makes resume a matter of skipping ``step`` batches.
 
 Packing: each epoch shuffles sample order with ``seed + epoch``, then fills rows of at most
 ``pack_tokens`` tokens greedily (a longer sample is truncated to ``pack_tokens``). Documents in a
@@ -13,9 +19,12 @@ row carry their own ids and restart rotary positions at 0, so nothing attends ac
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+import time
+from typing import Iterator
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from eaglenest.errors import StoreError
@@ -27,28 +36,44 @@ log = logging.getLogger(__name__)
 COLUMNS = ["input_ids", "loss_mask", "aux_hidden", "last_hidden"]
 
 
-class PackedData:
-    """Deterministic packed batches over an in-memory Arrow table of feature rows."""
+class FeatureShards:
+    """A pinned features version, its eligible rows, the global batch plan and per-rank reads."""
 
-    def __init__(self, table: pa.Table, meta: S.FeatureMeta, *, pack_tokens: int, batch_rows: int,
-                 seed: int):
-        if table.num_rows == 0:
-            raise StoreError("features: no rows to train on (check train.split and the table version)")
-        self.table = table
-        self.meta = meta
-        self.pack_tokens = pack_tokens
-        self.batch_rows = batch_rows
-        self.seed = seed
-        self.lengths = np.asarray(table.column("input_ids").combine_chunks().value_lengths())
+    def __init__(self, uri: str, *, version: int | str | None, split: str, pack_tokens: int,
+                 batch_rows: int, seed: int):
+        from eaglenest.featurestore import store
+
+        self.ds = store.dataset(uri, store.FEATURES, version)
+        self.version = int(self.ds.version)
+        self.meta = S.feature_meta(self.ds.schema)
+        self.split = split
+        small = self.ds.to_table(columns=["split", "num_tokens", "num_loss_tokens"])
+        ok = ((np.asarray(small.column("split").to_pylist()) == split)
+              & (small.column("num_loss_tokens").to_numpy() > 0))
+        #: dataset offsets of the eligible rows, in table order (``take`` indices).
+        self.offsets = np.nonzero(ok)[0]
+        if len(self.offsets) == 0:
+            raise StoreError(f"features v{self.version}: no rows to train on "
+                             f"(check train.split={split!r} and the table version)")
+        self.lengths = small.column("num_tokens").to_numpy()[self.offsets].astype(np.int64)
+        self.pack_tokens, self.batch_rows, self.seed = pack_tokens, batch_rows, seed
         # vLLM concatenates aux states in ascending layer order; reorder if the table does not.
-        self.aux_order = torch.as_tensor(np.argsort(np.asarray(meta.layer_ids), kind="stable"))
+        self.aux_order = torch.as_tensor(np.argsort(np.asarray(self.meta.layer_ids), kind="stable"))
         if int((self.lengths > pack_tokens).sum()):
             log.warning("%d samples longer than train.pack_tokens=%d are truncated",
                         int((self.lengths > pack_tokens).sum()), pack_tokens)
 
+    @property
+    def num_rows(self) -> int:
+        return len(self.offsets)
+
+    def token_batches(self):
+        """Record batches of (input_ids, loss_mask) of the eligible rows (for the vocab count)."""
+        return self.ds.take(self.offsets.tolist(), columns=["input_ids", "loss_mask"]).to_batches()
+
     def plan(self, epoch: int) -> list[list[list[int]]]:
-        """Batches -> rows -> sample indices, for one epoch."""
-        order = np.random.default_rng(self.seed + epoch).permutation(self.table.num_rows)
+        """Global batches -> rows -> eligible-row indices, for one epoch."""
+        order = np.random.default_rng(self.seed + epoch).permutation(self.num_rows)
         rows, cur, used = [], [], 0
         for i in order.tolist():
             n = min(int(self.lengths[i]), self.pack_tokens)
@@ -61,48 +86,100 @@ class PackedData:
             rows.append(cur)
         return [rows[j:j + self.batch_rows] for j in range(0, len(rows), self.batch_rows)]
 
-    def _sample(self, i: int):
+    def read(self, rows: list[list[int]]) -> Batch:
+        """Read and collate ``rows`` (eligible-row indices): pack each row, pad to the longest."""
+        flat = sorted({i for row in rows for i in row})
+        table = self.ds.take([int(self.offsets[i]) for i in flat], columns=COLUMNS)
+        records = dict(zip(flat, table.to_pylist()))
+        return collate([[self._decode(i, records[i]) for i in row] for row in rows])
+
+    def _decode(self, i: int, rec: dict):
         m = self.meta
         t = int(self.lengths[i])
         n = min(t, self.pack_tokens)
-        row = self.table.slice(i, 1).to_pylist()[0]
-        ids = torch.tensor(row["input_ids"][:n], dtype=torch.long)
-        mask = torch.tensor(row["loss_mask"][:n], dtype=torch.bool)
-        aux = S.torch_from_blob(row["aux_hidden"], (t, len(m.layer_ids), m.hidden_size), m.dtype)
+        ids = torch.tensor(rec["input_ids"][:n], dtype=torch.long)
+        mask = torch.tensor(rec["loss_mask"][:n], dtype=torch.bool)
+        aux = S.torch_from_blob(rec["aux_hidden"], (t, len(m.layer_ids), m.hidden_size), m.dtype)
         aux = aux[:n, self.aux_order].float().reshape(n, -1)
-        last = S.torch_from_blob(row["last_hidden"], (t, m.hidden_size), m.dtype)[:n].float()
+        last = S.torch_from_blob(rec["last_hidden"], (t, m.hidden_size), m.dtype)[:n].float()
         return ids, mask, aux, last
 
-    def collate(self, rows: list[list[int]]) -> Batch:
-        """Pack each row's samples, pad rows to the longest; padding has doc id -1."""
-        built = []
-        for row in rows:
-            parts = [self._sample(i) for i in row]
-            doc = torch.cat([torch.full((p[0].shape[0],), d, dtype=torch.long) for d, p in enumerate(parts)])
-            pos = torch.cat([torch.arange(p[0].shape[0]) for p in parts])
-            built.append((*(torch.cat([p[j] for p in parts]) for j in range(4)), doc, pos))
-        width = max(b[0].shape[0] for b in built)
 
-        def pad(x: torch.Tensor, fill) -> torch.Tensor:
-            extra = width - x.shape[0]
-            return torch.cat([x, x.new_full((extra, *x.shape[1:]), fill)]) if extra else x
-
-        return Batch(
-            input_ids=torch.stack([pad(b[0], 0) for b in built]),
-            loss_mask=torch.stack([pad(b[1], False) for b in built]),
-            aux=torch.stack([pad(b[2], 0.0) for b in built]),
-            last_hidden=torch.stack([pad(b[3], 0.0) for b in built]),
-            doc_ids=torch.stack([pad(b[4], -1) for b in built]),
-            position_ids=torch.stack([pad(b[5], 0) for b in built]),
-        )
+def rank_rows(rows: list[list[int]], rank: int, world_size: int) -> tuple[list[list[int]], bool]:
+    """This rank's rows of a global batch; (rows, ghost). A rank left without rows (last batch)
+    gets the batch's first row as a ghost: it runs the step for the collectives, with no loss."""
+    mine = rows[rank::world_size]
+    return (mine, False) if mine else (rows[:1], True)
 
 
-def read_split(uri: str, *, version: int | str | None, split: str):
-    """(table of COLUMNS for ``split``, FeatureMeta, resolved version number) at a pinned version."""
-    from eaglenest.featurestore import store
+def collate(rows) -> Batch:
+    """Rows of decoded samples (ids, mask, aux, last) -> a padded Batch; padding has doc id -1."""
+    built = []
+    for parts in rows:
+        doc = torch.cat([torch.full((p[0].shape[0],), d, dtype=torch.long) for d, p in enumerate(parts)])
+        pos = torch.cat([torch.arange(p[0].shape[0]) for p in parts])
+        built.append((*(torch.cat([p[j] for p in parts]) for j in range(4)), doc, pos))
+    width = max(b[0].shape[0] for b in built)
 
-    ds = store.dataset(uri, store.FEATURES, version)
-    meta = S.feature_meta(ds.schema)
-    quoted = split.replace("'", "''")
-    table = ds.to_table(columns=COLUMNS, filter=f"split = '{quoted}' AND num_loss_tokens > 0")
-    return table, meta, int(ds.version)
+    def pad(x: torch.Tensor, fill) -> torch.Tensor:
+        extra = width - x.shape[0]
+        return torch.cat([x, x.new_full((extra, *x.shape[1:]), fill)]) if extra else x
+
+    return Batch(
+        input_ids=torch.stack([pad(b[0], 0) for b in built]),
+        loss_mask=torch.stack([pad(b[1], False) for b in built]),
+        aux=torch.stack([pad(b[2], 0.0) for b in built]),
+        last_hidden=torch.stack([pad(b[3], 0.0) for b in built]),
+        doc_ids=torch.stack([pad(b[4], -1) for b in built]),
+        position_ids=torch.stack([pad(b[5], 0) for b in built]),
+    )
+
+
+class Prefetcher:
+    """Reads this rank's batches on a background thread, ``depth`` steps ahead.
+
+    Iterating yields (epoch, global rows, local Batch, ghost). ``wait_seconds`` accumulates the
+    time the consumer blocked on the queue: the data stall. Lance reads release the GIL, so the
+    thread overlaps with the step; it must not fork (Lance is not fork-safe), and it does not.
+    """
+
+    def __init__(self, data: FeatureShards, schedule: list[tuple[int, list[list[int]]]], *,
+                 rank: int, world_size: int, depth: int = 2):
+        self.wait_seconds = 0.0
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+
+        def work() -> None:
+            try:
+                for epoch, rows in schedule:
+                    mine, ghost = rank_rows(rows, rank, world_size)
+                    item = (epoch, rows, data.read(mine), ghost)
+                    while not self._stop.is_set():
+                        try:
+                            self._q.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if self._stop.is_set():
+                        return
+                self._q.put(None)
+            except BaseException as exc:  # surfaced in the consumer
+                self._q.put(exc)
+
+        self._thread = threading.Thread(target=work, name="eaglenest-prefetch", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Iterator[tuple[int, list[list[int]], Batch, bool]]:
+        while True:
+            t0 = time.perf_counter()
+            item = self._q.get()
+            self.wait_seconds += time.perf_counter() - t0
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

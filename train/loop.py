@@ -1,10 +1,14 @@
 """The trainer: pinned features -> draft vocab -> TTT training with AdamW -> checkpoint.
 
-Single process. Everything that makes a run differ is explicit: the table version (resolved and
-pinned into provenance), the seed (init, sample order, packing) and the config. Determinism on
-CPU: same seed, same thread count -> the same weights bit for bit (checked by a test).
-For FSDP2 the model needs ``fully_shard(model.midlayer)`` then ``fully_shard(model)`` and a
-sampler that splits the batch plan by rank; nothing here is a process-global.
+One code path for a plain process and for torchrun (FSDP2 over a gloo/nccl group, see
+:mod:`eaglenest.train.dist`). Every rank builds the same global batch plan and trains on its rows
+of each global batch; losses are normalised by GLOBAL per-step token counts, so the ranks' losses
+and gradients sum to exactly the 1-rank ones (FSDP2 averages gradients, hence ``loss * world``).
+Everything that makes a run differ is explicit: the table version (pinned in provenance and
+state), the seed (init, sample order, packing) and the config. Same seed, same thread count ->
+the same weights bit for bit, also across a SIGKILL and ``train.resume=auto``
+(:mod:`eaglenest.train.state`). Served-AL selection and the report live in
+:mod:`eaglenest.train.select`.
 """
 
 from __future__ import annotations
@@ -13,20 +17,22 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eaglenest.provenance import write_provenance
 from eaglenest.errors import SchemaError
-from eaglenest.train import checkpoint, vocab as V
+from eaglenest.provenance import write_provenance
+from eaglenest.train import checkpoint, select, state as S, vocab as V
 from eaglenest.train.config import TrainConfig
-from eaglenest.train.data import PackedData, read_split
+from eaglenest.train.data import FeatureShards, Prefetcher
+from eaglenest.train.dist import DistState
 from eaglenest.train.model import Eagle3Draft, draft_config, init_weights
 from eaglenest.train.target import load_target_tensors
-from eaglenest.train.ttt import TargetHead, target_targets, ttt_loss
+from eaglenest.train.ttt import TargetHead, TTTObjective, target_targets, valid_counts
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,9 @@ class TrainSummary:
     steps: int
     table_version: int
     final: dict[str, Any]
+    #: Seconds the steps waited for data / seconds of the training loop.
+    stall_fraction: float = 0.0
+    tokens_per_second: float = 0.0
 
 
 def build_draft(cfg: TrainConfig, target: dict[str, Any], *, layer_ids: tuple[int, ...],
@@ -44,6 +53,7 @@ def build_draft(cfg: TrainConfig, target: dict[str, Any], *, layer_ids: tuple[in
     """A freshly initialised draft with the target's embeddings and the vocab maps set."""
     dcfg = draft_config(target["config"], draft_vocab_size=vocab.size,
                         layer_ids=tuple(sorted(layer_ids)), flags=cfg.flags())
+    dcfg.attn_chunk_tokens = int(cfg.attn_chunk_tokens)
     model = Eagle3Draft(dcfg)
     init_weights(model, seed=seed)
     with torch.no_grad():
@@ -62,85 +72,172 @@ def lr_factor(step: int, *, total: int, warmup: int, min_ratio: float) -> float:
 
 
 def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, seed: int,
-          argv: list[str] | None = None, recipe: dict[str, Any] | None = None) -> TrainSummary:
-    """Train a draft on ``store_uri``'s features and write ``<workdir>/<output_subdir>/``."""
+          argv: list[str] | None = None, recipe: dict[str, Any] | None = None,
+          evaluate=None, dist: DistState | None = None) -> TrainSummary:
+    """Train a draft on ``store_uri``'s features and write ``<workdir>/<output_subdir>/``.
+
+    ``evaluate``: the recipe's EvaluateConfig, used for served-AL selection. ``dist``: default
+    joins torchrun's process group when launched by torchrun (and leaves it at the end).
+    """
+    own = dist is None
+    dist = dist or DistState.from_env()
+    try:
+        return _train(cfg, store_uri=store_uri, workdir=workdir, target_dir=target_dir, seed=seed,
+                      argv=argv, recipe=recipe, evaluate=evaluate, dist=dist)
+    finally:
+        if own:
+            dist.close()
+
+
+def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate, dist) -> TrainSummary:
     from tqdm import tqdm
 
     seed = cfg.seed if cfg.seed is not None else seed
     torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(seed)
-    table, meta, version = read_split(store_uri, version=cfg.table_version, split=cfg.split)
+    data = FeatureShards(store_uri, version=cfg.table_version, split=cfg.split,
+                         pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed)
+    meta, version = data.meta, data.version
     target = load_target_tensors(target_dir)
     if meta.hidden_size != target["config"]["hidden_size"]:
         raise SchemaError(f"features were captured with hidden size {meta.hidden_size}, "
                           f"run.target {target_dir} has {target['config']['hidden_size']}")
-    vocab_size = int(target["config"]["vocab_size"])
-    counts = V.count_loss_tokens(table.select(["input_ids", "loss_mask"]).to_batches(), vocab_size)
+    counts = V.count_loss_tokens(data.token_batches(), int(target["config"]["vocab_size"]))
     vocab = V.select_vocab(counts, cfg.draft_vocab_size)
     log.info("features v%d: %d rows, %d loss tokens; draft vocab %d covers %.1f%% of them",
-             version, table.num_rows, int(counts.sum()), vocab.size, 100 * V.coverage(counts, vocab))
+             version, data.num_rows, int(counts.sum()), vocab.size, 100 * V.coverage(counts, vocab))
 
-    model = build_draft(cfg, target, layer_ids=meta.layer_ids, vocab=vocab, seed=seed)
-    head = TargetHead(target["norm"], target["lm_head"], target["rms_norm_eps"])
-    draft_target_ids = torch.from_numpy(vocab.draft_ids)
-    data = PackedData(table, meta, pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed)
-    plans = [data.plan(e) for e in range(cfg.num_epochs)]
-    total = sum(len(p) for p in plans)
-    if cfg.num_steps:
-        total = min(total, cfg.num_steps)
-    params = [p for p in model.parameters() if p.requires_grad]
+    def fresh_draft() -> Eagle3Draft:
+        return build_draft(cfg, target, layer_ids=meta.layer_ids, vocab=vocab, seed=seed)
+
+    objective = dist.shard(TTTObjective(fresh_draft()).to(dist.device), param_dtype=cfg.param_dtype)
+    head = TargetHead(target["norm"], target["lm_head"], target["rms_norm_eps"]).to(dist.device)
+    draft_target_ids = torch.from_numpy(vocab.draft_ids).to(dist.device)
+    schedule = [(e, rows) for e in range(cfg.num_epochs) for rows in data.plan(e)]
+    total = min(len(schedule), cfg.num_steps) if cfg.num_steps else len(schedule)
+    params = [p for p in objective.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(
         s, total=total, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio))
 
     outdir = Path(workdir) / cfg.output_subdir
-    outdir.mkdir(parents=True, exist_ok=True)
+    state_dir = outdir / "state"
+    fp = S.fingerprint(cfg, table_version=version, store_uri=store_uri, target=target_dir, seed=seed)
+    info = S.resolve(S.read_latest(state_dir) if cfg.resume == "auto" else None, fp, state_dir)
+    if info is not None:
+        S.load_state(info, objective=objective, opt=opt, sched=sched, dist=dist)
+    elif dist.is_main:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    step = info["step"] if info else 0
+    window = info.get("window", []) if info else []
+    dist.barrier()
+    selector = select.Selector(outdir, cfg=cfg, evaluate=evaluate, target_dir=target_dir,
+                               store_uri=store_uri, active=dist.is_main, resume_step=step)
     metrics_path = outdir / "metrics.jsonl"
-    metrics_path.write_text("", encoding="utf-8")
-    step, window, final = 0, [], {}
-    start = time.monotonic()
-    bar = tqdm(total=total, desc="train", unit="step", disable=None)
-    model.train()
-    for epoch, plan in enumerate(plans):
-        for rows in plan:
-            if step >= total:
-                break
-            batch = data.collate(rows)
+    if dist.is_main:
+        outdir.mkdir(parents=True, exist_ok=True)
+        select.truncate_jsonl(metrics_path, step)
+
+    base = {"table_version": version, "store_uri": store_uri, "target": target_dir,
+            "layer_ids": list(sorted(meta.layer_ids)), "feature_meta": json.loads(meta.to_json()),
+            "train_config": dataclasses.asdict(cfg), "seed": seed, "vocab_coverage": V.coverage(counts, vocab),
+            "world_size": dist.world_size}
+
+    def snapshot() -> Eagle3Draft | None:
+        """The current weights as a plain draft on rank 0 (a collective under FSDP2)."""
+        return _full_draft(objective, fresh_draft, dist)
+
+    loader = Prefetcher(data, schedule[step:total], rank=dist.rank, world_size=dist.world_size,
+                        depth=cfg.prefetch_batches)
+    start, final, tokens_seen, steps_run = time.monotonic(), {}, 0.0, 0
+    loop_t0, last_t, last_wait = time.perf_counter(), time.perf_counter(), 0.0
+    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=None if dist.is_main else True)
+    objective.train()
+    try:
+        for epoch, rows, batch, ghost in loader:
+            if ghost:
+                batch.loss_mask = torch.zeros_like(batch.loss_mask)
+            batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(dist.device)
+                                                  for f in dataclasses.fields(batch)})
             probs, argmax = target_targets(head, batch.last_hidden, draft_target_ids)
-            if step == 0:
+            if step == 0 and dist.is_main:
                 _check_target_agreement(batch, argmax)
-            res = ttt_loss(model, batch, probs, argmax, num_steps=cfg.ttt_steps, step_decay=cfg.step_decay)
+            denoms = dist.all_reduce_sum(valid_counts(batch, cfg.ttt_steps))
+            res = objective(batch, probs, argmax, num_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
+                            denominators=denoms)
             opt.zero_grad(set_to_none=True)
-            res.loss.backward()
-            res.loss = res.loss.detach()  # the log window must not keep graphs alive
+            (res.loss * dist.world_size).backward()
             if cfg.grad_clip:
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             sched.step()
             step += 1
-            window.append(res)
+            steps_run += 1
+            k = cfg.ttt_steps
+            local_tokens = 0 if ghost else int((batch.doc_ids >= 0).sum())
+            g = dist.all_reduce_sum([float(res.loss.detach()), *res.step_loss, *res.step_correct, local_tokens])
+            tokens_seen += g[-1]
+            window.append({"loss": g[0], "step_loss": g[1:1 + k], "step_correct": g[1 + k:1 + 2 * k],
+                           "step_count": denoms, "tokens": g[-1]})
             if step % cfg.log_every_steps == 0 or step == total:
+                now = time.perf_counter()
+                stall = (loader.wait_seconds - last_wait) / max(now - last_t, 1e-9)
                 final = _summarise(window, step=step, epoch=epoch, lr=sched.get_last_lr()[0],
-                                   seconds=time.monotonic() - start)
-                window = []
-                with metrics_path.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(final) + "\n")
-                log.info("step %d/%d loss %.4f acc %s", step, total, final["loss"],
-                         " ".join(f"{a:.2f}" for a in final["step_acc"]))
+                                   seconds=time.monotonic() - start, stall=stall)
+                last_t, last_wait, window = now, loader.wait_seconds, []
+                if dist.is_main:
+                    with metrics_path.open("a", encoding="utf-8") as f:
+                        f.write(json.dumps(final) + "\n")
+                    log.info("step %d/%d loss %.4f acc %s stall %.1f%%", step, total, final["loss"],
+                             " ".join(f"{a:.2f}" for a in final["step_acc"]), 100 * stall)
                 bar.set_postfix(loss=f"{final['loss']:.3f}", acc0=f"{final['step_acc'][0]:.2f}")
             bar.update(1)
-    bar.close()
+            if cfg.select_every_steps and (step % cfg.select_every_steps == 0 or step == total):
+                selector.evaluate(step, snapshot(), info={**base, "step": step, "metrics": final})
+                dist.barrier()
+            if step < total and cfg.state_every_steps and step % cfg.state_every_steps == 0:
+                S.save_state(state_dir, step=step, objective=objective, opt=opt, sched=sched, dist=dist,
+                             fp=fp, extra={"window": window, "finished": False}, keep=cfg.keep_states)
+    finally:
+        loader.close()
+        bar.close()
+    loop_s = time.perf_counter() - loop_t0
+    stall_fraction = loader.wait_seconds / loop_s if steps_run else 0.0
+    tps = tokens_seen / loop_s if steps_run else 0.0
+    if steps_run:
+        S.save_state(state_dir, step=step, objective=objective, opt=opt, sched=sched, dist=dist,
+                     fp=fp, extra={"window": window, "finished": step >= total}, keep=cfg.keep_states)
+    draft = snapshot()
+    if dist.is_main:
+        if not final and metrics_path.is_file() and metrics_path.read_text().strip():
+            final = json.loads(metrics_path.read_text().strip().splitlines()[-1])
+        info_out = {**base, "step": step, "metrics": final}
+        draft, info_out = selector.finish(draft, info_out)  # the best snapshot when selection ran
+        checkpoint.save_checkpoint(outdir, draft, info=info_out)
+        select.write_report(outdir, stall_fraction=stall_fraction, tokens_per_second=tps)
+        write_provenance(outdir, config=recipe or {"train": dataclasses.asdict(cfg)}, argv=argv,
+                         inputs={"store_uri": store_uri, "table": "features", "version": version,
+                                 "target": target_dir}, extra={"world_size": dist.world_size})
+        log.info("saved draft checkpoint (step %d) to %s; data stall %.2f%% of loop time, %.0f tokens/s",
+                 info_out["step"], outdir, 100 * stall_fraction, tps)
+    dist.barrier()
+    return TrainSummary(outdir=outdir, steps=step, table_version=version, final=final,
+                        stall_fraction=stall_fraction, tokens_per_second=tps)
 
-    info = {"step": step, "table_version": version, "store_uri": store_uri, "target": target_dir,
-            "layer_ids": list(sorted(meta.layer_ids)), "feature_meta": json.loads(meta.to_json()),
-            "train_config": dataclasses.asdict(cfg), "seed": seed, "metrics": final,
-            "vocab_coverage": V.coverage(counts, vocab)}
-    checkpoint.save_checkpoint(outdir, model, info=info)
-    write_provenance(outdir, config=recipe or {"train": dataclasses.asdict(cfg)}, argv=argv,
-                     inputs={"store_uri": store_uri, "table": "features", "version": version,
-                             "target": target_dir})
-    log.info("saved draft checkpoint (step %d) to %s", step, outdir)
-    return TrainSummary(outdir=outdir, steps=step, table_version=version, final=final)
+
+def _full_draft(objective, fresh_draft, dist: DistState) -> Eagle3Draft | None:
+    """Rank 0: a plain draft holding the (gathered) current weights; other ranks: None."""
+    if not dist.distributed:
+        return objective.draft
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(objective, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not dist.is_main:
+        return None
+    draft = fresh_draft()
+    state = {k.removeprefix("draft."): v for k, v in full.items()}
+    draft.load_state_dict(state, strict=True)
+    return draft
 
 
 def _check_target_agreement(batch, argmax: torch.Tensor) -> None:
@@ -159,14 +256,15 @@ def _check_target_agreement(batch, argmax: torch.Tensor) -> None:
             "" if rate >= 0.5 else " (is last_hidden taken BEFORE the target's final norm?)")
 
 
-def _summarise(window, *, step: int, epoch: int, lr: float, seconds: float) -> dict[str, Any]:
-    k = len(window[0].step_count)
-    count = [sum(r.step_count[i] for r in window) for i in range(k)]
-    correct = [sum(r.step_correct[i] for r in window) for i in range(k)]
+def _summarise(window, *, step: int, epoch: int, lr: float, seconds: float, stall: float) -> dict[str, Any]:
+    k = len(window[0]["step_count"])
+    count = [sum(r["step_count"][i] for r in window) for i in range(k)]
+    correct = [sum(r["step_correct"][i] for r in window) for i in range(k)]
     return {
         "step": step, "epoch": epoch, "lr": lr, "seconds": round(seconds, 2),
-        "loss": sum(float(r.loss) for r in window) / len(window),
-        "step_loss": [sum(r.step_loss[i] for r in window) / len(window) for i in range(k)],
+        "loss": sum(r["loss"] for r in window) / len(window),
+        "step_loss": [sum(r["step_loss"][i] for r in window) / len(window) for i in range(k)],
         "step_acc": [c / n if n else 0.0 for c, n in zip(correct, count)],
-        "step_count": count,
+        "step_count": [int(c) for c in count], "tokens": int(sum(r["tokens"] for r in window)),
+        "stall_fraction": round(stall, 4),
     }

@@ -76,9 +76,9 @@ def head_dim_of(cfg: LlamaConfig) -> int:
 class DraftAttention(nn.Module):
     """Multi-head attention over a 2H input with an explicit TTT key cache.
 
-    ``cache`` is a list of (k, v) pairs: entry 0 holds the step-0 keys of every position
-    ([B, kvh, T, d], attended through ``mask``), entries 1..k hold one key per chain
-    ([B, kvh, T, d], chain t attends only to its own entry t).
+    The cache (``past`` plus this step's pair) is a sequence of (k, v) pairs: entry 0 holds the
+    step-0 keys of every position ([B, kvh, T, d], attended through ``mask``), entries 1..k hold
+    one key per chain ([B, kvh, T, d], chain t attends only to its own entry t).
     """
 
     def __init__(self, cfg: LlamaConfig):
@@ -92,37 +92,70 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.chunk_tokens = int(getattr(cfg, "attn_chunk_tokens", 2048) or 2048)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape
         return x.view(b, t, n, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> torch.Tensor:
-        """``mask``: bool [B, T, T], True where query t may see step-0 key s. Appends to ``cache``."""
+                past: tuple[tuple[torch.Tensor, torch.Tensor], ...], mask: torch.Tensor
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Returns (output, this step's (k, v)); ``past`` holds the earlier steps' (k, v).
+
+        ``mask``: bool [B, T, T] (True where query t may see step-0 key s), or the doc ids
+        [B, T] it is built from: then queries are processed in chunks of ``chunk_tokens`` with
+        recomputation in backward, so no [T, T] tensor outlives a chunk (long rows).
+        Pure function of its inputs: FSDP2 may re-wrap the arguments of a sharded block.
+        """
         q = self._heads(self.q_proj(x), self.num_heads)
         k = self._heads(self.k_proj(x), self.num_kv_heads)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        cache.append((k, v))
+        cache = [*past, (k, v)]
         rep = self.num_heads // self.num_kv_heads
         keys = [kk.repeat_interleave(rep, dim=1) for kk, _ in cache]
         vals = [vv.repeat_interleave(rep, dim=1) for _, vv in cache]
+        t = q.shape[2]
+        if mask.dim() == 3:
+            out = self._attend(q, keys, vals, mask)
+        elif t <= self.chunk_tokens:
+            out = self._attend(q, keys, vals, causal_doc_mask(mask))
+        else:
+            from torch.utils.checkpoint import checkpoint
+
+            outs = []
+            for s in range(0, t, self.chunk_tokens):
+                e = min(t, s + self.chunk_tokens)
+                # Causal: keys after the chunk's last query are masked anyway, so they are skipped.
+                outs.append(checkpoint(self._attend_chunk, q[:, :, s:e], keys[0][:, :, :e], vals[0][:, :, :e],
+                                       [kk[:, :, s:e] for kk in keys[1:]], [vv[:, :, s:e] for vv in vals[1:]],
+                                       mask, s, use_reentrant=False))
+            out = torch.cat(outs, dim=2)
+        b, _, tq, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, tq, self.num_heads * self.head_dim)), (k, v)
+
+    def _attend_chunk(self, q, k0, v0, dk, dv, doc_ids, start: int) -> torch.Tensor:
+        """Queries ``start..start+C`` against step-0 keys ``0..start+C``: mask rows built here."""
+        mask = chunk_doc_mask(doc_ids, start, start + q.shape[2])
+        return self._attend(q, [k0, *dk], [v0, *dv], mask)
+
+    def _attend(self, q, keys, vals, mask) -> torch.Tensor:
+        """q [B,h,C,d]; keys[0]/vals[0] [B,h,T,d] (step 0), keys[j>0] [B,h,C,d] (per chain)."""
         scale = 1.0 / math.sqrt(self.head_dim)
-        # Scores against the step-0 context: [B, h, T, T]; masked entries get -inf. Every query
+        # Scores against the step-0 context: [B, h, C, T]; masked entries get -inf. Every query
         # sees at least its own step-0 key (t <= t) or, for k > 0, its diagonal keys, so no row
         # is all -inf (padding rows see themselves).
         s0 = torch.matmul(q, keys[0].transpose(-1, -2)) * scale
         s0 = s0.masked_fill(~mask[:, None], float("-inf"))
-        # Scores against the chain's own later steps: one per step, [B, h, T, 1] each.
+        # Scores against the chain's own later steps: one per step, [B, h, C, 1] each.
         sd = [(q * kk).sum(-1, keepdim=True) * scale for kk in keys[1:]]
         p = torch.softmax(torch.cat([s0, *sd], dim=-1), dim=-1)
         t = s0.shape[-1]
         out = torch.matmul(p[..., :t], vals[0])
         for j, vv in enumerate(vals[1:]):
             out = out + p[..., t + j: t + j + 1] * vv
-        b, _, tq, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, tq, self.num_heads * self.head_dim))
+        return out
 
 
 class DraftLayer(nn.Module):
@@ -138,12 +171,14 @@ class DraftLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
         self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
 
-    def forward(self, embeds, hidden, cos, sin, cache, mask) -> torch.Tensor:
+    def forward(self, embeds, hidden, cos, sin, past, mask):
+        """Returns (block output, this step's (k, v)); ``past``: earlier steps' (k, v) pairs."""
         normed_hidden = self.hidden_norm(hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
-        residual = residual + self.self_attn(x, cos, sin, cache, mask)
-        return residual + self.mlp(self.post_attention_layernorm(residual))
+        attn, kv = self.self_attn(x, cos, sin, past, mask)
+        residual = residual + attn
+        return residual + self.mlp(self.post_attention_layernorm(residual)), kv
 
 
 class Eagle3Draft(nn.Module):
@@ -183,7 +218,10 @@ class Eagle3Draft(nn.Module):
         """One draft step for all chains. Returns (normed [B,T,H], next hidden [B,T,H])."""
         embeds = self.embed_tokens(token_ids)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        res = self.midlayer(embeds, hidden, cos, sin, cache, mask)
+        # The cache list is extended here, not inside the block: FSDP2 re-wraps a sharded block's
+        # arguments, so a list mutated inside it would be a copy.
+        res, kv = self.midlayer(embeds, hidden, cos, sin, tuple(cache), mask)
+        cache.append(kv)
         normed = self.norm(res)
         return normed, (normed if self.config.norm_output else res)
 
@@ -211,6 +249,15 @@ def causal_doc_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (causal & same) | eye
 
 
+def chunk_doc_mask(doc_ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows ``start:end``, columns ``:end`` of :func:`causal_doc_mask` (later keys are all False),
+    [B, end-start, end], without building [T, T]."""
+    qi = torch.arange(start, end, device=doc_ids.device)[:, None]
+    ki = torch.arange(end, device=doc_ids.device)[None, :]
+    same = doc_ids[:, start:end, None] == doc_ids[:, None, :end]
+    return ((ki <= qi) & same) | (ki == qi)
+
+
 def init_weights(model: Eagle3Draft, *, seed: int, std: float = 0.02) -> None:
     """Deterministic init: normal(0, std) linears, ones for norms (embeddings left alone)."""
     g = torch.Generator().manual_seed(seed)
@@ -224,4 +271,4 @@ def init_weights(model: Eagle3Draft, *, seed: int, std: float = 0.02) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-__all__ = ["DraftFlags", "Eagle3Draft", "causal_doc_mask", "draft_config", "init_weights"]
+__all__ = ["DraftFlags", "Eagle3Draft", "causal_doc_mask", "chunk_doc_mask", "draft_config", "init_weights"]

@@ -96,10 +96,29 @@ def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
+def step_valid(batch: Batch, k: int) -> torch.Tensor:
+    """bool [B, T]: (t, k) predicts x_{t+2+k}, which exists, is a loss token, in t's document."""
+    return (shift(batch.loss_mask, 2 + k, False)
+            & (shift(batch.doc_ids, 2 + k, -2) == batch.doc_ids) & (batch.doc_ids >= 0))
+
+
+def valid_counts(batch: Batch, num_steps: int) -> list[int]:
+    """Number of valid (row, t) per step: the per-step denominators of a batch."""
+    return [int(step_valid(batch, k).sum()) for k in range(num_steps)]
+
+
 def ttt_loss(model: Eagle3Draft, batch: Batch, target_probs: torch.Tensor,
-             target_argmax: torch.Tensor, *, num_steps: int, step_decay: float) -> TTTResult:
-    """The weighted TTT loss of ``num_steps`` unrolled steps (see the module docstring)."""
-    mask = causal_doc_mask(batch.doc_ids)
+             target_argmax: torch.Tensor, *, num_steps: int, step_decay: float,
+             denominators: list[float] | None = None) -> TTTResult:
+    """The weighted TTT loss of ``num_steps`` unrolled steps (see the module docstring).
+
+    ``denominators``: per-step valid counts of the GLOBAL batch when this batch is one rank's
+    part of it; the local losses then sum over ranks to the global loss (and so do gradients).
+    Default: this batch's own counts.
+    """
+    # Long rows pass the doc ids: the attention then builds its mask per query chunk.
+    chunk = int(getattr(model.config, "attn_chunk_tokens", 2048) or 2048)
+    mask = causal_doc_mask(batch.doc_ids) if batch.doc_ids.shape[1] <= chunk else batch.doc_ids
     hidden = model.combine(batch.aux.to(model.fc.weight.dtype))
     cache: list = []
     loss = hidden.new_zeros(())
@@ -108,13 +127,13 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, target_probs: torch.Tensor,
         tokens = shift(batch.input_ids, 1 + k, 0)
         normed, next_hidden = model.step(tokens, hidden, batch.position_ids + k, cache, mask)
         # (t, k) predicts x_{t+2+k}: valid iff it exists, is a loss token, same document.
-        valid = (shift(batch.loss_mask, 2 + k, False)
-                 & (shift(batch.doc_ids, 2 + k, -2) == batch.doc_ids) & (batch.doc_ids >= 0))
+        valid = step_valid(batch, k)
         logp = torch.log_softmax(model.logits(normed).float(), dim=-1)
         probs = shift(target_probs, 1 + k, 0.0)
         ce = -(probs * logp).sum(-1)
         n = int(valid.sum())
-        lk = (ce * valid).sum() / max(n, 1)
+        denom = denominators[k] if denominators is not None else n
+        lk = (ce * valid).sum() / max(denom, 1)
         loss = loss + (step_decay ** k) * lk
         with torch.no_grad():
             pred = model.draft_to_target(logp.argmax(-1))
@@ -124,3 +143,25 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, target_probs: torch.Tensor,
         step_count.append(n)
         hidden = next_hidden
     return TTTResult(loss=loss, step_loss=step_loss, step_correct=step_correct, step_count=step_count)
+
+
+class TTTObjective(nn.Module):
+    """The draft plus its TTT loss as one module whose ``forward`` is a whole training step.
+
+    FSDP2 unshards a module's parameters around ``forward``; the TTT loop calls several draft
+    methods (``combine``, ``step``, ``logits``), so the root of the FSDP tree is this wrapper and
+    the draft's block is the inner unit (called K times per forward).
+    """
+
+    def __init__(self, draft: Eagle3Draft):
+        super().__init__()
+        self.draft = draft
+
+    def blocks(self) -> list[nn.Module]:
+        return [self.draft.midlayer]
+
+    def forward(self, batch: Batch, target_probs: torch.Tensor, target_argmax: torch.Tensor, *,
+                num_steps: int, step_decay: float, denominators: list[float] | None = None
+                ) -> TTTResult:
+        return ttt_loss(self.draft, batch, target_probs, target_argmax, num_steps=num_steps,
+                        step_decay=step_decay, denominators=denominators)

@@ -65,6 +65,15 @@ def count_loss_tokens(batches: Iterable[pa.RecordBatch], vocab_size: int) -> np.
     return counts
 
 
+def count_loss_tokens_in_store(store_uri: str, *, version: int | str | None, split: str, vocab_size: int,
+                               table: str = "features") -> np.ndarray:
+    """Like :func:`count_loss_tokens`, computed by one SQL aggregate over the store at ``version``
+    (``featurestore.query``: unnest ids and mask, filter mask = 1, group by id), not in Python."""
+    from eaglenest.featurestore.query import loss_token_counts
+
+    return loss_token_counts(store_uri, table, version=version, split=split, vocab_size=vocab_size)
+
+
 def select_vocab(counts: np.ndarray, draft_vocab_size: int) -> DraftVocab:
     """Top ``draft_vocab_size`` ids by count (desc), ties by id (asc); returned ascending."""
     vocab_size = counts.shape[0]

@@ -39,7 +39,7 @@ def test_good_manifest_loads(tmp_path, src):
     m = tmp_path / "m.yaml"
     m.write_text(GOOD.format(src=src))
     man = load_manifest(m)
-    assert man.domains["math"].cap_prompts == 5 and man.held_out("math") == 0.2
+    assert man.domains["math"].cap_prompts == 5 and man.held_out("math") == ("fraction", 0.2)
 
 
 @pytest.mark.parametrize("edit,expected", [
@@ -78,3 +78,48 @@ def test_yaml_objects_are_not_constructed(tmp_path, capsys, src):
     text = GOOD.format(src=src).replace("name: t", "name: !!python/object/apply:os.system ['true']")
     code, err, _ = _run(tmp_path, capsys, text)
     assert code == 2 and "not valid YAML" in err
+
+
+def test_validate_lists_every_problem_key_first(tmp_path, capsys, src):
+    text = GOOD.format(src=src) + textwrap.dedent("""\
+        held_out_fraction: 1.5
+        generation:
+          max_tokens: 0
+          reasoning: maybe
+        bogus: 1
+    """).replace("domains:", "domains:")
+    text = text.replace("        provenance: test\n", "        provenance: test\n      - path: nope.jsonl\n")
+    text = text.replace("cap_prompts: 5", "cap_prompts: 5\n    weight: -1\n    held_out_count: 3\n"
+                        "    held_out_fraction: 0.1")
+    m = tmp_path / "m.yaml"
+    m.write_text(text)
+    code = main(["validate", "--manifest", str(m)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    # structural problems (unknown keys, wrong literals) are all reported in one pass ...
+    assert "bogus: unknown key" in lines
+    assert any(line.startswith("generation.reasoning: 'maybe' is not one of") for line in lines)
+    # ... and once the structure is valid, every semantic problem is too
+    text = text.replace("bogus: 1\n", "").replace("reasoning: maybe", "reasoning: off")
+    m.write_text(text)
+    code = main(["validate", "--manifest", str(m)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    for want in ("held_out_fraction: 1.5 is not in [0, 1)", "generation.max_tokens: must be at least 1",
+                 "domains.math.weight: -1.0 is negative",
+                 "domains.math.held_out_count: give held_out_fraction or held_out_count, not both",
+                 "domains.math.sources[1].provenance: required",
+                 "domains.math.sources[1].path: file not found: nope.jsonl"):
+        assert any(line.startswith(want) for line in lines), (want, lines)
+    assert lines[-1].endswith("6 problem(s)")
+
+
+def test_token_cap_and_heldout_count(tmp_path, src):
+    from eaglenest.ingest.pool import build_pool
+
+    m = tmp_path / "m.yaml"
+    m.write_text(GOOD.format(src=src).replace("cap_prompts: 5", "cap_tokens: 10\n    held_out_count: 2"))
+    man = load_manifest(m)
+    rows = [{"prompt": f"p {i}", "system": "", "source": "s"} for i in range(20)]
+    pool = build_pool(man, {"math": rows}, count_tokens=lambda t: 3)  # 3 tokens each: 3 fit in 10
+    assert len(pool) == 3 and sum(e.split == "heldout" for e in pool) == 2

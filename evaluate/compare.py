@@ -1,0 +1,64 @@
+"""``evaluate compare A B``: two drafts, or two evaluation reports, side by side.
+
+``A``/``B`` are each a ``report.json`` (or a directory holding one), or an exported draft directory
+(has ``config.json``), which is evaluated here with the recipe's evaluate settings on the same
+prompts (no lossless re-check). Two feature-table versions are compared through the drafts trained
+on them. The table shows pooled and per-request AL per group and per context bucket, and B - A.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eaglenest.errors import EaglenestError
+
+
+def _load(spec: str, recipe) -> dict:
+    p = Path(spec)
+    if p.is_file() and p.suffix == ".json":
+        return json.loads(p.read_text())
+    if (p / "report.json").is_file():
+        return json.loads((p / "report.json").read_text())
+    if (p / "config.json").is_file():
+        import dataclasses
+
+        from eaglenest.evaluate.run import evaluate_al
+
+        cfg = dataclasses.replace(recipe.evaluate, check_lossless=False)
+        return evaluate_al(target=recipe.run.target, draft=str(p), store_uri=recipe.run.store_uri, cfg=cfg)
+    raise EaglenestError(f"compare: {spec} is neither a report.json nor an exported draft directory")
+
+
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def side_by_side(a: dict, b: dict, *, names: tuple[str, str] = ("A", "B")) -> str:
+    lines = [f"# Compare: {names[0]} = `{a['draft']}`, {names[1]} = `{b['draft']}`", "",
+             "AL pooled = 1 + accepted / rounds (vLLM counters); per-request = mean of request ALs.", "",
+             f"| group | {names[0]} pooled | {names[1]} pooled | delta | {names[0]} per-request | "
+             f"{names[1]} per-request | delta |", "|---|---|---|---|---|---|---|"]
+    for section, label in (("domains", ""), ("context_buckets", "ctx ")):
+        keys = list(dict.fromkeys([*(a.get(section) or {}), *(b.get(section) or {})]))
+        rows = [(label + k, (a.get(section) or {}).get(k, {}), (b.get(section) or {}).get(k, {})) for k in keys]
+        if section == "domains":
+            rows.append(("**overall**", a["overall"], b["overall"]))
+        for name, x, y in rows:
+            cells = []
+            for key in ("acceptance_length", "acceptance_length_per_request"):
+                u, v = x.get(key), y.get(key)
+                cells += [_f(u), _f(v), _f(v - u) if u is not None and v is not None else "-"]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def compare(spec_a: str, spec_b: str, *, recipe, outdir: Path) -> str:
+    from eaglenest.provenance import write_json_atomic
+
+    a, b = _load(spec_a, recipe), _load(spec_b, recipe)
+    md = side_by_side(a, b)
+    outdir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(outdir / "compare.json", {"a": a, "b": b, "inputs": [spec_a, spec_b]})
+    (outdir / "compare.md").write_text(md, encoding="utf-8")
+    return md

@@ -1,0 +1,147 @@
+"""Evaluation prompt sets: the store's held-out split, MT-Bench and SPEED-Bench, in one shape.
+
+Every loader returns ``{group: [{"sample_id", "messages"}]}`` where ``group`` is the manifest
+domain (held-out) or the published ``category`` (MT-Bench, SPEED-Bench). MT-Bench and SPEED-Bench
+are read in their published formats with ``datasets``: a local file (``.jsonl``/``.json``/
+``.parquet``), a local directory (SPEED-Bench: ``<dir>/<config>/*.parquet``, MT-Bench: a
+``question.jsonl`` inside) or a hub id (``load_dataset(id, config, split=...)``).
+
+Only the first user turn of a multi-turn question is decoded: later turns need the target's own
+answer to earlier ones, which would double the cost and tie AL to that answer. Prompts whose
+normalised content (``eaglenest.text.content_key``, the same key ingest deduplicates with) matches
+a training prompt of the store are reported and dropped, so AL is never measured on training data.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+from pathlib import Path
+
+from eaglenest.errors import ConfigError, StoreError
+from eaglenest.text import content_key
+
+log = logging.getLogger(__name__)
+
+Groups = dict[str, list[dict]]
+
+
+def _keys(messages: list[dict]) -> set[str]:
+    """Content keys of a conversation's prompt: the user text alone and with the system prompt."""
+    system = "".join(m["content"] for m in messages if m["role"] == "system")
+    user = "\n".join(m["content"] for m in messages if m["role"] == "user")
+    return {content_key(user), content_key(system + "\n" + user)}
+
+
+def heldout(store_uri: str, split: str) -> Groups:
+    from eaglenest.featurestore import store
+
+    if not store.exists(store_uri, store.PROMPTS):
+        raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
+    rows = store.read(store_uri, store.PROMPTS, columns=["sample_id", "domain", "messages_json"],
+                      filter=f"split = '{split}'").to_pylist()
+    if not rows:
+        raise StoreError(f"no '{split}' prompts in {store_uri}")
+    groups: Groups = collections.defaultdict(list)
+    for r in sorted(rows, key=lambda r: r["sample_id"]):
+        msgs = [m for m in json.loads(r["messages_json"]) if m["role"] != "assistant"]
+        groups[r["domain"]].append({"sample_id": r["sample_id"], "messages": msgs})
+    return dict(groups)
+
+
+def _load_records(path: str, *, config: str | None, split: str) -> list[dict]:
+    """Rows of a published dataset from a local file/directory or a hub id, via ``datasets``."""
+    import datasets
+
+    p = Path(path)
+    if p.is_dir():
+        files = sorted((p / config).glob("*.parquet")) if config and (p / config).is_dir() else []
+        files = files or sorted(p.glob("*.parquet")) or sorted(p.glob("*.jsonl"))
+        if not files:
+            raise ConfigError(f"evaluate.prompt_path: no .parquet/.jsonl files in {p}"
+                              + (f" or {p / config}" if config else ""))
+        paths = [str(f) for f in files]
+    elif p.is_file():
+        paths = [str(p)]
+    elif p.is_absolute() or path.startswith("."):
+        raise ConfigError(f"evaluate.prompt_path: {path} does not exist")
+    else:
+        try:
+            return list(datasets.load_dataset(path, config, split=split))
+        except Exception as exc:  # noqa: BLE001 - any hub failure is a user-facing problem here
+            raise ConfigError(f"evaluate.prompt_path: cannot load hub dataset {path!r} "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    kind = "parquet" if paths[0].endswith(".parquet") else "json"
+    return list(datasets.load_dataset(kind, data_files=paths, split="train"))
+
+
+def published(path: str, *, name: str, config: str | None = None, split: str = "test") -> Groups:
+    """MT-Bench / SPEED-Bench rows (``question_id``, ``category``, ``turns``) grouped by category."""
+    rows = _load_records(path, config=config, split=split)
+    groups: Groups = collections.defaultdict(list)
+    for i, r in enumerate(rows):
+        missing = {"question_id", "category", "turns"} - set(r)
+        if missing:
+            raise ConfigError(f"evaluate.prompt_path: row {i} of {path} lacks {sorted(missing)} "
+                              f"(not the published {name} format)")
+        if not r["turns"]:
+            continue
+        groups[str(r["category"])].append({"sample_id": f"{name}-{r['question_id']}",
+                                           "messages": [{"role": "user", "content": r["turns"][0]}]})
+    if not groups:
+        raise ConfigError(f"evaluate.prompt_path: no questions in {path}")
+    return dict(groups)
+
+
+def training_keys(store_uri: str, heldout_split: str = "heldout") -> set[str]:
+    """Content keys of every non-held-out prompt of the store (the training pool)."""
+    from eaglenest.featurestore import store
+
+    if not store.exists(store_uri, store.PROMPTS):
+        return set()
+    rows = store.read(store_uri, store.PROMPTS, columns=["messages_json"],
+                      filter=f"split != '{heldout_split}'").to_pylist()
+    keys: set[str] = set()
+    for r in rows:
+        keys |= _keys([m for m in json.loads(r["messages_json"]) if m["role"] != "assistant"])
+    return keys
+
+
+def exclude_overlap(groups: Groups, train_keys: set[str]) -> tuple[Groups, list[str]]:
+    """``groups`` without prompts found in the training pool, and the ids that were dropped."""
+    kept: Groups = {}
+    dropped: list[str] = []
+    for g, prompts in groups.items():
+        keep = []
+        for p in prompts:
+            (dropped.append(p["sample_id"]) if _keys(p["messages"]) & train_keys else keep.append(p))
+        if keep:
+            kept[g] = keep
+    if dropped:
+        log.warning("%d evaluation prompts overlap the training pool and are excluded", len(dropped))
+    return kept, dropped
+
+
+def load_prompt_set(cfg, store_uri: str) -> tuple[Groups, dict]:
+    """The configured prompt set, overlap-filtered and capped; plus a small report of what happened."""
+    if cfg.prompt_set == "heldout":
+        groups = heldout(store_uri, cfg.split)
+    elif cfg.prompt_set == "mt_bench":
+        groups = published(cfg.prompt_path, name="mt_bench", split="train")
+    else:
+        groups = published(cfg.prompt_path, name="speed_bench", config=cfg.speed_bench_config,
+                           split=cfg.hub_split)
+    total = sum(map(len, groups.values()))
+    dropped: list[str] = []
+    if cfg.exclude_overlap:
+        groups, dropped = exclude_overlap(groups, training_keys(store_uri, cfg.split))
+    if cfg.max_prompts_per_domain > 0:
+        groups = {g: ps[:cfg.max_prompts_per_domain] for g, ps in groups.items()}
+    info = {"prompt_set": cfg.prompt_set, "source": cfg.prompt_path or store_uri, "loaded": total,
+            "overlap_excluded": len(dropped), "overlap_ids": dropped[:50],
+            "overlap_check": "normalised-content hash against the store's training prompts"
+                             if cfg.exclude_overlap else "off"}
+    if not groups:
+        raise ConfigError("evaluate: every prompt was excluded as overlapping the training pool")
+    return dict(sorted(groups.items())), info

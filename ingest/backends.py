@@ -1,0 +1,213 @@
+"""Where responses come from: an in-process vLLM engine, or OpenAI-compatible vLLM servers.
+
+Both backends answer the same two calls, ``chat(conversations)`` and ``complete(texts)``, with one
+:class:`Completion` (vLLM's own prompt and response token ids, the finish reason) or one
+:class:`Failure` per request, in order. A failure never raises: the caller reports it per prompt and
+the run goes on.
+
+The endpoint backend spreads requests over every endpoint (data parallel, a bounded number in
+flight each) and retries a failed request on the next endpoint after an exponential backoff. It asks
+the servers for token ids (``return_token_ids``), so no re-tokenisation happens on this side; the
+first chat answer of each endpoint is checked against the target's own chat template, so a server
+running another template is refused rather than silently mixed in. Endpoints must be loopback unless
+the recipe says otherwise; the API key is read from an environment variable whose *name* is the only
+thing the config, logs, stats and provenance ever hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.ingest.manifest import Generation
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    error: str
+
+
+def chat_kwargs(gen: Generation) -> dict | None:
+    """``chat_template_kwargs`` for the manifest's reasoning switch (None: template default)."""
+    return None if gen.reasoning == "default" else {"enable_thinking": gen.reasoning == "on"}
+
+
+class LocalBackend:
+    """An in-process ``vllm.LLM`` (the default)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def _params(self, gen: Generation):
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=gen.temperature, max_tokens=gen.max_tokens, seed=gen.seed)
+
+    @staticmethod
+    def _done(out) -> Completion:
+        c = out.outputs[0]
+        return Completion(list(out.prompt_token_ids), list(c.token_ids), c.text, str(c.finish_reason or ""))
+
+    def chat(self, conversations: list[list[dict]], gen: Generation) -> list[Completion | Failure]:
+        outs = self.llm.chat(conversations, self._params(gen), use_tqdm=False,
+                             chat_template_kwargs=chat_kwargs(gen))
+        return [self._done(o) for o in outs]
+
+    def complete(self, texts: list[str], gen: Generation) -> list[Completion | Failure]:
+        return [self._done(o) for o in self.llm.generate(texts, self._params(gen), use_tqdm=False)]
+
+    def close(self) -> None:
+        from eaglenest.engine import close_llm
+
+        close_llm(self.llm)
+
+
+def check_endpoints(urls: list[str], *, allow_remote: bool) -> list[str]:
+    out = []
+    for i, url in enumerate(urls):
+        u = urllib.parse.urlparse(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ConfigError(f"ingest.endpoints[{i}]: '{url}' is not an http(s) URL")
+        if u.hostname not in LOOPBACK and not allow_remote:
+            raise ConfigError(f"ingest.endpoints[{i}]: {u.hostname} is not loopback; "
+                              "set ingest.allow_remote_endpoints=true to use it")
+        out.append(url.rstrip("/").removesuffix("/v1"))
+    return out
+
+
+class EndpointBackend:
+    """OpenAI-compatible vLLM servers, data parallel, with retries and per-request failures."""
+
+    def __init__(self, urls: list[str], *, target: str, api_key_env: str = "", timeout_s: float = 120.0,
+                 max_retries: int = 3, backoff_s: float = 0.5, in_flight_per_endpoint: int = 8,
+                 allow_remote: bool = False):
+        self.urls = check_endpoints(urls, allow_remote=allow_remote)
+        if not self.urls:
+            raise ConfigError("ingest.endpoints: at least one URL is required for backend 'endpoints'")
+        self._key = os.environ.get(api_key_env, "") if api_key_env else ""
+        if api_key_env and not self._key:
+            raise ConfigError(f"ingest.api_key_env: environment variable {api_key_env} is not set")
+        self.target, self.timeout_s = target, timeout_s
+        self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.workers = in_flight_per_endpoint * len(self.urls)
+        self._models: dict[str, str] = {}
+        self._checked: set[str] = set()
+        self._lock = threading.Lock()
+        self._tok = None
+        self.retries = 0
+
+    # -- HTTP ---------------------------------------------------------------------------------------
+    def _post(self, base: str, path: str, body: dict) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:  # the message never contains our headers
+            raise EaglenestError(f"{base}{path}: HTTP {exc.code}") from None
+        except (urllib.error.URLError, TimeoutError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise EaglenestError(f"{base}{path}: {type(reason).__name__}: {reason}") from None
+
+    def _model(self, base: str) -> str:
+        if base not in self._models:
+            headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
+            req = urllib.request.Request(base + "/v1/models", headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    self._models[base] = json.loads(resp.read())["data"][0]["id"]
+            except urllib.error.HTTPError as exc:
+                raise EaglenestError(f"{base}/v1/models: HTTP {exc.code}") from None
+            except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as exc:
+                raise EaglenestError(f"{base}/v1/models: {type(exc).__name__}") from None
+        return self._models[base]
+
+    def _sampling(self, gen: Generation) -> dict:
+        return {"temperature": gen.temperature, "max_tokens": gen.max_tokens, "seed": gen.seed,
+                "return_token_ids": True, "skip_special_tokens": True}
+
+    def _one(self, i: int, kind: str, payload, gen: Generation) -> Completion | Failure:
+        errors = []
+        for attempt in range(self.max_retries + 1):
+            base = self.urls[(i + attempt) % len(self.urls)]
+            try:
+                body = {"model": self._model(base), **self._sampling(gen)}
+                if kind == "chat":
+                    body["messages"] = payload
+                    if chat_kwargs(gen):
+                        body["chat_template_kwargs"] = chat_kwargs(gen)
+                    r = self._post(base, "/v1/chat/completions", body)
+                    choice = r["choices"][0]
+                    text, ids = choice["message"].get("content") or "", choice.get("token_ids")
+                else:
+                    body["prompt"] = payload
+                    r = self._post(base, "/v1/completions", body)
+                    choice = r["choices"][0]
+                    text, ids = choice.get("text") or "", choice.get("token_ids")
+                prompt_ids = r.get("prompt_token_ids") or choice.get("prompt_token_ids")
+                if ids is None or prompt_ids is None:
+                    raise EaglenestError(f"{base}: server returned no token ids (vLLM >= 0.10 needed)")
+                done = Completion(list(prompt_ids), list(ids), text, str(choice.get("finish_reason") or ""))
+                if kind == "chat":
+                    self._check_template(base, payload, done, gen)
+                return done
+            except (EaglenestError, KeyError, IndexError, TypeError, ValueError) as exc:
+                if isinstance(exc, ConfigError):
+                    raise
+                errors.append(str(exc) if isinstance(exc, EaglenestError) else f"{base}: bad response")
+                if attempt < self.max_retries:
+                    with self._lock:
+                        self.retries += 1
+                    time.sleep(self.backoff_s * 2 ** attempt)
+        return Failure(f"{len(errors)} attempt(s) failed; last: {errors[-1]}")
+
+    def _check_template(self, base: str, messages: list[dict], done: Completion, gen: Generation) -> None:
+        with self._lock:
+            if base in self._checked:
+                return
+            if self._tok is None:
+                from transformers import AutoTokenizer
+
+                self._tok = AutoTokenizer.from_pretrained(self.target)
+            want = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False, **(chat_kwargs(gen) or {}))
+            if list(want) != done.prompt_ids:
+                raise ConfigError(f"ingest.endpoints: {base} renders prompts differently from the target "
+                                  f"{self.target}'s chat template; start it with the same model")
+            self._checked.add(base)
+
+    def _map(self, kind: str, payloads: list, gen: Generation) -> list[Completion | Failure]:
+        with ThreadPoolExecutor(max_workers=min(self.workers, max(1, len(payloads)))) as pool:
+            return list(pool.map(lambda ip: self._one(ip[0], kind, ip[1], gen), enumerate(payloads)))
+
+    def chat(self, conversations: list[list[dict]], gen: Generation) -> list[Completion | Failure]:
+        return self._map("chat", conversations, gen)
+
+    def complete(self, texts: list[str], gen: Generation) -> list[Completion | Failure]:
+        return self._map("complete", texts, gen)
+
+    def close(self) -> None:
+        pass

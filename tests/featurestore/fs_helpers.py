@@ -1,0 +1,29 @@
+"""Synthetic feature rows for feature-store tests (tiny shapes, real Lance)."""
+
+import numpy as np
+import pyarrow as pa
+
+from eaglenest.featurestore import schema as S
+
+
+def meta(dtype="float32", hidden=8, layer_ids=(2, 4, 5), target="t"):
+    return S.FeatureMeta(target=target, layer_ids=tuple(layer_ids), last_layer_id=8, hidden_size=hidden,
+                         dtype=dtype, feature_set_id=f"fs-{target}-{'-'.join(map(str, layer_ids))}-{dtype}")
+
+
+def rows(ids, m, *, num_tokens=4, domain="d", seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for k, sid in enumerate(ids):
+        T = num_tokens + k % 3
+        aux = rng.standard_normal((T, len(m.layer_ids), m.hidden_size)).astype("float32")
+        last = rng.standard_normal((T, m.hidden_size)).astype("float32")
+        out.append({"sample_id": sid, "domain": domain, "source": "s", "split": "train", "mode": "chat",
+                    "gen_params_id": "g", "num_tokens": T, "num_loss_tokens": T - 1,
+                    "input_ids": [(7 * k + j) % 50 for j in range(T)], "loss_mask": [0] + [1] * (T - 1),
+                    "aux_hidden": S.encode_tensor(aux, m.dtype), "last_hidden": S.encode_tensor(last, m.dtype)})
+    return out
+
+
+def table(ids, m, **kw):
+    return pa.Table.from_pylist(rows(ids, m, **kw), schema=S.features_schema(m))

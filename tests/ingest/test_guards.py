@@ -1,0 +1,99 @@
+"""Contamination checks (MT-Bench read at run time, SPEED-Bench style files, the held-out split) and a
+write that fails (file-size limit = disk full) leaving no partial version. No engine is started."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from eaglenest.config import build
+from eaglenest.errors import ManifestError
+from eaglenest.ingest import contamination
+from eaglenest.ingest.manifest import Manifest
+from eaglenest.ingest.pool import build_pool
+
+MT_BENCH = "/work/shared/benchmarks/mt_bench/question.jsonl"
+
+
+def _manifest(tmp_path, **contam):
+    return build(Manifest, {"name": "t", "licence": "x", "held_out_fraction": 0.3, "raw_fraction": 0.0,
+                            "contamination": contam,
+                            "domains": {"a": {"cap_prompts": 100, "sources": [{"path": "x", "provenance": "p"}]}}})
+
+
+def test_mt_bench_and_speed_bench_prompts_are_dropped_from_training(tmp_path):
+    mt = [json.loads(line) for line in open(MT_BENCH)]
+    speed = tmp_path / "speed.jsonl"
+    speed.write_text(json.dumps({"prompt": "Summarise the speed bench passage about rivers."}) + "\n")
+    rows = [{"prompt": f"ordinary prompt number {i} about nothing in particular", "system": "", "source": "s"}
+            for i in range(40)]
+    rows.append({"prompt": "  " + mt[0]["turns"][0].upper() + " ", "system": "", "source": "s"})  # same, reformatted
+    rows.append({"prompt": "x", "later_turns": [mt[3]["turns"][1]], "system": "", "source": "s"})  # a later turn
+    rows.append({"prompt": "summarise the SPEED bench passage about rivers.", "system": "", "source": "s"})
+    m = _manifest(tmp_path, mt_bench=[MT_BENCH], speed_bench=[str(speed)])
+    pool = build_pool(m, {"a": rows})
+    n_train = sum(e.split == "train" for e in pool)
+    kept, report = contamination.check(pool, m)
+    assert report["eval_prompts"] == sum(len(q["turns"]) for q in mt) + 1
+    bad = {e.sample_id for e in pool if e.split == "train"} - {e.sample_id for e in kept}
+    held_bad = sum(e.split == "heldout" and not e.prompt.startswith("ordinary") for e in pool)
+    assert report["contaminated"] == len(bad) == 3 - held_bad
+    assert len(kept) == len(pool) - len(bad) and n_train - len(bad) == sum(e.split == "train" for e in kept)
+    with pytest.raises(ManifestError, match="^contamination: "):
+        contamination.check(pool, _manifest(tmp_path, mt_bench=[MT_BENCH], speed_bench=[str(speed)],
+                                            action="error"))
+
+
+def test_near_duplicates_of_heldout_prompts_are_flagged(tmp_path):
+    base = "please write a short poem about the quiet harbour at dawn with gulls"
+    rows = [{"prompt": f"{base} variant {i}", "system": "", "source": "s"} for i in range(30)]
+    m = _manifest(tmp_path, near_duplicate_threshold=0.6)
+    pool = build_pool(m, {"a": rows})
+    kept, report = contamination.check(pool, m)
+    assert report["by_reason"].get("near:heldout", 0) == sum(e.split == "train" for e in pool)
+    assert all(e.split == "heldout" for e in kept)
+    off = build_pool(_manifest(tmp_path), {"a": rows})
+    assert contamination.check(off, _manifest(tmp_path))[1]["contaminated"] == 0
+
+
+DISK_FULL = textwrap.dedent("""
+    import random, resource, signal, sys
+    from eaglenest.config import build as b
+    from eaglenest.errors import StoreError
+    from eaglenest.featurestore import store
+    from eaglenest.featurestore.fragments import ensure_table
+    from eaglenest.ingest.build import build
+    from eaglenest.ingest.config import IngestConfig
+    from eaglenest.ingest.manifest import Manifest
+    from eaglenest.ingest.pool import build_pool
+    uri, target = sys.argv[1], sys.argv[2]
+    m = b(Manifest, {"name": "t", "licence": "x", "held_out_count": 400,
+                     "domains": {"a": {"cap_prompts": 400, "sources": [{"path": "x", "provenance": "p"}]}}})
+    pool = build_pool(m, {"a": [{"prompt": f"prompt {i} " + random.Random(i).randbytes(600).hex(), "system": "", "source": "s"}
+                                for i in range(400)]})
+    v0 = ensure_table(uri, store.PROMPTS)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))  # any file > 64 KiB: EFBIG
+    try:
+        build(m, pool, target=target, store_uri=uri, cfg=IngestConfig())
+    except StoreError as exc:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        print("ERR", exc)
+        print("VERSIONS", v0, store.latest_version(uri, store.PROMPTS), len(store.sample_ids(uri, store.PROMPTS)))
+""")
+
+
+@pytest.mark.slow
+def test_disk_full_is_a_clear_error_and_commits_nothing(tmp_path, tiny_target):
+    p = subprocess.run([sys.executable, "-c", DISK_FULL, str(tmp_path / "store"), str(tiny_target)],
+                       capture_output=True, text=True, timeout=120)
+    out = p.stdout.splitlines()
+    assert p.returncode == 0 and out, p.stderr[-2000:]
+    assert out[0].startswith("ERR run.store_uri: cannot write the prompts table") and len(out[0]) < 600
+    assert "no partial version was committed" in out[0]
+    _, v0, v1, n = out[1].split()
+    assert v0 == v1 and n == "0"

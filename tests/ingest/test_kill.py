@@ -1,0 +1,68 @@
+"""SIGKILL `ingest build` at a random point, run it again: every prompt is in the table exactly once.
+
+Real vLLM in a real subprocess; the kill lands after at least one shard commit, at a random delay
+(the seed is printed so a failure can be replayed), and takes the engine-core process with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eaglenest.featurestore import store
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+def _rows(uri: str) -> int:
+    try:
+        return len(store.sample_ids(uri, store.PROMPTS))
+    except Exception:  # noqa: BLE001 - the table may be mid-creation
+        return 0
+
+
+def test_sigkill_then_rerun_is_exactly_once(tmp_path, root, tiny_target, small_manifest):
+    CAPS, write_manifest = small_manifest
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    manifest = write_manifest(tmp_path / "m.yaml", root)
+    work = tmp_path / "work"
+    uri = str(work / "store")
+    argv = [str(BIN / "ingest"), "build", "--manifest", str(manifest), f"run.workdir={work}",
+            f"run.target={tiny_target}", "ingest.commit_every=3", "ingest.engine.max_num_seqs=4",
+            "ingest.engine.max_model_len=512"]
+    proc = subprocess.Popen(argv, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        # wait for the first training shard (the 4 held-out rows are committed first)
+        while _rows(uri) <= 4 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(rng.uniform(0.0, 1.5))
+        killed = proc.poll() is None
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    before = len(store.sample_ids(uri, store.PROMPTS))
+    print(f"seed={seed} killed={killed} rows_before_rerun={before}")
+    assert killed, f"the run finished before the kill (seed {seed}); {proc.stderr.read()[-2000:]!r}"
+    total = sum(CAPS.values())
+    assert 0 < before < total
+    rerun = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    t = store.read(uri, store.PROMPTS, columns=["sample_id", "domain", "split", "finish_reason"])
+    ids = t.column("sample_id").to_pylist()
+    assert len(ids) == len(set(ids)) == total
+    assert collections.Counter(t.column("domain").to_pylist()) == CAPS
+    split = collections.Counter(zip(t.column("domain").to_pylist(), t.column("split").to_pylist()))
+    assert all(split[(d, "heldout")] == 2 for d in CAPS)
+    assert all(f for f, s in zip(t.column("finish_reason").to_pylist(), t.column("split").to_pylist())
+               if s == "train")

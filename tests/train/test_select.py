@@ -1,0 +1,61 @@
+"""Served-AL checkpoint selection with real vLLM on CPU, and the run report (JSON + PNG).
+
+Features: greedy continuations of the committed tiny target (HF, in-process); held-out prompts:
+a few chat prompts in the store's prompts table. Two evaluations (two engine starts, ~1 min).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eaglenest.engine import EngineConfig
+from eaglenest.evaluate.config import EvaluateConfig
+from eaglenest.train.config import TrainConfig
+from eaglenest.train.loop import train
+
+ROOT_TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-target"
+
+
+@pytest.fixture(scope="module")
+def real_store(tmp_path_factory, synth):
+    from eaglenest.featurestore import schema as S, store
+
+    uri = str(tmp_path_factory.mktemp("selstore") / "store")
+    samples = synth.greedy_sequences(ROOT_TARGET, n=16, prompt_len=8, gen_len=40)
+    synth.write_features(uri, ROOT_TARGET, samples)
+    rows = [dict(sample_id=f"h{i}", domain="d", source="test", split="heldout", mode="chat",
+                 messages_json=json.dumps([{"role": "user", "content": t}]), prompt_token_ids=[],
+                 response_token_ids=[], finish_reason="", gen_params_id="g")
+            for i, t in enumerate(["What is 2 + 2?", "Write about rain.", "Name a colour."])]
+    store.append(uri, store.PROMPTS, pa.Table.from_pylist(rows, schema=S.PROMPTS_SCHEMA))
+    return uri
+
+
+@pytest.mark.slow
+def test_served_al_selection_and_report(tmp_path, real_store):
+    cfg = TrainConfig(draft_vocab_size=512, ttt_steps=3, pack_tokens=192, batch_rows=2, lr=5e-3,
+                      warmup_steps=2, num_epochs=8, num_steps=8, log_every_steps=2,
+                      select_every_steps=4, select_prompts_per_domain=2)
+    ev = EvaluateConfig(max_tokens=24, engine=EngineConfig(max_model_len=512, memory_fraction=0.1, max_num_seqs=4))
+    s = train(cfg, store_uri=real_store, workdir=str(tmp_path), target_dir=str(ROOT_TARGET), seed=0, evaluate=ev)
+    out = s.outdir
+    sel = [json.loads(x) for x in (out / "selection.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in sel] == [4, 8]
+    assert all(r["served_al"] >= 1.0 and r["prompts"] == 2 for r in sel)
+    best = max(sel, key=lambda r: (r["served_al"], -r["step"]))
+    info = json.loads((out / "checkpoint.json").read_text())
+    assert info["selection"]["best_step"] == best["step"] == info["step"]
+    assert info["selection"]["best_served_al"] == best["served_al"]
+    # The run's checkpoint holds the best snapshot's weights.
+    a, b = load_file(out / "draft.safetensors"), load_file(out / "best" / "draft.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    report = json.loads((out / "report.json").read_text())
+    assert [r["step"] for r in report["served_al"]] == [4, 8] and len(report["metrics"]) == 4
+    assert len(report["metrics"][0]["step_acc"]) == 3 and 0 <= report["stall_fraction"] < 1
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

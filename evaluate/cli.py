@@ -3,6 +3,7 @@
     evaluate al [k=v ...]                 AL per domain/category and per context bucket, both averages
     evaluate throughput [k=v ...]         tokens/s, speed-up, TTFT and latency across a concurrency sweep
     evaluate compare --a A --b B [k=v ...]  two drafts (dirs) or two reports (report.json) side by side
+    evaluate offline [--draft DIR] [k=v ...]  AL without vLLM: HF target + PyTorch draft, greedy
 """
 
 from __future__ import annotations
@@ -23,12 +24,49 @@ def cmd_al(recipe, args) -> int:
     from eaglenest.provenance import write_provenance
 
     cfg, draft = recipe.evaluate, draft_dir(recipe)
-    report = evaluate_al(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri, cfg=cfg)
     out = args.out or str(recipe.run.path("eval"))
+    key = _cache_key(recipe, draft)
+    cached = None if args.force else _cached_report(out, key)
+    if cached is not None:
+        print(f"evaluate: {out}/report.json already measures this draft with these settings "
+              "(--force to measure again)", file=sys.stderr)
+        print(markdown(cached))
+        return 0
+    report = evaluate_al(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri, cfg=cfg)
+    report["cache_key"] = key
     write_report(out, report)
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
     print(markdown(report))
     return 0
+
+
+def _cache_key(recipe, draft: str) -> str:
+    """Identity of a measurement: draft and target weights, the evaluate settings, the prompts version."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for d in (Path(draft), Path(recipe.run.target)):
+        for f in sorted(d.glob("*.json")) + sorted(d.glob("*.safetensors")):
+            if f.name != "provenance.json":
+                h.update(f.name.encode())
+                h.update(f.read_bytes())
+    h.update(json.dumps({"evaluate": recipe.to_dict()["evaluate"], **_inputs(recipe, draft)},
+                        sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def _cached_report(out: str, key: str) -> dict | None:
+    import json
+    from pathlib import Path
+
+    path = Path(out) / "report.json"
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return report if report.get("cache_key") == key else None
 
 
 def _inputs(recipe, draft: str) -> dict:
@@ -66,15 +104,44 @@ def cmd_compare(recipe, args) -> int:
     return 0
 
 
+def cmd_offline(recipe, args) -> int:
+    from eaglenest.evaluate.offline import offline_al
+    from eaglenest.evaluate.prompts import load_prompt_set
+    from eaglenest.provenance import write_json_atomic, write_provenance
+
+    cfg, draft = recipe.evaluate, args.draft or draft_dir(recipe)
+    if cfg.temperature != 0.0:
+        from eaglenest.errors import ConfigError
+
+        raise ConfigError(f"evaluate.temperature: offline AL is greedy only (0.0), got {cfg.temperature}")
+    groups, info = load_prompt_set(cfg, recipe.run.store_uri)
+    report = offline_al(target=recipe.run.target, draft=draft, groups=groups,
+                        num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=cfg.max_tokens)
+    report["prompts"] = info
+    out = recipe.run.path(args.out or "eval_offline")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "offline_report.json", report)
+    write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
+    print("| group | prompts | AL (pooled) | AL per-request |\n|---|---|---|---|")
+    for name, row in [*report["domains"].items(), ("overall", report["overall"])]:
+        print(f"| {name} | {row['prompts']} | {row['acceptance_length']} | {row['acceptance_length_per_request']} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     out = (("--out",), dict(default=None, help="output directory"))
     return run("evaluate", "Measure a draft under vLLM speculative decoding.", {
-        "al": Command(cmd_al, "AL per domain and context bucket, from vLLM's spec-decode metrics", args=[out]),
+        "al": Command(cmd_al, "AL per domain and context bucket, from vLLM's spec-decode metrics",
+                      args=[out, (("--force",), dict(action="store_true",
+                                                     help="measure again even if report.json matches"))]),
         "throughput": Command(cmd_throughput, "throughput and latency against concurrency, with and "
                                               "without speculation", args=[out]),
         "compare": Command(cmd_compare, "two drafts or two report.json files side by side",
                            args=[(("--a",), dict(required=True, help="draft directory or report.json")),
                                  (("--b",), dict(required=True, help="draft directory or report.json")), out]),
+        "offline": Command(cmd_offline, "AL without vLLM (HF target + PyTorch draft, greedy verification)",
+                           args=[(("--draft",), dict(default=None, help="exported draft dir or train checkpoint "
+                                                                        "dir (default: evaluate.draft)")), out]),
     }, argv)
 
 

@@ -86,7 +86,10 @@ def ensure_table(uri: str, name: str, *, meta: S.FeatureMeta | None = None) -> i
     if not store.exists(uri, name):
         Path(uri).mkdir(parents=True, exist_ok=True)
         try:
-            lance.write_dataset(want.empty_table(), str(path), schema=want, mode="create")
+            # File format 2.0: Lance's default (2.2 in pylance 14) wrote the large_binary tensor columns
+            # ~10x slower (bench/featurestore_write.py); later fragments inherit the table's format.
+            lance.write_dataset(want.empty_table(), str(path), schema=want, mode="create",
+                                data_storage_version="2.0")
         except OSError as exc:
             if "already exists" not in str(exc) and not store.exists(uri, name):
                 raise

@@ -32,10 +32,12 @@ CRC_DIR = "_eaglenest_crc"
 
 
 def crc_file(path: Path) -> str:
-    crc = 0
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            crc = zlib.crc32(block, crc)
+    # One reused buffer: a fresh 8 MiB bytes per block cost ~1.8x in page faults (bench/featurestore_write.py).
+    crc, buf = 0, bytearray(8 << 20)
+    view = memoryview(buf)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
     return f"{crc:08x}"
 
 

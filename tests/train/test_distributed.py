@@ -110,3 +110,10 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, feature_store, tiny_tar
     other = train(TrainConfig(**{**KILL, "lr": 1e-3, "num_steps": 2}), store_uri=feature_store[0],
                   workdir=str(work), target_dir=str(tiny_target), seed=0)
     assert other.steps == 2 and len(metrics(work)) == 2
+
+
+def test_launch_validates_the_recipe_before_starting_ranks(capsys):
+    from eaglenest.train.cli import main
+
+    assert main(["launch", "--nproc", "2", "--recipe", RECIPE, "train.resume=maybe"]) == 2
+    assert "train.resume" in capsys.readouterr().err

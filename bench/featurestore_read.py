@@ -1,0 +1,246 @@
+"""Training reads from the feature store vs a raw sequential read and vs per-sample torch.load files.
+
+Side by side in one run, on the same EAGLE-3 features (see featurestore_write.py: aux ``[T, 3, H]``
++ last ``[T, H]`` bf16, 32 KiB/token at H=4096), written once to the same disk:
+
+* store: the store opened with ``store.dataset`` (schema validated), samples in a seeded shuffled
+  order in batches of ``--batch-samples``, one ``dataset.take`` per sample, decoded to torch
+  tensors of the stored dtype (bf16) that view the Arrow buffers (no copy after Lance's read).
+* trainer (``--trainer``): ``train.data.FeatureShards`` as shipped: its shuffled plan, then
+  ``read`` per batch (one take per batch, ``to_pylist``, bf16 -> fp32, pack, pad with
+  ``collate``), against torch.load files turned into the same ``Batch`` ("torch.load->Batch").
+* raw: the same bytes read sequentially from one file, one fresh buffer per sample (no decode).
+* disk: the same file read into one reused 8 MiB buffer: the disk alone, no memory to fill (on
+  this VM first-touch page faults cost as much as the disk; printed, not a threshold).
+* torch.load: one file per sample (the SpecForge layout), the same shuffled batches, each sample
+  ``torch.load``-ed (bf16 tensors, as the store's).
+
+Cold reads for every contender: before each timed read, its files are fsync'ed and their pages
+evicted from the page cache with ``posix_fadvise(DONTNEED)`` (no root needed; ``drop_caches``
+would need it). ``--warm`` skips the eviction (all from page cache). Contenders alternate order
+each round; each ratio is median [min, max] over rounds. ``--check`` exits 1 if store/raw < 0.6
+or store/torch.load < 3 (medians).
+
+    python bench/featurestore_read.py                      # ~1 GiB, 3 rounds, < 90 s here
+    python bench/featurestore_read.py --samples 48 --rounds 5 --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _write_module():
+    spec = importlib.util.spec_from_file_location("_bench_featurestore_write", HERE / "featurestore_write.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+W = _write_module()
+
+
+def _torch_rows(chunk, shape_of, dtype):
+    """Zero-copy torch views of each value of a ``large_binary`` Arrow chunk, in the stored dtype."""
+    import numpy as np
+    import torch
+
+    _, offsets, data = chunk.buffers()
+    offs = np.frombuffer(offsets, np.int64)[chunk.offset:chunk.offset + len(chunk) + 1]
+    with warnings.catch_warnings():  # Arrow buffers are read-only; the views are never written
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(np.frombuffer(data, np.uint8))
+    return [flat[offs[i]:offs[i + 1]].view(dtype).view(shape_of(i)) for i in range(len(chunk))]
+
+
+def read_store(uri: Path, *, batch_samples: int, seed: int) -> int:
+    """Shuffled batches of whole samples as torch tensors of the stored dtype (bf16), straight from
+    the store: one ``dataset.take`` per sample, tensors viewing the Arrow buffers. Returns tokens."""
+    import numpy as np
+    import torch
+
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore import store
+
+    ds = store.dataset(str(uri), store.FEATURES)
+    meta = S.feature_meta(ds.schema)
+    lengths = ds.to_table(columns=["num_tokens"]).column("num_tokens").to_numpy()
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[meta.dtype]
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    tokens = 0
+    for j in range(0, len(order), batch_samples):
+        batch = []
+        for i in order[j:j + batch_samples].tolist():
+            # One take per sample: ~2x faster than one take of the whole batch here (pylance 14,
+            # large_binary values of ~50 MB); see docs/featurestore.md, Benchmarks.
+            t = ds.take([i], columns=["input_ids", "loss_mask", "aux_hidden", "last_hidden"]).combine_chunks()
+            n = int(lengths[i])
+            aux = _torch_rows(t.column("aux_hidden").chunk(0), lambda _: (n, len(meta.layer_ids), meta.hidden_size),
+                              dtype)[0]
+            last = _torch_rows(t.column("last_hidden").chunk(0), lambda _: (n, meta.hidden_size), dtype)[0]
+            ids = torch.from_numpy(t.column("input_ids").chunk(0).values.to_numpy())
+            batch.append((ids, aux, last))
+            assert ids.numel() == n
+            tokens += n
+    return tokens
+
+
+def read_trainer(uri: Path, *, pack_tokens: int, batch_rows: int, seed: int) -> int:
+    """All of one epoch through the trainer's reader; returns the tokens delivered."""
+    from eaglenest.train.data import FeatureShards
+
+    shards = FeatureShards(str(uri), version=None, split="train", pack_tokens=pack_tokens,
+                           batch_rows=batch_rows, seed=seed)
+    tokens = 0
+    for rows in shards.plan(0):
+        batch = shards.read(rows)
+        tokens += int((batch.doc_ids >= 0).sum())
+    return tokens
+
+
+def read_raw(path: Path, sizes: list[int]) -> int:
+    """Sequential read of ``path`` into one fresh buffer per sample (the bytes end up in memory, as
+    any reader's must); returns the bytes read."""
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        for n in sizes:
+            total += len(f.read(n))
+    return total
+
+
+def read_disk(path: Path) -> int:
+    """Sequential read of ``path`` into one reused 8 MiB buffer: the disk alone, no memory to fill."""
+    buf = bytearray(8 << 20)
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            total += n
+    return total
+
+
+def read_torch(folder: Path, *, num: int, batch_samples: int, seed: int) -> int:
+    """The same shuffled batches as :func:`read_store`, from per-sample torch.save files."""
+    import numpy as np
+    import torch
+
+    order = np.random.default_rng(seed).permutation(num)
+    tokens = 0
+    for j in range(0, num, batch_samples):
+        batch = [torch.load(folder / f"data_{i}.ckpt") for i in order[j:j + batch_samples].tolist()]
+        tokens += sum(int(d["input_ids"].shape[0]) for d in batch)
+    return tokens
+
+
+def read_torch_trainer(folder: Path, uri: Path, *, pack_tokens: int, batch_rows: int, seed: int) -> int:
+    """The same plan and the same Batch as :func:`read_trainer`, from per-sample torch.save files."""
+    import torch
+
+    from eaglenest.train.data import FeatureShards, collate
+
+    shards = FeatureShards(str(uri), version=None, split="train", pack_tokens=pack_tokens,
+                           batch_rows=batch_rows, seed=seed)  # the plan only (small columns)
+    order = shards.aux_order
+
+    def decode(i: int):
+        d = torch.load(folder / f"data_{int(shards.offsets[i])}.ckpt")
+        n = min(d["input_ids"].shape[0], pack_tokens)
+        return (d["input_ids"][:n].long(), d["loss_mask"][:n].bool(),
+                d["aux_hidden_states"][:n, order].float().reshape(n, -1), d["hidden_states"][:n].float())
+
+    tokens = 0
+    for rows in shards.plan(0):
+        batch = collate([[decode(i) for i in row] for row in rows])
+        tokens += int((batch.doc_ids >= 0).sum())
+    return tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=24)
+    ap.add_argument("--min-tokens", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--batch-samples", type=int, default=4, help="samples per shuffled batch")
+    ap.add_argument("--trainer", action="store_true",
+                    help="also time train.data.FeatureShards (packed fp32 Batch) and torch.load into the same Batch")
+    ap.add_argument("--pack-tokens", type=int, default=4096, help="train.pack_tokens for --trainer")
+    ap.add_argument("--batch-rows", type=int, default=2, help="train.batch_rows for --trainer")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warm", action="store_true", help="read from the page cache (no eviction)")
+    ap.add_argument("--dir", default="/tmp", help="parent of the temporary directory (same disk for all)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a threshold is missed")
+    args = ap.parse_args(argv)
+
+    samples = W.make_samples(args.samples, args.min_tokens, args.max_tokens, args.hidden)
+    nbytes = W.feature_bytes(samples)
+    tokens = sum(len(s["ids"]) for s in samples)
+    print(f"{args.samples} samples, {tokens} tokens, {nbytes / 2**30:.2f} GiB, {args.rounds} rounds, "
+          f"{'warm (page cache)' if args.warm else 'cold (pages evicted before each read)'}")
+    root = Path(tempfile.mkdtemp(prefix="fs_read_bench_", dir=args.dir))
+    try:
+        uri, raw, pt = root / "store", root / "plain.bin", root / "pt"
+        W.write_store(samples, uri, commit_every=8)
+        W.write_plain(samples, raw)
+        W.write_torch(samples, pt)
+        sizes = [s["aux"].nbytes + s["last"].nbytes + s["ids"].nbytes + s["mask"].nbytes for s in samples]
+        del samples
+        bopts = dict(batch_samples=args.batch_samples)
+        topts = dict(pack_tokens=args.pack_tokens, batch_rows=args.batch_rows)
+        readers = {"store": (uri, lambda r: read_store(uri, seed=r, **bopts)),
+                   "raw": (raw, lambda r: read_raw(raw, sizes)),
+                   "disk": (raw, lambda r: read_disk(raw)),
+                   "torch.load": (pt, lambda r: read_torch(pt, num=args.samples, seed=r, **bopts))}
+        if args.trainer:
+            readers["trainer"] = (uri, lambda r: read_trainer(uri, seed=r, **topts))
+            readers["torch.load->Batch"] = (pt, lambda r: read_torch_trainer(pt, uri, seed=r, **topts))
+        # Warm-up (imports, first calls) and a check that every reader delivers every token.
+        assert read_store(uri, seed=99, **bopts) == tokens == read_torch(pt, num=args.samples, seed=99, **bopts)
+        assert read_raw(raw, sizes) == nbytes == read_disk(raw)
+        if args.trainer:
+            small = dict(topts, pack_tokens=max(args.pack_tokens, args.max_tokens))
+            assert read_trainer(uri, seed=99, **small) == tokens == read_torch_trainer(pt, uri, seed=99, **small)
+        names = list(readers)
+        secs: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                path, fn = readers[name]
+                W.sync_tree(path, drop_cache=not args.warm)
+                t0 = time.perf_counter()
+                fn(r)
+                secs[name].append(time.perf_counter() - t0)
+            print(f"round {r}: " + ", ".join(f"{n} {nbytes / secs[n][-1] / 1e9:.2f} GB/s" for n in order))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    vs_raw = [w / s for s, w in zip(secs["store"], secs["raw"])]
+    vs_torch = [t / s for s, t in zip(secs["store"], secs["torch.load"])]
+    for n in names:
+        print(f"{n:>10}: {W.spread([nbytes / s / 1e9 for s in secs[n]])} GB/s of stored features")
+    print(f"store / raw sequential read:  {W.spread(vs_raw)}  (target >= 0.6)")
+    print(f"store / disk-only read (reused 8 MiB buffer): "
+          f"{W.spread([w / s for s, w in zip(secs['store'], secs['disk'])])}")
+    print(f"store / torch.load per sample: {W.spread(vs_torch)}  (target >= 3)")
+    if args.trainer:
+        print(f"trainer Batch / raw sequential read:        "
+              f"{W.spread([w / s for s, w in zip(secs['trainer'], secs['raw'])])}")
+        print(f"trainer Batch / torch.load into same Batch: "
+              f"{W.spread([t / s for s, t in zip(secs['trainer'], secs['torch.load->Batch'])])}")
+    ok = statistics.median(vs_raw) >= 0.6 and statistics.median(vs_torch) >= 3.0
+    if args.check and not ok:
+        print("FAIL: a read threshold was missed", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Feature-store write throughput vs a plain sequential write and vs per-sample torch.save files.
+
+Side by side in one run, on the same in-memory EAGLE-3 features (aux ``[T, 3, H]`` + last ``[T, H]``
+bf16, 32 KiB/token at H=4096, random bits, token ids and loss mask), written to the same disk:
+
+* store: Arrow rows of the features schema (``--build buffers``: one copy from the arrays;
+  ``pylist``: capture's ``build.feature_row`` + ``pa.Table.from_pylist``) -> ``store.append``
+  (``fragments.write_fragment`` + ``commit_fragments``, CRC sidecars included) in commits of
+  ``--commit-every`` samples.
+* plain: the same bytes (aux, last, ids, mask per sample) appended to one file with ``write``.
+* torch.save: one file per sample holding a dict of torch tensors (the SpecForge layout).
+
+Durability is the same for all three: every file a contender wrote is fsync'ed (and its directory)
+before its clock stops. The page cache cannot be dropped without root; writes are measured to
+stable storage through fsync instead of O_DIRECT, which Lance cannot use. Contenders alternate
+order each round; each ratio is printed as median [min, max] over rounds. ``--check`` exits 1 if
+store/plain < 0.7 or store is not faster than torch.save (median).
+
+    python bench/featurestore_write.py                       # ~1 GiB, 3 rounds, < 90 s here
+    python bench/featurestore_write.py --samples 64 --rounds 5 --check
+
+The data helpers here are shared with featurestore_read.py and featurestore_layout.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+LAYER_IDS = (2, 16, 29)  # vLLM's EAGLE-3 default for a 32-layer, 4096-hidden target
+
+
+def make_meta(hidden: int):
+    from eaglenest.featurestore import schema as S
+
+    return S.FeatureMeta(target="bench-4096", layer_ids=LAYER_IDS, last_layer_id=32, hidden_size=hidden,
+                         dtype="bfloat16", feature_set_id="bench")
+
+
+def make_samples(num: int, min_tokens: int, max_tokens: int, hidden: int, seed: int = 0) -> list[dict]:
+    """``num`` samples: conv fields as ``build.feature_row`` expects, plus bf16 bit-pattern arrays."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(num):
+        t = int(rng.integers(min_tokens, max_tokens + 1))
+        n_prompt = t // 4
+        ids = rng.integers(0, 128_000, t).astype(np.int32)
+        out.append({
+            "conv": {"sample_id": f"bench-{i:05d}", "domain": "bench", "source": "random", "split": "train",
+                     "mode": "chat", "gen_params_id": "bench",
+                     "prompt_token_ids": ids[:n_prompt].tolist(), "response_token_ids": ids[n_prompt:].tolist()},
+            "ids": ids, "mask": np.r_[np.zeros(n_prompt, np.uint8), np.ones(t - n_prompt, np.uint8)],
+            # Random 16-bit patterns with the exponent capped so none is inf/NaN (not that it matters here).
+            "aux": (rng.integers(0, 1 << 16, (t, len(LAYER_IDS), hidden), dtype=np.uint16) & 0xBFFF),
+            "last": (rng.integers(0, 1 << 16, (t, hidden), dtype=np.uint16) & 0xBFFF),
+        })
+    return out
+
+
+def feature_bytes(samples: list[dict]) -> int:
+    return sum(s["aux"].nbytes + s["last"].nbytes + s["ids"].nbytes + s["mask"].nbytes for s in samples)
+
+
+def sync_tree(root: Path, *, drop_cache: bool = False) -> None:
+    """fsync every file and directory under ``root``; with ``drop_cache`` also evict their clean pages
+    (posix_fadvise DONTNEED, which needs no root), so the next read comes from disk."""
+    paths = [root] + sorted(root.rglob("*")) if root.is_dir() else [root]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            if drop_cache and not p.is_dir():
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _binary(array: np.ndarray):
+    """A one-row ``large_binary`` array viewing ``array``'s memory (zero copy)."""
+    import pyarrow as pa
+
+    offsets = pa.py_buffer(np.array([0, array.nbytes], np.int64))
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, offsets, pa.py_buffer(array)])
+
+
+def features_table(samples: list[dict], meta, *, build: str = "buffers"):
+    """The features rows of ``samples``: ``pylist`` is capture's route today (``build.feature_row``
+    + ``pa.Table.from_pylist``, two copies of the tensors); ``buffers`` makes one record batch per
+    sample whose tensor columns view the arrays (zero copy): the same table, bit for bit."""
+    import pyarrow as pa
+
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore.build import feature_row
+
+    schema = S.features_schema(meta)
+    if build == "pylist":
+        return pa.Table.from_pylist([feature_row(s["conv"], s["aux"], s["last"], meta) for s in samples],
+                                    schema=schema)
+    batches = []
+    for s in samples:
+        c = s["conv"]
+        t = len(s["ids"])
+        cols = [pa.array([c[k]], pa.string()) for k in ("sample_id", "domain", "source", "split", "mode",
+                                                        "gen_params_id")]
+        cols += [pa.array([t], pa.int32()), pa.array([int(s["mask"].sum())], pa.int32())]
+        for key, typ in (("ids", pa.int32()), ("mask", pa.uint8())):
+            cols.append(pa.ListArray.from_arrays(pa.array([0, t], pa.int32()), pa.array(s[key], typ)))
+        cols += [_binary(s["aux"]), _binary(s["last"])]
+        batches.append(pa.RecordBatch.from_arrays(cols, schema=schema))
+    return pa.Table.from_batches(batches, schema=schema)
+
+
+def write_store(samples: list[dict], uri: Path, commit_every: int, *, table: str = "features",
+                build: str = "buffers") -> None:
+    """The real write path: ``store.append`` = ``write_fragment`` + ``commit_fragments`` (+ CRCs)."""
+    from eaglenest.featurestore import store
+
+    meta = make_meta(samples[0]["last"].shape[1])
+    for i in range(0, len(samples), commit_every):
+        store.append(str(uri), table, features_table(samples[i:i + commit_every], meta, build=build), meta=meta)
+
+
+def write_plain(samples: list[dict], path: Path) -> None:
+    with open(path, "wb") as f:
+        for s in samples:
+            for key in ("ids", "mask", "aux", "last"):
+                f.write(memoryview(s[key]).cast("B"))
+
+
+def write_torch(samples: list[dict], folder: Path) -> None:
+    import torch
+
+    folder.mkdir()
+    for i, s in enumerate(samples):
+        torch.save({"input_ids": torch.from_numpy(s["ids"]), "loss_mask": torch.from_numpy(s["mask"]),
+                    "aux_hidden_states": torch.from_numpy(s["aux"]).view(torch.bfloat16),
+                    "hidden_states": torch.from_numpy(s["last"]).view(torch.bfloat16)},
+                   folder / f"data_{i}.ckpt")
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=24)
+    ap.add_argument("--min-tokens", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--commit-every", type=int, default=8, help="samples per store commit")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--build", choices=["buffers", "pylist"], default="buffers",
+                    help="how rows become an Arrow table (pylist = capture's from_pylist route)")
+    ap.add_argument("--dir", default="/tmp", help="parent of the temporary directory (same disk for all)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a threshold is missed")
+    args = ap.parse_args(argv)
+
+    samples = make_samples(args.samples, args.min_tokens, args.max_tokens, args.hidden)
+    nbytes = feature_bytes(samples)
+    tokens = sum(len(s["ids"]) for s in samples)
+    print(f"{args.samples} samples, {tokens} tokens, {nbytes / 2**30:.2f} GiB per write, {args.rounds} rounds")
+    writers = {"store": lambda d: write_store(samples, d / "store", args.commit_every, build=args.build),
+               "plain": lambda d: write_plain(samples, d / "plain.bin"),
+               "torch.save": lambda d: write_torch(samples, d / "pt")}
+    names = list(writers)
+    secs: dict[str, list[float]] = {n: [] for n in names}
+    root = Path(tempfile.mkdtemp(prefix="fs_write_bench_", dir=args.dir))
+    try:
+        warm = root / "warmup"  # imports (lance, torch) and first-call costs stay outside the clock
+        warm.mkdir()
+        tiny = make_samples(2, 8, 8, 64, seed=1)
+        write_store(tiny, warm / "store", 1)
+        write_torch(tiny, warm / "pt")
+        shutil.rmtree(warm)
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                d = root / f"r{r}_{name.replace('.', '_')}"
+                d.mkdir()
+                t0 = time.perf_counter()
+                writers[name](d)
+                sync_tree(d)  # every contender: all data durable before the clock stops
+                secs[name].append(time.perf_counter() - t0)
+                shutil.rmtree(d)
+            print(f"round {r}: " + ", ".join(f"{n} {nbytes / secs[n][-1] / 1e9:.2f} GB/s" for n in order))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    vs_plain = [p / s for s, p in zip(secs["store"], secs["plain"])]
+    vs_torch = [t / s for s, t in zip(secs["store"], secs["torch.save"])]
+    for n in names:
+        print(f"{n:>10}: {spread([tokens / s for s in secs[n]])} tokens/s, "
+              f"{spread([nbytes / s / 1e9 for s in secs[n]])} GB/s")
+    print(f"store / plain sequential write: {spread(vs_plain)}  (target >= 0.7)")
+    print(f"store / torch.save per sample:  {spread(vs_torch)}  (target > 1)")
+    ok = statistics.median(vs_plain) >= 0.7 and statistics.median(vs_torch) > 1.0
+    if args.check and not ok:
+        print("FAIL: a write threshold was missed", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Offline acceptance length: Hugging Face target + PyTorch draft, greedy verification, no vLLM.
+
+For quick in-loop use (during training, in notebooks) where starting a vLLM engine is too slow or
+impossible. It replays vLLM's EAGLE-3 proposer (``vllm/v1/spec_decode``) step for step:
+
+* The target decodes greedily with a Hugging Face KV cache; after each forward the aux hidden
+  states (``output_hidden_states[j]`` for the draft's vLLM layer ids ``j``, ascending) of the
+  accepted positions are kept, combined by the draft's ``fc``.
+* Each round, with verified tokens ``s_0 .. s_{n-1}`` (target features known for ``0 .. n-2``),
+  draft step 0 runs causally over positions ``i = 0 .. n-2`` with input token ``s_{i+1}`` and the
+  target feature of ``i`` (vLLM's shifted inputs); its last position proposes ``d_1``. Steps
+  ``j = 1 .. k-1`` feed ``d_j`` and the draft's own hidden output at position ``n-2+j``,
+  attending to the step-0 keys plus the chain's earlier steps (as vLLM's draft KV cache holds
+  them). Draft argmax ids map to target ids through ``d2t``.
+* The target scores ``[s_{n-1}, d_1 .. d_k]`` in one forward; the longest prefix of drafts that
+  equals the target's argmax is accepted, plus one target token. The target cache is cropped to the
+  accepted length. Counting follows vLLM's scheduler: every verification round counts, including
+  accepted tokens that are later cut by ``max_tokens`` or a stop token.
+
+Trade-offs: one request at a time (no batching), and the draft's step 0 is recomputed over the whole
+sequence each round (exact and simple; quadratic in length, fine for chat-sized prompts, slow for
+long-context buckets). The draft runs in the target's dtype; with an fp32 target and draft the
+result matches vLLM's served figures exactly unless a near-tie argmax flips between kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from eaglenest.errors import ConfigError
+from eaglenest.evaluate.al import SpecCounters, per_request_summary
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestAL:
+    """One request: its output ids (as vLLM returns them) and accepted-count histogram per round."""
+
+    sample_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    histogram: list[int]  # histogram[j] = rounds in which exactly j draft tokens were accepted
+
+
+def load_draft(draft: str | Path, target_dir: str | Path):
+    """An :class:`Eagle3Draft` from an exported vLLM draft dir or a ``train`` checkpoint dir."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    from eaglenest.train.checkpoint import INFO, load_checkpoint
+    from eaglenest.train.model import Eagle3Draft
+    from eaglenest.train.target import load_target_tensors
+
+    path = Path(draft)
+    if (path / INFO).is_file():
+        return load_checkpoint(path, target_dir=target_dir)[0].eval()
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise ConfigError(f"evaluate.draft: {draft} is neither an exported draft (config.json + "
+                          f"model.safetensors) nor a draft checkpoint ({INFO})")
+    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise ConfigError(f"evaluate.draft: {path / 'config.json'} has no "
+                          "eagle_config.eagle_aux_hidden_state_layer_ids")
+    cfg = LlamaConfig.from_dict(raw)
+    cfg.eagle_aux_layer_ids = [int(i) for i in ids]
+    model = Eagle3Draft(cfg)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path / "model.safetensors")).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise ConfigError(f"evaluate.draft: {path} weights do not match its config "
+                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    with torch.no_grad():  # vLLM shares the target's embeddings with the draft
+        model.embed_tokens.weight.copy_(load_target_tensors(target_dir)["embed"])
+    return model.eval()
+
+
+def load_target(target_dir: str | Path):
+    """(HF causal LM in its config dtype, tokenizer, stop token ids as vLLM uses them)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype="auto").eval()
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    stops = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(str(target_dir)).eos_token_id
+        stops |= set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    return model, tok, stops
+
+
+def prompt_ids(tok, prompt: dict) -> list[int]:
+    """Token ids of a prompt: ``prompt_token_ids`` as given, or the chat template (as vLLM's chat)."""
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    text = tok.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _aux(hidden_states, layer_ids) -> torch.Tensor:
+    """[T, n_aux*H]: HF ``hidden_states[j]`` (== vLLM layer id j) for each id, ascending."""
+    return torch.cat([hidden_states[j][0] for j in layer_ids], dim=-1)
+
+
+def _propose(draft, seq: list[int], feats: torch.Tensor, k: int) -> list[int]:
+    """k greedy draft tokens (target ids) for the verified sequence ``seq`` (features of seq[:-1])."""
+    t = feats.shape[0]
+    assert t == len(seq) - 1, (t, len(seq))
+    toks = torch.tensor([seq[1:]])
+    pos = torch.arange(t)[None]
+    cache: list = []
+    normed, hidden = draft.step(toks, feats[None], pos, cache, torch.ones(1, t, t, dtype=torch.bool).tril())
+    out: list[int] = []
+    for j in range(k):
+        d = draft.draft_to_target(draft.logits(normed[:, -1]).argmax(-1))
+        out.append(int(d))
+        if j + 1 < k:  # step j+1 at position t-1+(j+1): one query attending to step-0 keys + own chain
+            normed, hidden = draft.step(d[None], hidden[:, -1:], torch.tensor([[t + j]]), cache,
+                                        torch.ones(1, 1, t, dtype=torch.bool))
+    return out
+
+
+@torch.inference_mode()
+def decode(target_model, draft, ids: list[int], *, k: int, max_tokens: int, stop_ids: set[int],
+           sample_id: str = "") -> RequestAL:
+    """Greedy speculative decoding of one prompt; output trimmed like vLLM's (max_tokens, stop)."""
+    from transformers import DynamicCache
+
+    layer_ids = sorted(draft.config.eagle_aux_layer_ids)
+    dtype = next(draft.parameters()).dtype
+    cache = DynamicCache()
+    out = target_model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
+                       output_hidden_states=True)
+    feats = draft.combine(_aux(out.hidden_states, layer_ids).to(dtype))
+    seq = list(ids) + [int(out.logits[0, -1].argmax())]
+    gen = seq[len(ids):]
+    hist = [0] * (k + 1)
+
+    def finished() -> bool:
+        return len(gen) >= max_tokens or any(t in stop_ids for t in gen)
+
+    while not finished():
+        drafts = _propose(draft, seq, feats, k)
+        inp = [seq[-1]] + drafts
+        out = target_model(input_ids=torch.tensor([inp]), past_key_values=cache, use_cache=True,
+                           output_hidden_states=True)
+        greedy = out.logits[0].argmax(-1).tolist()
+        a = 0
+        while a < k and drafts[a] == greedy[a]:
+            a += 1
+        hist[a] += 1
+        new = drafts[:a] + [greedy[a]]
+        # Keep the target's features and KV only for the accepted inputs inp[0 .. a].
+        aux = _aux(out.hidden_states, layer_ids)[: a + 1]
+        feats = torch.cat([feats, draft.combine(aux.to(dtype))])
+        if a < k:  # remove the rejected positions (a negative count = tokens to remove)
+            cache.crop(-(k - a))
+        seq += new
+        gen += new
+    # vLLM appends tokens one by one and stops at max_tokens or the first stop token (kept).
+    cut = min([max_tokens] + [i + 1 for i, t in enumerate(gen) if t in stop_ids])
+    return RequestAL(sample_id, list(ids), gen[:cut], hist)
+
+
+def summarise(results: list[RequestAL]) -> dict:
+    """The shape of one group row of ``evaluate_al``: pooled and per-request AL, per position."""
+    k = max((len(r.histogram) for r in results), default=1) - 1
+    rounds = sum(sum(r.histogram) for r in results)
+    accepted = sum(j * c for r in results for j, c in enumerate(r.histogram))
+    per_pos = tuple(sum(sum(r.histogram[j:]) for r in results) for j in range(1, k + 1))
+    counters = SpecCounters(rounds, rounds * k, accepted, per_pos)
+    hists = [dataclasses.make_dataclass("H", ["histogram"])(r.histogram) for r in results]
+    return {"prompts": len(results), "output_tokens": sum(len(r.token_ids) for r in results),
+            **counters.summary(), **per_request_summary(hists)}
+
+
+def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[dict]],
+               num_speculative_tokens: int, max_tokens: int, ignore_eos: bool = False,
+               num_threads: int = 1) -> dict:
+    """Offline AL per group and overall; ``groups`` as ``evaluate.prompts`` returns them.
+
+    Returns ``{"overall": row, "domains": {group: row}, "outputs": {sample_id: token ids}}``,
+    rows shaped like ``evaluate_al``'s. ``num_threads``: torch intra-op threads while decoding
+    (1 by default: the tensors are small and extra threads spin on a busy machine; measured 18x
+    slower with 2 threads beside another job on 2 cores).
+    """
+    if num_speculative_tokens < 1:
+        raise ConfigError(f"evaluate.num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
+    if max_tokens < 1:
+        raise ConfigError(f"evaluate.max_tokens: must be >= 1, got {max_tokens}")
+    model, tok, stops = load_target(target)
+    dmodel = load_draft(draft, target).to(next(model.parameters()).dtype)
+    if dmodel.config.vocab_size != model.config.vocab_size:
+        raise ConfigError(f"evaluate.draft: vocab {dmodel.config.vocab_size} differs from the target's "
+                          f"{model.config.vocab_size}")
+    stops = set() if ignore_eos else stops
+    domains, outputs, everything = {}, {}, []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for name, prompts in groups.items():
+            res = _decode_group(model, dmodel, tok, name, prompts, k=num_speculative_tokens,
+                                max_tokens=max_tokens, stops=stops)
+            domains[name] = summarise(res)
+            outputs.update({r.sample_id: r.token_ids for r in res})
+            everything += res
+            log.info("%s: offline AL %.3f over %d prompts", name, domains[name]["acceptance_length"] or 0,
+                     len(res))
+    finally:
+        torch.set_num_threads(threads)
+    return {"target": str(target), "draft": str(draft), "num_speculative_tokens": num_speculative_tokens,
+            "max_tokens": max_tokens, "temperature": 0.0, "method": "offline (HF target, greedy)",
+            "overall": summarise(everything), "domains": domains, "outputs": outputs}
+
+
+def _decode_group(model, dmodel, tok, name, prompts, *, k, max_tokens, stops) -> list[RequestAL]:
+    return [decode(model, dmodel, prompt_ids(tok, p), k=k, max_tokens=max_tokens, stop_ids=stops,
+                   sample_id=p.get("sample_id", f"{name}-{i}")) for i, p in enumerate(prompts)]
+
+
+__all__ = ["RequestAL", "decode", "load_draft", "load_target", "offline_al", "prompt_ids", "summarise"]

@@ -55,7 +55,8 @@ def run(tmp_path_factory, root, tiny_target):
     stats["ingest"] = json.loads((work / "ingest" / "stats.json").read_text())
     p = _cmd(root, "featurestore", "capture", *common)
     stats["capture"] = json.loads((work / "featurestore" / "stats.json").read_text())
-    _cmd(root, "train", "run", *common, "train.num_epochs=3")
+    # ~240 short conversations: smaller batches and more epochs give the draft ~100 optimizer steps.
+    _cmd(root, "train", "run", *common, "train.num_epochs=6", "train.batch_rows=2", "train.warmup_steps=10")
     _cmd(root, "serve", "export", *common)
     _cmd(root, "evaluate", "al", *common, "evaluate.max_prompts_per_domain=8", "evaluate.context_buckets=[1024]")
     return {"work": work, "manifest": manifest, "common": common, "stats": stats, "root": root}

@@ -102,7 +102,9 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
     if meta.hidden_size != target["config"]["hidden_size"]:
         raise SchemaError(f"features were captured with hidden size {meta.hidden_size}, "
                           f"run.target {target_dir} has {target['config']['hidden_size']}")
-    counts = V.count_loss_tokens(data.token_batches(), int(target["config"]["vocab_size"]))
+    # Draft vocabulary: one SQL aggregate over the pinned table version (featurestore.query).
+    counts = V.count_loss_tokens_in_store(store_uri, version=version, split=cfg.split,
+                                          vocab_size=int(target["config"]["vocab_size"]))
     vocab = V.select_vocab(counts, cfg.draft_vocab_size)
     log.info("features v%d: %d rows, %d loss tokens; draft vocab %d covers %.1f%% of them",
              version, data.num_rows, int(counts.sum()), vocab.size, 100 * V.coverage(counts, vocab))

@@ -3,7 +3,7 @@
 Measured side by side in one run; print ratios, not absolute claims (2 shared cores are noisy).
 
     # CPU: trainer on a real run's store, fast-vs-reference TTT, activation memory vs length
-    python bench/train_throughput.py --store /tmp/run1/store --target assets/tiny-target --steps 20
+    python bench/train_throughput.py --store runs/toy/store --target assets/tiny-target --steps 20
     python bench/train_throughput.py --long 1024,4096,8192,16384,32768 --long-ttt-steps 2
     # GPU (when one is lent): bf16 FSDP2 tokens/s and model FLOPs utilisation on random batches
     torchrun --nproc-per-node 1 bench/train_throughput.py --gpu --peak-tflops 989

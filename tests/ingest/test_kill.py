@@ -33,7 +33,8 @@ def test_sigkill_then_rerun_is_exactly_once(tmp_path, root, tiny_target, small_m
     CAPS, write_manifest = small_manifest
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    manifest = write_manifest(tmp_path / "m.yaml", root)
+    # Longer answers keep each shard busy long enough for the kill to land mid-run on a quiet machine.
+    manifest = write_manifest(tmp_path / "m.yaml", root, max_tokens=64)
     work = tmp_path / "work"
     uri = str(work / "store")
     argv = [str(BIN / "ingest"), "build", "--manifest", str(manifest), f"run.workdir={work}",
@@ -43,10 +44,12 @@ def test_sigkill_then_rerun_is_exactly_once(tmp_path, root, tiny_target, small_m
                             start_new_session=True)
     try:
         deadline = time.time() + 300
-        # wait for the first training shard (the 4 held-out rows are committed first)
-        while _rows(uri) <= 4 and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.1)
-        time.sleep(rng.uniform(0.0, 1.5))
+        # Kill right after a random number of training shards (1..3 of 7) is committed; the 4
+        # held-out rows are committed first, each training shard adds 3 rows.
+        threshold = 4 + 3 * rng.randint(1, 3)
+        while _rows(uri) < threshold and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.2))
         killed = proc.poll() is None
         os.killpg(proc.pid, signal.SIGKILL)
     finally:

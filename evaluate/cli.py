@@ -46,12 +46,15 @@ def _cache_key(recipe, draft: str) -> str:
     import json
     from pathlib import Path
 
+    from eaglenest.featurestore.identity import weights_hash
+
     h = hashlib.sha256()
+    # Weights through the feature store's hash (sampled for very large targets), configs in full.
     for d in (Path(draft), Path(recipe.run.target)):
-        for f in sorted(d.glob("*.json")) + sorted(d.glob("*.safetensors")):
+        h.update(weights_hash(str(d)).encode())
+        for f in sorted(d.glob("*.json")):
             if f.name != "provenance.json":
-                h.update(f.name.encode())
-                h.update(f.read_bytes())
+                h.update(f.name.encode() + f.read_bytes())
     h.update(json.dumps({"evaluate": recipe.to_dict()["evaluate"], **_inputs(recipe, draft)},
                         sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]

@@ -19,6 +19,7 @@ import time
 import pyarrow as pa
 from tqdm import tqdm
 
+from eaglenest import faults
 from eaglenest.errors import StoreError
 from eaglenest.featurestore import schema, store
 from eaglenest.ingest.config import IngestConfig
@@ -92,6 +93,7 @@ def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: 
         with tqdm(total=len(train), desc="ingest: regenerate", unit="prompt") as bar:
             def on_result(k: int, res: dict) -> None:
                 if res["fragments"]:
+                    faults.delay("ingest.before_commit")  # tests: hold the fragments-written window
                     _guarded(lambda: commit(store_uri, res["fragments"], {**lineage, "shard": k}), store_uri)
                 totals["rows"] += res["rows"]
                 totals["tokens"] += res["tokens"]

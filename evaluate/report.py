@@ -44,10 +44,17 @@ def markdown(report: dict) -> str:
         lines.append(f"- Prompts loaded: {p.get('loaded')}; excluded as overlapping the training pool: "
                      f"{p.get('overlap_excluded')} ({p.get('overlap_check')}).")
     lines += ["", "## By domain" if p.get("prompt_set", "heldout") == "heldout" else "## By category", ""]
-    lines += _table(list(report["domains"].items()) + [("**overall**", report["overall"])], k, "group")
+    pred = report.get("predictability")
+    conf = ("target_confidence",) if pred else ()
+    lines += _table(list(report["domains"].items()) + [("**overall**", report["overall"])], k, "group", extra=conf)
+    if pred:
+        rho = pred.get("spearman_al_vs_confidence")
+        lines += ["", f"- **target_confidence**: {pred['measure']}.",
+                  f"- Spearman rank correlation of AL pooled with target_confidence over groups: {_fmt(rho)} "
+                  "(1: AL follows the target's predictability exactly; -1: the reverse)."]
     if report.get("context_buckets"):
         lines += ["", f"## By context length ({report.get('bucket_max_tokens')} output tokens per prompt)", ""]
-        lines += _table(list(report["context_buckets"].items()), k, "bucket", extra=("prompt_tokens",))
+        lines += _table(list(report["context_buckets"].items()), k, "bucket", extra=("prompt_tokens", *conf))
     if "lossless" in report:
         ll = report["lossless"]
         lines += ["", f"Lossless check (greedy, same prompts without speculation): "

@@ -38,17 +38,17 @@ def eval_prompts(store_uri: str, split: str, max_per_domain: int) -> dict[str, l
     return dict(sorted(groups.items()))
 
 
-def _params(cfg, max_tokens: int):
+def _params(cfg, max_tokens: int, logprobs: int | None = None):
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=cfg.temperature, max_tokens=max_tokens, seed=0)
+    return SamplingParams(temperature=cfg.temperature, max_tokens=max_tokens, seed=0, logprobs=logprobs)
 
 
-def _decode(llm, prompts: list[dict], cfg, *, max_tokens: int | None = None) -> list:
+def _decode(llm, prompts: list[dict], cfg, *, max_tokens: int | None = None, logprobs: int | None = None) -> list:
     """Decode chat prompts or token-id prompts; returns vLLM CompletionOutputs in prompt order."""
     from vllm.inputs import TokensPrompt
 
-    sp = _params(cfg, max_tokens or cfg.max_tokens)
+    sp = _params(cfg, max_tokens or cfg.max_tokens, logprobs)
     if prompts and "prompt_token_ids" in prompts[0]:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p["prompt_token_ids"]) for p in prompts], sp,
                             use_tqdm=False)
@@ -118,8 +118,57 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg) -> dict:
         "domains": domains, "context_buckets": buckets, "seconds_speculative": round(time.time() - t0, 2),
     }
     if cfg.check_lossless:
-        report["lossless"] = _check_lossless(target, engine, groups, bucket_prompts, outputs, cfg)
+        report["lossless"], probs = _check_lossless(target, engine, groups, bucket_prompts, outputs, cfg)
+        report["predictability"] = predictability(report, groups, bucket_prompts, probs)
     return report
+
+
+#: What ``target_confidence`` is, written into every report that has it.
+CONFIDENCE = ("mean probability the target gives its own output token, over the output tokens of the "
+              "group's prompts, from the no-speculation pass (at temperature 0 the greedy token's "
+              "probability, i.e. the target's top-1 probability)")
+
+
+def predictability(report: dict, groups: dict, bucket_prompts: dict, probs: dict[str, list[float]]) -> dict:
+    """Put each group's target confidence beside its AL and rank-correlate the two over groups.
+
+    A draft can only be as good as the target is predictable: where the target is unsure of its
+    next token, the draft's guess is accepted less often. Reporting the measured predictability
+    beside AL lets a reader check whether AL follows it, instead of assuming it does.
+    """
+    def mean(ids):
+        vals = [x for i in ids for x in probs.get(i, ())]
+        return round(sum(vals) / len(vals), 4) if vals else None
+
+    for name, prompts in groups.items():
+        report["domains"][name]["target_confidence"] = mean(p["sample_id"] for p in prompts)
+    for b, prompts in bucket_prompts.items():
+        report["context_buckets"][str(b)]["target_confidence"] = mean(p["sample_id"] for p in prompts)
+    pairs = [(d["target_confidence"], d["acceptance_length"]) for d in report["domains"].values()
+             if d.get("target_confidence") is not None and d.get("acceptance_length") is not None]
+    return {"measure": CONFIDENCE, "spearman_al_vs_confidence": spearman(*zip(*pairs)) if len(pairs) >= 3 else None}
+
+
+def spearman(xs, ys) -> float | None:
+    """Spearman rank correlation (average ranks for ties); None when either side is constant."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(list(xs)), ranks(list(ys))
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx, vy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return round(cov / (vx * vy) ** 0.5, 4) if vx and vy else None
 
 
 def _merge_per_request(rows: list[dict]) -> dict:
@@ -151,16 +200,22 @@ def _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos):
                                 max_positions=max_pos, max_tokens=cfg.bucket_max_tokens, seed=cfg.engine.seed)
 
 
-def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, cfg) -> dict:
+def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, cfg) -> tuple[dict, dict]:
+    """Decode without speculation; (lossless summary, {sample_id: probability of each output token})."""
+    import math
+
     llm = make_llm(target, engine)
     try:
         prompts = [p for ps in groups.values() for p in ps]
-        base = [list(o.token_ids) for o in _decode(llm, prompts, cfg)]
+        outs = _decode(llm, prompts, cfg, logprobs=0)
         for ps in bucket_prompts.values():
             prompts += ps
-            base += [list(o.token_ids) for o in _decode(llm, ps, cfg, max_tokens=cfg.bucket_max_tokens)]
+            outs += _decode(llm, ps, cfg, max_tokens=cfg.bucket_max_tokens, logprobs=0)
     finally:
         close_llm(llm)
+    base = [list(o.token_ids) for o in outs]
+    probs = {p["sample_id"]: [math.exp(lp[t].logprob) for t, lp in zip(o.token_ids, o.logprobs or [])]
+             for p, o in zip(prompts, outs)}
     diff = [p["sample_id"] for p, b in zip(prompts, base) if outputs[p["sample_id"]] != b]
-    return {"prompts": len(prompts), "identical": len(prompts) - len(diff), "differing_ids": diff[:20],
-            "all_identical": not diff}
+    return ({"prompts": len(prompts), "identical": len(prompts) - len(diff), "differing_ids": diff[:20],
+             "all_identical": not diff}, probs)

@@ -45,3 +45,13 @@ def test_bucket_prompts_exact_length(tiny_target):
     assert tok.decode(ids).rstrip().endswith("<|assistant|>")  # ends where the answer starts
     assert out[1024][0]["prompt_token_ids"] != out[1024][1]["prompt_token_ids"]
     assert out[4096][0]["material_passes"] > 1  # short material is cycled, and the report says so
+
+
+def test_spearman_ranks_with_ties():
+    from eaglenest.evaluate.run import spearman
+
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert spearman([1, 1, 1], [1, 2, 3]) is None
+    # ties take the average rank: ranks x = (0.5, 0.5, 2), y = (0, 1, 2)
+    assert spearman([5, 5, 9], [1, 2, 3]) == pytest.approx(0.8660, abs=1e-4)

@@ -35,11 +35,17 @@ def test_evaluate_al_buckets_and_averages(tmp_path, tiny_target, random_draft, p
         assert 1.0 <= row["acceptance_length_per_request"] <= 4.0
     assert r["overall"]["acceptance_length_per_request"] is not None
     assert r["lossless"]["all_identical"] and r["lossless"]["prompts"] == 8  # 6 chats + 2 buckets
+    conf = {g: d["target_confidence"] for g, d in [*r["domains"].items(), *r["context_buckets"].items()]}
+    assert all(0.0 < c <= 1.0 for c in conf.values()), conf
+    # The tiny target's card: arithmetic is far more predictable than prose; the target's own
+    # confidence on its held-out outputs must say the same.
+    assert conf["arithmetic"] > conf["prose"] + 0.05, conf
+    assert "spearman_al_vs_confidence" in r["predictability"]  # None here: only two groups
     pngs = write_report(tmp_path, r)
     assert {p.name for p in pngs} == {"al_by_domain.png", "al_by_context.png", "acceptance_by_position.png"}
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
     md = (tmp_path / "report.md").read_text()
-    assert "AL per-request" in md and "| 1024 | 1024 |" in md
+    assert "AL per-request" in md and "| 1024 | 1024 |" in md and "target_confidence" in md
     assert json.loads((tmp_path / "report.json").read_text())["overall"]["acceptance_length"] > 0
 
 

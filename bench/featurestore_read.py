@@ -4,16 +4,26 @@ Side by side in one run, on the same EAGLE-3 features (see featurestore_write.py
 + last ``[T, H]`` bf16, 32 KiB/token at H=4096), written once to the same disk:
 
 * store: the store opened with ``store.dataset`` (schema validated), samples in a seeded shuffled
-  order in batches of ``--batch-samples``, one ``dataset.take`` per sample, decoded to torch
-  tensors of the stored dtype (bf16) that view the Arrow buffers (no copy after Lance's read).
-* trainer (``--trainer``): ``train.data.FeatureShards`` as shipped: its shuffled plan, then
-  ``read`` per batch (one take per batch, ``to_pylist``, bf16 -> fp32, pack, pad with
-  ``collate``), against torch.load files turned into the same ``Batch`` ("torch.load->Batch").
+  order in batches of ``--batch-samples``, read with ``featurestore.reader.SampleReader``
+  (per sample one ``dataset.take`` of the small columns and blob descriptors, the tensor values
+  ``pread`` into pooled buffers, ``--threads`` samples in flight), delivered as torch tensors of
+  the stored dtype (bf16) viewing those buffers; the consumer releases a batch's buffers when it
+  is done with it (they are reused, so their pages are already mapped).
+* store-serial, store-fresh (``--serial``): the same with one sample in flight, and with a fresh
+  buffer per value instead of the reader's pool (see featurestore/reader.py).
+* trainer (``--trainer``): ``train.data.FeatureShards.read`` as shipped: its shuffled plan, then
+  per batch the same per-sample reads, each sample converted once (bf16 -> fp32, aux layer order)
+  straight into the packed, padded ``Batch``, against torch.load files turned into the same
+  ``Batch`` with ``collate`` ("torch.load->Batch").
 * raw: the same bytes read sequentially from one file, one fresh buffer per sample (no decode).
 * disk: the same file read into one reused 8 MiB buffer: the disk alone, no memory to fill (on
   this VM first-touch page faults cost as much as the disk; printed, not a threshold).
 * torch.load: one file per sample (the SpecForge layout), the same shuffled batches, each sample
   ``torch.load``-ed (bf16 tensors, as the store's).
+
+Peak memory (``--rss``, after the timed rounds): a fresh process reads the store through the
+same reader, epoch after epoch until ``--rss-gb`` GB of features were delivered, and prints its
+peak RSS (``VmHWM``) next to its RSS before the first read (imports, dataset open).
 
 Cold reads for every contender: before each timed read, its files are fsync'ed and their pages
 evicted from the page cache with ``posix_fadvise(DONTNEED)`` (no root needed; ``drop_caches``
@@ -34,7 +44,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -50,61 +59,49 @@ def _write_module():
 W = _write_module()
 
 
-def _torch_rows(chunk, shape_of, dtype):
-    """Zero-copy torch views of each value of a ``large_binary`` Arrow chunk, in the stored dtype."""
-    import numpy as np
-    import torch
-
-    _, offsets, data = chunk.buffers()
-    offs = np.frombuffer(offsets, np.int64)[chunk.offset:chunk.offset + len(chunk) + 1]
-    with warnings.catch_warnings():  # Arrow buffers are read-only; the views are never written
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.from_numpy(np.frombuffer(data, np.uint8))
-    return [flat[offs[i]:offs[i + 1]].view(dtype).view(shape_of(i)) for i in range(len(chunk))]
-
-
-def read_store(uri: Path, *, batch_samples: int, seed: int) -> int:
+def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int, recycle: bool = True) -> int:
     """Shuffled batches of whole samples as torch tensors of the stored dtype (bf16), straight from
-    the store: one ``dataset.take`` per sample, tensors viewing the Arrow buffers. Returns tokens."""
+    the store: ``SampleReader`` (one take per sample, ``threads`` in flight), tensors viewing the
+    Arrow buffers. Returns tokens."""
     import numpy as np
-    import torch
 
-    from eaglenest.featurestore import schema as S
     from eaglenest.featurestore import store
+    from eaglenest.featurestore.reader import SampleReader
 
     ds = store.dataset(str(uri), store.FEATURES)
-    meta = S.feature_meta(ds.schema)
     lengths = ds.to_table(columns=["num_tokens"]).column("num_tokens").to_numpy()
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[meta.dtype]
-    order = np.random.default_rng(seed).permutation(len(lengths))
+    order = np.random.default_rng(seed).permutation(len(lengths)).tolist()
     tokens = 0
-    for j in range(0, len(order), batch_samples):
-        batch = []
-        for i in order[j:j + batch_samples].tolist():
-            # One take per sample: ~2x faster than one take of the whole batch here (pylance 14,
-            # large_binary values of ~50 MB); see docs/featurestore.md, Benchmarks.
-            t = ds.take([i], columns=["input_ids", "loss_mask", "aux_hidden", "last_hidden"]).combine_chunks()
-            n = int(lengths[i])
-            aux = _torch_rows(t.column("aux_hidden").chunk(0), lambda _: (n, len(meta.layer_ids), meta.hidden_size),
-                              dtype)[0]
-            last = _torch_rows(t.column("last_hidden").chunk(0), lambda _: (n, meta.hidden_size), dtype)[0]
-            ids = torch.from_numpy(t.column("input_ids").chunk(0).values.to_numpy())
-            batch.append((ids, aux, last))
-            assert ids.numel() == n
-            tokens += n
+    with SampleReader(ds, threads=threads, recycle=recycle) as reader:
+        samples = reader.iter_samples(order)
+        for j in range(0, len(order), batch_samples):
+            batch, held = [], []
+            for i in order[j:j + batch_samples]:
+                s = next(samples)
+                ids = s.ids_tensor()
+                batch.append((ids, s.aux_stored(), s.last_stored()))
+                assert s.index == i and ids.numel() == int(lengths[i])
+                tokens += ids.numel()
+                held.append(s)
+            del batch  # the consumer is done with this batch: its buffers go back to the pool
+            for s in held:
+                s.release()
     return tokens
 
 
-def read_trainer(uri: Path, *, pack_tokens: int, batch_rows: int, seed: int) -> int:
+def read_trainer(uri: Path, *, pack_tokens: int, batch_rows: int, seed: int, threads: int = 4) -> int:
     """All of one epoch through the trainer's reader; returns the tokens delivered."""
     from eaglenest.train.data import FeatureShards
 
     shards = FeatureShards(str(uri), version=None, split="train", pack_tokens=pack_tokens,
-                           batch_rows=batch_rows, seed=seed)
+                           batch_rows=batch_rows, seed=seed, read_threads=threads)
     tokens = 0
-    for rows in shards.plan(0):
-        batch = shards.read(rows)
-        tokens += int((batch.doc_ids >= 0).sum())
+    try:
+        for rows in shards.plan(0):
+            batch = shards.read(rows)
+            tokens += int((batch.doc_ids >= 0).sum())
+    finally:
+        shards.reader.close()
     return tokens
 
 
@@ -141,7 +138,7 @@ def read_torch(folder: Path, *, num: int, batch_samples: int, seed: int) -> int:
     return tokens
 
 
-def read_torch_trainer(folder: Path, uri: Path, *, pack_tokens: int, batch_rows: int, seed: int) -> int:
+def read_torch_trainer(folder: Path, uri: Path, *, pack_tokens: int, batch_rows: int, seed: int, **_) -> int:
     """The same plan and the same Batch as :func:`read_trainer`, from per-sample torch.save files."""
     import torch
 
@@ -164,6 +161,36 @@ def read_torch_trainer(folder: Path, uri: Path, *, pack_tokens: int, batch_rows:
     return tokens
 
 
+def rss_child(uri: Path, *, batch_samples: int, threads: int, gb: float) -> None:
+    """Run in a fresh process: read the store with :func:`read_store` until ``gb`` GB of features
+    were delivered; print RSS before the first read and the peak, in MiB."""
+    from eaglenest.featurestore import store
+
+    ds = store.dataset(str(uri), store.FEATURES)  # imports and metadata, before the baseline
+    per_epoch = sum(f.stat().st_size for f in (Path(uri) / "features.lance" / "data").glob("*"))
+    base = int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+    done, epoch = 0, 0
+    while done < gb * 1e9:
+        read_store(uri, batch_samples=batch_samples, seed=1000 + epoch, threads=threads)
+        done += per_epoch
+        epoch += 1
+    del ds
+    # VmHWM: the peak RSS of this process image. ru_maxrss would not do: Linux keeps it across
+    # execve, so a child would report the parent's peak (the bench holds the samples in memory).
+    peak = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
+    print(f"RSS {base:.0f} {peak:.0f} {done / 1e9:.2f} {epoch}")
+
+
+def measure_rss(uri: Path, *, batch_samples: int, threads: int, gb: float) -> tuple[float, float, float, int]:
+    import subprocess
+
+    out = subprocess.run([sys.executable, __file__, "--rss-child", str(uri), "--batch-samples", str(batch_samples),
+                          "--threads", str(threads), "--rss-gb", str(gb)], check=True, capture_output=True, text=True)
+    line = next(l for l in out.stdout.splitlines() if l.startswith("RSS "))
+    base, peak, done, epochs = line.split()[1:]
+    return float(base), float(peak), float(done), int(epochs)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=24)
@@ -171,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--batch-samples", type=int, default=4, help="samples per shuffled batch")
+    ap.add_argument("--threads", type=int, default=2, help="samples in flight (SampleReader)")
+    ap.add_argument("--serial", action="store_true",
+                    help="also time the store with one sample in flight, and with fresh (not pooled) buffers")
+    ap.add_argument("--rss", action="store_true", help="measure the reader's peak RSS in a fresh process")
+    ap.add_argument("--rss-gb", type=float, default=2.0, help="GB of features the --rss process reads")
+    ap.add_argument("--rss-child", help=argparse.SUPPRESS)
     ap.add_argument("--trainer", action="store_true",
                     help="also time train.data.FeatureShards (packed fp32 Batch) and torch.load into the same Batch")
     ap.add_argument("--pack-tokens", type=int, default=4096, help="train.pack_tokens for --trainer")
@@ -180,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="/tmp", help="parent of the temporary directory (same disk for all)")
     ap.add_argument("--check", action="store_true", help="exit 1 if a threshold is missed")
     args = ap.parse_args(argv)
+    if args.rss_child:
+        rss_child(Path(args.rss_child), batch_samples=args.batch_samples, threads=args.threads, gb=args.rss_gb)
+        return 0
 
     samples = W.make_samples(args.samples, args.min_tokens, args.max_tokens, args.hidden)
     nbytes = W.feature_bytes(samples)
@@ -195,16 +231,20 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [s["aux"].nbytes + s["last"].nbytes + s["ids"].nbytes + s["mask"].nbytes for s in samples]
         del samples
         bopts = dict(batch_samples=args.batch_samples)
-        topts = dict(pack_tokens=args.pack_tokens, batch_rows=args.batch_rows)
-        readers = {"store": (uri, lambda r: read_store(uri, seed=r, **bopts)),
+        topts = dict(pack_tokens=args.pack_tokens, batch_rows=args.batch_rows, threads=args.threads)
+        readers = {"store": (uri, lambda r: read_store(uri, seed=r, threads=args.threads, **bopts)),
                    "raw": (raw, lambda r: read_raw(raw, sizes)),
                    "disk": (raw, lambda r: read_disk(raw)),
                    "torch.load": (pt, lambda r: read_torch(pt, num=args.samples, seed=r, **bopts))}
+        if args.serial:  # the design's parts: one sample in flight; fresh buffers instead of pooled
+            readers["store-serial"] = (uri, lambda r: read_store(uri, seed=r, threads=1, **bopts))
+            readers["store-fresh"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads, recycle=False,
+                                                                **bopts))
         if args.trainer:
             readers["trainer"] = (uri, lambda r: read_trainer(uri, seed=r, **topts))
             readers["torch.load->Batch"] = (pt, lambda r: read_torch_trainer(pt, uri, seed=r, **topts))
         # Warm-up (imports, first calls) and a check that every reader delivers every token.
-        assert read_store(uri, seed=99, **bopts) == tokens == read_torch(pt, num=args.samples, seed=99, **bopts)
+        assert read_store(uri, seed=99, threads=args.threads, **bopts) == tokens == read_torch(pt, num=args.samples, seed=99, **bopts)
         assert read_raw(raw, sizes) == nbytes == read_disk(raw)
         if args.trainer:
             small = dict(topts, pack_tokens=max(args.pack_tokens, args.max_tokens))
@@ -219,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 fn(r)
                 secs[name].append(time.perf_counter() - t0)
-            print(f"round {r}: " + ", ".join(f"{n} {nbytes / secs[n][-1] / 1e9:.2f} GB/s" for n in order))
+            print(f"round {r}: " + ", ".join(f"{n} {nbytes / secs[n][-1] / 1e9:.2f} GB/s" for n in order),
+                  flush=True)
+        rss = measure_rss(uri, batch_samples=args.batch_samples, threads=args.threads, gb=args.rss_gb) \
+            if args.rss else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
     vs_raw = [w / s for s, w in zip(secs["store"], secs["raw"])]
@@ -230,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"store / disk-only read (reused 8 MiB buffer): "
           f"{W.spread([w / s for s, w in zip(secs['store'], secs['disk'])])}")
     print(f"store / torch.load per sample: {W.spread(vs_torch)}  (target >= 3)")
+    if args.serial:
+        for n in ("store-serial", "store-fresh"):
+            print(f"{n} / raw sequential read: {W.spread([w / s for s, w in zip(secs[n], secs['raw'])])}")
+    if rss is not None:
+        print(f"peak RSS reading {rss[2]:.2f} GB of features ({rss[3]} epochs, fresh process): {rss[1]:.0f} MiB "
+              f"(before the first read: {rss[0]:.0f} MiB)  (target < 1024)")
     if args.trainer:
         print(f"trainer Batch / raw sequential read:        "
               f"{W.spread([w / s for s, w in zip(secs['trainer'], secs['raw'])])}")

@@ -1,59 +1,141 @@
-"""Regeneration through eaglenest (pool -> LocalBackend -> prompts-table rows) versus a bare
-``vllm.LLM.generate`` over the same prompts, on one engine, timed side by side (alternating order).
+"""Regeneration through eaglenest versus a bare ``vllm.LLM.generate`` over the same prompts, one engine.
 
-    .venv/bin/python bench/ingest_regen.py [--prompts 96] [--max-tokens 64] [--repeats 2]
+    .venv/bin/python bench/ingest_regen.py [--prompts 256] [--rounds 3] [--max-tokens 160]
+                                           [--ignore-eos] [--legacy] [--commit-every 64]
 
-Prints tokens/s of each and the ratio eaglenest / bare (target: >= 0.9).
+Arms, timed side by side on ONE engine (same settings), order rotated every round, prefix cache
+reset before each arm:
+
+* ``bare``: one ``LLM.generate`` call over the exact prompt token ids eaglenest sends (its chat
+  prompts rendered by vLLM's template, its raw prompts tokenised): the engine's best case.
+* ``eaglenest``: the whole ``ingest.build.build`` into a fresh store: pool entries (chat and raw mixed
+  as the manifest says) streamed through ``LocalBackend``, rows written as Lance fragments and one
+  commit per ``commit_every`` shard, stats read back.
+* ``legacy`` (``--legacy``): what build did before streaming: per shard, ``complete`` (raw) then
+  ``chat`` (chat) as two batch calls, then write and commit before the next shard starts.
+
+Greedy decoding, so every arm generates the same tokens; throughput = generated tokens / wall time.
+Prints per-round tokens/s and the ratio to ``bare`` as median [min, max] (target: eaglenest >= 0.9).
+On a shared machine wall time is noisy, so each arm's CPU time (this process plus the engine's
+processes) is reported too: the ratio of CPU seconds per arm says how much more work an arm does,
+whatever the neighbours were doing.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
+import statistics
+import tempfile
 import time
+from pathlib import Path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=96)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens")
+    ap.add_argument("--legacy", action="store_true", help="also time the pre-streaming per-shard path")
+    ap.add_argument("--commit-every", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--target", default="assets/tiny-target")
+    ap.add_argument("--manifest", default="recipes/manifests/toy.yaml")
     a = ap.parse_args()
 
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
+    from eaglenest.config import build as build_cfg
     from eaglenest.engine import EngineConfig, close_llm, make_llm
     from eaglenest.ingest.backends import LocalBackend
-    from eaglenest.ingest.manifest import Generation, load_manifest
+    from eaglenest.ingest.build import build, commit, write_rows
+    from eaglenest.ingest.config import IngestConfig
+    from eaglenest.ingest.manifest import load_manifest
     from eaglenest.ingest.pool import load_pool, raw_text
-    from eaglenest.ingest.regen import regenerate
+    from eaglenest.ingest.regen import row
 
-    pool = [e for e in load_pool(load_manifest("recipes/manifests/toy.yaml")) if e.split == "train"]
-    entries = [dataclasses.replace(e, mode="raw") for e in pool[: a.prompts]]
-    texts = [raw_text(e) for e in entries]
-    gen = Generation(max_tokens=a.max_tokens)
-    # ignore_eos so both sides generate exactly the same number of tokens
-    llm = make_llm(a.target, EngineConfig(max_model_len=1024, max_num_seqs=64))
-    backend = LocalBackend(llm)
-    backend._params = lambda g: SamplingParams(temperature=0.0, max_tokens=g.max_tokens, ignore_eos=True)
-    params = backend._params(gen)
-    llm.generate(texts[:4], params, use_tqdm=False)  # warm-up
-    res = {"bare": [], "eaglenest": []}
-    for r in range(a.repeats):
-        for name in (["bare", "eaglenest"] if r % 2 == 0 else ["eaglenest", "bare"]):
-            t0 = time.perf_counter()
-            if name == "bare":
-                n = sum(len(o.outputs[0].token_ids) for o in llm.generate(texts, params, use_tqdm=False))
-            else:
-                rows, _ = regenerate(backend, entries, gen, "bench")
-                n = sum(len(x["response_token_ids"]) for x in rows)
-            res[name].append(n / (time.perf_counter() - t0))
+    manifest = load_manifest(a.manifest)
+    manifest = dataclasses.replace(manifest, generation=dataclasses.replace(manifest.generation,
+                                                                            max_tokens=a.max_tokens))
+    pool = [e for e in load_pool(manifest, target=a.target) if e.split == "train"][: a.prompts]
+    cfg = build_cfg(IngestConfig, {"commit_every": a.commit_every})
+
+    class Backend(LocalBackend):
+        def _params(self, gen):
+            return SamplingParams(temperature=gen.temperature, max_tokens=gen.max_tokens, seed=gen.seed,
+                                  ignore_eos=a.ignore_eos)
+
+    llm = make_llm(a.target, EngineConfig(max_model_len=1024, max_num_seqs=a.max_num_seqs))
+    backend = Backend(llm)
+    params = backend._params(manifest.generation)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-ingest-regen-"))
+
+    def run_eaglenest(r: int) -> int:
+        stats = build(manifest, pool, target=a.target, store_uri=str(scratch / f"e{r}"), cfg=cfg, backend=backend)
+        assert stats["regenerated"] == len(pool) and stats["failed"] == 0, stats
+        return stats["generated_tokens"]
+
+    # Warm-up, and the exact prompt ids eaglenest sends (bare generates from the same ids).
+    from eaglenest.featurestore import store
+    run_eaglenest(-1)
+    by_id = {x["sample_id"]: x for x in store.read(str(scratch / "e-1"), store.PROMPTS).to_pylist()}
+    token_prompts = [TokensPrompt(prompt_token_ids=by_id[e.sample_id]["prompt_token_ids"]) for e in pool]
+
+    def run_bare(r: int) -> int:
+        return sum(len(o.outputs[0].token_ids) for o in llm.generate(token_prompts, params, use_tqdm=False))
+
+    def run_legacy(r: int) -> int:
+        uri, n = str(scratch / f"l{r}"), 0
+        for k in range(0, len(pool), a.commit_every):
+            shard = pool[k:k + a.commit_every]
+            raw = [e for e in shard if e.mode == "raw"]
+            chat = [e for e in shard if e.mode == "chat"]
+            outs = list(zip(raw, backend.complete([raw_text(e) for e in raw], manifest.generation)))
+            outs += zip(chat, backend.chat([e.messages() for e in chat], manifest.generation))
+            rows = [row(e, messages=[], prompt_ids=c.prompt_ids, response_ids=c.response_ids,
+                        finish_reason=c.finish_reason, gen_id="bench") for e, c in outs]
+            commit(uri, write_rows(uri, rows), {"shard": k})
+            n += sum(len(x["response_token_ids"]) for x in rows)
+        return n
+
+    import psutil
+
+    me = psutil.Process()
+
+    def cpu_s() -> float:  # this process and the engine's (engine core, worker)
+        return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
+
+    arms = {"bare": run_bare, "eaglenest": run_eaglenest, **({"legacy": run_legacy} if a.legacy else {})}
+    names = list(arms)
+    tps: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    toks: dict[str, set[int]] = {n: set() for n in names}
+    for r in range(a.rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            llm.reset_prefix_cache()
+            c0, t0 = cpu_s(), time.perf_counter()
+            n = arms[name](r)
+            tps[name].append(n / (time.perf_counter() - t0))
+            cpu[name].append(cpu_s() - c0)
+            toks[name].add(n)
+        print(f"round {r} ({' -> '.join(order)}): " + "  ".join(f"{n} {tps[n][-1]:.0f} tok/s" for n in names),
+              flush=True)
     close_llm(llm)
-    bare, ours = max(res["bare"]), max(res["eaglenest"])
-    print(f"prompts={len(texts)} max_tokens={a.max_tokens} repeats={a.repeats}")
-    print(f"bare LLM.generate: {bare:.1f} tok/s   eaglenest regenerate: {ours:.1f} tok/s")
-    print(f"ratio eaglenest/bare = {ours / bare:.3f}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    print(f"prompts={len(pool)} (raw {sum(e.mode == 'raw' for e in pool)}) max_tokens={a.max_tokens} "
+          f"ignore_eos={a.ignore_eos} commit_every={a.commit_every} max_num_seqs={a.max_num_seqs} "
+          f"rounds={a.rounds}; generated tokens per arm: {toks}")
+    for name in names[1:]:
+        ratios = [x / b for x, b in zip(tps[name], tps["bare"])]
+        print(f"{name}/bare = {statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]   "
+              f"({name} {statistics.median(tps[name]):.0f} tok/s, bare {statistics.median(tps['bare']):.0f} tok/s)")
+        c = [x / b for x, b in zip(cpu[name], cpu["bare"])]
+        print(f"  CPU seconds {name}/bare = {statistics.median(c):.3f} [{min(c):.3f}, {max(c):.3f}]   "
+              f"({name} {statistics.median(cpu[name]):.2f} s, bare {statistics.median(cpu['bare']):.2f} s)")
 
 
 if __name__ == "__main__":

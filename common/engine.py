@@ -28,6 +28,8 @@ class EngineConfig:
     #: Skip CUDA graphs / torch.compile: faster start, slower steps. On by default for small runs.
     enforce_eager: bool = True
     seed: int = 0
+    #: Devices one engine spans (vLLM tensor parallelism), e.g. 8 for a large MoE target.
+    tensor_parallel_size: int = 1
 
 
 def has_cuda() -> bool:
@@ -60,6 +62,7 @@ def engine_kwargs(cfg: EngineConfig, model: str = "") -> dict[str, Any]:
         "dtype": checkpoint_dtype(model) if cfg.dtype == "auto" else cfg.dtype,
         "enforce_eager": cfg.enforce_eager,
         "seed": cfg.seed,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
     }
 
 

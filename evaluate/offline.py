@@ -71,7 +71,12 @@ def load_draft(draft: str | Path, target_dir: str | Path):
     cfg = LlamaConfig.from_dict(raw)
     cfg.eagle_aux_layer_ids = [int(i) for i in ids]
     model = Eagle3Draft(cfg)
-    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path / "model.safetensors")).items()}
+    state = load_file(str(path / "model.safetensors"))
+    if any(k.endswith(".weight_scale") for k in state):  # FP8 export: weights = codes * per-channel scale
+        from eaglenest.serve.fp8 import dequantise_state
+
+        state = dequantise_state(state)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:

@@ -1,14 +1,17 @@
 """``evaluate throughput``: tokens/s, speed-up, TTFT and latency across a concurrency sweep.
 
-For each mode (``baseline``: target alone; ``speculative``: target + draft) one managed vLLM
-server (``serve.server``) is started with the same settings, warmed up with one request, then
+Two managed vLLM servers (``serve.server``) run side by side with the same settings: ``baseline``
+(target alone) and ``speculative`` (target + draft). Both are started and warmed up first, then
 driven by an asyncio HTTP client over OpenAI chat completions (streamed, so time to first token is
-seen) at each concurrency level and each seed. Every point uses the same held-out prompts
-(order shuffled by the seed), greedy decoding and ``ignore_eos`` with a fixed ``max_tokens``, so
-both modes produce the same number of tokens and only the speed differs.
+seen), one at a time: for each concurrency level and each seed the two modes are measured back to
+back, alternating which goes first, so slow drifts of a shared machine hit both alike. Every point
+uses the same held-out prompts (order shuffled by the seed), greedy decoding and ``ignore_eos``
+with a fixed ``max_tokens``, so both modes produce the same number of tokens and only speed differs.
 
 Reported per point: output tokens/s (all tokens / wall time), median TTFT and median end-to-end
-latency, as mean, min and max over seeds (the spread). Speed-up = speculative / baseline tokens/s.
+latency, as mean, min and max over seeds (the spread). Speed-up = speculative / baseline tokens/s,
+as the ratio of the means and, per seed (each pair measured back to back), median [min, max].
+The idle server only waits on its socket; both hold their KV cache for the whole run.
 On a 2-core CPU the numbers show the method, not the speed a GPU gets.
 """
 
@@ -66,49 +69,76 @@ async def _point(url: str, prompts: list[dict], *, concurrency: int, max_tokens:
 
 def _spread(values: list[float]) -> dict:
     return {"mean": round(statistics.fmean(values), 4), "min": round(min(values), 4),
-            "max": round(max(values), 4), "n": len(values)}
+            "max": round(max(values), 4), "median": round(statistics.median(values), 4), "n": len(values)}
 
 
-def sweep(url: str, prompts: list[dict], *, concurrency: tuple[int, ...], seeds: tuple[int, ...],
-          max_tokens: int, num_requests: int) -> list[dict]:
-    """One row per concurrency level, each over all seeds."""
-    asyncio.run(_point(url, prompts[:1], concurrency=1, max_tokens=4, seed=0))  # warm-up
-    rows = []
+KEYS = ("output_tokens_per_s", "median_ttft_s", "median_e2e_s")
+
+
+def summarise(points: dict[str, dict[int, list[dict]]]) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Rows per mode and speed-ups from raw points ``{mode: {concurrency: [point per seed]}}``.
+
+    Seeds are paired by position: the i-th baseline and speculative point of a concurrency level
+    were measured back to back on the same prompt order.
+    """
+    modes: dict[str, list[dict]] = {}
+    for mode, by_c in points.items():
+        modes[mode] = []
+        for c, runs in by_c.items():
+            row = {"concurrency": c, "requests": runs[0]["requests"], "output_tokens": runs[0]["output_tokens"]}
+            row.update({key: _spread([r[key] for r in runs]) for key in KEYS})
+            row["per_seed_output_tokens_per_s"] = [round(r["output_tokens_per_s"], 3) for r in runs]
+            modes[mode].append(row)
+    speedup = []
+    for b, s in zip(modes["baseline"], modes["speculative"]):
+        pairs = [x / y for x, y in zip(s["per_seed_output_tokens_per_s"], b["per_seed_output_tokens_per_s"])]
+        speedup.append({"concurrency": b["concurrency"],
+                        "speedup": round(s["output_tokens_per_s"]["mean"] / b["output_tokens_per_s"]["mean"], 3),
+                        "speedup_per_seed": _spread(pairs)})
+    return modes, speedup
+
+
+def sweep(urls: dict[str, str], prompts: list[dict], *, concurrency: tuple[int, ...], seeds: tuple[int, ...],
+          max_tokens: int, num_requests: int) -> dict[str, dict[int, list[dict]]]:
+    """Raw points ``{mode: {concurrency: [point per seed]}}``; the modes alternate at every point."""
+    for url in urls.values():  # warm-up
+        asyncio.run(_point(url, prompts[:1], concurrency=1, max_tokens=4, seed=0))
+    points: dict[str, dict[int, list[dict]]] = {mode: {} for mode in urls}
     for c in concurrency:
         n = max(num_requests, c)
         batch = [prompts[i % len(prompts)] for i in range(n)]
-        runs = [asyncio.run(_point(url, batch, concurrency=c, max_tokens=max_tokens, seed=s)) for s in seeds]
-        row = {"concurrency": c, "requests": n}
-        for key in ("output_tokens_per_s", "median_ttft_s", "median_e2e_s"):
-            row[key] = _spread([r[key] for r in runs])
-        row["output_tokens"] = runs[0]["output_tokens"]
-        log.info("concurrency %d: %.1f tok/s", c, row["output_tokens_per_s"]["mean"])
-        rows.append(row)
-    return rows
+        for i, seed in enumerate(seeds):
+            order = list(urls) if i % 2 == 0 else list(urls)[::-1]
+            for mode in order:
+                pt = asyncio.run(_point(urls[mode], batch, concurrency=c, max_tokens=max_tokens, seed=seed))
+                points[mode].setdefault(c, []).append({**pt, "requests": n, "seed": seed})
+                log.info("concurrency %d seed %d %s: %.1f tok/s", c, seed, mode, pt["output_tokens_per_s"])
+    return points
 
 
 def run_sweep(*, target: str, draft: str, store_uri: str, cfg, serve_cfg, log_dir) -> dict:
+    import contextlib
+
     from eaglenest.evaluate.prompts import load_prompt_set
     from eaglenest.serve.server import Server
 
     groups, info = load_prompt_set(cfg, store_uri)
     prompts = [p for ps in groups.values() for p in ps]
-    modes = {}
-    for mode, d in (("baseline", None), ("speculative", draft)):
-        server = Server(target, draft=d, num_speculative_tokens=cfg.num_speculative_tokens,
-                        memory_fraction=cfg.engine.memory_fraction, max_model_len=cfg.engine.max_model_len,
-                        max_num_seqs=max(cfg.engine.max_num_seqs, max(cfg.concurrency)), log_dir=log_dir)
-        with server:
-            modes[mode] = sweep(server.url, prompts, concurrency=tuple(cfg.concurrency),
-                                seeds=tuple(cfg.throughput_seeds), max_tokens=cfg.throughput_max_tokens,
-                                num_requests=cfg.throughput_prompts)
-    speedup = [{"concurrency": b["concurrency"],
-                "speedup": round(s["output_tokens_per_s"]["mean"] / b["output_tokens_per_s"]["mean"], 3)}
-               for b, s in zip(modes["baseline"], modes["speculative"])]
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for mode, d in (("baseline", None), ("speculative", draft)):
+            server = Server(target, draft=d, num_speculative_tokens=cfg.num_speculative_tokens,
+                            memory_fraction=cfg.engine.memory_fraction, max_model_len=cfg.engine.max_model_len,
+                            max_num_seqs=max(cfg.engine.max_num_seqs, max(cfg.concurrency)), log_dir=log_dir)
+            urls[mode] = stack.enter_context(server).url
+        points = sweep(urls, prompts, concurrency=tuple(cfg.concurrency), seeds=tuple(cfg.throughput_seeds),
+                       max_tokens=cfg.throughput_max_tokens, num_requests=cfg.throughput_prompts)
+    modes, speedup = summarise(points)
     return {"target": target, "draft": draft, "num_speculative_tokens": cfg.num_speculative_tokens,
             "max_tokens": cfg.throughput_max_tokens, "seeds": list(cfg.throughput_seeds),
             "prompts": info, "modes": modes, "speedup": speedup,
-            "spread": "mean, min and max over seeds; TTFT and latency are per-run medians"}
+            "spread": "mean, min and max over seeds; TTFT and latency are per-run medians; speed-up per seed "
+                      "pairs the two modes measured back to back"}
 
 
 def markdown(result: dict) -> str:
@@ -116,13 +146,17 @@ def markdown(result: dict) -> str:
              f"Target `{result['target']}`, {result['num_speculative_tokens']} speculative tokens, "
              f"{result['max_tokens']} output tokens per request (ignore_eos), seeds {result['seeds']}; "
              f"{result['spread']}.", "",
-             "| concurrency | mode | tok/s mean | tok/s min | tok/s max | median TTFT s | median e2e s | speed-up |",
-             "|---|---|---|---|---|---|---|---|"]
-    speed = {r["concurrency"]: r["speedup"] for r in result["speedup"]}
+             "| concurrency | mode | tok/s mean | tok/s min | tok/s max | median TTFT s | median e2e s | "
+             "speed-up (means) | speed-up per seed: median [min, max] |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    speed = {r["concurrency"]: r for r in result["speedup"]}
     for mode, rows in result["modes"].items():
         for r in rows:
-            t = r["output_tokens_per_s"]
+            t, sp = r["output_tokens_per_s"], speed[r["concurrency"]]
+            per_seed = sp.get("speedup_per_seed")
+            ratio = (f"{sp['speedup']:.2f}", f"{per_seed['median']:.2f} [{per_seed['min']:.2f}, "
+                     f"{per_seed['max']:.2f}]" if per_seed else "") if mode == "speculative" else ("1.00", "")
             lines.append(f"| {r['concurrency']} | {mode} | {t['mean']:.1f} | {t['min']:.1f} | {t['max']:.1f} | "
                          f"{r['median_ttft_s']['mean']:.3f} | {r['median_e2e_s']['mean']:.3f} | "
-                         f"{speed[r['concurrency']] if mode == 'speculative' else 1.0:.2f} |")
+                         f"{ratio[0]} | {ratio[1]} |")
     return "\n".join(lines) + "\n"

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema as S
+from eaglenest.featurestore import turns
 from eaglenest.featurestore import identity, store
 from eaglenest.featurestore.capture import Capturer, dtype_name, resolve_layer_ids
 
@@ -66,29 +67,41 @@ def pending_conversations(store_uri: str, table: str = store.FEATURES) -> list[d
     return [r for r in pool_conversations(store_uri) if r["sample_id"] not in done]
 
 
-def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta) -> bool:
-    """True when ``table`` already holds this feature set; refuses a different one, naming the keys."""
+def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta) -> S.FeatureMeta | None:
+    """The table's meta when ``table`` already holds this feature set (None: no table yet); refuses
+    a different one, naming the keys. A table of an older, still readable schema version whose
+    identity differs only in ``schema_version`` holds the same tensors: it is reused as is (read
+    only: adding rows to it is refused by ``fragments.check_identity``)."""
     if not store.exists(store_uri, table):
-        return False
-    have = S.feature_meta(store.dataset(store_uri, table).schema)
+        return None
+    ds = store.dataset(store_uri, table)
+    have = S.feature_meta(ds.schema)
     if have.feature_set_id == meta.feature_set_id:
-        return True
+        return have
     diff = identity.differences(have.identity_components, meta.identity_components) or ["feature_set_id"]
+    if [d for d in diff if not d.startswith("schema_version")] == [] and \
+            S.schema_version(ds.schema) in S.READABLE_VERSIONS:
+        log.info("table '%s' is features schema version %s (same feature set otherwise): reused",
+                 table, S.schema_version(ds.schema))
+        return have
     raise StoreError(f"table '{table}' holds feature set {have.feature_set_id}, this capture is "
                      f"{meta.feature_set_id}: differs in {'; '.join(diff)}. Set featurestore.table to a new "
                      "name (or restore those keys)")
 
 
-def feature_row(conv: dict, aux, last, meta: S.FeatureMeta) -> dict:
+def feature_row(conv: dict, aux, last, meta: S.FeatureMeta, spans=()) -> dict:
     prompt, response = conv["prompt_token_ids"], conv["response_token_ids"]
+    # Loss on every token the target generated (its end-of-turn token included): the last answer and,
+    # in a multi-turn conversation, the earlier answers' ``spans`` inside the prompt (featurestore/turns.py).
+    mask = turns.loss_mask(len(prompt), len(response), list(spans or ()))
     return {
         "sample_id": conv["sample_id"], "domain": conv["domain"], "source": conv["source"],
         "split": conv["split"], "mode": conv["mode"], "gen_params_id": conv["gen_params_id"],
-        "num_tokens": len(prompt) + len(response), "num_loss_tokens": len(response),
+        "num_tokens": len(prompt) + len(response), "num_loss_tokens": sum(mask),
         "input_ids": list(prompt) + list(response),
-        # Loss on every token the target generated (its end-of-turn token included), none on the prompt.
-        "loss_mask": [0] * len(prompt) + [1] * len(response),
-        "aux_hidden": S.encode_tensor(aux, meta.dtype), "last_hidden": S.encode_tensor(last, meta.dtype),
+        "loss_mask": mask,
+        # raw: the target dtype's bytes (bit-exact); fp8_e4m3: per-row scales + e4m3 codes (schema.py).
+        "aux_hidden": S.encode_value(aux, meta), "last_hidden": S.encode_value(last, meta),
     }
 
 
@@ -96,14 +109,16 @@ def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None) ->
     """Capture every pool conversation not yet in ``cfg.table``; zero passes if the set exists."""
     t0 = time.time()
     name = cfg.table
-    if cfg.storage != "raw":
-        raise ConfigError("featurestore.storage: only 'raw' is implemented so far (fp8_e4m3 is planned)")
+    if cfg.storage not in S.STORAGES:
+        raise ConfigError(f"featurestore.storage: {cfg.storage!r} is not one of {', '.join(S.STORAGES)}")
     if not store.exists(store_uri, store.PROMPTS):
         raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
     pool = pool_conversations(store_uri)
     meta = feature_meta(target, cfg.layer_ids, cfg.engine.dtype, storage=cfg.storage,
                         sample_ids=[r["sample_id"] for r in pool], gen_params_ids=[r["gen_params_id"] for r in pool])
-    reused = check_reuse(store_uri, name, meta)
+    have = check_reuse(store_uri, name, meta)
+    reused = have is not None
+    meta = have or meta
     done = store.sample_ids(store_uri, name)
     todo = [r for r in pool if r["sample_id"] not in done]
     passes, tokens = 0, 0
@@ -111,6 +126,7 @@ def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None) ->
         longest = max(len(c["prompt_token_ids"]) + len(c["response_token_ids"]) for c in todo)
         if longest + 1 > cfg.engine.max_model_len:
             raise StoreError(f"a conversation has {longest} tokens: raise featurestore.engine.max_model_len")
+        earlier_turns = _turn_spans(target, todo)
         with Capturer(target, meta.layer_ids, meta.last_layer_id, cfg.engine) as cap, \
                 tqdm(total=len(todo), desc="featurestore: capture", unit="sample") as bar:
             for i in range(0, len(todo), cfg.commit_every):
@@ -123,7 +139,7 @@ def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None) ->
                         if dtype_name(aux) != meta.dtype:
                             raise StoreError(f"engine produced {dtype_name(aux)}, table is {meta.dtype}: "
                                              "set featurestore.engine.dtype")
-                        rows.append(feature_row(conv, aux, last, meta))
+                        rows.append(feature_row(conv, aux, last, meta, spans=earlier_turns(conv)))
                 counts = collections.Counter(r["domain"] for r in rows)
                 store.append(store_uri, name, pa.Table.from_pylist(rows, schema=S.features_schema(meta)),
                              meta=meta, lineage={**(lineage or {}), "feature_set_id": meta.feature_set_id,
@@ -137,13 +153,38 @@ def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None) ->
     per_domain = collections.Counter(table.column("domain").to_pylist()) if table is not None else {}
     return {
         "feature_set_id": meta.feature_set_id, "layer_ids": list(meta.layer_ids),
-        "last_layer_id": meta.last_layer_id, "dtype": meta.dtype,
+        "last_layer_id": meta.last_layer_id, "dtype": meta.dtype, "storage": meta.storage,
         "table": name, "reused": bool(reused and not todo),
         "captured": len(todo), "target_forward_passes": passes, "captured_tokens": tokens,
         "samples_per_domain": dict(sorted(per_domain.items())),
         "features_table_version": store.latest_version(store_uri, name) if table is not None else None,
         "seconds": round(time.time() - t0, 2),
     }
+
+
+def _turn_spans(target: str, convs: list[dict]):
+    """A function conv -> loss spans of its earlier assistant turns (the tokenizer is loaded only
+    when some conversation has more than one assistant turn)."""
+    def multi(c: dict) -> bool:
+        msgs = json.loads(c.get("messages_json") or "[]")
+        return sum(m.get("role") == "assistant" for m in msgs) > 1
+
+    if not any(multi(c) for c in convs):
+        return lambda conv: ()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+
+    def spans(conv: dict):
+        if not multi(conv):
+            return ()
+        found = turns.assistant_spans(tok, json.loads(conv["messages_json"]), list(conv["prompt_token_ids"]))
+        if found is None:
+            log.warning("%s: the chat template does not reproduce the prompt; training on the last "
+                        "answer only", conv["sample_id"])
+        return found or ()
+
+    return spans
 
 
 def _code_version() -> str:

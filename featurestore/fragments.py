@@ -46,12 +46,21 @@ def _checked(uri: str, name: str, table: pa.Table, meta: S.FeatureMeta | None) -
 
 def check_identity(ds, name: str, meta: S.FeatureMeta | None) -> None:
     """Refuse to mix feature sets in one table, naming what differs and the key to change."""
+    if not store.is_features(name):
+        return
+    version = S.schema_version(ds.schema)
+    if version != S.SCHEMA_VERSION:
+        raise SchemaError(
+            f"table '{name}' is features schema version {version} ({S.tensor_layout(ds.schema)} tensor columns); "
+            f"this eaglenest writes version {S.SCHEMA_VERSION} and does not mix the two in one table. "
+            "It can still be read and trained on; to add rows, capture into a new table "
+            "(featurestore.table) or a new store (run.store)")
     if name != store.FEATURES:
         return
     have = S.feature_meta(ds.schema)
     if have == meta:
         return
-    diff = [f for f in ("target", "layer_ids", "last_layer_id", "hidden_size", "dtype", "feature_set_id")
+    diff = [f for f in ("target", "layer_ids", "last_layer_id", "hidden_size", "dtype", "storage", "feature_set_id")
             if getattr(have, f) != getattr(meta, f)]
     raise SchemaError(
         f"table '{name}' holds another feature set (differs in {', '.join(diff)}: "

@@ -95,7 +95,7 @@ def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
             elif crc_file(path) != side.read_text().strip():
                 problems.append(f"fragment {fid}: data file {df.path} fails its checksum (corrupt)")
         try:
-            tbl = frag.to_table()
+            tbl = frag.to_table(**store.BYTES)  # blob columns as bytes
         except Exception as exc:
             problems.append(f"fragment {fid}: unreadable ({str(exc).splitlines()[0][:200]})")
             continue
@@ -105,7 +105,8 @@ def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
         rows += tbl.num_rows
         if meta is not None:
             for col in S.TENSOR_COLUMNS:
-                bad = _nonfinite(tbl.column(col), meta.dtype if meta.storage == "raw" else "float32")
+                bad = (_nonfinite(tbl.column(col), meta.dtype) if meta.storage == "raw" else
+                       np.array([S.value_nonfinite(b, meta) for b in tbl.column(col).to_pylist()], dtype=bool))
                 if bad.any():
                     ids = tbl.column("sample_id").filter(bad).to_pylist()[:5]
                     problems.append(f"fragment {fid}: {int(bad.sum())} row(s) with NaN/inf in {col} "

@@ -56,7 +56,7 @@ def connect(uri: str, *, versions: dict[str, int | str] | None = None, with_tens
     for name in tables_in(uri):
         ds = store.dataset(uri, name, (versions or {}).get(name))
         cols = [c for c in ds.schema.names if with_tensors or c not in S.TENSOR_COLUMNS]
-        con.register(name, ds.to_table(columns=cols))
+        con.register(name, ds.to_table(columns=cols, **store.BYTES))  # blob columns as bytes
     for name, path in (attach or {}).items():
         p = Path(path)
         if not p.is_file():

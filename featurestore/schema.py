@@ -6,12 +6,25 @@ Two tables live in a store (a LanceDB directory):
 * ``features``: one row per sample with token ids, the assistant loss mask and the target's hidden
   states (written by ``featurestore capture``).
 
-Hidden states are stored as raw little-endian bytes of the target's own dtype (bf16, fp16 or fp32)
-in ``large_binary`` columns, so any dtype round-trips bit-exactly and a row costs no conversion on
-read: ``aux_hidden`` is ``[num_tokens, num_aux_layers, hidden_size]`` and ``last_hidden`` is
-``[num_tokens, hidden_size]``. Shape and dtype are table-level metadata (``FeatureMeta``), so the
-per-row overhead is one length. Layer ids are in vLLM's convention (id 0 = embedding output,
-id L = output of the last block before the final norm).
+Hidden states are stored in ``large_binary`` columns, one value per sample, encoded as Lance blob
+columns (field metadata ``lance-encoding:blob``, schema version 2): the bytes lie contiguously in
+the data file and a read returns their ``(position, size)``, so a reader can ``pread`` a value
+straight into the tensor that will hold it (:mod:`eaglenest.featurestore.reader`); version-1 tables
+(plain ``large_binary``, same bytes) are still read, through ``take``. Values: ``aux_hidden`` is
+``[num_tokens, num_aux_layers, hidden_size]`` and ``last_hidden`` is ``[num_tokens, hidden_size]``.
+Shape, dtype and storage mode are table-level metadata (``FeatureMeta``), so the per-row overhead is
+one length. Two storage modes (``FeatureMeta.storage``):
+
+* ``raw``: little-endian bytes of the target's own dtype (bf16, fp16 or fp32): any dtype round-trips
+  bit-exactly and a read costs no conversion (readers view the Arrow buffer as a tensor).
+* ``fp8_e4m3``: per-row scaled e4m3 (a row = one token of one layer, ``H`` values). The value is
+  ``R`` little-endian fp32 scales followed by ``R x H`` e4m3 bytes (``R = T * num_layers``);
+  ``x ~= e4m3 * scale`` with ``scale = absmax(row) / 448``. Half the bytes of bf16 (plus 4 bytes
+  per row), a quarter of fp32; lossy (3 mantissa bits: relative error <= 2^-4 per element above the
+  row's subnormal range).
+
+Layer ids are in vLLM's convention (id 0 = embedding output, id L = output of the last block
+before the final norm).
 """
 
 from __future__ import annotations
@@ -24,7 +37,14 @@ import pyarrow as pa
 
 from eaglenest.errors import SchemaError
 
-SCHEMA_VERSION = 1
+#: Version of the ``features`` schema. 2: tensor columns are Lance blob columns (same bytes as 1).
+SCHEMA_VERSION = 2
+#: Feature-table versions this code reads (1: inline ``large_binary`` tensors, read with ``take``).
+READABLE_VERSIONS = (1, 2)
+#: The ``prompts`` schema has not changed since version 1.
+PROMPTS_SCHEMA_VERSION = 1
+#: Field metadata that makes Lance store a ``large_binary`` column as blobs.
+BLOB_METADATA = {b"lance-encoding:blob": b"true"}
 
 PROMPTS_SCHEMA = pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),
@@ -37,7 +57,7 @@ PROMPTS_SCHEMA = pa.schema([
     pa.field("response_token_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("finish_reason", pa.string(), nullable=False),  # "" for held-out rows (not regenerated)
     pa.field("gen_params_id", pa.string(), nullable=False),
-], metadata={"eaglenest.schema": "prompts", "eaglenest.schema_version": str(SCHEMA_VERSION)})
+], metadata={"eaglenest.schema": "prompts", "eaglenest.schema_version": str(PROMPTS_SCHEMA_VERSION)})
 
 FEATURES_SCHEMA = pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),
@@ -50,8 +70,8 @@ FEATURES_SCHEMA = pa.schema([
     pa.field("num_loss_tokens", pa.int32(), nullable=False),
     pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
-    pa.field("aux_hidden", pa.large_binary(), nullable=False),
-    pa.field("last_hidden", pa.large_binary(), nullable=False),
+    pa.field("aux_hidden", pa.large_binary(), nullable=False, metadata=BLOB_METADATA),
+    pa.field("last_hidden", pa.large_binary(), nullable=False, metadata=BLOB_METADATA),
 ], metadata={"eaglenest.schema": "features", "eaglenest.schema_version": str(SCHEMA_VERSION)})
 
 #: Columns that hold tensors: excluded from ad-hoc queries unless asked for.
@@ -104,11 +124,27 @@ def feature_meta(schema: pa.Schema) -> FeatureMeta:
     return FeatureMeta.from_json(raw.decode())
 
 
+def schema_version(schema: pa.Schema) -> int | None:
+    raw = (schema.metadata or {}).get(b"eaglenest.schema_version", b"").decode()
+    return int(raw) if raw.isdigit() else None
+
+
+def tensor_layout(schema: pa.Schema) -> str:
+    """``blob`` (schema version 2: Lance blob columns) or ``inline`` (version 1)."""
+    md = schema.field("aux_hidden").metadata or {}
+    return "blob" if md.get(b"lance-encoding:blob") == b"true" else "inline"
+
+
 def validate(schema: pa.Schema, expected: pa.Schema, *, what: str) -> None:
-    """Raise :class:`SchemaError` unless ``schema`` has every expected column with its type."""
-    version = (schema.metadata or {}).get(b"eaglenest.schema_version", b"").decode()
-    if version and version != str(SCHEMA_VERSION):
-        raise SchemaError(f"{what}: schema version {version}, this eaglenest reads {SCHEMA_VERSION}")
+    """Raise :class:`SchemaError` unless ``schema`` has every expected column with its type and a
+    schema version this code reads."""
+    version = schema_version(schema)
+    is_prompts = (expected.metadata or {}).get(b"eaglenest.schema") == b"prompts"
+    readable = (PROMPTS_SCHEMA_VERSION,) if is_prompts else READABLE_VERSIONS
+    raw = (schema.metadata or {}).get(b"eaglenest.schema_version", b"").decode()
+    if raw and version not in readable:
+        raise SchemaError(f"{what}: schema version {raw}, this eaglenest reads "
+                          f"{', '.join(map(str, readable))}; use an eaglenest that wrote it, or capture again")
     for field in expected:
         if field.name not in schema.names:
             raise SchemaError(f"{what}: missing column '{field.name}'")
@@ -134,9 +170,78 @@ def decode_tensor(blob: bytes, shape: tuple[int, ...], dtype: str) -> np.ndarray
 
 
 def torch_from_blob(blob: bytes, shape: tuple[int, ...], dtype: str):
-    """Decode a tensor column straight into a torch tensor of the stored dtype."""
+    """Decode a raw tensor value into a torch tensor of the stored dtype (a copy; see
+    :mod:`eaglenest.featurestore.reader` for zero-copy views of Arrow buffers)."""
     import torch
 
     arr = decode_tensor(blob, shape, dtype)
     t = torch.from_numpy(arr.copy())
     return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+# --- fp8_e4m3 storage ----------------------------------------------------------------------------
+STORAGES = ("raw", "fp8_e4m3")
+FP8_MAX = 448.0  # largest finite e4m3fn value
+
+
+def _as_float32(array: np.ndarray, dtype: str):
+    """A torch float32 tensor of a capture array (bf16 given as uint16 bit patterns)."""
+    import torch
+
+    want = _DTYPES[dtype]
+    if array.dtype != want:
+        raise SchemaError(f"tensor dtype {array.dtype} does not match the table dtype {dtype}")
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    return (t.view(torch.bfloat16) if dtype == "bfloat16" else t).float()
+
+
+def encode_fp8(array: np.ndarray, dtype: str) -> bytes:
+    """``[..., H]`` -> per-row fp32 scales then e4m3 bytes (see the module docstring)."""
+    import torch
+
+    x = _as_float32(array, dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    absmax = rows.abs().amax(dim=1) if rows.numel() else rows.new_zeros(rows.shape[0])
+    # A zero row keeps scale 1 (its codes are all 0); inf/NaN rows give a non-finite scale (verify flags it).
+    scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
+    # Clamp: x / scale can round a hair past 448, and e4m3fn has no inf (it would become NaN).
+    q = (rows / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return scale.numpy().astype("<f4").tobytes() + q.view(torch.uint8).numpy().tobytes()
+
+
+def fp8_parts(blob, rows: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    """Views ``(scales [rows] float32, codes [rows, hidden] uint8)`` of an fp8 value (no copy)."""
+    buf = np.frombuffer(blob, np.uint8)
+    if buf.size != rows * (4 + hidden):
+        raise SchemaError(f"fp8 value of {buf.size} bytes is not {rows} rows of {hidden} (+4 scale bytes)")
+    return buf[:4 * rows].view("<f4"), buf[4 * rows:].reshape(rows, hidden)
+
+
+def decode_fp8(blob, shape: tuple[int, ...]):
+    """Inverse of :func:`encode_fp8`: a float32 torch tensor of ``shape`` (``shape[-1]`` = H)."""
+    import torch
+
+    rows = int(np.prod(shape[:-1]))
+    scales, codes = fp8_parts(blob, rows, shape[-1])
+    q = torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn).float()
+    return (q * torch.from_numpy(scales.copy())[:, None]).reshape(shape)
+
+
+def encode_value(array: np.ndarray, meta: "FeatureMeta") -> bytes:
+    """The stored bytes of one tensor value under the table's storage mode."""
+    if meta.storage == "raw":
+        return encode_tensor(array, meta.dtype)
+    if meta.storage == "fp8_e4m3":
+        return encode_fp8(array, meta.dtype)
+    raise SchemaError(f"unknown storage mode {meta.storage!r} (expected one of {STORAGES})")
+
+
+def value_nonfinite(blob, meta: "FeatureMeta") -> bool:
+    """Does a stored tensor value hold a NaN or inf (fp8: a non-finite scale or a NaN code)?"""
+    if meta.storage == "fp8_e4m3":
+        rows = len(blob) // (4 + meta.hidden_size)
+        scales, codes = fp8_parts(blob, rows, meta.hidden_size)
+        return bool(not np.isfinite(scales).all() or ((codes & 0x7F) == 0x7F).any())
+    if meta.dtype == "bfloat16":
+        return bool(((np.frombuffer(blob, "<u2") & 0x7F80) == 0x7F80).any())  # exponent all ones
+    return bool(not np.isfinite(np.frombuffer(blob, _DTYPES[meta.dtype])).all())

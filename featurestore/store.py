@@ -84,16 +84,21 @@ def latest_version(uri: str, name: str) -> int:
     return dataset(uri, name).version
 
 
+#: Scanner option that returns the bytes of blob columns (features schema 2), not (position, size).
+BYTES = {"blob_handling": "all_binary"}
+
+
 def read(uri: str, name: str, *, version: int | str | None = None, columns: list[str] | None = None,
          filter: str | None = None) -> pa.Table:
-    return dataset(uri, name, version).to_table(columns=columns, filter=filter)
+    """A table version as Arrow (tensor columns as bytes; training reads use featurestore.reader)."""
+    return dataset(uri, name, version).to_table(columns=columns, filter=filter, **BYTES)
 
 
 def iter_batches(uri: str, name: str, *, version: int | str | None = None,
                  columns: list[str] | None = None, filter: str | None = None,
                  batch_size: int = 64) -> Iterator[pa.RecordBatch]:
     ds = dataset(uri, name, version)
-    yield from ds.to_batches(columns=columns, filter=filter, batch_size=batch_size)
+    yield from ds.to_batches(columns=columns, filter=filter, batch_size=batch_size, **BYTES)
 
 
 def sample_ids(uri: str, name: str, *, filter: str | None = None) -> set[str]:

@@ -1,9 +1,15 @@
 """Where responses come from: an in-process vLLM engine, or OpenAI-compatible vLLM servers.
 
-Both backends answer the same two calls, ``chat(conversations)`` and ``complete(texts)``, with one
-:class:`Completion` (vLLM's own prompt and response token ids, the finish reason) or one
-:class:`Failure` per request, in order. A failure never raises: the caller reports it per prompt and
-the run goes on.
+Both backends answer requests with one :class:`Completion` (vLLM's own prompt and response token
+ids, the finish reason) or one :class:`Failure` each; a failure never raises: the caller reports it
+per prompt and the run goes on. Two ways to ask:
+
+* streaming, what regeneration uses: ``submit(key, kind, payload, gen)`` queues one request
+  (``kind`` "chat": a conversation; "raw": a plain document) and ``poll()`` returns the
+  ``(key, result)`` pairs that finished since, in finishing order. The caller keeps up to
+  ``max_in_flight`` requests queued, so the engine never waits for a batch, a shard or a commit
+  to end before it starts on the next prompts (continuous batching end to end).
+* batched, ``chat(conversations)`` and ``complete(texts)``: one result per request, in order.
 
 The endpoint backend spreads requests over every endpoint (data parallel, a bounded number in
 flight each) and retries a failed request on the next endpoint after an exponential backoff. It asks
@@ -25,7 +31,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from eaglenest.errors import ConfigError, EaglenestError
 from eaglenest.ingest.manifest import Generation
@@ -54,15 +60,61 @@ def chat_kwargs(gen: Generation) -> dict | None:
 
 
 class LocalBackend:
-    """An in-process ``vllm.LLM`` (the default)."""
+    """An in-process ``vllm.LLM`` (the default).
 
-    def __init__(self, llm):
+    Streaming requests go through vLLM's own ``LLM.enqueue_chat`` / ``LLM.enqueue`` (so the chat
+    template is rendered exactly as ``LLM.chat`` renders it) and the engine's ``step()``; the engine
+    core runs in its own process, so it keeps generating while this process writes and commits.
+    """
+
+    def __init__(self, llm, *, max_in_flight: int = 0):
         self.llm = llm
+        #: Requests kept queued in the engine (0: four times the engine's ``max_num_seqs``).
+        self.max_in_flight = max_in_flight or 4 * llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        self._pending: dict[str, object] = {}  # the caller's request id -> the caller's key
+        self._ready: list[tuple[object, Completion | Failure]] = []
+        self._sampling: tuple[Generation, object] | None = None
 
     def _params(self, gen: Generation):
         from vllm import SamplingParams
 
         return SamplingParams(temperature=gen.temperature, max_tokens=gen.max_tokens, seed=gen.seed)
+
+    def _params_for(self, gen: Generation):
+        if self._sampling is None or self._sampling[0] != gen:
+            self._sampling = (gen, self._params(gen))
+        return self._sampling[1]
+
+    def submit(self, key, kind: str, payload, gen: Generation) -> None:
+        params = self._params_for(gen)
+        try:
+            if kind == "chat":
+                (rid,) = self.llm.enqueue_chat([payload], params, use_tqdm=False,
+                                               chat_template_kwargs=chat_kwargs(gen))
+            else:
+                (rid,) = self.llm.enqueue([payload], params, use_tqdm=False)
+        except Exception as exc:  # noqa: BLE001 - vLLM refuses one request (too long, bad input): report it
+            self._ready.append((key, Failure(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")))
+            return
+        # vLLM appends "-<random>" to the id internally; outputs carry the id it was given (digits).
+        self._pending[rid.split("-", 1)[0]] = key
+
+    def poll(self) -> list[tuple[object, Completion | Failure]]:
+        """Requests finished since the last call: at least one, unless none is in flight."""
+        out, self._ready = self._ready, []
+        engine = self.llm.llm_engine
+        while not out and self._pending:
+            for o in engine.step():
+                if o.finished and o.request_id in self._pending:
+                    out.append((self._pending.pop(o.request_id), self._done(o)))
+        return out
+
+    def cancel(self) -> None:
+        """Abort whatever is still queued (after an error), so the engine can be reused."""
+        if self._pending:
+            self.llm.llm_engine.abort_request(list(self._pending))
+            self._pending.clear()
+        self._ready.clear()
 
     @staticmethod
     def _done(out) -> Completion:
@@ -101,7 +153,7 @@ class EndpointBackend:
 
     def __init__(self, urls: list[str], *, target: str, api_key_env: str = "", timeout_s: float = 120.0,
                  max_retries: int = 3, backoff_s: float = 0.5, in_flight_per_endpoint: int = 8,
-                 allow_remote: bool = False):
+                 allow_remote: bool = False, max_in_flight: int = 0):
         self.urls = check_endpoints(urls, allow_remote=allow_remote)
         if not self.urls:
             raise ConfigError("ingest.endpoints: at least one URL is required for backend 'endpoints'")
@@ -111,6 +163,11 @@ class EndpointBackend:
         self.target, self.timeout_s = target, timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.workers = in_flight_per_endpoint * len(self.urls)
+        #: Requests queued at once when streaming (0: twice the concurrent HTTP requests).
+        self.max_in_flight = max_in_flight or 2 * self.workers
+        self._stream_pool: ThreadPoolExecutor | None = None
+        self._futures: dict = {}
+        self._submitted = 0
         self._models: dict[str, str] = {}
         self._checked: set[str] = set()
         self._lock = threading.Lock()
@@ -209,5 +266,24 @@ class EndpointBackend:
     def complete(self, texts: list[str], gen: Generation) -> list[Completion | Failure]:
         return self._map("complete", texts, gen)
 
+    def submit(self, key, kind: str, payload, gen: Generation) -> None:
+        if self._stream_pool is None:
+            self._stream_pool = ThreadPoolExecutor(max_workers=self.workers)
+        i, self._submitted = self._submitted, self._submitted + 1  # spreads requests over endpoints
+        self._futures[self._stream_pool.submit(self._one, i, kind, payload, gen)] = key
+
+    def poll(self) -> list[tuple[object, Completion | Failure]]:
+        if not self._futures:
+            return []
+        done, _ = wait(self._futures, return_when=FIRST_COMPLETED)
+        return [(self._futures.pop(f), f.result()) for f in done]  # a ConfigError re-raises here
+
+    def cancel(self) -> None:
+        for f in self._futures:
+            f.cancel()
+        self._futures.clear()
+
     def close(self) -> None:
-        pass
+        if self._stream_pool is not None:
+            self._stream_pool.shutdown(wait=True, cancel_futures=True)
+            self._stream_pool = None

@@ -3,11 +3,15 @@
 Resumable and exactly-once by construction: sample ids are content hashes; the training prompts
 still missing from the table are cut into shards of ``commit_every``; each shard's rows are written
 as Lance fragments (by whichever process ran it) and committed by this driver in one Append commit
-as the shard finishes. A re-run skips ids already in the table. So a killed run loses at most the
-shards in flight (their fragments are uncommitted garbage, never visible), and a shard whose Dask
-worker died is simply run again elsewhere, its lost fragments never committed: no row can appear
-twice. Failed prompts (backend errors after retries) are not written, reported per prompt in the
-stats, and retried by the next run. No engine is started when nothing is left to do.
+as the shard finishes. Shards are a unit of commit, not of generation: in-process, every prompt
+streams through one engine with a bounded number in flight (``ingest.max_in_flight``), and a shard
+is written and committed the moment its last prompt is answered, while the engine (its own
+process) goes on with the next prompts; no batch barrier, no idle engine during commits. A re-run
+skips ids already in the table. So a killed run loses at most the shards in flight (their fragments
+are uncommitted garbage, never visible), and a shard whose Dask worker died is simply run again
+elsewhere, its lost fragments never committed: no row can appear twice. Failed prompts (backend
+errors after retries) are not written, reported per prompt in the stats, and retried by the next
+run. No engine is started when nothing is left to do.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from eaglenest.featurestore import schema, store
 from eaglenest.ingest.config import IngestConfig
 from eaglenest.ingest.manifest import Generation, Manifest
 from eaglenest.ingest.pool import PoolEntry
-from eaglenest.ingest.regen import gen_params_id, heldout_row, regenerate
+from eaglenest.ingest.regen import gen_params_id, heldout_row, regenerate, stream
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +48,11 @@ def make_backend(cfg: IngestConfig, target: str):
         return backends.EndpointBackend(
             cfg.endpoints, target=target, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
             max_retries=cfg.max_retries, backoff_s=cfg.retry_backoff_s,
-            in_flight_per_endpoint=cfg.in_flight_per_endpoint, allow_remote=cfg.allow_remote_endpoints)
+            in_flight_per_endpoint=cfg.in_flight_per_endpoint, allow_remote=cfg.allow_remote_endpoints,
+            max_in_flight=cfg.max_in_flight)
     from eaglenest.engine import make_llm
 
-    return backends.LocalBackend(make_llm(target, cfg.engine))
+    return backends.LocalBackend(make_llm(target, cfg.engine), max_in_flight=cfg.max_in_flight)
 
 
 def write_rows(store_uri: str, rows: list[dict]) -> list:
@@ -70,8 +75,13 @@ def run_shard(backend, store_uri: str, entries: list[PoolEntry], gen: Generation
             "failures": failures, "tokens": sum(len(r["response_token_ids"]) for r in rows)}
 
 
-def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, cfg: IngestConfig) -> dict:
-    """Regenerate what is missing from the prompts table; return the run's stats."""
+def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, cfg: IngestConfig,
+          backend=None, client=None) -> dict:
+    """Regenerate what is missing from the prompts table; return the run's stats.
+
+    ``backend`` (in-process executor) or ``client`` (a ``distributed.Client``, Dask executor) reuse a
+    running engine or cluster instead of starting one; the caller keeps and closes it.
+    """
     t0 = time.time()
     gen_id = gen_params_id(manifest.generation, chat_template(target))
     try:
@@ -103,8 +113,9 @@ def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: 
                 bar.set_postfix(tok_s=f"{totals['tokens'] / max(time.time() - t0, 1e-9):.0f}",
                                 failed=len(totals["failures"]))
 
+            extra = {"client": client} if cfg.executor == "dask" else {"backend": backend}
             runner(shards, cfg=cfg, target=target, store_uri=store_uri, gen=manifest.generation,
-                   gen_id=gen_id, on_result=on_result)
+                   gen_id=gen_id, on_result=on_result, **extra)
     table = store.read(store_uri, store.PROMPTS, columns=["domain", "split", "finish_reason"])
     counts = collections.Counter(zip(table.column("domain").to_pylist(), table.column("split").to_pylist()))
     truncated = sum(1 for f in table.column("finish_reason").to_pylist() if f == "length")
@@ -131,20 +142,40 @@ def _guarded(fn, store_uri: str):
                          f"{str(exc).splitlines()[0][:300]}; no partial version was committed") from None
 
 
-def _run_inprocess(shards, *, cfg, target, store_uri, gen, gen_id, on_result) -> None:
-    backend = make_backend(cfg, target)
+def _run_inprocess(shards, *, cfg, target, store_uri, gen, gen_id, on_result, backend=None) -> None:
+    """Stream every shard's prompts through one backend; write + commit each shard as it completes."""
+    own = backend is None
+    backend = backend or make_backend(cfg, target)
+    where = {e.sample_id: (k, i) for k, shard in enumerate(shards) for i, e in enumerate(shard)}
+    left = [len(s) for s in shards]
+    rows: dict[int, dict[int, dict]] = {k: {} for k in range(len(shards))}
+    failures: dict[int, list] = {k: [] for k in range(len(shards))}
+    retries = getattr(backend, "retries", 0)
     try:
-        for k, shard in enumerate(shards):
-            before = getattr(backend, "retries", 0)
-            res = _guarded(lambda: run_shard(backend, store_uri, shard, gen, gen_id), store_uri)
-            res["retries"] = getattr(backend, "retries", 0) - before
+        for e, r, err in stream(backend, (e for shard in shards for e in shard), gen, gen_id):
+            k, i = where[e.sample_id]
+            if r is None:
+                failures[k].append({"sample_id": e.sample_id, "error": err})
+            else:
+                rows[k][i] = r
+            left[k] -= 1
+            if left[k]:
+                continue
+            got = rows.pop(k)
+            done = [got[i] for i in sorted(got)]  # entry order: the same fragments as a batch run
+            res = {"fragments": _guarded(lambda: write_rows(store_uri, done), store_uri) if done else [],
+                   "rows": len(done), "failures": failures.pop(k),
+                   "tokens": sum(len(x["response_token_ids"]) for x in done)}
+            now = getattr(backend, "retries", 0)
+            res["retries"], retries = now - retries, now
             on_result(k, res)
     finally:
-        backend.close()
+        if own:
+            backend.close()
 
 
-def _run_dask(shards, *, cfg, target, store_uri, gen, gen_id, on_result) -> None:
+def _run_dask(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None) -> None:
     from eaglenest.ingest import dask_executor
 
     dask_executor.run(shards, cfg=cfg, target=target, store_uri=store_uri, gen=gen, gen_id=gen_id,
-                      on_result=on_result)
+                      on_result=on_result, client=client)

@@ -46,10 +46,12 @@ def cmd_build(recipe, args) -> int:
     from eaglenest.provenance import write_json_atomic, write_provenance
 
     manifest = _manifest(recipe, args)
-    pool = load_pool(manifest, target=recipe.run.target)  # validated and loaded before anything is written
+    pool_report: dict = {}
+    pool = load_pool(manifest, target=recipe.run.target, report=pool_report)  # all before anything is written
     pool, report = contamination.check(pool, manifest)
     stats = build(manifest, pool, target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.ingest)
     stats["contamination"] = report
+    stats["pool"] = pool_report
     out = recipe.run.path("ingest")
     write_json_atomic(out / "stats.json", stats)
     write_provenance(out, config=recipe.to_dict(), extra={"manifest": to_dict(manifest)},

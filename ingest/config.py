@@ -13,7 +13,12 @@ class IngestConfig:
     #: The domain manifest (YAML); `ingest build --manifest PATH` overrides it.
     manifest: str = "recipes/manifests/toy.yaml"
     #: Prompts per shard; each shard is one atomic commit, so a killed run resumes after the last one.
+    #: In-process it does not limit the engine's batch (prompts stream across shards); under Dask a
+    #: shard is one task, so make it several times the engine's ``max_num_seqs`` there.
     commit_every: int = 64
+    #: Requests kept queued in the backend while streaming (0: 4 x ``engine.max_num_seqs`` for the
+    #: in-process engine, 2 x the concurrent HTTP requests for endpoints).
+    max_in_flight: int = 0
     engine: EngineConfig = EngineConfig()
     #: "vllm": an in-process engine; "endpoints": running OpenAI-compatible vLLM servers.
     backend: Literal["vllm", "endpoints"] = "vllm"

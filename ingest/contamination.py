@@ -8,7 +8,8 @@ a near duplicate of one (Jaccard similarity of word 5-gram sets). Near duplicate
 and held-out* prompts of the pool are checked too: the held-out split is an evaluation set.
 
 Trade-off: near-duplicate search is an inverted index over shingles, exact Jaccard on candidates:
-simple and exact, fine for pools of ~10^5 prompts; MinHash/LSH would be the next step beyond that.
+simple and exact, fine for eval sets and held-out splits of ~10^5 prompts; the pool's own
+near-duplicate removal (:mod:`eaglenest.ingest.neardup`, MinHash + LSH) is built for larger sets.
 """
 
 from __future__ import annotations
@@ -16,17 +17,15 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import re
 from pathlib import Path
 
 from eaglenest.errors import ManifestError
 from eaglenest.ingest.manifest import Manifest, resolve_path
+from eaglenest.ingest.neardup import shingles
 from eaglenest.ingest.pool import PoolEntry
-from eaglenest.text import content_key, normalise
+from eaglenest.text import content_key
 
 log = logging.getLogger(__name__)
-
-SHINGLE = 5
 
 
 def load_eval_prompts(path: str | Path, *, where: str) -> list[str]:
@@ -47,13 +46,6 @@ def load_eval_prompts(path: str | Path, *, where: str) -> list[str]:
         else:
             raise ManifestError(f"{where}: line {i + 1} of {path} has no 'turns', 'messages' or 'prompt'")
     return out
-
-
-def shingles(text: str) -> frozenset[str]:
-    words = re.findall(r"\w+", normalise(text).lower())
-    if len(words) < SHINGLE:
-        return frozenset([" ".join(words)]) if words else frozenset()
-    return frozenset(" ".join(words[i:i + SHINGLE]) for i in range(len(words) - SHINGLE + 1))
 
 
 class NearIndex:

@@ -58,8 +58,21 @@ def client_for(cfg):
     return client
 
 
+def _close_backends() -> int:
+    """Runs on each worker: stop its cached engines (their engine-core processes would outlive it)."""
+    n = len(_BACKENDS)
+    while _BACKENDS:
+        _BACKENDS.popitem()[1].close()
+    return n
+
+
 def close(client) -> None:
     cluster = getattr(client, "_eaglenest_cluster", None)
+    if cluster is not None:  # a cluster we started: its workers go now, so must their engines
+        try:
+            client.run(_close_backends)
+        except Exception:  # noqa: BLE001 - best effort; a dead worker has nothing left to close
+            log.debug("closing worker engines failed", exc_info=True)
     client.close()
     if cluster is not None:
         cluster.close()

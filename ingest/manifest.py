@@ -88,6 +88,20 @@ class Contamination:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Dedup:
+    """Near-duplicate removal inside the pool (exact duplicates are always removed)."""
+
+    #: Drop a prompt whose word-shingle Jaccard similarity to an already kept prompt (in hash order,
+    #: earlier domains first) is at least this; null: off. MinHash + LSH find candidates, exact
+    #: Jaccard decides (eaglenest.ingest.neardup).
+    near_duplicate_threshold: float | None = None
+    #: Words per shingle.
+    shingle_words: int = 5
+    #: MinHash permutations (more: fewer missed pairs, slower signing).
+    num_perm: int = 128
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Manifest:
     name: str
     domains: dict[str, Domain]
@@ -103,6 +117,7 @@ class Manifest:
     raw_fraction: float = 0.2
     generation: Generation = Generation()
     contamination: Contamination = Contamination()
+    dedup: Dedup = Dedup()
 
     def held_out(self, domain: str) -> tuple[str, float]:
         """("count", n) or ("fraction", f) for ``domain``; a domain override beats the manifest's."""
@@ -120,7 +135,10 @@ class Manifest:
         return self.raw_fraction if d is None else d
 
     def content_hash(self) -> str:
-        return hashlib.sha256(json.dumps(to_dict(self), sort_keys=True).encode()).hexdigest()[:16]
+        d = to_dict(self)
+        if self.dedup == Dedup():  # added after release: manifests without it keep their hash
+            d.pop("dedup")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_manifest(path: str | Path, *, base_dir: str | Path | None = None) -> Manifest:
@@ -204,6 +222,13 @@ def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
     c = m.contamination
     if c.near_duplicate_threshold is not None and not 0.0 < c.near_duplicate_threshold <= 1.0:
         p.append(f"contamination.near_duplicate_threshold: {c.near_duplicate_threshold} is not in (0, 1]")
+    dd = m.dedup
+    if dd.near_duplicate_threshold is not None and not 0.0 < dd.near_duplicate_threshold <= 1.0:
+        p.append(f"dedup.near_duplicate_threshold: {dd.near_duplicate_threshold} is not in (0, 1]")
+    if dd.shingle_words < 1:
+        p.append("dedup.shingle_words: must be at least 1")
+    if not 8 <= dd.num_perm <= 1024:
+        p.append(f"dedup.num_perm: {dd.num_perm} is not in [8, 1024]")
     for kind in ("mt_bench", "speed_bench"):
         for i, path in enumerate(getattr(c, kind)):
             if not resolve_path(path, base_dir).is_file():

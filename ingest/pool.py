@@ -5,6 +5,11 @@ manifest and sources always give the same pool. Order, the held-out split and th
 are all derived from a hash of the normalised content (never from file order or a random state),
 so adding a source does not reshuffle the prompts already chosen. A conversation (several user
 turns) is one pool entry; its identity is the hash of its system prompt and every user turn.
+Optional near-duplicate removal (``dedup.near_duplicate_threshold``) walks each domain in that same
+hash order and drops a prompt whose user turns are near ones already kept (this domain's, or those
+earlier domains chose); system prompts are left out of the comparison, since a shared system
+prompt would make every prompt look alike. Adding a near twin with a lower hash than a chosen
+prompt does replace it: the price of keeping the choice a pure function of the content.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Callable
 from eaglenest.errors import ManifestError
 from eaglenest.text import content_key, normalise
 from eaglenest.ingest.manifest import Manifest, Source, resolve_path
+from eaglenest.ingest.neardup import NearDupIndex
 
 log = logging.getLogger(__name__)
 
@@ -96,26 +102,43 @@ def load_source(src: Source, *, where: str, base_dir: str | Path | None = None) 
 
 
 def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
-               count_tokens: Callable[[str], int] | None = None) -> list[PoolEntry]:
+               count_tokens: Callable[[str], int] | None = None, report: dict | None = None) -> list[PoolEntry]:
     """Pure: the pool from the rows loaded per domain (``loaded[domain]``).
 
     ``count_tokens`` (text -> number of target tokens) is needed only by domains with ``cap_tokens``.
+    ``report``, if given, receives per-domain counts: rows, empty, exact and near duplicates, kept.
     """
     pool: list[PoolEntry] = []
     seen: set[str] = set()
+    near = _near_index(manifest)  # prompts chosen by earlier domains
     for domain, dcfg in manifest.domains.items():
         cands = {}
+        counts = {"rows": len(loaded.get(domain, [])), "empty": 0, "exact_duplicates": 0,
+                  "near_duplicates": 0, "kept": 0}
         for row in loaded.get(domain, []):
             turns = [normalise(t) for t in [row["prompt"], *row.get("later_turns", [])]]
             if not turns[0] or not all(turns):
+                counts["empty"] += 1
                 continue
             system = normalise(row["system"])
             key = content_key("\n".join([system, *turns]))
             if key in seen or key in cands:
+                counts["exact_duplicates"] += 1
                 continue  # exact duplicate (also across domains: first domain wins)
             cands[key] = (turns, system, row["source"])
+        order = sorted(cands)
+        if near is not None:  # greedy in hash order: a prompt goes if it is near one kept before it
+            local, sketches, kept = _near_index(manifest), {}, []
+            for key in order:
+                sk = sketches[key] = local.sketch("\n".join(cands[key][0]))  # user turns only
+                if near.find(sk) is not None or local.find(sk) is not None:
+                    counts["near_duplicates"] += 1
+                    continue
+                local.add(key, sk)
+                kept.append(key)
+            order = kept
         chosen, tokens = [], 0
-        for key in sorted(cands):
+        for key in order:
             if dcfg.cap_prompts is not None and len(chosen) >= dcfg.cap_prompts:
                 break
             if dcfg.cap_tokens is not None:
@@ -128,6 +151,12 @@ def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
                 tokens += n
             chosen.append(key)
         seen.update(chosen)
+        if near is not None:
+            for key in chosen:
+                near.add(key, sketches[key])
+        counts["kept"] = len(chosen)
+        if report is not None:
+            report.setdefault("domains", {})[domain] = counts
         held = _heldout_keys(manifest, domain, chosen)
         for key in chosen:
             turns, system, source = cands[key]
@@ -138,6 +167,13 @@ def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
                                   mode="raw" if raw else "chat", system=system, prompt=turns[0],
                                   later_turns=tuple(turns[1:])))
     return pool
+
+
+def _near_index(manifest: Manifest) -> NearDupIndex | None:
+    dd = manifest.dedup
+    if dd.near_duplicate_threshold is None:
+        return None
+    return NearDupIndex(dd.near_duplicate_threshold, num_perm=dd.num_perm, shingle_words=dd.shingle_words)
 
 
 def _heldout_keys(manifest: Manifest, domain: str, chosen: list[str]) -> set[str]:
@@ -155,7 +191,7 @@ def token_counter(target: str) -> Callable[[str], int]:
 
 
 def load_pool(manifest: Manifest, *, base_dir: str | Path | None = None,
-              target: str | None = None) -> list[PoolEntry]:
+              target: str | None = None, report: dict | None = None) -> list[PoolEntry]:
     loaded = {
         name: [r for i, s in enumerate(d.sources)
                for r in load_source(s, where=f"domains.{name}.sources[{i}]", base_dir=base_dir)]
@@ -163,7 +199,7 @@ def load_pool(manifest: Manifest, *, base_dir: str | Path | None = None,
     }
     needs_tokens = any(d.cap_tokens is not None for d in manifest.domains.values())
     counter = token_counter(target) if needs_tokens and target else None
-    return build_pool(manifest, loaded, count_tokens=counter)
+    return build_pool(manifest, loaded, count_tokens=counter, report=report)
 
 
 def raw_text(entry: PoolEntry) -> str:

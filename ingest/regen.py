@@ -1,11 +1,13 @@
 """On-policy regeneration: the target answers the pool's prompts through its exact chat template.
 
-Chat prompts go through the backend's ``chat`` (vLLM renders the target's own template); raw prompts
-through ``complete`` as plain documents. Both keep vLLM's own prompt and response token ids, so the
-feature store later captures exactly the tokens the target produced (no re-tokenisation drift).
+Chat prompts are rendered by vLLM with the target's own template; raw prompts are sent as plain
+documents. Requests stream through the backend (``submit`` / ``poll``), raw and chat mixed, with a
+bounded number in flight, so the engine stays full across shard boundaries. Both keep vLLM's own
+prompt and response token ids, so the feature store later captures exactly the tokens the target
+produced (no re-tokenisation drift).
 
-Multi-turn conversations are answered turn by turn, in order: turn ``t`` of every conversation in a
-batch is one batched request whose history holds the target's *own* answers to turns ``< t``. The
+Multi-turn conversations are answered turn by turn, in order: turn ``t`` of a conversation is queued
+as soon as turn ``t - 1`` is answered, its history holding the target's *own* earlier answers. The
 stored row is the whole conversation in ``messages_json``; its token ids are those of the last turn
 (prompt = the full rendered history, response = the last answer), so the loss covers the final
 assistant turn while earlier on-policy answers are context. A request that fails (after the
@@ -17,8 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from typing import Iterable, Iterator
 
-from eaglenest.ingest.backends import Completion, Failure
+from eaglenest.ingest.backends import Failure
 from eaglenest.ingest.manifest import Generation
 from eaglenest.ingest.pool import PoolEntry, raw_text
 
@@ -34,43 +37,59 @@ def gen_params_id(gen: Generation, chat_template: str) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def stream(backend, entries: Iterable[PoolEntry], gen: Generation, gen_id: str, *,
+           max_in_flight: int | None = None) -> Iterator[tuple[PoolEntry, dict | None, str | None]]:
+    """``(entry, row, None)`` or ``(entry, None, error)`` for each entry, as its conversation finishes.
+
+    Keeps up to ``max_in_flight`` requests (default: the backend's) queued in the backend, raw and
+    chat mixed, drawing new entries as others finish: the engine is never drained between batches.
+    A multi-turn conversation's next turn is queued as soon as its previous answer is back.
+    """
+    window = max(1, max_in_flight or getattr(backend, "max_in_flight", 64))
+    todo = iter(entries)
+    live: dict[str, tuple[PoolEntry, list[dict], int]] = {}  # sample_id -> (entry, messages, turn)
+    exhausted = False
+    try:
+        while True:
+            while not exhausted and len(live) < window:
+                e = next(todo, None)
+                if e is None:
+                    exhausted = True
+                elif e.mode == "raw":
+                    live[e.sample_id] = (e, [{"role": "document", "content": raw_text(e)}], 0)
+                    backend.submit(e.sample_id, "raw", raw_text(e), gen)
+                else:
+                    live[e.sample_id] = (e, e.messages(), 0)
+                    backend.submit(e.sample_id, "chat", e.messages(), gen)
+            if not live:
+                return
+            for sid, c in backend.poll():
+                e, messages, turn = live.pop(sid)
+                if isinstance(c, Failure):
+                    yield e, None, (c.error if e.mode == "raw" else f"turn {turn}: {c.error}")
+                    continue
+                history = messages + [{"role": "assistant", "content": c.text}]
+                if e.mode == "chat" and turn < len(e.later_turns):  # the target's own answer, then the next turn
+                    live[sid] = (e, history + [{"role": "user", "content": e.later_turns[turn]}], turn + 1)
+                    backend.submit(sid, "chat", live[sid][1], gen)
+                else:
+                    yield e, row(e, messages=history, prompt_ids=c.prompt_ids, response_ids=c.response_ids,
+                                 finish_reason=c.finish_reason, gen_id=gen_id), None
+    finally:
+        if live and hasattr(backend, "cancel"):  # stopped early (error, consumer gone): drop the rest
+            backend.cancel()
+
+
 def regenerate(backend, entries: list[PoolEntry], gen: Generation, gen_id: str) -> tuple[list[dict], list[dict]]:
     """``(rows, failures)``: rows for the prompts table in entry order, and ``{sample_id, error}``."""
-    done: dict[str, tuple[list[dict], Completion]] = {}
-    failures: dict[str, str] = {}
-    raw = [e for e in entries if e.mode == "raw"]
-    if raw:
-        for e, c in zip(raw, backend.complete([raw_text(e) for e in raw], gen)):
-            if isinstance(c, Failure):
-                failures[e.sample_id] = c.error
-            else:
-                done[e.sample_id] = ([{"role": "document", "content": raw_text(e)}], c)
-    live = {e.sample_id: e.messages() for e in entries if e.mode == "chat"}
-    entry = {e.sample_id: e for e in entries}
-    turn = 0
-    while live:
-        ids = list(live)
-        outs = backend.chat([live[i] for i in ids], gen)
-        for sid, c in zip(ids, outs):
-            if isinstance(c, Failure):
-                failures[sid] = f"turn {turn}: {c.error}"
-                del live[sid]
-                continue
-            history = live[sid] + [{"role": "assistant", "content": c.text}]
-            later = entry[sid].later_turns
-            if turn < len(later):  # feed the target's own answer back, then the next user turn
-                live[sid] = history + [{"role": "user", "content": later[turn]}]
-            else:
-                done[sid] = (live.pop(sid), c)
-        turn += 1
-    rows = []
-    for e in entries:
-        if e.sample_id in done:
-            messages, c = done[e.sample_id]
-            rows.append(row(e, messages=messages + [{"role": "assistant", "content": c.text}],
-                            prompt_ids=c.prompt_ids, response_ids=c.response_ids,
-                            finish_reason=c.finish_reason, gen_id=gen_id))
-    return rows, [{"sample_id": s, "error": err} for s, err in failures.items()]
+    done: dict[str, dict] = {}
+    failures = []
+    for e, r, err in stream(backend, entries, gen, gen_id):
+        if r is None:
+            failures.append({"sample_id": e.sample_id, "error": err})
+        else:
+            done[e.sample_id] = r
+    return [done[e.sample_id] for e in entries if e.sample_id in done], failures
 
 
 def row(e: PoolEntry, *, messages: list[dict], prompt_ids: list[int], response_ids: list[int],

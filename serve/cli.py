@@ -18,7 +18,7 @@ def _export(recipe, args) -> int:
     r, s = recipe.run, recipe.serve
     out = args.out or str(r.path(s.draft_subdir))
     path = export_draft(r.path(s.checkpoint_subdir), out, target_dir=r.target, dtype=s.dtype,
-                        argv=sys.argv, recipe=recipe.to_dict())
+                        quantization=s.quantization, argv=sys.argv, recipe=recipe.to_dict())
     print(f"draft: {path}")
     return 0
 

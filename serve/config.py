@@ -16,6 +16,9 @@ class ServeConfig:
     draft_subdir: str = "draft"
     #: Weight dtype of the exported draft; "auto" = the target's torch_dtype.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: "fp8": linears as float8_e4m3fn with per-output-channel fp32 scales (compressed-tensors
+    #: format vLLM loads); norms, lm_head and the vocab maps stay at ``dtype``.
+    quantization: Literal["none", "fp8"] = "none"
     #: vLLM speculative decoding settings (used by the load check and the evaluate stage).
     num_speculative_tokens: int = 3
     #: On CPU: fraction of the NUMA node's RAM reserved for the KV cache.

@@ -12,6 +12,11 @@ The one boundary between eaglenest's training module and the serving format. Out
   ``embed_tokens``: vLLM shares the target's.
 * ``README.md`` (model card) and ``provenance.json``.
 
+With ``serve.quantization=fp8`` the draft's linears (``fc``, midlayer q/k/v/o, gate/up/down) are
+written as float8_e4m3fn ``weight`` + float32 per-output-channel ``weight_scale`` and config.json
+gets compressed-tensors' ``quantization_config`` (``serve/fp8.py`` says why this format and why
+``lm_head`` stays at the export dtype).
+
 vLLM renames ``midlayer.`` to ``layers.0.``, stacks q/k/v into ``qkv_proj`` and gate/up into
 ``gate_up_proj``, and loads ``d2t`` into ``draft_id_to_target_id`` (tests/serve checks this
 against vLLM's own mapper). Floating weights are cast to the export dtype; maps stay integer/bool.
@@ -73,7 +78,7 @@ def draft_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype: 
 
 
 def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str | Path,
-                 dtype: str = "auto", argv: list[str] | None = None,
+                 dtype: str = "auto", quantization: str = "none", argv: list[str] | None = None,
                  recipe: dict[str, Any] | None = None) -> Path:
     """Write the vLLM draft directory ``out_dir`` from checkpoint ``ckpt_dir``; returns out_dir."""
     from safetensors.torch import load_file, save_file
@@ -87,6 +92,8 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
         dtype = torch_dtype_name(target_cfg)
     if dtype not in DTYPES:
         raise ConfigError(f"serve.dtype: cannot export as {dtype!r} (one of {', '.join(DTYPES)})")
+    if quantization not in ("none", "fp8"):
+        raise ConfigError(f"serve.quantization: one of none, fp8; got {quantization!r}")
     cfg = draft_hf_config(info, target_cfg, dtype=dtype)
     state = load_file(str(Path(ckpt_dir) / WEIGHTS))
     tensors = {}
@@ -96,6 +103,11 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
         tensors[name] = t.to(DTYPES[dtype]).contiguous() if t.is_floating_point() else t.contiguous()
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
+    if quantization == "fp8":
+        from eaglenest.serve import fp8
+
+        tensors = fp8.quantise_state(tensors)
+        cfg["quantization_config"] = fp8.quantization_config()
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
@@ -105,13 +117,15 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     write_json_atomic(tmp / "config.json", cfg)
     inputs = {"checkpoint": str(ckpt_dir), "step": info.get("step"), "store_uri": info.get("store_uri"),
               "table": "features", "version": info.get("table_version"), "target": str(target_dir)}
-    write_provenance(tmp, config=recipe or {"serve": {"dtype": dtype}}, argv=argv, inputs=inputs)
+    write_provenance(tmp, config=recipe or {"serve": {"dtype": dtype, "quantization": quantization}},
+                     argv=argv, inputs=inputs)
     (tmp / "README.md").write_text(model_card(cfg, info, inputs), encoding="utf-8")
     # Replace the whole directory at once so vLLM never reads a half-written draft.
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
-    log.info("exported draft (%s, %d tensors) to %s", dtype, len(tensors), out_dir)
+    log.info("exported draft (%s%s, %d tensors) to %s", dtype, ", fp8 linears" if quantization == "fp8" else "",
+             len(tensors), out_dir)
     return out_dir
 
 
@@ -134,7 +148,7 @@ llm = LLM(model="{inputs['target']}",
 | draft vocab | {cfg['draft_vocab_size']} of {cfg['vocab_size']} target ids (coverage of loss tokens: {info.get('vocab_coverage', float('nan')):.3f}) |
 | hidden / heads / kv heads | {cfg['hidden_size']} / {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} |
 | EAGLE-3.1 flags | {', '.join(f for f in FLAGS if cfg[f]) or 'none'} |
-| dtype | {cfg['torch_dtype']} |
+| dtype | {cfg['torch_dtype']}{' (linears: FP8 e4m3, per-channel scales, compressed-tensors)' if 'quantization_config' in cfg else ''} |
 | trained steps | {info.get('step')} (TTT steps {info.get('train_config', {}).get('ttt_steps')}) |
 | features | `{inputs['store_uri']}` table `features` version {inputs['version']} |
 | last logged loss | {m.get('loss', float('nan')):.4f} |

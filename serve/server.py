@@ -5,9 +5,9 @@
 for ``/health``, and on exit terminates the whole process group (vLLM spawns an engine process).
 Use it as a context manager so a failing caller never leaves a server behind.
 
-Trade-off: one server per process group, started cold (~20 s for the tiny target); callers that
-need several configurations (speculation on/off) start them one after the other so only one
-engine holds memory at a time.
+Trade-off: one server per process group, started cold (~20 s for the tiny target). ``evaluate
+throughput`` holds two at once (speculation on and off, each with its own KV cache) so it can
+measure them back to back; size ``memory_fraction`` for both.
 """
 
 from __future__ import annotations

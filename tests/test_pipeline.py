@@ -91,7 +91,7 @@ def test_vllm_features_equal_transformers_hidden_states(run, tiny_target):
     ds = store.dataset(uri, store.FEATURES)
     meta = S.feature_meta(ds.schema)
     assert meta.dtype == "float32" and meta.layer_ids == (2, 4, 5) and meta.last_layer_id == 8
-    rows = ds.to_table().to_pylist()[:4]
+    rows = ds.to_table(**store.BYTES).to_pylist()[:4]
     model = LlamaForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     for row in rows:
         T = row["num_tokens"]

@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 
 PROMPT_SEED = 20251129
 NUM_PROMPTS_PER_DOMAIN = 150
+#: Multi-turn conversations (``dialogue.jsonl``): user turns drawn from all four domains, so the
+#: draft trains on the long multi-turn chats that context buckets and real traffic look like.
+DIALOGUE_SEED = 20261129
+NUM_DIALOGUES = 40
+DIALOGUE_TURNS = (6, 12)
 
 
 def prompt_records(domain: corpus.Domain, *, seed: int = PROMPT_SEED,
@@ -40,6 +45,21 @@ def prompt_records(domain: corpus.Domain, *, seed: int = PROMPT_SEED,
     raise RuntimeError(f"{domain}: could not draw {num_prompts} distinct prompts")
 
 
+def dialogue_records(*, seed: int = DIALOGUE_SEED, num_dialogues: int = NUM_DIALOGUES,
+                     turns: tuple[int, int] = DIALOGUE_TURNS) -> list[dict]:
+    """``num_dialogues`` conversations of ``turns[0]..turns[1]`` user turns from mixed domains."""
+    import random
+
+    rng = random.Random(seed)
+    streams = {d: corpus.iter_domain(d, seed=seed) for d in corpus.DOMAINS}
+    out = []
+    for i in range(num_dialogues):
+        msgs = [{"role": "user", "content": next(streams[rng.choice(corpus.DOMAINS)])["prompt"]}
+                for _ in range(rng.randint(*turns))]
+        out.append({"id": f"dialogue-{i:04d}", "messages": msgs})
+    return out
+
+
 def write_prompt_files(outdir: str | Path, *, seed: int = PROMPT_SEED,
                        num_prompts: int = NUM_PROMPTS_PER_DOMAIN) -> list[Path]:
     """Write one JSONL per domain into ``outdir`` and return the paths."""
@@ -53,4 +73,9 @@ def write_prompt_files(outdir: str | Path, *, seed: int = PROMPT_SEED,
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         paths.append(path)
         log.info("wrote %d prompts to %s", len(lines), path)
+    path = outdir / "dialogue.jsonl"
+    lines = [json.dumps(r, sort_keys=True, ensure_ascii=False) for r in dialogue_records()]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    paths.append(path)
+    log.info("wrote %d dialogues to %s", len(lines), path)
     return paths

@@ -23,7 +23,8 @@ def _run(recipe, args) -> int:
         logging.getLogger("eaglenest").setLevel(logging.WARNING)
     r = recipe.run
     summary = train(recipe.train, store_uri=r.store_uri, workdir=r.workdir, target_dir=r.target,
-                    seed=r.seed, argv=sys.argv, recipe=recipe.to_dict(), evaluate=recipe.evaluate)
+                    seed=r.seed, argv=sys.argv, recipe=recipe.to_dict(), evaluate=recipe.evaluate,
+                    featurestore=recipe.featurestore)
     if main_rank:
         print(f"draft checkpoint: {summary.outdir} (step {summary.steps}, features v{summary.table_version}, "
               f"data stall {100 * summary.stall_fraction:.2f}%)")

@@ -63,6 +63,13 @@ class TrainConfig:
     select_split: str = "heldout"
     #: Batches read ahead by the loader thread (per rank).
     prefetch_batches: int = 2
+    #: "table": the features table; "stream": hidden states from a live capture engine (recipe's
+    #: featurestore section), no table (docs/featurestore.md, "Streaming bypass"). One rank only.
+    source: Literal["table", "stream"] = "table"
+    #: train.source=stream: most captures in flight between the engine and the trainer.
+    stream_depth: int = 8
+    #: train.source=stream: CUDA_VISIBLE_DEVICES of the capture engine ("" = inherit the trainer's).
+    stream_devices: str = ""
     #: FSDP2 mixed precision on CUDA (parameters; gradients reduce in fp32). CPU runs stay fp32.
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     #: Attention is computed in query chunks of this many tokens (with recomputation in backward)
@@ -72,7 +79,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         positive = ("draft_vocab_size", "ttt_steps", "pack_tokens", "batch_rows", "num_epochs",
                     "log_every_steps", "num_threads", "keep_states", "select_prompts_per_domain",
-                    "prefetch_batches", "attn_chunk_tokens")
+                    "prefetch_batches", "attn_chunk_tokens", "stream_depth")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
@@ -86,6 +93,8 @@ class TrainConfig:
             raise ConfigError(f"train.step_decay: must be in (0, 1], got {self.step_decay}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.source not in ("table", "stream"):
+            raise ConfigError(f"train.source: 'table' or 'stream', got {self.source!r}")
         if not self.output_subdir or "/" in self.output_subdir or self.output_subdir.startswith("."):
             raise ConfigError(f"train.output_subdir: a plain directory name, got {self.output_subdir!r}")
 

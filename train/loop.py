@@ -73,38 +73,52 @@ def lr_factor(step: int, *, total: int, warmup: int, min_ratio: float) -> float:
 
 def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, seed: int,
           argv: list[str] | None = None, recipe: dict[str, Any] | None = None,
-          evaluate=None, dist: DistState | None = None) -> TrainSummary:
+          evaluate=None, dist: DistState | None = None, featurestore=None) -> TrainSummary:
     """Train a draft on ``store_uri``'s features and write ``<workdir>/<output_subdir>/``.
 
-    ``evaluate``: the recipe's EvaluateConfig, used for served-AL selection. ``dist``: default
+    ``evaluate``: the recipe's EvaluateConfig, used for served-AL selection. ``featurestore``: its
+    FeaturestoreConfig, used by ``train.source=stream`` (capture engine, layer ids). ``dist``: default
     joins torchrun's process group when launched by torchrun (and leaves it at the end).
     """
     own = dist is None
     dist = dist or DistState.from_env()
     try:
         return _train(cfg, store_uri=store_uri, workdir=workdir, target_dir=target_dir, seed=seed,
-                      argv=argv, recipe=recipe, evaluate=evaluate, dist=dist)
+                      argv=argv, recipe=recipe, evaluate=evaluate, dist=dist, featurestore=featurestore)
     finally:
         if own:
             dist.close()
 
 
-def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate, dist) -> TrainSummary:
+def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate, dist,
+           featurestore=None) -> TrainSummary:
     from tqdm import tqdm
 
     seed = cfg.seed if cfg.seed is not None else seed
     torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(seed)
-    data = FeatureShards(store_uri, version=cfg.table_version, split=cfg.split,
-                         pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed)
+    # The feature set to train on: the table the recipe's capture writes (featurestore.table).
+    table = getattr(featurestore, "table", None) or "features"
+    if cfg.source == "stream":  # hook: a live capture engine instead of the table (train/stream_source.py)
+        from eaglenest.train.stream_source import StreamShards
+
+        data = StreamShards(store_uri, featurestore=featurestore, target=target_dir, split=cfg.split,
+                            pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed,
+                            depth=cfg.stream_depth, devices=cfg.stream_devices)
+    else:
+        data = FeatureShards(store_uri, version=cfg.table_version, split=cfg.split, table=table,
+                             pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed)
     meta, version = data.meta, data.version
     target = load_target_tensors(target_dir)
     if meta.hidden_size != target["config"]["hidden_size"]:
         raise SchemaError(f"features were captured with hidden size {meta.hidden_size}, "
                           f"run.target {target_dir} has {target['config']['hidden_size']}")
     # Draft vocabulary: one SQL aggregate over the pinned table version (featurestore.query).
-    counts = V.count_loss_tokens_in_store(store_uri, version=version, split=cfg.split,
-                                          vocab_size=int(target["config"]["vocab_size"]))
+    if cfg.source == "stream":
+        counts = data.loss_token_counts(int(target["config"]["vocab_size"]))
+    else:
+        counts = V.count_loss_tokens_in_store(store_uri, version=version, split=cfg.split, table=table,
+                                              vocab_size=int(target["config"]["vocab_size"]))
     vocab = V.select_vocab(counts, cfg.draft_vocab_size)
     log.info("features v%d: %d rows, %d loss tokens; draft vocab %d covers %.1f%% of them",
              version, data.num_rows, int(counts.sum()), vocab.size, 100 * V.coverage(counts, vocab))
@@ -124,7 +138,8 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
 
     outdir = Path(workdir) / cfg.output_subdir
     state_dir = outdir / "state"
-    fp = S.fingerprint(cfg, table_version=version, store_uri=store_uri, target=target_dir, seed=seed)
+    fp = S.fingerprint(cfg, table_version=version, store_uri=store_uri, target=target_dir, seed=seed,
+                       table=table)
     info = S.resolve(S.read_latest(state_dir) if cfg.resume == "auto" else None, fp, state_dir)
     if info is not None:
         S.load_state(info, objective=objective, opt=opt, sched=sched, dist=dist)
@@ -140,7 +155,7 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
         outdir.mkdir(parents=True, exist_ok=True)
         select.truncate_jsonl(metrics_path, step)
 
-    base = {"table_version": version, "store_uri": store_uri, "target": target_dir,
+    base = {"table": table, "table_version": version, "store_uri": store_uri, "target": target_dir,
             "layer_ids": list(sorted(meta.layer_ids)), "feature_meta": json.loads(meta.to_json()),
             "train_config": dataclasses.asdict(cfg), "seed": seed, "vocab_coverage": V.coverage(counts, vocab),
             "world_size": dist.world_size}
@@ -149,6 +164,8 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
         """The current weights as a plain draft on rank 0 (a collective under FSDP2)."""
         return _full_draft(objective, fresh_draft, dist)
 
+    if cfg.source == "stream":
+        data.start(schedule[step:total], world_size=dist.world_size)
     loader = Prefetcher(data, schedule[step:total], rank=dist.rank, world_size=dist.world_size,
                         depth=cfg.prefetch_batches)
     start, final, tokens_seen, steps_run = time.monotonic(), {}, 0.0, 0
@@ -203,6 +220,8 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
     finally:
         loader.close()
         bar.close()
+        if cfg.source == "stream":
+            data.close()
     loop_s = time.perf_counter() - loop_t0
     stall_fraction = loader.wait_seconds / loop_s if steps_run else 0.0
     tps = tokens_seen / loop_s if steps_run else 0.0
@@ -218,7 +237,8 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
         checkpoint.save_checkpoint(outdir, draft, info=info_out)
         select.write_report(outdir, stall_fraction=stall_fraction, tokens_per_second=tps)
         write_provenance(outdir, config=recipe or {"train": dataclasses.asdict(cfg)}, argv=argv,
-                         inputs={"store_uri": store_uri, "table": "features", "version": version,
+                         inputs={"store_uri": store_uri, "version": version,
+                                 "table": table if cfg.source == "table" else "prompts (streamed)",
                                  "target": target_dir}, extra={"world_size": dist.world_size})
         log.info("saved draft checkpoint (step %d) to %s; data stall %.2f%% of loop time, %.0f tokens/s",
                  info_out["step"], outdir, 100 * stall_fraction, tps)

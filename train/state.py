@@ -38,13 +38,19 @@ LATEST = "latest.json"
 #: Train keys that do not change the loss trajectory (a resume may change them).
 FREE_KEYS = frozenset({"output_subdir", "log_every_steps", "num_threads", "resume", "state_every_steps",
                        "keep_states", "select_every_steps", "select_prompts_per_domain", "select_split",
-                       "prefetch_batches", "table_version"})
+                       "prefetch_batches", "table_version", "stream_depth", "stream_devices"})
 
 
-def fingerprint(cfg, *, table_version: int, store_uri: str, target: str, seed: int) -> dict[str, Any]:
+def fingerprint(cfg, *, table_version: int, store_uri: str, target: str, seed: int,
+                table: str = "features") -> dict[str, Any]:
     keys = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in FREE_KEYS}
-    return {"features_version": int(table_version), "store_uri": str(store_uri), "target": str(target),
-            "seed": int(seed), "train": keys}
+    if keys.get("source") == "table":  # the default: states saved before the key existed still match
+        del keys["source"]
+    fp = {"features_version": int(table_version), "store_uri": str(store_uri), "target": str(target),
+          "seed": int(seed), "train": keys}
+    if table != "features":  # the default table stays out, so states saved before still match
+        fp["features_table"] = table
+    return fp
 
 
 def _diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

@@ -60,6 +60,12 @@ def test_prompt_files_are_fresh_deterministic_and_committed(tmp_path):
         assert len(recs) == prompts.NUM_PROMPTS_PER_DOMAIN
         assert len({r["id"] for r in recs}) == len(recs)
         assert all(set(r) <= {"id", "prompt", "system"} for r in recs)
+    committed = (PROMPTS / "dialogue.jsonl").read_bytes()
+    assert (tmp_path / "dialogue.jsonl").read_bytes() == committed
+    dialogues = [json.loads(line) for line in committed.decode().splitlines()]
+    assert len(dialogues) == prompts.NUM_DIALOGUES
+    lo, hi = prompts.DIALOGUE_TURNS
+    assert all(lo <= len(d["messages"]) <= hi and {m["role"] for m in d["messages"]} == {"user"} for d in dialogues)
 
 
 def test_fixture_shape_and_dtype():

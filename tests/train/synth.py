@@ -65,7 +65,8 @@ def greedy_sequences(target_dir: Path, *, n: int, prompt_len: int, gen_len: int,
     return out
 
 
-def write_features(uri: str, target_dir: Path, samples, *, layer_ids=LAYER_IDS, split="train") -> int:
+def write_features(uri: str, target_dir: Path, samples, *, layer_ids=LAYER_IDS, split="train",
+                   table: str = "features") -> int:
     """Append feature rows for ``samples`` [(ids, mask)] to ``uri``; returns the table version."""
     from eaglenest.featurestore import schema as S, store
 
@@ -79,5 +80,5 @@ def write_features(uri: str, target_dir: Path, samples, *, layer_ids=LAYER_IDS, 
                          input_ids=list(ids), loss_mask=list(mask),
                          aux_hidden=S.encode_tensor(np.asarray(aux, dtype="<f4"), "float32"),
                          last_hidden=S.encode_tensor(np.asarray(last, dtype="<f4"), "float32")))
-    table = pa.Table.from_pylist(rows, schema=S.features_schema(meta))
-    return store.append(uri, store.FEATURES, table, meta=meta)
+    rows_table, table_name = pa.Table.from_pylist(rows, schema=S.features_schema(meta)), table
+    return store.append(uri, table_name, rows_table, meta=meta)

@@ -69,3 +69,19 @@ def test_lr_schedule():
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert f[10] == pytest.approx(1.0) and f[-1] == pytest.approx(0.1, abs=1e-3)
     assert all(a >= b for a, b in zip(f[10:], f[11:]))
+
+
+def test_trains_on_the_recipes_feature_table(tmp_path, synth, tiny_target):
+    """A second feature set lives in its own table (featurestore.table); train reads that table."""
+    from eaglenest.featurestore.config import FeaturestoreConfig
+
+    uri = str(tmp_path / "store")
+    samples = synth.greedy_sequences(tiny_target, n=6, prompt_len=8, gen_len=16, seed=5)
+    version = synth.write_features(uri, tiny_target, samples, table="second")
+    cfg = TrainConfig(**{**FAST, "num_steps": 1})
+    s = train(cfg, store_uri=uri, workdir=str(tmp_path / "w"), target_dir=str(tiny_target), seed=0,
+              argv=["test"], featurestore=FeaturestoreConfig(table="second"))
+    prov = json.loads((s.outdir / "provenance.json").read_text())
+    assert prov["inputs"]["table"] == "second" and prov["inputs"]["version"] == version
+    with pytest.raises(StoreError):  # the default table does not exist in this store
+        train(cfg, store_uri=uri, workdir=str(tmp_path / "w2"), target_dir=str(tiny_target), seed=0, argv=["test"])

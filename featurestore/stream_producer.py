@@ -1,0 +1,112 @@
+"""The capture stream's producer process: a vLLM capture engine whose connector publishes to a socket.
+
+Started by :class:`eaglenest.featurestore.stream.CaptureStream` as
+``python -m eaglenest.featurestore.stream_producer`` in a process group of its own. It reads one
+JSON spec line from stdin (target, layers, engine settings, socket, sequences) and then keeps
+stdin open as the control channel: EOF there means the consumer closed the stream or died, and the
+producer shuts the engine down and exits (its engine children are ended by pid). Sequences go to
+the engine in windows of at most ``window`` requests, each tagged with its position, so the
+consumer can hand captures out in order within its credit bound. vLLM is imported only here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+
+log = logging.getLogger("eaglenest.featurestore.stream_producer")
+
+
+def _end_children(timeout_s: float = 10.0) -> None:
+    """Terminate, then kill, this process's descendants (the engine core and its workers)."""
+    import psutil
+
+    kids = psutil.Process().children(recursive=True)
+    for p in kids:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(kids, timeout=timeout_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _watch_consumer(state: dict) -> None:
+    """Blocks until the consumer closes our stdin (or dies), then stops everything and exits."""
+    from eaglenest.engine import close_llm
+
+    try:
+        while sys.stdin.buffer.read(65536):
+            pass
+    except OSError:
+        pass
+    if state.get("finished"):
+        return
+    log.info("capture stream: consumer gone, shutting the engine down")
+    state["stopping"] = True
+    try:
+        close_llm(state.get("llm"))
+    finally:
+        _end_children()
+        os._exit(0)
+
+
+def run(spec: dict) -> int:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eaglenest.engine import EngineConfig, close_llm, make_llm
+    from eaglenest.featurestore import connector, stream
+
+    state: dict = {}
+    threading.Thread(target=_watch_consumer, args=(state,), name="eaglenest-stream-control", daemon=True).start()
+    capture_ids = [*spec["layer_ids"], spec["num_layers"]]
+    state["llm"] = llm = make_llm(
+        spec["target"], EngineConfig(**spec["engine"]),
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": capture_ids}},
+        },
+        kv_transfer_config={
+            "kv_connector": connector.CONNECTOR_NAME,
+            "kv_connector_module_path": connector.MODULE_PATH,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": spec["storage_dir"],
+                                          stream.PUBLISH_KEY: spec["socket"]},
+        },
+    )
+    seqs, window = spec["sequences"], int(spec["window"])
+    try:
+        for start in range(0, len(seqs), window):
+            if state.get("stopping"):
+                break
+            idx = range(start, min(start + window, len(seqs)))
+            prompts = [TokensPrompt(prompt_token_ids=seqs[i]) for i in idx]
+            params = [SamplingParams(max_tokens=1, temperature=0.0,
+                                     extra_args={"kv_transfer_params": {stream.TAG_KEY: i}}) for i in idx]
+            llm.generate(prompts, params, use_tqdm=False)
+        log.info("capture stream: %d sequences captured", len(seqs))
+    finally:
+        state["finished"] = True
+        close_llm(llm)
+    return 0
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return 0  # the consumer went away before sending the spec
+    return run(json.loads(line))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""The streaming bypass with real vLLM engines: the table's batches, bounded in flight, clean shutdown.
+
+Three engine starts in all: one table capture (module fixture) and one stream per test.
+"""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from eaglenest.engine import EngineConfig
+from eaglenest.errors import StoreError
+from eaglenest.featurestore import schema as S
+from eaglenest.featurestore import store
+from eaglenest.featurestore.build import capture
+from eaglenest.featurestore.config import FeaturestoreConfig
+
+# max_num_seqs=1: one request per forward pass in both paths, so the fp32 numerics are the same.
+FS = FeaturestoreConfig(batch_size=8, engine=EngineConfig(max_model_len=512, memory_fraction=0.1, max_num_seqs=1))
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        p, r = rng.integers(3, 2000, 10 + 3 * i).tolist(), rng.integers(3, 2000, 16 + i).tolist()
+        rows.append({"sample_id": f"s-{i:03d}", "domain": f"d{i % 2}", "source": "synthetic", "split": "train",
+                     "mode": "raw", "messages_json": "[]", "prompt_token_ids": p, "response_token_ids": r,
+                     "finish_reason": "length", "gen_params_id": "g0"})
+    return pa.Table.from_pylist(rows, schema=S.PROMPTS_SCHEMA)
+
+
+def test_channel_frames_order_credits_and_dead_producer(tmp_path):
+    """Publisher -> Channel without an engine: every dtype bit-exact, handed out in tag order, at
+    most ``depth`` sent ahead of the consumer, and a failing liveness check ends a wait."""
+    from eaglenest.featurestore.stream import Channel, Publisher
+
+    xs = [torch.randn(5 + i, 4, 16).to(dt) for i, dt in
+          enumerate([torch.bfloat16, torch.float32, torch.float16, torch.float32, torch.bfloat16])]
+    chan = Channel(str(tmp_path / "c.sock"), num_items=len(xs), depth=2, check=lambda: None, poll_s=0.05)
+
+    def publish():
+        pub = Publisher(chan.path)
+        for tag in (1, 0, 3, 2, 4):  # out of order, as a batched engine may finish them
+            pub.publish(tag, torch.arange(5 + tag), xs[tag])
+
+    threading.Thread(target=publish, daemon=True).start()
+    for i in range(len(xs)):
+        time.sleep(0.1)  # slow consumer
+        ids, hidden = chan.next()
+        assert hidden.dtype == xs[i].dtype and torch.equal(hidden, xs[i]) and ids.tolist() == list(range(5 + i))
+    assert chan.max_in_flight() == 2
+    chan.close()
+
+    def dead():
+        raise StoreError("producer died")
+
+    chan = Channel(str(tmp_path / "d.sock"), num_items=1, depth=1, check=dead, poll_s=0.05)
+    with pytest.raises(StoreError, match="producer died"):
+        chan.next()  # nobody connects: the wait ends on the check, not never
+    chan.close()
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory, tiny_target):
+    """A store with 6 conversations captured to the features table by the table path."""
+    uri = str(tmp_path_factory.mktemp("stream") / "store")
+    store.append(uri, store.PROMPTS, _prompts(6))
+    capture(target=str(tiny_target), store_uri=uri, cfg=FS)
+    return uri
+
+
+def _group_gone(pids, timeout_s=30.0) -> bool:
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    return all(p.status() == psutil.STATUS_ZOMBIE for p in alive if p.is_running())
+
+
+@pytest.mark.slow
+def test_stream_batches_equal_table_bounded_and_early_close(captured, tiny_target):
+    import psutil
+
+    from eaglenest.train.data import FeatureShards
+    from eaglenest.train.stream_source import StreamShards
+
+    kw = dict(split="train", pack_tokens=64, batch_rows=2, seed=3)
+    table = FeatureShards(captured, version=None, **kw)
+    depth = 2
+    src = StreamShards(captured, featurestore=FS, target=str(tiny_target), depth=depth, **kw)
+    assert src.meta == table.meta  # same feature set identity, computed without a table
+    assert [src.plan(e) for e in (0, 1)] == [table.plan(e) for e in (0, 1)]
+    assert np.array_equal(src.loss_token_counts(2048)[:2048],
+                          np.bincount(np.concatenate([np.asarray(r["input_ids"])[np.asarray(r["loss_mask"]) == 1]
+                                                      for r in store.read(captured, store.FEATURES).to_pylist()]),
+                                      minlength=2048))
+    # Two epochs scheduled, one consumed: the producer is still busy when the trainer stops.
+    schedule = [(e, rows) for e in (0, 1) for rows in table.plan(e)]
+    src.start(schedule)
+    stream = src._stream
+    try:
+        for epoch, rows in schedule:
+            if epoch:
+                break
+            time.sleep(0.5)  # a slow consumer: the engine must wait, not pile captures up
+            got, want = src.read(rows), table.read(rows)
+            for name in ("input_ids", "loss_mask", "aux", "last_hidden", "doc_ids", "position_ids"):
+                a, b = getattr(got, name), getattr(want, name)
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+        # Captures sent and not yet handed out, from the producer's send times and ours: the
+        # credit window was filled (backpressure did the limiting) and never exceeded.
+        assert stream.max_in_flight() == depth, (stream.channel.sent_at, stream.channel.handed_at)
+        proc = stream.proc
+        pids = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(pids) >= 2  # the producer and its engine core
+        t0 = time.monotonic()
+        src.close()  # early: the rest of epoch 1 is never read
+        assert proc.returncode == 0, "the producer should stop its engine and exit by itself"
+        assert _group_gone(pids), "engine processes left behind"
+        assert time.monotonic() - t0 < 40
+    finally:
+        src.close()
+
+
+@pytest.mark.slow
+def test_train_from_stream_equals_table_then_producer_killed(captured, tiny_target, tmp_path):
+    import psutil
+
+    from eaglenest.train.config import TrainConfig
+    from eaglenest.train.loop import train
+
+    common = dict(num_epochs=2, num_steps=10, warmup_steps=1, pack_tokens=64, batch_rows=1, draft_vocab_size=256,
+                  ttt_steps=2, state_every_steps=0, log_every_steps=1, num_threads=1, stream_depth=2)
+    ref = train(TrainConfig(output_subdir="table", **common), store_uri=captured, workdir=str(tmp_path),
+                target_dir=str(tiny_target), seed=0)
+    ref_loss = [json.loads(x)["loss"] for x in (ref.outdir / "metrics.jsonl").read_text().splitlines()]
+    metrics = tmp_path / "stream" / "metrics.jsonl"
+    killed = {}
+
+    def kill_producer_after_two_steps():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                for p in psutil.Process().children():
+                    try:
+                        if "eaglenest.featurestore.stream_producer" not in " ".join(p.cmdline()):
+                            continue
+                        killed["pids"] = [p.pid] + [c.pid for c in p.children(recursive=True)]
+                    except psutil.Error:  # e.g. an earlier engine's zombie
+                        continue
+                    killed["at"] = time.monotonic()
+                    os.kill(p.pid, signal.SIGKILL)
+                    return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_producer_after_two_steps, daemon=True)
+    killer.start()
+    with pytest.raises(StoreError, match=r"producer \(pid \d+\) was killed by signal 9"):
+        train(TrainConfig(output_subdir="stream", source="stream", **common), store_uri=captured,
+              workdir=str(tmp_path), target_dir=str(tiny_target), seed=0, featurestore=FS)
+    killer.join(timeout=5)
+    assert "pids" in killed, "the stream finished before the producer could be killed"
+    assert time.monotonic() - killed["at"] < 30  # a clear error, no hang
+    assert _group_gone(killed["pids"]), "the engine outlived its killed producer"
+    # The steps trained from the stream before the kill are the table run's steps, bit for bit.
+    got = [json.loads(x)["loss"] for x in metrics.read_text().splitlines()]
+    assert len(got) >= 2 and got == ref_loss[:len(got)]

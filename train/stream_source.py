@@ -1,0 +1,121 @@
+"""``train.source=stream``: train on hidden states from a live capture engine instead of the table.
+
+:class:`StreamShards` stands in for :class:`eaglenest.train.data.FeatureShards` in the trainer: the
+same global plan (same eligible samples, same per-epoch shuffle and packing, so the same batches for
+the same samples), but the sample list and lengths come from the ``prompts`` table and the tensors
+from a :class:`eaglenest.featurestore.stream.CaptureStream`, started with the exact order in which
+the trainer will read (``start(schedule)``). Decoded rows are those the table path gives (ids,
+loss mask on the response, aux layers in ascending id order as fp32, last hidden as fp32) and go
+through the same :func:`collate`.
+
+The feature set is what ``featurestore capture`` would write with the recipe's ``featurestore``
+section (layer ids, engine dtype): its :class:`FeatureMeta` and identity are computed the same way.
+Sample order is by ``sample_id``, which is the table order of a capture made in one run.
+
+Trade-offs: the target runs again every epoch (nothing is stored), and one rank is fed (torchrun
+with ``train.source=stream`` is refused). Resume works: the stream starts at the resumed step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from eaglenest.errors import ConfigError, StoreError
+from eaglenest.train.data import FeatureShards, collate
+
+log = logging.getLogger(__name__)
+
+
+class StreamShards:
+    """The table-less data source: a plan from ``prompts``, tensors from a live engine."""
+
+    def __init__(self, store_uri: str, *, featurestore, target: str, split: str, pack_tokens: int,
+                 batch_rows: int, seed: int, depth: int, devices: str = ""):
+        from eaglenest.featurestore import build, store
+
+        if featurestore is None:
+            raise ConfigError("train.source=stream needs the recipe's featurestore section (engine, layer_ids)")
+        if not store.exists(store_uri, store.PROMPTS):
+            raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
+        ds = store.dataset(store_uri, store.PROMPTS)
+        #: The prompts version the stream was planned from (pinned in provenance and state).
+        self.version = int(ds.version)
+        pool = ds.to_table(filter=f"split = '{split}' AND finish_reason != ''").to_pylist()
+        pool = sorted(pool, key=lambda r: r["sample_id"])
+        self.convs = [r for r in pool if len(r["response_token_ids"]) > 0]
+        if not self.convs:
+            raise StoreError(f"prompts v{self.version}: no conversations to train on (check train.split={split!r})")
+        self.meta = build.feature_meta(target, featurestore.layer_ids, featurestore.engine.dtype,
+                                       storage="raw", sample_ids=[r["sample_id"] for r in pool],
+                                       gen_params_ids=[r["gen_params_id"] for r in pool])
+        self.lengths = np.array([len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in self.convs],
+                                dtype=np.int64)
+        longest = int(self.lengths.max())
+        if longest + 1 > featurestore.engine.max_model_len:
+            raise StoreError(f"a conversation has {longest} tokens: raise featurestore.engine.max_model_len")
+        self.split, self.pack_tokens, self.batch_rows, self.seed = split, pack_tokens, batch_rows, seed
+        self.target, self.engine, self.depth, self.devices = target, featurestore.engine, depth, devices
+        self.window = featurestore.batch_size
+        self.aux_order = torch.as_tensor(np.argsort(np.asarray(self.meta.layer_ids), kind="stable"))
+        self._stream = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.convs)
+
+    def plan(self, epoch: int) -> list[list[list[int]]]:
+        """Exactly the table path's plan (same algorithm, same inputs: lengths in sample-id order)."""
+        return FeatureShards.plan(self, epoch)
+
+    def loss_token_counts(self, vocab_size: int) -> np.ndarray:
+        """Per-target-id counts of loss tokens (the responses): what the table path counts by SQL."""
+        ids = np.concatenate([np.asarray(r["response_token_ids"], dtype=np.int64) for r in self.convs])
+        return np.bincount(ids, minlength=vocab_size)[:vocab_size]
+
+    def start(self, schedule: list[tuple[int, list[list[int]]]], *, world_size: int = 1) -> None:
+        """Start the engine on the samples of ``schedule`` in the order :meth:`read` will ask for them."""
+        from eaglenest.featurestore.stream import CaptureStream
+
+        if world_size != 1:
+            raise ConfigError("train.source=stream feeds one rank: run `train run`, not torchrun/launch")
+        self._order = [i for _, rows in schedule for row in rows for i in row]
+        seqs = [self.convs[i]["prompt_token_ids"] + self.convs[i]["response_token_ids"] for i in self._order]
+        self._pos = 0
+        if not seqs:  # e.g. a resumed run that is already finished: no engine to start
+            return
+        log.info("streaming %d samples from a live %s engine (%d in flight at most)",
+                 len(seqs), self.target, self.depth)
+        self._stream = CaptureStream(self.target, layer_ids=self.meta.layer_ids,
+                                     num_layers=self.meta.last_layer_id, engine=self.engine, sequences=seqs,
+                                     depth=self.depth, window=self.window,
+                                     env={"CUDA_VISIBLE_DEVICES": self.devices} if self.devices else None)
+
+    def read(self, rows: list[list[int]]):
+        """The next batch of the stream, which must be ``rows`` (the schedule given to start)."""
+        if self._stream is None:
+            raise StoreError("StreamShards.read before start(schedule)")
+        return collate([[self._decode(i) for i in row] for row in rows])
+
+    def _decode(self, i: int):
+        if self._pos >= len(self._order) or self._order[self._pos] != i:
+            raise StoreError(f"stream read out of schedule order at position {self._pos}")
+        self._pos += 1
+        conv = self.convs[i]
+        ids, hidden = self._stream.next()
+        p, r = conv["prompt_token_ids"], conv["response_token_ids"]
+        if ids.tolist() != list(p) + list(r):
+            raise StoreError(f"capture stream: token ids of {conv['sample_id']} differ from the sequence sent")
+        n = min(len(ids), self.pack_tokens)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[len(p):] = True  # loss on the response (as the table's loss_mask)
+        aux = hidden[:n, :-1][:, self.aux_order].float().reshape(n, -1)
+        last = hidden[:n, -1].float()
+        return torch.from_numpy(ids[:n].copy()), mask, aux, last
+
+    def close(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()

@@ -14,7 +14,7 @@ from eaglenest.engine import EngineConfig
 from eaglenest.evaluate.config import EvaluateConfig
 from eaglenest.evaluate.report import write_report
 from eaglenest.evaluate.run import evaluate_al
-from eaglenest.evaluate.throughput import sweep
+from eaglenest.evaluate.throughput import summarise, sweep
 from eaglenest.serve.server import Server
 
 pytestmark = pytest.mark.slow
@@ -60,9 +60,14 @@ def test_managed_server_and_sweep(tmp_path, tiny_target, random_draft):
         spec = (resp.get("metrics") or {}).get("speculative_decoding")
         assert spec and spec["num_spec_tokens"] == 3  # per-request metrics are on
         prompts = [{"messages": [{"role": "user", "content": f"Count to {i}."}]} for i in range(4)]
-        rows = sweep(server.url, prompts, concurrency=(1, 2), seeds=(0,), max_tokens=8, num_requests=4)
+        # Both modes on the one server keep the test cheap; run_sweep starts two servers.
+        points = sweep({"baseline": server.url, "speculative": server.url}, prompts, concurrency=(1, 2),
+                       seeds=(0,), max_tokens=8, num_requests=4)
         pid = server.proc.pid
-    assert [r["concurrency"] for r in rows] == [1, 2]
+    modes, speedup = summarise(points)
+    rows = modes["speculative"]
+    assert [r["concurrency"] for r in rows] == [1, 2] == [s["concurrency"] for s in speedup]
+    assert all(s["speedup"] > 0 for s in speedup)
     assert all(r["output_tokens"] == 32 and r["output_tokens_per_s"]["mean"] > 0 for r in rows)
     assert all(0 < r["median_ttft_s"]["mean"] <= r["median_e2e_s"]["mean"] for r in rows)
     assert server.proc.returncode is not None and server.log_path.stat().st_size > 0

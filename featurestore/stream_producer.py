@@ -47,10 +47,11 @@ def _watch_consumer(state: dict) -> None:
             pass
     except OSError:
         pass
-    if state.get("finished"):
-        return
+    with state["lock"]:  # one of us (this thread, or the main one when done) closes the engine
+        if state.get("finished"):
+            return
+        state["stopping"] = True
     log.info("capture stream: consumer gone, shutting the engine down")
-    state["stopping"] = True
     try:
         close_llm(state.get("llm"))
     finally:
@@ -65,7 +66,7 @@ def run(spec: dict) -> int:
     from eaglenest.engine import EngineConfig, close_llm, make_llm
     from eaglenest.featurestore import connector, stream
 
-    state: dict = {}
+    state: dict = {"lock": threading.Lock()}
     threading.Thread(target=_watch_consumer, args=(state,), name="eaglenest-stream-control", daemon=True).start()
     capture_ids = [*spec["layer_ids"], spec["num_layers"]]
     state["llm"] = llm = make_llm(
@@ -95,8 +96,13 @@ def run(spec: dict) -> int:
             llm.generate(prompts, params, use_tqdm=False)
         log.info("capture stream: %d sequences captured", len(seqs))
     finally:
-        state["finished"] = True
-        close_llm(llm)
+        with state["lock"]:
+            state["finished"] = True
+            stopping = state.get("stopping")
+        if stopping:  # the control thread is closing the engine and ends the process with 0
+            threading.Event().wait(60)
+        else:
+            close_llm(llm)
     return 0
 
 

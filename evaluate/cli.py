@@ -32,7 +32,8 @@ def cmd_al(recipe, args) -> int:
               "(--force to measure again)", file=sys.stderr)
         print(markdown(cached))
         return 0
-    report = evaluate_al(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri, cfg=cfg)
+    report = evaluate_al(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri, cfg=cfg,
+                         features_table=recipe.featurestore.table)
     report["cache_key"] = key
     write_report(out, report)
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))

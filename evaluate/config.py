@@ -38,6 +38,11 @@ class EvaluateConfig:
     bucket_max_tokens: int = 64
     #: Also decode without speculation and report whether outputs are token-for-token identical.
     check_lossless: bool = True
+    #: Predictability from the drafter's side (``evaluate.ngram``): the AL an n-gram table fitted on
+    #: the training split reaches on the same outputs; order 0 turns it off. The fit stops after
+    #: ``ngram_fit_tokens`` loss tokens (0: all).
+    ngram_order: int = 3
+    ngram_fit_tokens: int = 2_000_000
     #: Throughput sweep (``evaluate throughput``): concurrency levels, seeds, prompts, output length.
     concurrency: tuple[int, ...] = (1, 4, 16)
     throughput_seeds: tuple[int, ...] = (0, 1)
@@ -55,5 +60,7 @@ class EvaluateConfig:
             raise ConfigError(f"evaluate.context_buckets: lengths must be >= 16 tokens, got {self.context_buckets}")
         if any(c < 1 for c in self.concurrency) or not self.concurrency:
             raise ConfigError(f"evaluate.concurrency: positive integers, got {self.concurrency}")
+        if self.ngram_order < 0 or self.ngram_fit_tokens < 0:
+            raise ConfigError("evaluate.ngram_order / evaluate.ngram_fit_tokens: must be >= 0")
         if self.bucket_prompts < 1 or self.throughput_prompts < 1:
             raise ConfigError("evaluate.bucket_prompts / evaluate.throughput_prompts: must be >= 1")

@@ -39,6 +39,9 @@ def _bars(ax, names, rows):
     per_req = [r.get("acceptance_length_per_request") or 0 for r in rows]
     ax.bar(x - 0.2, pooled, 0.4, label="pooled over rounds")
     ax.bar(x + 0.2, per_req, 0.4, label="mean per request")
+    if any(r.get("ngram_al") for r in rows):  # the training-free n-gram drafter on the same outputs
+        ax.scatter(x, [r.get("ngram_al") or float("nan") for r in rows], marker="_", s=400, color="black",
+                   zorder=3, label="n-gram drafter (ngram_al)")
     ax.set_xticks(x, names, rotation=30, ha="right")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_ylabel("acceptance length")
@@ -54,13 +57,17 @@ def al_plots(report: dict, outdir: Path) -> list[Path]:
     ax.set_title(f"AL by group (k={report['num_speculative_tokens']})")
     out.append(_save(fig, outdir / "al_by_domain.png"))
 
-    buckets = report.get("context_buckets") or {}
+    # Numeric order: report.json stores the bucket keys as sorted strings ("16384" before "2048").
+    buckets = dict(sorted((report.get("context_buckets") or {}).items(), key=lambda kv: int(kv[0])))
     if buckets:
         xs = [int(b) for b in buckets]
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for key, label in (("acceptance_length", "pooled over rounds"),
                            ("acceptance_length_per_request", "mean per request")):
             ax.plot(xs, [buckets[b].get(key) or 0 for b in buckets], marker="o", label=label)
+        if any(buckets[b].get("ngram_al") for b in buckets):
+            ax.plot(xs, [buckets[b].get("ngram_al") or float("nan") for b in buckets], ls="--", color="black",
+                    label="n-gram drafter (ngram_al)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [f"{x // 1024}K" if x >= 1024 else str(x) for x in xs])
         ax.set_xlabel("prompt tokens")

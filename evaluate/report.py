@@ -44,17 +44,25 @@ def markdown(report: dict) -> str:
         lines.append(f"- Prompts loaded: {p.get('loaded')}; excluded as overlapping the training pool: "
                      f"{p.get('overlap_excluded')} ({p.get('overlap_check')}).")
     lines += ["", "## By domain" if p.get("prompt_set", "heldout") == "heldout" else "## By category", ""]
-    pred = report.get("predictability")
-    conf = ("target_confidence",) if pred else ()
+    pred = report.get("predictability") or {}
+    conf = tuple(c for c, key in (("target_confidence", "measure"), ("ngram_al", "ngram")) if pred.get(key))
     lines += _table(list(report["domains"].items()) + [("**overall**", report["overall"])], k, "group", extra=conf)
-    if pred:
-        rho = pred.get("spearman_al_vs_confidence")
+    if pred.get("measure"):
         lines += ["", f"- **target_confidence**: {pred['measure']}.",
-                  f"- Spearman rank correlation of AL pooled with target_confidence over groups: {_fmt(rho)} "
+                  f"- Spearman rank correlation of AL pooled with target_confidence over groups: "
+                  f"{_fmt(pred.get('spearman_al_vs_confidence'))} "
                   "(1: AL follows the target's predictability exactly; -1: the reverse)."]
+    if pred.get("ngram"):
+        lines += [f"- **ngram_al**: {pred['ngram']['measure']}.",
+                  f"- Spearman rank correlation of AL pooled with ngram_al over groups: "
+                  f"{_fmt(pred.get('spearman_al_vs_ngram'))} (1: AL follows how predictable the text is "
+                  "for a drafter)."]
+    elif pred.get("ngram_skipped"):
+        lines += [f"- ngram_al not measured: {pred['ngram_skipped']}."]
     if report.get("context_buckets"):
         lines += ["", f"## By context length ({report.get('bucket_max_tokens')} output tokens per prompt)", ""]
-        lines += _table(list(report["context_buckets"].items()), k, "bucket", extra=("prompt_tokens", *conf))
+        rows = sorted(report["context_buckets"].items(), key=lambda kv: int(kv[0]))  # JSON keys sort as text
+        lines += _table(rows, k, "bucket", extra=("prompt_tokens", *conf))
     if "lossless" in report:
         ll = report["lossless"]
         lines += ["", f"Lossless check (greedy, same prompts without speculation): "

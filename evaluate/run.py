@@ -45,7 +45,7 @@ def _params(cfg, max_tokens: int, logprobs: int | None = None):
 
 
 def _decode(llm, prompts: list[dict], cfg, *, max_tokens: int | None = None, logprobs: int | None = None) -> list:
-    """Decode chat prompts or token-id prompts; returns vLLM CompletionOutputs in prompt order."""
+    """Decode chat prompts or token-id prompts; returns vLLM RequestOutputs in prompt order."""
     from vllm.inputs import TokensPrompt
 
     sp = _params(cfg, max_tokens or cfg.max_tokens, logprobs)
@@ -54,7 +54,7 @@ def _decode(llm, prompts: list[dict], cfg, *, max_tokens: int | None = None, log
                             use_tqdm=False)
     else:
         outs = llm.chat([p["messages"] for p in prompts], sp, use_tqdm=False)
-    return [o.outputs[0] for o in outs]
+    return list(outs)
 
 
 def _max_positions(target: str) -> int:
@@ -63,17 +63,21 @@ def _max_positions(target: str) -> int:
     return int(getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", 4096))
 
 
-def _measure(llm, prompts, cfg, *, max_tokens=None) -> tuple[dict, list[list[int]], SpecCounters]:
+def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = None
+             ) -> tuple[dict, list[list[int]], SpecCounters]:
     before = read_counters(llm)
-    outs = _decode(llm, prompts, cfg, max_tokens=max_tokens)
+    reqs = _decode(llm, prompts, cfg, max_tokens=max_tokens)
     delta = read_counters(llm) - before
+    outs = [r.outputs[0] for r in reqs]
     toks = [list(o.token_ids) for o in outs]
+    if prompt_ids is not None:
+        prompt_ids.update({p["sample_id"]: list(r.prompt_token_ids or ()) for p, r in zip(prompts, reqs)})
     row = {"prompts": len(prompts), "output_tokens": sum(map(len, toks)), **delta.summary(),
            **per_request_summary([getattr(o, "spec_decode_metrics", None) for o in outs])}
     return row, toks, delta
 
 
-def evaluate_al(*, target: str, draft: str, store_uri: str, cfg) -> dict:
+def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table: str = "features") -> dict:
     if not (Path(draft) / "config.json").is_file():
         raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
     groups, prompt_info = load_prompt_set(cfg, store_uri)
@@ -87,11 +91,11 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg) -> dict:
     llm = make_llm(target, engine, speculative_config=spec, disable_log_stats=False,
                    per_request_spec_decode_metrics="summary")
     domains, buckets, outputs, total = {}, {}, {}, SpecCounters(0, 0, 0, ())
-    all_outs: list = []
     bucket_prompts: dict[int, list[dict]] = {}
+    prompt_ids: dict[str, list[int]] = {}
     try:
         for name, prompts in groups.items():
-            row, toks, delta = _measure(llm, prompts, cfg)
+            row, toks, delta = _measure(llm, prompts, cfg, prompt_ids=prompt_ids)
             total = total + delta
             outputs.update({p["sample_id"]: t for p, t in zip(prompts, toks)})
             domains[name] = row
@@ -99,7 +103,7 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg) -> dict:
         if cfg.context_buckets:
             bucket_prompts = _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos)
             for b, prompts in bucket_prompts.items():
-                row, toks, _ = _measure(llm, prompts, cfg, max_tokens=cfg.bucket_max_tokens)
+                row, toks, _ = _measure(llm, prompts, cfg, max_tokens=cfg.bucket_max_tokens, prompt_ids=prompt_ids)
                 row["prompt_tokens"] = len(prompts[0]["prompt_token_ids"])
                 row["material_passes"] = max(p["material_passes"] for p in prompts)
                 outputs.update({p["sample_id"]: t for p, t in zip(prompts, toks)})
@@ -117,9 +121,15 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg) -> dict:
                     **_merge_per_request([domains[g] for g in domains])},
         "domains": domains, "context_buckets": buckets, "seconds_speculative": round(time.time() - t0, 2),
     }
+    pred: dict = {}
     if cfg.check_lossless:
         report["lossless"], probs = _check_lossless(target, engine, groups, bucket_prompts, outputs, cfg)
-        report["predictability"] = predictability(report, groups, bucket_prompts, probs)
+        pred.update(predictability(report, groups, bucket_prompts, probs))
+    if cfg.ngram_order > 0:
+        pred.update(ngram_predictability(report, groups, bucket_prompts, outputs, prompt_ids, cfg,
+                                         store_uri=store_uri, table=features_table))
+    if pred:
+        report["predictability"] = pred
     return report
 
 
@@ -147,6 +157,40 @@ def predictability(report: dict, groups: dict, bucket_prompts: dict, probs: dict
     pairs = [(d["target_confidence"], d["acceptance_length"]) for d in report["domains"].values()
              if d.get("target_confidence") is not None and d.get("acceptance_length") is not None]
     return {"measure": CONFIDENCE, "spearman_al_vs_confidence": spearman(*zip(*pairs)) if len(pairs) >= 3 else None}
+
+
+def ngram_predictability(report: dict, groups: dict, bucket_prompts: dict, outputs: dict, prompt_ids: dict,
+                         cfg, *, store_uri: str, table: str) -> dict:
+    """Put each group's ``ngram_al`` (``evaluate.ngram``) beside its AL and rank-correlate them.
+
+    Replays the same outputs the draft was measured on, with an n-gram table fitted on the
+    training pool as the drafter. Without a features table (nothing to fit on) the report says so."""
+    from eaglenest.evaluate import ngram
+    from eaglenest.featurestore import store
+
+    if not store.exists(store_uri, table):
+        return {"ngram": None, "ngram_skipped": f"no features table '{table}' in {store_uri} to fit on"}
+    fitted, version = ngram.fit_from_store(store_uri, table, order=cfg.ngram_order, max_tokens=cfg.ngram_fit_tokens)
+    k = cfg.num_speculative_tokens
+
+    def replay(prompts) -> dict:
+        r = sum((ngram.simulate(fitted, prompt_ids.get(p["sample_id"], []), outputs[p["sample_id"]], k)
+                 for p in prompts), ngram.Replay(by_position=[0] * k))
+        return {"ngram_al": r.acceptance_length,
+                "ngram_acceptance_by_position": [round(x / r.rounds, 4) for x in r.by_position] if r.rounds else []}
+
+    for name, prompts in groups.items():
+        report["domains"][name].update(replay(prompts))
+    for b, prompts in bucket_prompts.items():
+        report["context_buckets"][str(b)].update(replay(prompts))
+    report["overall"].update(replay([p for ps in groups.values() for p in ps]))
+    pairs = [(d["ngram_al"], d["acceptance_length"]) for d in report["domains"].values()
+             if d.get("ngram_al") is not None and d.get("acceptance_length") is not None]
+    measure = ngram.MEASURE.format(order=cfg.ngram_order, fit_tokens=fitted.fit_tokens, table=table,
+                                   version=version, k=k)
+    return {"ngram": {"measure": measure, "order": cfg.ngram_order, "fit_tokens": fitted.fit_tokens,
+                      "table": table, "version": version},
+            "spearman_al_vs_ngram": spearman(*zip(*pairs)) if len(pairs) >= 3 else None}
 
 
 def spearman(xs, ys) -> float | None:
@@ -194,7 +238,7 @@ def _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos):
     else:  # other prompt sets: the target answers held-out prompts once (not part of the report)
         pool = [p for ps in heldout(store_uri, cfg.split).values() for p in ps][:64]
         outs = _decode(llm, pool, cfg)
-        outputs = {**outputs, **{p["sample_id"]: list(o.token_ids) for p, o in zip(pool, outs)}}
+        outputs = {**outputs, **{p["sample_id"]: list(r.outputs[0].token_ids) for p, r in zip(pool, outs)}}
     material = [(p["messages"], tok.decode(outputs[p["sample_id"]], skip_special_tokens=True)) for p in pool]
     return build_bucket_prompts(tok, material, tuple(cfg.context_buckets), per_bucket=cfg.bucket_prompts,
                                 max_positions=max_pos, max_tokens=cfg.bucket_max_tokens, seed=cfg.engine.seed)
@@ -207,10 +251,10 @@ def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, 
     llm = make_llm(target, engine)
     try:
         prompts = [p for ps in groups.values() for p in ps]
-        outs = _decode(llm, prompts, cfg, logprobs=0)
+        outs = [r.outputs[0] for r in _decode(llm, prompts, cfg, logprobs=0)]
         for ps in bucket_prompts.values():
             prompts += ps
-            outs += _decode(llm, ps, cfg, max_tokens=cfg.bucket_max_tokens, logprobs=0)
+            outs += [r.outputs[0] for r in _decode(llm, ps, cfg, max_tokens=cfg.bucket_max_tokens, logprobs=0)]
     finally:
         close_llm(llm)
     base = [list(o.token_ids) for o in outs]

@@ -58,7 +58,7 @@ class Selector:
         from eaglenest.evaluate.config import EvaluateConfig
 
         base = evaluate if evaluate is not None else EvaluateConfig()
-        self.eval_cfg = dataclasses.replace(base, split=cfg.select_split, check_lossless=False,
+        self.eval_cfg = dataclasses.replace(base, split=cfg.select_split, check_lossless=False, ngram_order=0,
                                             max_prompts_per_domain=cfg.select_prompts_per_domain)
         outdir.mkdir(parents=True, exist_ok=True)
         truncate_jsonl(self.path, resume_step)

@@ -55,3 +55,22 @@ def test_spearman_ranks_with_ties():
     assert spearman([1, 1, 1], [1, 2, 3]) is None
     # ties take the average rank: ranks x = (0.5, 0.5, 2), y = (0, 1, 2)
     assert spearman([5, 5, 9], [1, 2, 3]) == pytest.approx(0.8660, abs=1e-4)
+
+
+def test_markdown_orders_buckets_by_length_and_shows_ngram(tmp_path):
+    """report.json stores bucket keys as sorted text ("16384" < "2048"); the report reads them back
+    in numeric order, and puts ngram_al beside AL when the report has it."""
+    import json
+
+    from eaglenest.evaluate.report import markdown, write_report
+
+    row = lambda al, ng: {"prompts": 1, "acceptance_length": al, "acceptance_rate": 0.1,  # noqa: E731
+                          "acceptance_by_position": [0.1], "ngram_al": ng, "prompt_tokens": 1}
+    report = {"target": "t", "draft": "d", "split": "heldout", "temperature": 0.0, "num_speculative_tokens": 1,
+              "al_average": "pooled", "domains": {"a": row(1.5, 1.2)}, "overall": row(1.5, 1.2),
+              "context_buckets": {"2048": row(1.2, 1.1), "16384": row(1.1, 1.3)},
+              "predictability": {"ngram": {"measure": "n-gram"}, "spearman_al_vs_ngram": None}}
+    write_report(tmp_path, report, plots=False)
+    md = markdown(json.loads((tmp_path / "report.json").read_text()))
+    assert md.index("| 2048 |") < md.index("| 16384 |")
+    assert "| ngram_al |" in md and "| a | 1.200 | 1 | 1.500 |" in md

@@ -41,11 +41,14 @@ def test_evaluate_al_buckets_and_averages(tmp_path, tiny_target, random_draft, p
     # confidence on its held-out outputs must say the same.
     assert conf["arithmetic"] > conf["prose"] + 0.05, conf
     assert "spearman_al_vs_confidence" in r["predictability"]  # None here: only two groups
+    # No features table in this store: the n-gram measure says why it is missing instead of failing.
+    assert "no features table" in r["predictability"]["ngram_skipped"]
     pngs = write_report(tmp_path, r)
     assert {p.name for p in pngs} == {"al_by_domain.png", "al_by_context.png", "acceptance_by_position.png"}
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
     md = (tmp_path / "report.md").read_text()
     assert "AL per-request" in md and "| 1024 | 1024 |" in md and "target_confidence" in md
+    assert "ngram_al not measured" in md
     assert json.loads((tmp_path / "report.json").read_text())["overall"]["acceptance_length"] > 0
 
 

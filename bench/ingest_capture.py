@@ -21,23 +21,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
+import importlib.util
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+# The set-up the ingest benches share (bench/ is not a package: loaded from the file beside this one).
+_spec = importlib.util.spec_from_file_location("_bench_ingest_common", Path(__file__).with_name("ingest_common.py"))
+C = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(C)
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap = C.add_args(argparse.ArgumentParser())
     ap.add_argument("--one-pass", action="store_true")
-    ap.add_argument("--target", default="assets/tiny-target")
-    ap.add_argument("--manifest", default="recipes/manifests/toy.yaml")
     a = ap.parse_args()
 
     from eaglenest.config import build as build_cfg
@@ -49,13 +48,9 @@ def main() -> None:
     from eaglenest.ingest.backends import LocalBackend
     from eaglenest.ingest.build import build
     from eaglenest.ingest.config import IngestConfig
-    from eaglenest.ingest.manifest import load_manifest
-    from eaglenest.ingest.pool import load_pool, raw_text
+    from eaglenest.ingest.pool import raw_text
 
-    manifest = load_manifest(a.manifest)
-    manifest = dataclasses.replace(manifest, generation=dataclasses.replace(manifest.generation,
-                                                                            max_tokens=a.max_tokens))
-    pool = [e for e in load_pool(manifest, target=a.target) if e.split == "train"][: a.prompts]
+    manifest, pool = C.load_prompts(a)
     engine = EngineConfig(max_model_len=1024, max_num_seqs=a.max_num_seqs, memory_fraction=0.08)
     icfg = build_cfg(IngestConfig, {})
     fcfg = build_cfg(FeaturestoreConfig, {"engine": {"max_model_len": 1024, "max_num_seqs": a.max_num_seqs,

@@ -24,25 +24,24 @@ whatever the neighbours were doing.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import importlib.util
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+# The set-up the ingest benches share (bench/ is not a package: loaded from the file beside this one).
+_spec = importlib.util.spec_from_file_location("_bench_ingest_common", Path(__file__).with_name("ingest_common.py"))
+C = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(C)
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=160)
+    ap = C.add_args(argparse.ArgumentParser())
     ap.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens")
     ap.add_argument("--legacy", action="store_true", help="also time the pre-streaming per-shard path")
     ap.add_argument("--commit-every", type=int, default=64)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--target", default="assets/tiny-target")
-    ap.add_argument("--manifest", default="recipes/manifests/toy.yaml")
     a = ap.parse_args()
 
     from vllm import SamplingParams
@@ -53,14 +52,10 @@ def main() -> None:
     from eaglenest.ingest.backends import LocalBackend
     from eaglenest.ingest.build import build, commit, write_rows
     from eaglenest.ingest.config import IngestConfig
-    from eaglenest.ingest.manifest import load_manifest
-    from eaglenest.ingest.pool import load_pool, raw_text
+    from eaglenest.ingest.pool import raw_text
     from eaglenest.ingest.regen import row
 
-    manifest = load_manifest(a.manifest)
-    manifest = dataclasses.replace(manifest, generation=dataclasses.replace(manifest.generation,
-                                                                            max_tokens=a.max_tokens))
-    pool = [e for e in load_pool(manifest, target=a.target) if e.split == "train"][: a.prompts]
+    manifest, pool = C.load_prompts(a)
     cfg = build_cfg(IngestConfig, {"commit_every": a.commit_every})
 
     class Backend(LocalBackend):

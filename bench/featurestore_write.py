@@ -19,6 +19,13 @@ than torch.save (median), or the size ratio exceeds 1.05.
 
     python bench/featurestore_write.py                       # ~1 GiB, 3 rounds, < 90 s here
     python bench/featurestore_write.py --samples 64 --rounds 5 --check
+    python bench/featurestore_write.py --rounds 0 --rss --rss-gb 2 --commit-every 64 [--rss-legacy]
+
+Peak memory (``--rss``): a fresh process writes ``--rss-gb`` GB of features the way capture does
+(each sample made on the fly, ``build.feature_row``, then ``featurestore.writer.FeatureWriter``
+with capture's default budget (``--rss-budget-mb``), one commit per ``--commit-every`` samples), and
+prints its peak RSS (``VmHWM``) beside its RSS before the first write. ``--rss-legacy`` also runs
+the route capture used before the writer (a commit's rows held, ``from_pylist``, ``store.append``).
 
 The data helpers here are shared with featurestore_read.py and featurestore_layout.py.
 """
@@ -147,6 +154,68 @@ def write_torch(samples: list[dict], folder: Path) -> None:
                    folder / f"data_{i}.ckpt")
 
 
+def rss_child(uri: Path, *, gb: float, commit_every: int, budget_mb: int, route: str, hidden: int) -> None:
+    """Run in a fresh process: write ``gb`` GB of features the way capture does; print RSS before
+    the first write and the peak (MiB), the bytes written and the commits made."""
+    import pyarrow as pa
+
+    from eaglenest.featurestore import schema as S, store
+    from eaglenest.featurestore.build import feature_row
+    from eaglenest.featurestore.writer import FeatureWriter
+
+    meta = make_meta(hidden)
+    writer = FeatureWriter(str(uri), store.FEATURES, meta, budget=budget_mb << 20)
+    make_samples(1, 8, 8, hidden, seed=1)  # numpy and imports before the baseline
+    base = int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+    done, i, commits, held = 0, 0, 0, []
+    while done < gb * 1e9:
+        s = make_samples(1, 1024, 2048, hidden, seed=1000 + i)[0]
+        s["conv"]["sample_id"] = f"bench-{i:05d}"
+        done += s["aux"].nbytes + s["last"].nbytes
+        row = feature_row(s["conv"], s["aux"], s["last"], meta)
+        del s
+        i += 1
+        if route == "writer":
+            writer.add(row)
+        else:
+            held.append(row)
+        if i % commit_every == 0:
+            commits += 1
+            if route == "writer":
+                writer.commit()
+            else:
+                store.append(str(uri), store.FEATURES, pa.Table.from_pylist(held, schema=S.features_schema(meta)),
+                             meta=meta)
+                held = []
+        del row
+    if route == "writer":
+        commits += writer.commit() is not None
+    elif held:
+        store.append(str(uri), store.FEATURES, pa.Table.from_pylist(held, schema=S.features_schema(meta)), meta=meta)
+        commits += 1
+    held = []
+    rows = store.dataset(str(uri), store.FEATURES).count_rows()
+    assert rows == i, (rows, i)
+    peak = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
+    print(f"RSS {base:.0f} {peak:.0f} {done / 1e9:.2f} {commits} {rows}")
+
+
+def measure_rss(root: Path, args, route: str) -> str:
+    import subprocess
+
+    uri = root / f"rss_{route}"
+    out = subprocess.run([sys.executable, __file__, "--rss-child", str(uri), "--rss-route", route,
+                          "--rss-gb", str(args.rss_gb), "--commit-every", str(args.commit_every),
+                          "--rss-budget-mb", str(args.rss_budget_mb), "--hidden", str(args.hidden)],
+                         check=True, capture_output=True, text=True)
+    shutil.rmtree(uri, ignore_errors=True)
+    base, peak, done, commits, rows = next(l for l in out.stdout.splitlines() if l.startswith("RSS ")).split()[1:]
+    budget = f"budget {args.rss_budget_mb} MiB, " if route == "writer" else ""
+    return (f"peak RSS writing {done} GB of features ({route}: {budget}{rows} samples, {commits} commits of "
+            f"{args.commit_every}, fresh process): {float(peak):.0f} MiB (before the first write: "
+            f"{float(base):.0f} MiB)  (target < 1024)")
+
+
 def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"
 
@@ -163,7 +232,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="how rows become an Arrow table (pylist = capture's from_pylist route)")
     ap.add_argument("--dir", default="/tmp", help="parent of the temporary directory (same disk for all)")
     ap.add_argument("--check", action="store_true", help="exit 1 if a threshold is missed")
+    ap.add_argument("--rss", action="store_true", help="measure peak RSS of capture's write route in a fresh process")
+    ap.add_argument("--rss-legacy", action="store_true", help="with --rss: also the pre-writer route")
+    ap.add_argument("--rss-gb", type=float, default=2.0, help="GB of features the --rss process writes")
+    ap.add_argument("--rss-budget-mb", type=int, default=128, help="FeatureWriter budget (featurestore.write_buffer_mb)")
+    ap.add_argument("--rss-child", help=argparse.SUPPRESS)
+    ap.add_argument("--rss-route", default="writer", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rss_child:
+        rss_child(Path(args.rss_child), gb=args.rss_gb, commit_every=args.commit_every, budget_mb=args.rss_budget_mb,
+                  route=args.rss_route, hidden=args.hidden)
+        return 0
+    if args.rounds < 1:  # memory only
+        if not args.rss:
+            ap.error("--rounds 0 needs --rss")
+        root = Path(tempfile.mkdtemp(prefix="fs_write_rss_", dir=args.dir))
+        try:
+            for route in ["writer"] + (["whole-commit"] if args.rss_legacy else []):
+                print(measure_rss(root, args, route), flush=True)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return 0
 
     samples = make_samples(args.samples, args.min_tokens, args.max_tokens, args.hidden)
     nbytes = feature_bytes(samples)
@@ -206,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"store / plain sequential write: {spread(vs_plain)}  (target >= 0.7)")
     print(f"store / torch.save per sample:  {spread(vs_torch)}  (target > 1)")
     print(f"store bytes on disk / feature bytes: {max(sizes):.4f}  (target <= 1.05)")
+    if args.rss:
+        root = Path(tempfile.mkdtemp(prefix="fs_write_rss_", dir=args.dir))
+        try:
+            for route in ["writer"] + (["whole-commit"] if args.rss_legacy else []):
+                print(measure_rss(root, args, route), flush=True)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     ok = statistics.median(vs_plain) >= 0.7 and statistics.median(vs_torch) > 1.0 and max(sizes) <= 1.05
     if args.check and not ok:
         print("FAIL: a write threshold was missed", file=sys.stderr)

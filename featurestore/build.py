@@ -13,7 +13,6 @@ import logging
 import time
 from pathlib import Path
 
-import pyarrow as pa
 from tqdm import tqdm
 
 from eaglenest.errors import ConfigError, StoreError
@@ -21,6 +20,7 @@ from eaglenest.featurestore import schema as S
 from eaglenest.featurestore import turns
 from eaglenest.featurestore import identity, store
 from eaglenest.featurestore.capture import Capturer, dtype_name, resolve_layer_ids
+from eaglenest.featurestore.writer import FeatureWriter, bytes_per_token, engine_batches
 
 log = logging.getLogger(__name__)
 
@@ -127,25 +127,26 @@ def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None) ->
         if longest + 1 > cfg.engine.max_model_len:
             raise StoreError(f"a conversation has {longest} tokens: raise featurestore.engine.max_model_len")
         earlier_turns = _turn_spans(target, todo)
+        budget = cfg.write_buffer_mb << 20
+        writer = FeatureWriter(store_uri, name, meta, budget=budget)
         with Capturer(target, meta.layer_ids, meta.last_layer_id, cfg.engine) as cap, \
                 tqdm(total=len(todo), desc="featurestore: capture", unit="sample") as bar:
             for i in range(0, len(todo), cfg.commit_every):
                 chunk = todo[i:i + cfg.commit_every]
-                rows = []
-                for j in range(0, len(chunk), cfg.batch_size):
-                    part = chunk[j:j + cfg.batch_size]
+                # Memory stays bounded by the write budget, not by commit_every x sample size.
+                for part in engine_batches(chunk, max_samples=cfg.batch_size, budget=budget,
+                                           per_token=bytes_per_token(meta)):
                     seqs = [c["prompt_token_ids"] + c["response_token_ids"] for c in part]
                     for conv, (aux, last) in zip(part, cap.capture(seqs)):
                         if dtype_name(aux) != meta.dtype:
                             raise StoreError(f"engine produced {dtype_name(aux)}, table is {meta.dtype}: "
                                              "set featurestore.engine.dtype")
-                        rows.append(feature_row(conv, aux, last, meta, spans=earlier_turns(conv)))
-                counts = collections.Counter(r["domain"] for r in rows)
-                store.append(store_uri, name, pa.Table.from_pylist(rows, schema=S.features_schema(meta)),
-                             meta=meta, lineage={**(lineage or {}), "feature_set_id": meta.feature_set_id,
-                                                 "code_version": _code_version(),
-                                                 "counts_per_domain": dict(sorted(counts.items()))})
-                tokens += sum(r["num_tokens"] for r in rows)
+                        row = feature_row(conv, aux, last, meta, spans=earlier_turns(conv))
+                        del aux, last
+                        tokens += row["num_tokens"]
+                        writer.add(row)
+                writer.commit({**(lineage or {}), "feature_set_id": meta.feature_set_id,
+                               "code_version": _code_version()})
                 bar.update(len(chunk))
             passes = cap.num_forward_passes
     table = store.read(store_uri, name, columns=["domain", "num_tokens", "num_loss_tokens"]) \

@@ -1,0 +1,55 @@
+"""Bounded-memory capture writes: fragments every ``budget`` bytes, one atomic commit per chunk."""
+
+import fs_helpers as H
+
+from eaglenest.featurestore import fragments, store
+from eaglenest.featurestore.writer import FeatureWriter, bytes_per_token, engine_batches
+
+
+def test_writer_flushes_fragments_and_commits_once(tmp_path):
+    uri, m = str(tmp_path), H.meta()
+    rows = H.rows([f"s{i}" for i in range(7)], m, num_tokens=4)
+    rows[5]["domain"] = "other"
+    one = len(rows[0]["aux_hidden"]) + len(rows[0]["last_hidden"])
+    w = FeatureWriter(uri, "features", m, budget=2 * one)  # a fragment every two rows
+    for r in rows:
+        w.add(r)
+    assert w.fragments_written == 3  # six rows written as three fragments, the seventh buffered
+    assert store.sample_ids(uri, "features") == set()  # written, not committed: invisible
+    version = w.commit({"manifest": "m"})
+    assert w.fragments_written == 4
+    ds = store.dataset(uri, "features")
+    assert ds.version == version and len(ds.get_fragments()) == 4
+    got = store.read(uri, "features", columns=["sample_id", "aux_hidden"])
+    assert got.column("sample_id").to_pylist() == [r["sample_id"] for r in rows]
+    assert got.column("aux_hidden").to_pylist() == [r["aux_hidden"] for r in rows]
+    lineage = fragments.lineage_of(ds, version)
+    assert lineage["counts_per_domain"] == {"d": 6, "other": 1} and lineage["manifest"] == "m"
+    assert w.commit() is None  # nothing buffered: no empty commit
+
+
+def test_uncommitted_fragments_stay_invisible(tmp_path):
+    uri, m = str(tmp_path), H.meta()
+    rows = H.rows(["a", "b", "c"], m)
+    killed = FeatureWriter(uri, "features", m, budget=1)  # every row is written at once
+    for r in rows:
+        killed.add(r)
+    assert killed.fragments_written == 3
+    # The run dies before commit: readers and a resumed run see no row of it.
+    assert store.sample_ids(uri, "features") == set()
+    again = FeatureWriter(uri, "features", m, budget=1 << 20)
+    for r in rows:
+        again.add(r)
+    again.commit()
+    assert sorted(store.read(uri, "features", columns=["sample_id"]).column("sample_id").to_pylist()) == ["a", "b", "c"]
+
+
+def test_engine_batches_respect_budget_and_count():
+    m = H.meta(dtype="bfloat16", hidden=8)
+    per = bytes_per_token(m)
+    assert per == 4 * 8 * 2
+    conv = lambda n: {"prompt_token_ids": [1] * (n // 2), "response_token_ids": [2] * (n - n // 2)}  # noqa: E731
+    convs = [conv(10), conv(10), conv(10), conv(100), conv(5)]
+    parts = engine_batches(convs, max_samples=8, budget=25 * per, per_token=per)
+    assert [len(p) for p in parts] == [2, 1, 1, 1]  # 10+10 fit; 10+100 does not; 100 alone; then 5
+    assert [len(p) for p in engine_batches(convs, max_samples=2, budget=1 << 30, per_token=per)] == [2, 2, 1]

@@ -127,7 +127,7 @@ def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None) ->
         if longest + 1 > cfg.engine.max_model_len:
             raise StoreError(f"a conversation has {longest} tokens: raise featurestore.engine.max_model_len")
         earlier_turns = _turn_spans(target, todo)
-        budget = cfg.write_buffer_mb << 20
+        budget = max(1, int(cfg.write_buffer_mb * (1 << 20)))
         writer = FeatureWriter(store_uri, name, meta, budget=budget)
         with Capturer(target, meta.layer_ids, meta.last_layer_id, cfg.engine) as cap, \
                 tqdm(total=len(todo), desc="featurestore: capture", unit="sample") as bar:

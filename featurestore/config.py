@@ -19,7 +19,7 @@ class FeaturestoreConfig:
     #: MiB of hidden states held in memory while capturing: rows are written as a Lance fragment
     #: each time they reach it (committed together every ``commit_every`` samples), and engine
     #: batches are cut to it. Peak memory is about 3x this, or 3x the largest sample.
-    write_buffer_mb: int = 128
+    write_buffer_mb: float = 128
     #: Table that holds this feature set (one table per feature set; its identity is in the metadata).
     table: str = "features"
     #: "raw" keeps the target dtype bit-exactly; "fp8_e4m3" halves bf16 bytes (per-token scale, lossy).
@@ -29,5 +29,6 @@ class FeaturestoreConfig:
     def __post_init__(self) -> None:
         from eaglenest.errors import ConfigError
 
-        if self.write_buffer_mb < 1 or self.commit_every < 1 or self.batch_size < 1:
-            raise ConfigError("featurestore.write_buffer_mb / commit_every / batch_size: must be >= 1")
+        if self.write_buffer_mb <= 0 or self.commit_every < 1 or self.batch_size < 1:
+            raise ConfigError("featurestore.write_buffer_mb: must be > 0; featurestore.commit_every / "
+                              "batch_size: must be >= 1")

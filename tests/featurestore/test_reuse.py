@@ -32,8 +32,9 @@ def test_identity_reuse_refusal_and_two_drafts_off_one_version(tmp_path, tiny_ta
 
     uri = str(tmp_path / "store")
     store.append(uri, store.PROMPTS, _prompts(6))
-    cfg = FeaturestoreConfig(commit_every=4, engine=EngineConfig(max_model_len=128, memory_fraction=0.1,
-                                                                  max_num_seqs=8))
+    # A 1 KiB write budget: every sample is its own engine batch and its own fragment (bounded memory).
+    cfg = FeaturestoreConfig(commit_every=4, write_buffer_mb=1 / 1024,
+                             engine=EngineConfig(max_model_len=128, memory_fraction=0.1, max_num_seqs=8))
     first = capture(target=str(tiny_target), store_uri=uri, cfg=cfg, lineage={"manifest_hash": "m1"})
     assert first["captured"] == 6 and first["target_forward_passes"] == 6 and not first["reused"]
 
@@ -48,6 +49,7 @@ def test_identity_reuse_refusal_and_two_drafts_off_one_version(tmp_path, tiny_ta
     pinned = ds.version
     lin = fragments.lineage_of(ds, pinned)
     assert lin["manifest_hash"] == "m1" and sum(lin["counts_per_domain"].values()) == 2  # 6 = 4 + 2
+    assert len(ds.get_fragments()) == 6 and ds.count_rows() == 6  # 2 commits of 4 + 2 one-sample fragments
     before = store.read(uri, store.FEATURES, version=pinned)
 
     # A later append (same feature set) does not change what the pinned version reads.

@@ -9,8 +9,9 @@ Side by side in one run, on the same EAGLE-3 features (see featurestore_write.py
   ``pread`` into pooled buffers, ``--threads`` samples in flight), delivered as torch tensors of
   the stored dtype (bf16) viewing those buffers; the consumer releases a batch's buffers when it
   is done with it (they are reused, so their pages are already mapped).
-* store-serial, store-fresh (``--serial``): the same with one sample in flight, and with a fresh
-  buffer per value instead of the reader's pool (see featurestore/reader.py).
+* store-serial, store-fresh, store-readahead (``--serial``): the same with one sample in flight,
+  with a fresh buffer per value instead of the reader's pool, and with the kernel asked to read
+  each group's values ahead (``readahead=True``; see featurestore/reader.py).
 * trainer (``--trainer``): ``train.data.FeatureShards.read`` as shipped: its shuffled plan, then
   per batch the same per-sample reads, each sample converted once (bf16 -> fp32, aux layer order)
   straight into the packed, padded ``Batch``, against torch.load files turned into the same
@@ -59,7 +60,8 @@ def _write_module():
 W = _write_module()
 
 
-def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int, recycle: bool = True) -> int:
+def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int, recycle: bool = True,
+               readahead: bool = False) -> int:
     """Shuffled batches of whole samples as torch tensors of the stored dtype (bf16), straight from
     the store: ``SampleReader`` (one take per sample, ``threads`` in flight), tensors viewing the
     Arrow buffers. Returns tokens."""
@@ -72,7 +74,7 @@ def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int, recycl
     lengths = ds.to_table(columns=["num_tokens"]).column("num_tokens").to_numpy()
     order = np.random.default_rng(seed).permutation(len(lengths)).tolist()
     tokens = 0
-    with SampleReader(ds, threads=threads, recycle=recycle) as reader:
+    with SampleReader(ds, threads=threads, recycle=recycle, readahead=readahead) as reader:
         samples = reader.iter_samples(order)
         for j in range(0, len(order), batch_samples):
             batch, held = [], []
@@ -240,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             readers["store-serial"] = (uri, lambda r: read_store(uri, seed=r, threads=1, **bopts))
             readers["store-fresh"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads, recycle=False,
                                                                 **bopts))
+            readers["store-readahead"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads,
+                                                                    readahead=True, **bopts))
         if args.trainer:
             readers["trainer"] = (uri, lambda r: read_trainer(uri, seed=r, **topts))
             readers["torch.load->Batch"] = (pt, lambda r: read_torch_trainer(pt, uri, seed=r, **topts))
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{W.spread([w / s for s, w in zip(secs['store'], secs['disk'])])}")
     print(f"store / torch.load per sample: {W.spread(vs_torch)}  (target >= 3)")
     if args.serial:
-        for n in ("store-serial", "store-fresh"):
+        for n in ("store-serial", "store-fresh", "store-readahead"):
             print(f"{n} / raw sequential read: {W.spread([w / s for s, w in zip(secs[n], secs['raw'])])}")
     if rss is not None:
         print(f"peak RSS reading {rss[2]:.2f} GB of features ({rss[3]} epochs, fresh process): {rss[1]:.0f} MiB "

@@ -14,10 +14,13 @@ value's bytes lie contiguously in the fragment's data file and ``take`` returns 
 ``take`` per group of samples), then ``os.preadv``-s each value into one buffer that the tensors
 view: one read, no copy, the memory of the value and nothing else. With ``recycle=True`` buffers
 come from a :class:`BufferPool` and go back on :meth:`Sample.release`, so their pages are already
-mapped. ``threads`` samples are read at once (the GIL is released in ``pread``), and once a group's
-descriptors are known the kernel is asked to read its values ahead (``POSIX_FADV_WILLNEED``),
-so the disk stays busy while a thread copies (side by side, cold: with it every round was at
-least as fast as the raw read, without it the slowest round was 0.66 of it).
+mapped. ``threads`` samples are read at once (the GIL is released in ``pread``).
+``readahead=True`` also asks the kernel to read a group's values ahead (``POSIX_FADV_WILLNEED``)
+once its descriptors are known. It is off by default: on a quiet machine, side by side and cold,
+two ``pread`` threads alone were faster in every round (median 1.89 against 1.71 GB/s over 6
+rounds; again 1.78 against 1.44);
+the extra readahead only helped on a loaded machine, where a descheduled thread leaves the disk
+idle (``bench/featurestore_read.py --serial`` times both).
 When a data file is not a local file (object storage), Lance's ``BlobFile.readinto`` fills the
 same buffer instead. Version-1 tables (inline ``large_binary``) are read with ``take``, zero-copy
 views of Lance's output (slower, as above).
@@ -224,7 +227,7 @@ class SampleReader:
     """
 
     def __init__(self, ds, *, threads: int = 2, recycle: bool = False, max_free_buffers: int = 16,
-                 readahead: bool = True):
+                 readahead: bool = False):
         if threads < 1:
             raise ValueError("threads must be >= 1")
         self.ds = ds

@@ -216,6 +216,16 @@ def measure_rss(root: Path, args, route: str) -> str:
             f"{float(base):.0f} MiB)  (target < 1024)")
 
 
+def run_rss(args) -> None:
+    """The ``--rss`` measurements: capture's write route, and with ``--rss-legacy`` the old one."""
+    root = Path(tempfile.mkdtemp(prefix="fs_write_rss_", dir=args.dir))
+    try:
+        for route in ["writer"] + (["whole-commit"] if args.rss_legacy else []):
+            print(measure_rss(root, args, route), flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"
 
@@ -246,12 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:  # memory only
         if not args.rss:
             ap.error("--rounds 0 needs --rss")
-        root = Path(tempfile.mkdtemp(prefix="fs_write_rss_", dir=args.dir))
-        try:
-            for route in ["writer"] + (["whole-commit"] if args.rss_legacy else []):
-                print(measure_rss(root, args, route), flush=True)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+        run_rss(args)
         return 0
 
     samples = make_samples(args.samples, args.min_tokens, args.max_tokens, args.hidden)
@@ -296,12 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"store / torch.save per sample:  {spread(vs_torch)}  (target > 1)")
     print(f"store bytes on disk / feature bytes: {max(sizes):.4f}  (target <= 1.05)")
     if args.rss:
-        root = Path(tempfile.mkdtemp(prefix="fs_write_rss_", dir=args.dir))
-        try:
-            for route in ["writer"] + (["whole-commit"] if args.rss_legacy else []):
-                print(measure_rss(root, args, route), flush=True)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+        run_rss(args)
     ok = statistics.median(vs_plain) >= 0.7 and statistics.median(vs_torch) > 1.0 and max(sizes) <= 1.05
     if args.check and not ok:
         print("FAIL: a write threshold was missed", file=sys.stderr)

@@ -34,6 +34,7 @@ import torch
 
 from eaglenest.errors import ConfigError
 from eaglenest.evaluate.al import SpecCounters, per_request_summary
+from eaglenest.train.model import attention_window, causal_doc_mask
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +123,17 @@ def _propose(draft, seq: list[int], feats: torch.Tensor, k: int) -> list[int]:
     toks = torch.tensor([seq[1:]])
     pos = torch.arange(t)[None]
     cache: list = []
-    normed, hidden = draft.step(toks, feats[None], pos, cache, torch.ones(1, t, t, dtype=torch.bool).tril())
+    window = attention_window(draft.config)  # train.sliding_window: vLLM attends to the last `window` positions
+    normed, hidden = draft.step(toks, feats[None], pos, cache,
+                                causal_doc_mask(torch.zeros(1, t, dtype=torch.long), window=window))
     out: list[int] = []
     for j in range(k):
         d = draft.draft_to_target(draft.logits(normed[:, -1]).argmax(-1))
         out.append(int(d))
         if j + 1 < k:  # step j+1 at position t-1+(j+1): one query attending to step-0 keys + own chain
-            normed, hidden = draft.step(d[None], hidden[:, -1:], torch.tensor([[t + j]]), cache,
-                                        torch.ones(1, 1, t, dtype=torch.bool))
+            keys = torch.arange(t)[None, None, :]
+            seen = keys > t + j - window if window > 0 else torch.ones(1, 1, t, dtype=torch.bool)
+            normed, hidden = draft.step(d[None], hidden[:, -1:], torch.tensor([[t + j]]), cache, seen)
     return out
 
 

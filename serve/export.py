@@ -72,6 +72,9 @@ def draft_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype: 
             cfg[key] = target_cfg[key]
     for flag in FLAGS:
         cfg[flag] = bool(d.get(flag, False))
+    if "sliding_attention" in (d.get("layer_types") or ()):  # train.sliding_window (vLLM's Llama reads both)
+        cfg["layer_types"] = ["sliding_attention"]
+        cfg["sliding_window"] = int(d["sliding_window"])
     if cfg["hidden_size"] != target_cfg["hidden_size"]:
         raise ConfigError("draft hidden size differs from the target's: vLLM shares the target embeddings")
     return cfg

@@ -75,11 +75,18 @@ class TrainConfig:
     #: Attention is computed in query chunks of this many tokens (with recomputation in backward)
     #: for rows longer than it, so activation memory grows ~linearly with sequence length.
     attn_chunk_tokens: int = 2048
+    #: The draft's attention sees only the last N positions (0 = all; "auto" = the longest training
+    #: sample, capped at pack_tokens). Exported as a sliding-window layer that vLLM honours, so a
+    #: draft trained on short samples never meets, at long context, an attention span it was not
+    #: trained on (docs/training.md; measured in BENCHMARKS.md).
+    sliding_window: int | Literal["auto"] = 0
 
     def __post_init__(self) -> None:
         positive = ("draft_vocab_size", "ttt_steps", "pack_tokens", "batch_rows", "num_epochs",
                     "log_every_steps", "num_threads", "keep_states", "select_prompts_per_domain",
                     "prefetch_batches", "attn_chunk_tokens", "stream_depth")
+        if self.sliding_window != "auto" and self.sliding_window < 0:
+            raise ConfigError(f"train.sliding_window: must be >= 0 or 'auto', got {self.sliding_window}")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}: must be >= 1, got {getattr(self, name)}")

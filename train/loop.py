@@ -48,11 +48,24 @@ class TrainSummary:
     tokens_per_second: float = 0.0
 
 
+def attention_span(cfg: TrainConfig, lengths) -> int:
+    """``train.sliding_window`` in positions: "auto" is the longest span a training query attends
+    over (the longest sample, truncated at ``pack_tokens``); 0 means no window."""
+    if cfg.sliding_window == "auto":
+        return int(min(max((int(n) for n in lengths), default=cfg.pack_tokens), cfg.pack_tokens))
+    return int(cfg.sliding_window)
+
+
 def build_draft(cfg: TrainConfig, target: dict[str, Any], *, layer_ids: tuple[int, ...],
-                vocab: V.DraftVocab, seed: int) -> Eagle3Draft:
-    """A freshly initialised draft with the target's embeddings and the vocab maps set."""
+                vocab: V.DraftVocab, seed: int, sliding_window: int | None = None) -> Eagle3Draft:
+    """A freshly initialised draft with the target's embeddings and the vocab maps set.
+    ``sliding_window``: positions the draft attends over (None: ``train.sliding_window`` if it is
+    a number, else no window)."""
+    if sliding_window is None:
+        sliding_window = cfg.sliding_window if isinstance(cfg.sliding_window, int) else 0
     dcfg = draft_config(target["config"], draft_vocab_size=vocab.size,
-                        layer_ids=tuple(sorted(layer_ids)), flags=cfg.flags())
+                        layer_ids=tuple(sorted(layer_ids)), flags=cfg.flags(),
+                        sliding_window=sliding_window)
     dcfg.attn_chunk_tokens = int(cfg.attn_chunk_tokens)
     model = Eagle3Draft(dcfg)
     init_weights(model, seed=seed)
@@ -123,8 +136,13 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
     log.info("features v%d: %d rows, %d loss tokens; draft vocab %d covers %.1f%% of them",
              version, data.num_rows, int(counts.sum()), vocab.size, 100 * V.coverage(counts, vocab))
 
+    attn_window = attention_span(cfg, data.lengths)
+    if attn_window:
+        log.info("draft attention window: %d positions (train.sliding_window=%s)", attn_window, cfg.sliding_window)
+
     def fresh_draft() -> Eagle3Draft:
-        return build_draft(cfg, target, layer_ids=meta.layer_ids, vocab=vocab, seed=seed)
+        return build_draft(cfg, target, layer_ids=meta.layer_ids, vocab=vocab, seed=seed,
+                           sliding_window=attn_window)
 
     objective = dist.shard(TTTObjective(fresh_draft()).to(dist.device), param_dtype=cfg.param_dtype)
     head = TargetHead(target["norm"], target["lm_head"], target["rms_norm_eps"]).to(dist.device)

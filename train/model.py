@@ -56,8 +56,12 @@ class DraftFlags:
 
 
 def draft_config(target_cfg: dict[str, Any], *, draft_vocab_size: int, layer_ids: tuple[int, ...],
-                 flags: DraftFlags) -> LlamaConfig:
-    """A one-layer Llama config for the draft, derived from the target's ``config.json`` dict."""
+                 flags: DraftFlags, sliding_window: int = 0) -> LlamaConfig:
+    """A one-layer Llama config for the draft, derived from the target's ``config.json`` dict.
+
+    ``sliding_window`` > 0 makes the layer a sliding-window attention layer (``layer_types``
+    ``["sliding_attention"]``, as vLLM's Llama reads it): each query sees the last
+    ``sliding_window`` positions, itself included."""
     kw = {k: target_cfg[k] for k in TARGET_KEYS if target_cfg.get(k) is not None}
     kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
     cfg = LlamaConfig(**kw, num_hidden_layers=1, tie_word_embeddings=False)
@@ -66,7 +70,17 @@ def draft_config(target_cfg: dict[str, Any], *, draft_vocab_size: int, layer_ids
     cfg.eagle_aux_layer_ids = [int(i) for i in layer_ids]
     for f in dataclasses.fields(flags):
         setattr(cfg, f.name, bool(getattr(flags, f.name)))
+    if sliding_window > 0:
+        cfg.sliding_window = int(sliding_window)
+        cfg.layer_types = ["sliding_attention"]
     return cfg
+
+
+def attention_window(cfg) -> int:
+    """The draft layer's attention window in positions (0: it sees every earlier position)."""
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return int(getattr(cfg, "sliding_window", 0) or 0)
+    return 0
 
 
 def head_dim_of(cfg: LlamaConfig) -> int:
@@ -93,6 +107,7 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.chunk_tokens = int(getattr(cfg, "attn_chunk_tokens", 2048) or 2048)
+        self.window = attention_window(cfg)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -120,7 +135,7 @@ class DraftAttention(nn.Module):
         if mask.dim() == 3:
             out = self._attend(q, keys, vals, mask)
         elif t <= self.chunk_tokens:
-            out = self._attend(q, keys, vals, causal_doc_mask(mask))
+            out = self._attend(q, keys, vals, causal_doc_mask(mask, window=self.window))
         else:
             from torch.utils.checkpoint import checkpoint
 
@@ -137,7 +152,7 @@ class DraftAttention(nn.Module):
 
     def _attend_chunk(self, q, k0, v0, dk, dv, doc_ids, start: int) -> torch.Tensor:
         """Queries ``start..start+C`` against step-0 keys ``0..start+C``: mask rows built here."""
-        mask = chunk_doc_mask(doc_ids, start, start + q.shape[2])
+        mask = chunk_doc_mask(doc_ids, start, start + q.shape[2], window=self.window)
         return self._attend(q, [k0, *dk], [v0, *dv], mask)
 
     def _attend(self, q, keys, vals, mask) -> torch.Tensor:
@@ -236,26 +251,26 @@ class Eagle3Draft(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
-def causal_doc_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """bool [B, T, T]: query t sees key s iff s <= t and both belong to the same document.
+def causal_doc_mask(doc_ids: torch.Tensor, *, window: int = 0) -> torch.Tensor:
+    """bool [B, T, T]: query t sees key s iff s <= t and both belong to the same document (and,
+    with ``window`` > 0, t - s < window: vLLM's sliding window, the query itself included).
 
     Padding carries doc id -1: padded queries see earlier padding (harmless, their loss is masked)
     and always their own key, so no softmax row is empty.
     """
-    t = doc_ids.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    eye = torch.eye(t, dtype=torch.bool, device=doc_ids.device)
-    return (causal & same) | eye
+    return chunk_doc_mask(doc_ids, 0, doc_ids.shape[1], window=window)
 
 
-def chunk_doc_mask(doc_ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+def chunk_doc_mask(doc_ids: torch.Tensor, start: int, end: int, *, window: int = 0) -> torch.Tensor:
     """Rows ``start:end``, columns ``:end`` of :func:`causal_doc_mask` (later keys are all False),
     [B, end-start, end], without building [T, T]."""
     qi = torch.arange(start, end, device=doc_ids.device)[:, None]
     ki = torch.arange(end, device=doc_ids.device)[None, :]
     same = doc_ids[:, start:end, None] == doc_ids[:, None, :end]
-    return ((ki <= qi) & same) | (ki == qi)
+    seen = (ki <= qi) & same
+    if window > 0:
+        seen = seen & (qi - ki < window)
+    return seen | (ki == qi)
 
 
 def init_weights(model: Eagle3Draft, *, seed: int, std: float = 0.02) -> None:
@@ -271,4 +286,5 @@ def init_weights(model: Eagle3Draft, *, seed: int, std: float = 0.02) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-__all__ = ["DraftFlags", "Eagle3Draft", "causal_doc_mask", "chunk_doc_mask", "draft_config", "init_weights"]
+__all__ = ["DraftFlags", "Eagle3Draft", "attention_window", "causal_doc_mask", "chunk_doc_mask", "draft_config",
+           "init_weights"]

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from eaglenest.train.model import Eagle3Draft, causal_doc_mask
+from eaglenest.train.model import Eagle3Draft, attention_window, causal_doc_mask
 
 
 @dataclasses.dataclass
@@ -118,7 +118,8 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, target_probs: torch.Tensor,
     """
     # Long rows pass the doc ids: the attention then builds its mask per query chunk.
     chunk = int(getattr(model.config, "attn_chunk_tokens", 2048) or 2048)
-    mask = causal_doc_mask(batch.doc_ids) if batch.doc_ids.shape[1] <= chunk else batch.doc_ids
+    window = attention_window(model.config)
+    mask = causal_doc_mask(batch.doc_ids, window=window) if batch.doc_ids.shape[1] <= chunk else batch.doc_ids
     hidden = model.combine(batch.aux.to(model.fc.weight.dtype))
     cache: list = []
     loss = hidden.new_zeros(())

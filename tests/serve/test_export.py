@@ -27,7 +27,8 @@ def exported(request, tmp_path, synth):
     counts = torch.randint(0, 100, (2048,)).numpy()
     vocab = select_vocab(counts, 700)
     on = request.param
-    cfg = TrainConfig(draft_vocab_size=700, norm_before_fc=on, fc_norm=on, norm_before_residual=on, norm_output=on)
+    cfg = TrainConfig(draft_vocab_size=700, norm_before_fc=on, fc_norm=on, norm_before_residual=on, norm_output=on,
+                      sliding_window=64 if on else 0)
     model = build_draft(cfg, t, layer_ids=(5, 2, 4), vocab=vocab, seed=0)
     save_checkpoint(tmp_path / "ckpt", model, info={"layer_ids": [2, 4, 5], "step": 0, "table_version": 1,
                                                     "store_uri": "s", "train_config": {"ttt_steps": 7}})
@@ -47,6 +48,8 @@ def test_config_json(exported):
     assert cfg["target_hidden_size"] == tcfg["hidden_size"]
     assert all(cfg[f] is on for f in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"))
     assert cfg["torch_dtype"] == "bfloat16"
+    # train.sliding_window: the layer type and window vLLM's Llama attention reads; absent otherwise.
+    assert (cfg.get("layer_types"), cfg.get("sliding_window")) == ((["sliding_attention"], 64) if on else (None, None))
     assert (out / "README.md").is_file() and (out / "provenance.json").is_file()
 
 

@@ -14,8 +14,8 @@ TARGET = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attenti
               num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=4096, hidden_act="silu")
 
 
-def make(chunk: int) -> Eagle3Draft:
-    cfg = draft_config(TARGET, draft_vocab_size=64, layer_ids=(1, 2, 3), flags=DraftFlags())
+def make(chunk: int, window: int = 0) -> Eagle3Draft:
+    cfg = draft_config(TARGET, draft_vocab_size=64, layer_ids=(1, 2, 3), flags=DraftFlags(), sliding_window=window)
     cfg.attn_chunk_tokens = chunk
     m = Eagle3Draft(cfg).double()
     init_weights(m, seed=0, std=0.1)
@@ -43,15 +43,15 @@ def test_chunk_mask_rows_equal_dense():
         assert not dense[:, s:e, e:].any()
 
 
-@pytest.mark.parametrize("t, chunk, k", [(40, 16, 3), (37, 8, 2)])
-def test_chunked_attention_matches_dense(t, chunk, k):
+@pytest.mark.parametrize("t, chunk, k, window", [(40, 16, 3, 0), (37, 8, 2, 0), (40, 16, 3, 5)])
+def test_chunked_attention_matches_dense(t, chunk, k, window):
     b = batch(t)
     probs = torch.softmax(torch.randn(2, t, 64, generator=torch.Generator().manual_seed(2),
                                       dtype=torch.float64), -1)
     argmax = torch.randint(0, 256, (2, t))
     out = []
     for c in (10_000, chunk):
-        m = make(c)
+        m = make(c, window)
         res = ttt_loss(m, b, probs, argmax, num_steps=k, step_decay=0.8)
         res.loss.backward()
         out.append((res, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
@@ -61,3 +61,46 @@ def test_chunked_attention_matches_dense(t, chunk, k):
     assert ga.keys() == gb.keys()
     for n in ga:
         torch.testing.assert_close(gb[n], ga[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_window_mask_rows():
+    doc = torch.tensor([[0] * 9 + [1] * 3])
+    m = causal_doc_mask(doc, window=3)[0]
+    t = torch.arange(12)
+    want = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < 3) & (doc[0][:, None] == doc[0][None, :])
+    assert torch.equal(m, want)
+    for s in (0, 5, 10):
+        e = min(12, s + 4)
+        assert torch.equal(chunk_doc_mask(doc, s, e, window=3), causal_doc_mask(doc, window=3)[:, s:e, :e])
+
+
+@pytest.mark.parametrize("chunk", [10_000, 8])
+def test_sliding_window_hides_far_positions(chunk):
+    """With train.sliding_window = 4, the loss on tokens >= 20 cannot depend on positions < 10: the
+    rows predicting them start at 20 - 2 - (k - 1) = 15 (k = 3 steps) and each sees its last 4
+    positions; with full attention it does depend on them."""
+    t = 32
+    b = batch(t)
+    b.doc_ids[:] = 0
+    b.position_ids[:] = torch.arange(t)
+    b.loss_mask[:] = False
+    b.loss_mask[:, 20:] = True
+    changed = Batch(**{**b.__dict__, "aux": b.aux.clone(), "input_ids": b.input_ids.clone()})
+    changed.aux[:, :10] += 1.0
+    changed.input_ids[:, :10] = (changed.input_ids[:, :10] + 1) % 256
+    probs = torch.softmax(torch.randn(2, t, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64), -1)
+    argmax = torch.randint(0, 256, (2, t))
+    for window, same in ((4, True), (0, False)):
+        m = make(chunk, window)
+        a, c = (float(ttt_loss(m, x, probs, argmax, num_steps=3, step_decay=0.8).loss) for x in (b, changed))
+        assert (a == c) is same, (window, a, c)
+
+
+def test_auto_window_is_the_longest_trained_span():
+    from eaglenest.train.config import TrainConfig
+    from eaglenest.train.loop import attention_span
+
+    assert attention_span(TrainConfig(sliding_window="auto", pack_tokens=512), [10, 88, 30]) == 88
+    assert attention_span(TrainConfig(sliding_window="auto", pack_tokens=64), [10, 88, 30]) == 64  # truncated rows
+    assert attention_span(TrainConfig(sliding_window=0), [10, 88]) == 0
+    assert attention_span(TrainConfig(sliding_window=40), [10, 88]) == 40

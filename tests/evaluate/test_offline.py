@@ -135,3 +135,33 @@ def test_offline_rejects_non_draft(tmp_path, tiny_target):
 
     with pytest.raises(ConfigError, match="neither an exported draft"):
         load_draft(tmp_path, tiny_target)
+
+
+def test_offline_al_matches_vllm_with_a_sliding_window(tmp_path, tiny_target, trained, eval_store):
+    """train.sliding_window: the same draft exported with a 16-position window (prompts + 48 output
+    tokens reach past it). vLLM and the offline replay must apply the window alike."""
+    import shutil
+
+    from eaglenest.engine import EngineConfig
+    from eaglenest.evaluate.config import EvaluateConfig
+    from eaglenest.evaluate.offline import offline_al
+    from eaglenest.evaluate.prompts import load_prompt_set
+    from eaglenest.evaluate.run import evaluate_al
+
+    draft, _ = trained
+    windowed = tmp_path / "draft16"
+    shutil.copytree(draft, windowed)
+    cfg_json = json.loads((windowed / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps({**cfg_json, "layer_types": ["sliding_attention"],
+                                                      "sliding_window": 16}))
+    cfg = EvaluateConfig(max_tokens=MAX_TOKENS, num_speculative_tokens=K, context_buckets=(), check_lossless=False,
+                         ngram_order=0, engine=EngineConfig(max_model_len=512, memory_fraction=0.15))
+    served = evaluate_al(target=str(tiny_target), draft=str(windowed), store_uri=eval_store, cfg=cfg)["overall"]
+    groups, _ = load_prompt_set(cfg, eval_store)
+    off = offline_al(target=tiny_target, draft=windowed, groups=groups, num_speculative_tokens=K,
+                     max_tokens=MAX_TOKENS)["overall"]
+    assert off["draft_rounds"] == served["draft_rounds"] and off["accepted_tokens"] == served["accepted_tokens"]
+    assert off["acceptance_by_position"] == pytest.approx(served["acceptance_by_position"], abs=0.01)
+    full = offline_al(target=tiny_target, draft=draft, groups=groups, num_speculative_tokens=K,
+                      max_tokens=MAX_TOKENS)["overall"]
+    assert full["accepted_tokens"] != off["accepted_tokens"], "the window should change what the draft proposes"

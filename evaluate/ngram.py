@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from typing import Iterable
 
 import pyarrow as pa
@@ -52,6 +53,15 @@ class NgramTable:
         return None
 
 
+def _loss_positions(batches: Iterable[pa.RecordBatch]):
+    """(token ids, i) for every loss-masked position i >= 1 of every row, in order."""
+    for batch in batches:
+        for ids, mask in zip(batch.column("input_ids").to_pylist(), batch.column("loss_mask").to_pylist()):
+            for i in range(1, len(ids)):
+                if mask[i]:
+                    yield ids, i
+
+
 def fit(batches: Iterable[pa.RecordBatch], *, order: int = 3, max_tokens: int = 0) -> NgramTable:
     """An n-gram table over the loss-masked positions of ``batches`` (columns ``input_ids`` and
     ``loss_mask``). Ties between next tokens go to the smallest token id, so a fit is
@@ -60,20 +70,10 @@ def fit(batches: Iterable[pa.RecordBatch], *, order: int = 3, max_tokens: int = 
         raise ValueError(f"n-gram order must be >= 1, got {order}")
     counts: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
     seen = 0
-    for batch in batches:
-        for ids, mask in zip(batch.column("input_ids").to_pylist(), batch.column("loss_mask").to_pylist()):
-            for i in range(1, len(ids)):
-                if not mask[i]:
-                    continue
-                for n in range(1, min(order, i) + 1):
-                    counts[tuple(ids[i - n:i])][ids[i]] += 1
-                seen += 1
-                if max_tokens and seen >= max_tokens:
-                    break
-            if max_tokens and seen >= max_tokens:
-                break
-        if max_tokens and seen >= max_tokens:
-            break
+    for ids, i in itertools.islice(_loss_positions(batches), max_tokens or None):
+        for n in range(1, min(order, i) + 1):
+            counts[tuple(ids[i - n:i])][ids[i]] += 1
+        seen += 1
     table = {ctx: min(c.items(), key=lambda kv: (-kv[1], kv[0]))[0] for ctx, c in counts.items()}
     return NgramTable(order=order, next_token=table, fit_tokens=seen)
 

@@ -57,12 +57,9 @@ def attention_span(cfg: TrainConfig, lengths) -> int:
 
 
 def build_draft(cfg: TrainConfig, target: dict[str, Any], *, layer_ids: tuple[int, ...],
-                vocab: V.DraftVocab, seed: int, sliding_window: int | None = None) -> Eagle3Draft:
+                vocab: V.DraftVocab, seed: int, sliding_window: int = 0) -> Eagle3Draft:
     """A freshly initialised draft with the target's embeddings and the vocab maps set.
-    ``sliding_window``: positions the draft attends over (None: ``train.sliding_window`` if it is
-    a number, else no window)."""
-    if sliding_window is None:
-        sliding_window = cfg.sliding_window if isinstance(cfg.sliding_window, int) else 0
+    ``sliding_window``: positions the draft attends over (0: all; see :func:`attention_span`)."""
     dcfg = draft_config(target["config"], draft_vocab_size=vocab.size,
                         layer_ids=tuple(sorted(layer_ids)), flags=cfg.flags(),
                         sliding_window=sliding_window)

@@ -27,9 +27,8 @@ def exported(request, tmp_path, synth):
     counts = torch.randint(0, 100, (2048,)).numpy()
     vocab = select_vocab(counts, 700)
     on = request.param
-    cfg = TrainConfig(draft_vocab_size=700, norm_before_fc=on, fc_norm=on, norm_before_residual=on, norm_output=on,
-                      sliding_window=64 if on else 0)
-    model = build_draft(cfg, t, layer_ids=(5, 2, 4), vocab=vocab, seed=0)
+    cfg = TrainConfig(draft_vocab_size=700, norm_before_fc=on, fc_norm=on, norm_before_residual=on, norm_output=on)
+    model = build_draft(cfg, t, layer_ids=(5, 2, 4), vocab=vocab, seed=0, sliding_window=64 if on else 0)
     save_checkpoint(tmp_path / "ckpt", model, info={"layer_ids": [2, 4, 5], "step": 0, "table_version": 1,
                                                     "store_uri": "s", "train_config": {"ttt_steps": 7}})
     out = export_draft(tmp_path / "ckpt", tmp_path / "draft", target_dir=target, dtype="bfloat16")

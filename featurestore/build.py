@@ -166,20 +166,23 @@ def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None) ->
 def _turn_spans(target: str, convs: list[dict]):
     """A function conv -> loss spans of its earlier assistant turns (the tokenizer is loaded only
     when some conversation has more than one assistant turn)."""
-    def multi(c: dict) -> bool:
+    def multi(c: dict) -> list[dict] | None:
+        """The conversation's messages if it has more than one assistant turn, else None."""
         msgs = json.loads(c.get("messages_json") or "[]")
-        return sum(m.get("role") == "assistant" for m in msgs) > 1
+        return msgs if sum(m.get("role") == "assistant" for m in msgs) > 1 else None
 
-    if not any(multi(c) for c in convs):
+    multi_turn = {c["sample_id"]: msgs for c in convs if (msgs := multi(c)) is not None}
+    if not multi_turn:
         return lambda conv: ()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target)
 
     def spans(conv: dict):
-        if not multi(conv):
+        msgs = multi_turn.get(conv["sample_id"])
+        if msgs is None:
             return ()
-        found = turns.assistant_spans(tok, json.loads(conv["messages_json"]), list(conv["prompt_token_ids"]))
+        found = turns.assistant_spans(tok, msgs, list(conv["prompt_token_ids"]))
         if found is None:
             log.warning("%s: the chat template does not reproduce the prompt; training on the last "
                         "answer only", conv["sample_id"])

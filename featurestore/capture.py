@@ -40,30 +40,37 @@ def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], num_layers: int) -
     return ids
 
 
+def capture_llm(target: str, capture_ids: list[int], engine: EngineConfig, *, spool: str, extra: dict | None = None):
+    """A vLLM engine whose ``extract_hidden_states`` proposer hands ``capture_ids`` (aux layers +
+    the last) to the eaglenest connector, which spools them under ``spool`` (``extra``: more
+    connector settings, e.g. the stream's publish socket)."""
+    from eaglenest.featurestore import connector
+
+    return make_llm(
+        target, engine,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(capture_ids)}},
+        },
+        kv_transfer_config={
+            "kv_connector": connector.CONNECTOR_NAME,
+            "kv_connector_module_path": connector.MODULE_PATH,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": spool, **(extra or {})},
+        },
+    )
+
+
 class Capturer:
     """A live vLLM engine that returns hidden states for token sequences. Use as a context manager."""
 
     def __init__(self, target: str, layer_ids: tuple[int, ...], num_layers: int, engine: EngineConfig):
-        from eaglenest.featurestore import connector
-
         self.layer_ids = tuple(layer_ids)
         self.capture_ids = [*self.layer_ids, num_layers]
         self._spool = Path(tempfile.mkdtemp(prefix="eaglenest-capture-"))
         self.num_forward_passes = 0
-        self.llm = make_llm(
-            target, engine,
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.capture_ids}},
-            },
-            kv_transfer_config={
-                "kv_connector": connector.CONNECTOR_NAME,
-                "kv_connector_module_path": connector.MODULE_PATH,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(self._spool)},
-            },
-        )
+        self.llm = capture_llm(target, self.capture_ids, engine, spool=str(self._spool))
 
     def __enter__(self) -> "Capturer":
         return self

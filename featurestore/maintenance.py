@@ -61,18 +61,6 @@ def record_checksums(uri: str, name: str, fragments) -> None:
             os.replace(tmp, target)
 
 
-def _nonfinite(blob_col, dtype: str) -> np.ndarray:
-    """Per-row bool: does the tensor bytes column hold a NaN or inf?"""
-    out = np.zeros(len(blob_col), dtype=bool)
-    for i, blob in enumerate(blob_col.to_pylist()):
-        if dtype == "bfloat16":
-            bits = np.frombuffer(blob, "<u2")
-            out[i] = bool(((bits & 0x7F80) == 0x7F80).any())  # exponent all ones: inf or NaN
-        else:
-            out[i] = not np.isfinite(np.frombuffer(blob, S._DTYPES[dtype])).all()
-    return out
-
-
 def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
     """Check a table version; returns a report whose ``problems`` list is empty when healthy."""
     problems, unchecked = [], []
@@ -105,8 +93,7 @@ def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
         rows += tbl.num_rows
         if meta is not None:
             for col in S.TENSOR_COLUMNS:
-                bad = (_nonfinite(tbl.column(col), meta.dtype) if meta.storage == "raw" else
-                       np.array([S.value_nonfinite(b, meta) for b in tbl.column(col).to_pylist()], dtype=bool))
+                bad = np.array([S.value_nonfinite(b, meta) for b in tbl.column(col).to_pylist()], dtype=bool)
                 if bad.any():
                     ids = tbl.column("sample_id").filter(bad).to_pylist()[:5]
                     problems.append(f"fragment {fid}: {int(bad.sum())} row(s) with NaN/inf in {col} "

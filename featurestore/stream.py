@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from eaglenest.errors import StoreError
+from eaglenest.featurestore.schema import _DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,6 @@ TAG_KEY = "eaglenest_tag"
 _FRAME = struct.Struct("<4sIQ")  # magic, header bytes, payload bytes
 _MAGIC = b"ENS1"
 _CREDIT = b"\x01"
-_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 
 
 class Publisher:
@@ -73,7 +73,7 @@ class Publisher:
         """Send one capture (``hidden``: a CPU torch tensor ``[T, layers, H]``)."""
         if self.gone:
             return
-        import torch
+        from eaglenest.featurestore.capture import _to_numpy, dtype_name
 
         try:
             if self._sock is None:
@@ -85,13 +85,11 @@ class Publisher:
                     raise ConnectionError("consumer closed the stream")
                 self._credits += len(got)
             self._credits -= 1
-            hidden = hidden.contiguous()
-            dtype = str(hidden.dtype).removeprefix("torch.")
-            raw = hidden.view(torch.uint16) if hidden.dtype == torch.bfloat16 else hidden
+            raw = _to_numpy(hidden)
             ids = np.ascontiguousarray(token_ids.numpy().astype(np.int64))
-            header = json.dumps({"tag": tag, "seq": self._seq, "shape": list(hidden.shape), "dtype": dtype,
+            header = json.dumps({"tag": tag, "seq": self._seq, "shape": list(raw.shape), "dtype": dtype_name(raw),
                                  "sent_at": time.time()}).encode()
-            body = [memoryview(ids).cast("B"), memoryview(raw.numpy()).cast("B")]
+            body = [memoryview(ids).cast("B"), memoryview(raw).cast("B")]
             size = sum(b.nbytes for b in body)
             self._sock.sendall(_FRAME.pack(_MAGIC, len(header), size) + header, socket.MSG_NOSIGNAL)
             for b in body:

@@ -63,27 +63,15 @@ def run(spec: dict) -> int:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eaglenest.engine import EngineConfig, close_llm, make_llm
-    from eaglenest.featurestore import connector, stream
+    from eaglenest.engine import EngineConfig, close_llm
+    from eaglenest.featurestore import stream
+    from eaglenest.featurestore.capture import capture_llm
 
     state: dict = {"lock": threading.Lock()}
     threading.Thread(target=_watch_consumer, args=(state,), name="eaglenest-stream-control", daemon=True).start()
-    capture_ids = [*spec["layer_ids"], spec["num_layers"]]
-    state["llm"] = llm = make_llm(
-        spec["target"], EngineConfig(**spec["engine"]),
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": capture_ids}},
-        },
-        kv_transfer_config={
-            "kv_connector": connector.CONNECTOR_NAME,
-            "kv_connector_module_path": connector.MODULE_PATH,
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": spec["storage_dir"],
-                                          stream.PUBLISH_KEY: spec["socket"]},
-        },
-    )
+    state["llm"] = llm = capture_llm(spec["target"], [*spec["layer_ids"], spec["num_layers"]],
+                                     EngineConfig(**spec["engine"]), spool=spec["storage_dir"],
+                                     extra={stream.PUBLISH_KEY: spec["socket"]})
     seqs, window = spec["sequences"], int(spec["window"])
     try:
         for start in range(0, len(seqs), window):

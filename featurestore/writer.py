@@ -31,7 +31,7 @@ def bytes_per_token(meta: S.FeatureMeta) -> int:
     rows = len(meta.layer_ids) + 1
     if meta.storage == "fp8_e4m3":
         return rows * (meta.hidden_size + 4)
-    return rows * meta.hidden_size * {"float32": 4, "float16": 2, "bfloat16": 2}[meta.dtype]
+    return rows * meta.hidden_size * S._DTYPES[meta.dtype].itemsize
 
 
 def engine_batches(convs: list[dict], *, max_samples: int, budget: int, per_token: int) -> list[list[dict]]:

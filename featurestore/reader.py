@@ -170,15 +170,6 @@ class Sample:
         scales, codes = src
         return out.copy_(codes[:n]).mul_(scales[:n, None])
 
-    def aux_float(self, n: int | None = None, *, order=None):
-        torch = _torch()
-        n = self.num_tokens if n is None else n
-        return self.aux_into(torch.empty(n, self.num_aux, self.meta.hidden_size), order=order)
-
-    def last_float(self, n: int | None = None):
-        torch = _torch()
-        n = self.num_tokens if n is None else n
-        return self.last_into(torch.empty(n, self.meta.hidden_size))
 
 
 class BufferPool:

@@ -48,7 +48,6 @@ class FeatureShards:
         from eaglenest.featurestore import store
         from eaglenest.featurestore.reader import SampleReader
 
-        self.table = table
         self.ds = store.dataset(uri, table, version)
         self.version = int(self.ds.version)
         self.meta = S.feature_meta(self.ds.schema)
@@ -64,7 +63,7 @@ class FeatureShards:
         self.lengths = small.column("num_tokens").to_numpy()[self.offsets].astype(np.int64)
         self.pack_tokens, self.batch_rows, self.seed = pack_tokens, batch_rows, seed
         # vLLM concatenates aux states in ascending layer order; reorder if the table does not.
-        self.aux_order = torch.as_tensor(np.argsort(np.asarray(self.meta.layer_ids), kind="stable"))
+        self.aux_order = aux_order(self.meta.layer_ids)
         # Pooled read buffers: each sample is converted into the batch, then its buffers are reused.
         self.reader = SampleReader(self.ds, threads=read_threads, recycle=True)
         if int((self.lengths > pack_tokens).sum()):
@@ -81,18 +80,8 @@ class FeatureShards:
 
     def plan(self, epoch: int) -> list[list[list[int]]]:
         """Global batches -> rows -> eligible-row indices, for one epoch."""
-        order = np.random.default_rng(self.seed + epoch).permutation(self.num_rows)
-        rows, cur, used = [], [], 0
-        for i in order.tolist():
-            n = min(int(self.lengths[i]), self.pack_tokens)
-            if cur and used + n > self.pack_tokens:
-                rows.append(cur)
-                cur, used = [], 0
-            cur.append(i)
-            used += n
-        if cur:
-            rows.append(cur)
-        return [rows[j:j + self.batch_rows] for j in range(0, len(rows), self.batch_rows)]
+        return plan_batches(self.lengths, pack_tokens=self.pack_tokens, batch_rows=self.batch_rows,
+                            seed=self.seed, epoch=epoch)
 
     def read(self, rows: list[list[int]]) -> Batch:
         """Read and collate ``rows`` (eligible-row indices): pack each row, pad to the longest.
@@ -133,16 +122,26 @@ class FeatureShards:
         return Batch(input_ids=input_ids, loss_mask=loss_mask, aux=aux, last_hidden=last,
                      doc_ids=doc_ids, position_ids=position_ids)
 
-    def decode(self, i: int):
-        """One eligible row as ``(ids, mask, aux [n, n_aux*H] float, last [n, H] float)``, ``n`` capped
-        at ``pack_tokens``: the reference form :func:`collate` takes."""
-        s = self.reader.take(int(self.offsets[i]))
-        n = min(s.num_tokens, self.pack_tokens)
-        ids = torch.from_numpy(s.input_ids[:n].astype(np.int64))
-        mask = torch.from_numpy(s.loss_mask[:n] != 0)
-        aux, last = s.aux_float(n, order=self.aux_order.tolist()).reshape(n, -1), s.last_float(n)
-        s.release()
-        return ids, mask, aux, last
+def plan_batches(lengths, *, pack_tokens: int, batch_rows: int, seed: int, epoch: int) -> list[list[list[int]]]:
+    """One epoch's plan over samples of ``lengths``: a seeded shuffle, samples packed greedily into
+    rows of at most ``pack_tokens`` (longer ones truncated), ``batch_rows`` rows per global batch."""
+    order = np.random.default_rng(seed + epoch).permutation(len(lengths))
+    rows, cur, used = [], [], 0
+    for i in order.tolist():
+        n = min(int(lengths[i]), pack_tokens)
+        if cur and used + n > pack_tokens:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        rows.append(cur)
+    return [rows[j:j + batch_rows] for j in range(0, len(rows), batch_rows)]
+
+
+def aux_order(layer_ids) -> torch.Tensor:
+    """Positions of the stored aux layers in ascending layer-id order (the draft's fc input order)."""
+    return torch.as_tensor(np.argsort(np.asarray(layer_ids), kind="stable"))
 
 
 def rank_rows(rows: list[list[int]], rank: int, world_size: int) -> tuple[list[list[int]], bool]:

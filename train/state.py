@@ -44,8 +44,6 @@ FREE_KEYS = frozenset({"output_subdir", "log_every_steps", "num_threads", "resum
 def fingerprint(cfg, *, table_version: int, store_uri: str, target: str, seed: int,
                 table: str = "features") -> dict[str, Any]:
     keys = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in FREE_KEYS}
-    if keys.get("source") == "table":  # the default: states saved before the key existed still match
-        del keys["source"]
     fp = {"features_version": int(table_version), "store_uri": str(store_uri), "target": str(target),
           "seed": int(seed), "train": keys}
     if table != "features":  # the default table stays out, so states saved before still match
@@ -60,7 +58,12 @@ def _diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             continue
         if saved.get(k) != now.get(k):
             out.append(f"{k} {saved.get(k)!r} -> {now.get(k)!r}")
-    st, nt = saved.get("train", {}), now.get("train", {})
+    # A train key added after the state was saved counts as its default there: such states still match.
+    from eaglenest.train.config import TrainConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    nt = now.get("train", {})
+    st = {**{k: defaults[k] for k in nt if k in defaults}, **saved.get("train", {})}
     out += [f"train.{k} {st.get(k)!r} -> {nt.get(k)!r}" for k in sorted(set(st) | set(nt))
             if st.get(k) != nt.get(k)]
     return out

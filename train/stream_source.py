@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.train.data import FeatureShards, collate
+from eaglenest.train.data import aux_order, collate, plan_batches
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class StreamShards:
 
     def __init__(self, store_uri: str, *, featurestore, target: str, split: str, pack_tokens: int,
                  batch_rows: int, seed: int, depth: int, devices: str = ""):
-        from eaglenest.featurestore import build, store
+        from eaglenest.featurestore import build, store, turns
 
         if featurestore is None:
             raise ConfigError("train.source=stream needs the recipe's featurestore section (engine, layer_ids)")
@@ -59,7 +59,11 @@ class StreamShards:
         self.split, self.pack_tokens, self.batch_rows, self.seed = split, pack_tokens, batch_rows, seed
         self.target, self.engine, self.depth, self.devices = target, featurestore.engine, depth, devices
         self.window = featurestore.batch_size
-        self.aux_order = torch.as_tensor(np.argsort(np.asarray(self.meta.layer_ids), kind="stable"))
+        self.aux_order = aux_order(self.meta.layer_ids)
+        # The table's loss mask (build.feature_row): every answer of a multi-turn conversation.
+        spans = build._turn_spans(target, self.convs)
+        self.masks = [np.asarray(turns.loss_mask(len(c["prompt_token_ids"]), len(c["response_token_ids"]),
+                                                 list(spans(c))), dtype=bool) for c in self.convs]
         self._stream = None
 
     @property
@@ -68,11 +72,13 @@ class StreamShards:
 
     def plan(self, epoch: int) -> list[list[list[int]]]:
         """Exactly the table path's plan (same algorithm, same inputs: lengths in sample-id order)."""
-        return FeatureShards.plan(self, epoch)
+        return plan_batches(self.lengths, pack_tokens=self.pack_tokens, batch_rows=self.batch_rows,
+                            seed=self.seed, epoch=epoch)
 
     def loss_token_counts(self, vocab_size: int) -> np.ndarray:
-        """Per-target-id counts of loss tokens (the responses): what the table path counts by SQL."""
-        ids = np.concatenate([np.asarray(r["response_token_ids"], dtype=np.int64) for r in self.convs])
+        """Per-target-id counts of loss tokens: what the table path counts by SQL."""
+        ids = np.concatenate([np.asarray(r["prompt_token_ids"] + r["response_token_ids"], dtype=np.int64)[m]
+                              for r, m in zip(self.convs, self.masks)])
         return np.bincount(ids, minlength=vocab_size)[:vocab_size]
 
     def start(self, schedule: list[tuple[int, list[list[int]]]], *, world_size: int = 1) -> None:
@@ -109,8 +115,7 @@ class StreamShards:
         if ids.tolist() != list(p) + list(r):
             raise StoreError(f"capture stream: token ids of {conv['sample_id']} differ from the sequence sent")
         n = min(len(ids), self.pack_tokens)
-        mask = torch.zeros(n, dtype=torch.bool)
-        mask[len(p):] = True  # loss on the response (as the table's loss_mask)
+        mask = torch.from_numpy(self.masks[i][:n].copy())
         aux = hidden[:n, :-1][:, self.aux_order].float().reshape(n, -1)
         last = hidden[:n, -1].float()
         return torch.from_numpy(ids[:n].copy()), mask, aux, last

@@ -34,7 +34,7 @@ import torch
 
 from eaglenest.errors import ConfigError
 from eaglenest.evaluate.al import SpecCounters, per_request_summary
-from eaglenest.train.model import attention_window, causal_doc_mask
+from eaglenest.train.model import chunk_doc_mask
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,10 @@ def load_draft(draft: str | Path, target_dir: str | Path):
     cfg.eagle_aux_layer_ids = [int(i) for i in ids]
     model = Eagle3Draft(cfg)
     state = load_file(str(path / "model.safetensors"))
-    if any(k.endswith(".weight_scale") for k in state):  # FP8 export: weights = codes * per-channel scale
-        from eaglenest.serve.fp8 import dequantise_state
+    from eaglenest.serve import fp8
 
-        state = dequantise_state(state)
+    if fp8.is_fp8_state(state):  # FP8 export: weights = codes * per-channel scale
+        state = fp8.dequantise_state(state)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
@@ -123,16 +123,15 @@ def _propose(draft, seq: list[int], feats: torch.Tensor, k: int) -> list[int]:
     toks = torch.tensor([seq[1:]])
     pos = torch.arange(t)[None]
     cache: list = []
-    window = attention_window(draft.config)  # train.sliding_window: vLLM attends to the last `window` positions
-    normed, hidden = draft.step(toks, feats[None], pos, cache,
-                                causal_doc_mask(torch.zeros(1, t, dtype=torch.long), window=window))
+    # One document: the draft's attention builds its causal mask (and its sliding window, if any).
+    doc = torch.zeros(1, t + k, dtype=torch.long)
+    normed, hidden = draft.step(toks, feats[None], pos, cache, doc[:, :t])
     out: list[int] = []
     for j in range(k):
         d = draft.draft_to_target(draft.logits(normed[:, -1]).argmax(-1))
         out.append(int(d))
         if j + 1 < k:  # step j+1 at position t-1+(j+1): one query attending to step-0 keys + own chain
-            keys = torch.arange(t)[None, None, :]
-            seen = keys > t + j - window if window > 0 else torch.ones(1, 1, t, dtype=torch.bool)
+            seen = chunk_doc_mask(doc, t + j, t + j + 1, window=draft.midlayer.self_attn.window)[..., :t]
             normed, hidden = draft.step(d[None], hidden[:, -1:], torch.tensor([[t + j]]), cache, seen)
     return out
 

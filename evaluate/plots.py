@@ -57,8 +57,9 @@ def al_plots(report: dict, outdir: Path) -> list[Path]:
     ax.set_title(f"AL by group (k={report['num_speculative_tokens']})")
     out.append(_save(fig, outdir / "al_by_domain.png"))
 
-    # Numeric order: report.json stores the bucket keys as sorted strings ("16384" before "2048").
-    buckets = dict(sorted((report.get("context_buckets") or {}).items(), key=lambda kv: int(kv[0])))
+    from eaglenest.evaluate.report import buckets_in_order
+
+    buckets = dict(buckets_in_order(report))
     if buckets:
         xs = [int(b) for b in buckets]
         fig, ax = plt.subplots(figsize=(5, 3.5))

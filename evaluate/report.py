@@ -11,6 +11,11 @@ from pathlib import Path
 from eaglenest.provenance import write_json_atomic
 
 
+def buckets_in_order(report: dict) -> list[tuple[str, dict]]:
+    """The report's context buckets by length (report.json's keys sort as text: "16384" < "2048")."""
+    return sorted((report.get("context_buckets") or {}).items(), key=lambda kv: int(kv[0]))
+
+
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
 
@@ -61,8 +66,7 @@ def markdown(report: dict) -> str:
         lines += [f"- ngram_al not measured: {pred['ngram_skipped']}."]
     if report.get("context_buckets"):
         lines += ["", f"## By context length ({report.get('bucket_max_tokens')} output tokens per prompt)", ""]
-        rows = sorted(report["context_buckets"].items(), key=lambda kv: int(kv[0]))  # JSON keys sort as text
-        lines += _table(rows, k, "bucket", extra=("prompt_tokens", *conf))
+        lines += _table(buckets_in_order(report), k, "bucket", extra=("prompt_tokens", *conf))
     if "lossless" in report:
         ll = report["lossless"]
         lines += ["", f"Lossless check (greedy, same prompts without speculation): "

@@ -154,9 +154,14 @@ def predictability(report: dict, groups: dict, bucket_prompts: dict, probs: dict
         report["domains"][name]["target_confidence"] = mean(p["sample_id"] for p in prompts)
     for b, prompts in bucket_prompts.items():
         report["context_buckets"][str(b)]["target_confidence"] = mean(p["sample_id"] for p in prompts)
-    pairs = [(d["target_confidence"], d["acceptance_length"]) for d in report["domains"].values()
-             if d.get("target_confidence") is not None and d.get("acceptance_length") is not None]
-    return {"measure": CONFIDENCE, "spearman_al_vs_confidence": spearman(*zip(*pairs)) if len(pairs) >= 3 else None}
+    return {"measure": CONFIDENCE, "spearman_al_vs_confidence": _rank_vs_al(report, "target_confidence")}
+
+
+def _rank_vs_al(report: dict, key: str) -> float | None:
+    """Spearman of the groups' ``key`` against their pooled AL (None with fewer than 3 groups)."""
+    pairs = [(d[key], d["acceptance_length"]) for d in report["domains"].values()
+             if d.get(key) is not None and d.get("acceptance_length") is not None]
+    return spearman(*zip(*pairs)) if len(pairs) >= 3 else None
 
 
 def ngram_predictability(report: dict, groups: dict, bucket_prompts: dict, outputs: dict, prompt_ids: dict,
@@ -173,24 +178,25 @@ def ngram_predictability(report: dict, groups: dict, bucket_prompts: dict, outpu
     fitted, version = ngram.fit_from_store(store_uri, table, order=cfg.ngram_order, max_tokens=cfg.ngram_fit_tokens)
     k = cfg.num_speculative_tokens
 
-    def replay(prompts) -> dict:
-        r = sum((ngram.simulate(fitted, prompt_ids.get(p["sample_id"], []), outputs[p["sample_id"]], k)
-                 for p in prompts), ngram.Replay(by_position=[0] * k))
+    def replay(prompts) -> ngram.Replay:
+        return sum((ngram.simulate(fitted, prompt_ids.get(p["sample_id"], []), outputs[p["sample_id"]], k)
+                    for p in prompts), ngram.Replay(by_position=[0] * k))
+
+    def fields(r: ngram.Replay) -> dict:
         return {"ngram_al": r.acceptance_length,
                 "ngram_acceptance_by_position": [round(x / r.rounds, 4) for x in r.by_position] if r.rounds else []}
 
-    for name, prompts in groups.items():
-        report["domains"][name].update(replay(prompts))
+    per_group = {name: replay(prompts) for name, prompts in groups.items()}
+    for name, r in per_group.items():
+        report["domains"][name].update(fields(r))
     for b, prompts in bucket_prompts.items():
-        report["context_buckets"][str(b)].update(replay(prompts))
-    report["overall"].update(replay([p for ps in groups.values() for p in ps]))
-    pairs = [(d["ngram_al"], d["acceptance_length"]) for d in report["domains"].values()
-             if d.get("ngram_al") is not None and d.get("acceptance_length") is not None]
+        report["context_buckets"][str(b)].update(fields(replay(prompts)))
+    report["overall"].update(fields(sum(per_group.values(), ngram.Replay(by_position=[0] * k))))
     measure = ngram.MEASURE.format(order=cfg.ngram_order, fit_tokens=fitted.fit_tokens, table=table,
                                    version=version, k=k)
     return {"ngram": {"measure": measure, "order": cfg.ngram_order, "fit_tokens": fitted.fit_tokens,
                       "table": table, "version": version},
-            "spearman_al_vs_ngram": spearman(*zip(*pairs)) if len(pairs) >= 3 else None}
+            "spearman_al_vs_ngram": _rank_vs_al(report, "ngram_al")}
 
 
 def spearman(xs, ys) -> float | None:

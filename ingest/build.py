@@ -68,11 +68,16 @@ def commit(store_uri: str, fragments: list, lineage: dict) -> int:
     return commit_fragments(store_uri, store.PROMPTS, fragments, lineage=lineage)
 
 
+def shard_result(fragments: list, rows: list[dict], failures: list[dict]) -> dict:
+    """What an executor reports for one shard (its written, uncommitted fragments and counts)."""
+    return {"fragments": fragments, "rows": len(rows), "failures": failures,
+            "tokens": sum(len(r["response_token_ids"]) for r in rows)}
+
+
 def run_shard(backend, store_uri: str, entries: list[PoolEntry], gen: Generation, gen_id: str) -> dict:
     """Regenerate one shard and write its fragments (not committed): the unit an executor runs."""
     rows, failures = regenerate(backend, entries, gen, gen_id)
-    return {"fragments": write_rows(store_uri, rows) if rows else [], "rows": len(rows),
-            "failures": failures, "tokens": sum(len(r["response_token_ids"]) for r in rows)}
+    return shard_result(write_rows(store_uri, rows) if rows else [], rows, failures)
 
 
 def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, cfg: IngestConfig,
@@ -163,9 +168,8 @@ def _run_inprocess(shards, *, cfg, target, store_uri, gen, gen_id, on_result, ba
                 continue
             got = rows.pop(k)
             done = [got[i] for i in sorted(got)]  # entry order: the same fragments as a batch run
-            res = {"fragments": _guarded(lambda: write_rows(store_uri, done), store_uri) if done else [],
-                   "rows": len(done), "failures": failures.pop(k),
-                   "tokens": sum(len(x["response_token_ids"]) for x in done)}
+            res = shard_result(_guarded(lambda: write_rows(store_uri, done), store_uri) if done else [],
+                               done, failures.pop(k))
             now = getattr(backend, "retries", 0)
             res["retries"], retries = now - retries, now
             on_result(k, res)

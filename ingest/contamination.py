@@ -21,7 +21,7 @@ from pathlib import Path
 
 from eaglenest.errors import ManifestError
 from eaglenest.ingest.manifest import Manifest, resolve_path
-from eaglenest.ingest.neardup import shingles
+from eaglenest.ingest.neardup import jaccard, shingles
 from eaglenest.ingest.pool import PoolEntry
 from eaglenest.text import content_key
 
@@ -61,7 +61,7 @@ class NearIndex:
     def best(self, text: str) -> float:
         q = shingles(text)
         cands = {i for g in q for i in self.index.get(g, ())}
-        return max((len(q & self.sets[i]) / len(q | self.sets[i]) for i in cands), default=0.0)
+        return max((jaccard(q, self.sets[i]) for i in cands), default=0.0)
 
 
 def check(pool: list[PoolEntry], manifest: Manifest, *, base_dir=None) -> tuple[list[PoolEntry], dict]:

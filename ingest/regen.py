@@ -37,15 +37,15 @@ def gen_params_id(gen: Generation, chat_template: str) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def stream(backend, entries: Iterable[PoolEntry], gen: Generation, gen_id: str, *,
-           max_in_flight: int | None = None) -> Iterator[tuple[PoolEntry, dict | None, str | None]]:
+def stream(backend, entries: Iterable[PoolEntry], gen: Generation, gen_id: str
+           ) -> Iterator[tuple[PoolEntry, dict | None, str | None]]:
     """``(entry, row, None)`` or ``(entry, None, error)`` for each entry, as its conversation finishes.
 
-    Keeps up to ``max_in_flight`` requests (default: the backend's) queued in the backend, raw and
+    Keeps up to the backend's ``max_in_flight`` requests queued in it, raw and
     chat mixed, drawing new entries as others finish: the engine is never drained between batches.
     A multi-turn conversation's next turn is queued as soon as its previous answer is back.
     """
-    window = max(1, max_in_flight or getattr(backend, "max_in_flight", 64))
+    window = max(1, getattr(backend, "max_in_flight", 64))
     todo = iter(entries)
     live: dict[str, tuple[PoolEntry, list[dict], int]] = {}  # sample_id -> (entry, messages, turn)
     exhausted = False
@@ -56,11 +56,12 @@ def stream(backend, entries: Iterable[PoolEntry], gen: Generation, gen_id: str, 
                 if e is None:
                     exhausted = True
                 elif e.mode == "raw":
-                    live[e.sample_id] = (e, [{"role": "document", "content": raw_text(e)}], 0)
-                    backend.submit(e.sample_id, "raw", raw_text(e), gen)
+                    text = raw_text(e)
+                    live[e.sample_id] = (e, [{"role": "document", "content": text}], 0)
+                    backend.submit(e.sample_id, "raw", text, gen)
                 else:
                     live[e.sample_id] = (e, e.messages(), 0)
-                    backend.submit(e.sample_id, "chat", e.messages(), gen)
+                    backend.submit(e.sample_id, "chat", live[e.sample_id][1], gen)
             if not live:
                 return
             for sid, c in backend.poll():

@@ -170,7 +170,7 @@ def rss_child(uri: Path, *, batch_samples: int, threads: int, gb: float) -> None
 
     ds = store.dataset(str(uri), store.FEATURES)  # imports and metadata, before the baseline
     per_epoch = sum(f.stat().st_size for f in (Path(uri) / "features.lance" / "data").glob("*"))
-    base = int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+    base = W.status_mib("VmRSS")
     done, epoch = 0, 0
     while done < gb * 1e9:
         read_store(uri, batch_samples=batch_samples, seed=1000 + epoch, threads=threads)
@@ -179,7 +179,7 @@ def rss_child(uri: Path, *, batch_samples: int, threads: int, gb: float) -> None
     del ds
     # VmHWM: the peak RSS of this process image. ru_maxrss would not do: Linux keeps it across
     # execve, so a child would report the parent's peak (the bench holds the samples in memory).
-    peak = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
+    peak = W.status_mib("VmHWM")
     print(f"RSS {base:.0f} {peak:.0f} {done / 1e9:.2f} {epoch}")
 
 

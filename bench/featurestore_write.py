@@ -154,6 +154,12 @@ def write_torch(samples: list[dict], folder: Path) -> None:
                    folder / f"data_{i}.ckpt")
 
 
+def status_mib(key: str) -> float:
+    """A ``/proc/self/status`` memory line (``VmRSS``, ``VmHWM``) in MiB. VmHWM is the peak RSS of
+    this process image (ru_maxrss would not do: Linux keeps it across execve)."""
+    return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1]) / 1024
+
+
 def rss_child(uri: Path, *, gb: float, commit_every: int, budget_mb: int, route: str, hidden: int) -> None:
     """Run in a fresh process: write ``gb`` GB of features the way capture does; print RSS before
     the first write and the peak (MiB), the bytes written and the commits made."""
@@ -166,7 +172,7 @@ def rss_child(uri: Path, *, gb: float, commit_every: int, budget_mb: int, route:
     meta = make_meta(hidden)
     writer = FeatureWriter(str(uri), store.FEATURES, meta, budget=budget_mb << 20)
     make_samples(1, 8, 8, hidden, seed=1)  # numpy and imports before the baseline
-    base = int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+    base = status_mib("VmRSS")
     done, i, commits, held = 0, 0, 0, []
     while done < gb * 1e9:
         s = make_samples(1, 1024, 2048, hidden, seed=1000 + i)[0]
@@ -196,7 +202,7 @@ def rss_child(uri: Path, *, gb: float, commit_every: int, budget_mb: int, route:
     held = []
     rows = store.dataset(str(uri), store.FEATURES).count_rows()
     assert rows == i, (rows, i)
-    peak = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
+    peak = status_mib("VmHWM")
     print(f"RSS {base:.0f} {peak:.0f} {done / 1e9:.2f} {commits} {rows}")
 
 

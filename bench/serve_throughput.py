@@ -36,10 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     from eaglenest.evaluate.plots import throughput_plot
     from eaglenest.evaluate.throughput import markdown, run_sweep
     from eaglenest.provenance import write_json_atomic, write_provenance
+    from eaglenest.evaluate.cli import draft_dir
     from eaglenest.recipe import load_recipe
 
     recipe = load_recipe(a.recipe, DEFAULTS + a.overrides)
-    draft = recipe.evaluate.draft or str(recipe.run.path(recipe.serve.draft_subdir))
+    draft = draft_dir(recipe)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()

@@ -16,6 +16,12 @@ Side by side in one run, on the same EAGLE-3 features (see featurestore_write.py
   per batch the same per-sample reads, each sample converted once (bf16 -> fp32, aux layer order)
   straight into the packed, padded ``Batch``, against torch.load files turned into the same
   ``Batch`` with ``collate`` ("torch.load->Batch").
+* store-checked, store-checked-first (``--integrity``): the store read with the trainer's
+  integrity check on (``SampleReader(integrity="check")``, featurestore/integrity.py): with the
+  data files' stamps present (one ``stat`` per file), and with them deleted before the round
+  (uncached: a full CRC-32 pass over the cold files, stamps rewritten, then the read). The plain
+  ``store`` arm reads with the check off; ratios are printed against it, and so is the check's
+  own time as a share of the checked read's (robust to the noise between arms).
 * raw: the same bytes read sequentially from one file, one fresh buffer per sample (no decode).
 * disk: the same file read into one reused 8 MiB buffer: the disk alone, no memory to fill (on
   this VM first-touch page faults cost as much as the disk; printed, not a threshold).
@@ -34,6 +40,7 @@ or store/torch.load < 3 (medians).
 
     python bench/featurestore_read.py                      # ~1 GiB, 3 rounds, < 90 s here
     python bench/featurestore_read.py --samples 48 --rounds 5 --check
+    python bench/featurestore_read.py --integrity --samples 12 --rounds 5   # the integrity check's cost
 """
 
 from __future__ import annotations
@@ -58,23 +65,30 @@ def _write_module():
 
 
 W = _write_module()
+#: Seconds of each integrity check made by read_store(integrity="check"), in call order.
+CHECK_SECS: list[float] = []
 
 
 def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int, recycle: bool = True,
-               readahead: bool = False) -> int:
+               readahead: bool = False, integrity: str = "off") -> int:
     """Shuffled batches of whole samples as torch tensors of the stored dtype (bf16), straight from
     the store: ``SampleReader`` (one take per sample, ``threads`` in flight), tensors viewing the
     Arrow buffers. Returns tokens."""
     import numpy as np
 
     from eaglenest.featurestore import store
+    from eaglenest.featurestore.integrity import check_version
     from eaglenest.featurestore.reader import SampleReader
 
     ds = store.dataset(str(uri), store.FEATURES)
+    if integrity == "check":  # what SampleReader(integrity="check") runs first, timed on its own
+        t0 = time.perf_counter()
+        check_version(ds)
+        CHECK_SECS.append(time.perf_counter() - t0)
     lengths = ds.to_table(columns=["num_tokens"]).column("num_tokens").to_numpy()
     order = np.random.default_rng(seed).permutation(len(lengths)).tolist()
     tokens = 0
-    with SampleReader(ds, threads=threads, recycle=recycle, readahead=readahead) as reader:
+    with SampleReader(ds, threads=threads, recycle=recycle, readahead=readahead, integrity="off") as reader:
         samples = reader.iter_samples(order)
         for j in range(0, len(order), batch_samples):
             batch, held = [], []
@@ -89,6 +103,14 @@ def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int, recycl
             for s in held:
                 s.release()
     return tokens
+
+
+def drop_stamps(uri: Path) -> None:
+    """Delete the integrity stamps: the next checked read re-reads every data file (uncached)."""
+    from eaglenest.featurestore import integrity
+
+    for p in (Path(uri) / "features.lance" / integrity.CRC_DIR).glob("*.stamp"):
+        p.unlink()
 
 
 def read_trainer(uri: Path, *, pack_tokens: int, batch_rows: int, seed: int, threads: int = 4) -> int:
@@ -203,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="samples in flight (SampleReader)")
     ap.add_argument("--serial", action="store_true",
                     help="also time the store with one sample in flight, and with fresh (not pooled) buffers")
+    ap.add_argument("--integrity", action="store_true",
+                    help="also time the store with the trainer's integrity check, stamps present and absent")
     ap.add_argument("--rss", action="store_true", help="measure the reader's peak RSS in a fresh process")
     ap.add_argument("--rss-gb", type=float, default=2.0, help="GB of features the --rss process reads")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
@@ -244,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
                                                                 **bopts))
             readers["store-readahead"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads,
                                                                     readahead=True, **bopts))
+        if args.integrity:  # (path, read, prepare): prepare runs before the pages are evicted, off the clock
+            readers["store-checked"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads,
+                                                                  integrity="check", **bopts))
+            readers["store-checked-first"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads,
+                                                                        integrity="check", **bopts),
+                                              lambda: drop_stamps(uri))
         if args.trainer:
             readers["trainer"] = (uri, lambda r: read_trainer(uri, seed=r, **topts))
             readers["torch.load->Batch"] = (pt, lambda r: read_torch_trainer(pt, uri, seed=r, **topts))
@@ -255,14 +285,20 @@ def main(argv: list[str] | None = None) -> int:
             assert read_trainer(uri, seed=99, **small) == tokens == read_torch_trainer(pt, uri, seed=99, **small)
         names = list(readers)
         secs: dict[str, list[float]] = {n: [] for n in names}
+        check_share: dict[str, list[float]] = {}  # the check's seconds / the checked read's seconds
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
-                path, fn = readers[name]
+                path, fn, *prepare = readers[name]
+                for step in prepare:
+                    step()
                 W.sync_tree(path, drop_cache=not args.warm)
+                CHECK_SECS.clear()
                 t0 = time.perf_counter()
                 fn(r)
                 secs[name].append(time.perf_counter() - t0)
+                if name.startswith("store-checked"):
+                    check_share.setdefault(name, []).append(sum(CHECK_SECS) / secs[name][-1])
             print(f"round {r}: " + ", ".join(f"{n} {nbytes / secs[n][-1] / 1e9:.2f} GB/s" for n in order),
                   flush=True)
         rss = measure_rss(uri, batch_samples=args.batch_samples, threads=args.threads, gb=args.rss_gb) \
@@ -280,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.serial:
         for n in ("store-serial", "store-fresh", "store-readahead"):
             print(f"{n} / raw sequential read: {W.spread([w / s for s, w in zip(secs[n], secs['raw'])])}")
+    if args.integrity:
+        for n in ("store-checked", "store-checked-first"):
+            print(f"{n} / store (check off): {W.spread([u / c for c, u in zip(secs[n], secs['store'])])}"
+                  f"; the check itself: {W.spread([100 * x for x in check_share[n]])} % of the read's time"
+                  + ("  (aim <= 5)" if n == "store-checked" else ""))
     if rss is not None:
         print(f"peak RSS reading {rss[2]:.2f} GB of features ({rss[3]} epochs, fresh process): {rss[1]:.0f} MiB "
               f"(before the first read: {rss[0]:.0f} MiB)  (target < 1024)")

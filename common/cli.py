@@ -2,7 +2,8 @@
 
 Each stage declares its subcommands as functions ``fn(recipe, args) -> int`` and calls
 :func:`run`. User errors (:class:`EaglenestError`) become exit code 2 and one line on stderr.
-Logging is configured here, once, and nowhere else.
+Logging is configured here, once, and nowhere else. :func:`run` also starts the process guard
+(:mod:`eaglenest.reaper`): whatever the command starts (engines, servers, workers) ends with it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+from eaglenest import reaper
 from eaglenest.errors import EaglenestError
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ def run(prog: str, description: str, commands: dict[str, Command], argv: list[st
             p.add_argument(*flags, **kwargs)
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
+    reaper.guard()  # engines and helpers end with this process, even under SIGKILL (common/reaper.py)
     cmd = commands[args.command]
     try:
         if not cmd.needs_recipe:

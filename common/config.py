@@ -6,11 +6,17 @@ that dataclass, recursing into nested dataclasses, ``dict[str, Dataclass]`` and
 ``list[Dataclass]``, and rejects unknown keys by their full dotted name. Overrides
 (``train.num_steps=50``) are parsed as YAML scalars and applied to the mapping before it is
 validated, so they are checked exactly like the file.
+
+Input may be hostile, so parsing is bounded (no YAML aliases; size, value count and nesting capped
+by :data:`MAX_YAML_BYTES`, :data:`MAX_YAML_NODES`, :data:`MAX_YAML_DEPTH`) and every message that
+echoes a value goes through :func:`short`: a bad key costs one short line whatever its value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -23,19 +29,97 @@ from eaglenest.errors import ConfigError
 T = TypeVar("T")
 
 
-def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError) -> dict[str, Any]:
-    """Read a YAML mapping with the safe loader (no object construction)."""
-    p = Path(path)
-    if not p.is_file():
-        raise error(f"{p}: file not found")
+def short_text(text: str, limit: int = 80) -> str:
+    """``text`` cut to at most ``limit`` characters (ending in '...'), for messages that echo input."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlong = 3, 80, 80, 80
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """A ``repr`` of ``value`` of at most ``limit`` characters, computed without a full ``repr``
+    (a huge value costs no more than a small one)."""
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        return short_text(_repr.repr(value), limit)
+    except ValueError:  # an int past Python's int-to-string digit limit
+        return f"<{type(value).__name__}>"
+
+
+# Recipes and manifests are a few KiB and a few hundred values. The pure-Python loader takes about
+# a second per 300 KiB of text or per 5,000 values on a loaded 2-core machine, so these bounds keep
+# the worst accepted file to a few seconds.
+MAX_YAML_BYTES = 256 << 10
+MAX_YAML_NODES = 10_000
+#: Deeper nesting is refused before the (recursive) composer can exhaust the Python stack.
+MAX_YAML_DEPTH = 64
+
+
+class _Refused(yaml.YAMLError):
+    """Input the loader refuses on purpose; the message is one line that starts with the line number."""
+
+
+class _Loader(yaml.SafeLoader):
+    """The safe loader, refusing aliases (``*name``), deep nesting and too many values.
+
+    An alias lets a few hundred bytes stand for billions of nodes ("billion laughs"); no recipe or
+    manifest needs one, so refusing them is simpler than bounding their expansion.
+    """
+
+    _depth = 0
+    _nodes = 0
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            raise _Refused(f"line {line}: YAML aliases (*{short_text(event.anchor, 40)}) are not allowed; "
+                           "write the value out")
+        self._nodes += 1
+        if self._nodes > MAX_YAML_NODES:
+            raise _Refused(f"line {line}: more than {MAX_YAML_NODES} values; recipes and manifests are small")
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise _Refused(f"line {line}: nested too deeply (more than {MAX_YAML_DEPTH} levels)")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse one YAML document with :class:`_Loader`; any failure is a ``yaml.YAMLError``."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except (ValueError, RecursionError) as exc:  # e.g. an integer past Python's digit limit
+        raise yaml.YAMLError(short_text(str(exc))) from None
+
+
+def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError) -> dict[str, Any]:
+    """Read a YAML mapping with the safe loader (no object construction, no aliases)."""
+    p = Path(path)
+    name = short_text(str(p), 200)
+    try:
+        if not p.is_file():
+            raise error(f"{name}: file not found")
+        if p.stat().st_size > MAX_YAML_BYTES:
+            raise error(f"{name}: larger than {MAX_YAML_BYTES >> 10} KiB; recipes and manifests are small")
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise error(f"{name}: not UTF-8 text") from None
+    except OSError as exc:  # e.g. a name too long, no permission
+        raise error(f"{name}: cannot be read ({exc.strerror})") from None
+    try:
+        data = parse_yaml(text)
+    except _Refused as exc:
+        raise error(f"{name}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise error(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise error(f"{name}: not valid YAML ({short_text(str(exc).splitlines()[0])})") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise error(f"{p}: the top level must be a mapping")
+        raise error(f"{name}: the top level must be a mapping")
     return data
 
 
@@ -46,14 +130,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     out = copy.deepcopy(data)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override '{item}' is not of the form section.key=value")
+            raise ConfigError(f"override {short(item)} is not of the form section.key=value")
         dotted, raw = item.split("=", 1)
         keys = dotted.strip().split(".")
         if not all(keys):
-            raise ConfigError(f"override '{item}' has an empty key")
+            raise ConfigError(f"override {short(item)} has an empty key")
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
+            value = parse_yaml(raw) if raw != "" else ""
+        except yaml.YAMLError:  # not YAML (or refused, e.g. an alias): the plain string
             value = raw
         node = out
         for k in keys[:-1]:
@@ -61,7 +145,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if nxt is None:
                 nxt = node[k] = {}
             if not isinstance(nxt, dict):
-                raise ConfigError(f"override '{dotted}': '{k}' is not a section")
+                raise ConfigError(f"override {short(dotted)}: {short(k)} is not a section")
             node = nxt
         node[keys[-1]] = value
     return out
@@ -73,6 +157,7 @@ def build(cls: type[T], data: Any, *, where: str = "", error: type[ConfigError] 
 
 
 def _name(where: str, key: str) -> str:
+    key = short_text(key)
     return f"{where}.{key}" if where else key
 
 
@@ -85,9 +170,9 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
             raise error(f"{where or 'recipe'}: expected a mapping, got {type(value).__name__}")
         hints = typing.get_type_hints(tp)
         fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
-        unknown = sorted(set(value) - set(fields))
+        unknown = sorted(map(str, set(value) - set(fields)))
         if unknown:
-            raise error(f"{_name(where, str(unknown[0]))}: unknown key")
+            raise error(f"{_name(where, unknown[0])}: unknown key")
         kwargs = {}
         for name, f in fields.items():
             if name in value:
@@ -98,7 +183,7 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
     if origin is Literal:
         choices = get_args(tp)
         if value not in choices:
-            raise error(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}")
+            raise error(f"{where}: {short(value)} is not one of {', '.join(map(repr, choices))}")
         return value
     if origin in (typing.Union, types.UnionType):
         args = get_args(tp)
@@ -112,7 +197,7 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
                 return _convert(arg, value, where, error)
             except ConfigError as exc:
                 last = exc
-        raise last or error(f"{where}: invalid value {value!r}")
+        raise last or error(f"{where}: invalid value {short(value)}")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise error(f"{where}: expected a list, got {type(value).__name__}")
@@ -126,11 +211,18 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
         return {str(k): _convert(v_tp, v, _name(where, str(k)), error) for k, v in value.items()}
     if tp is Any:
         return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        # YAML reads .inf, .nan and 1.0e+400 as floats; no key gives inf a meaning ("unbounded").
+        try:
+            value = float(value)
+        except OverflowError:  # an int past the float range
+            value = math.inf
+        if not math.isfinite(value):
+            raise error(f"{where}: must be a finite number")
+        return value
     if tp in (int, float, str, bool):
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            raise error(f"{where}: expected {tp.__name__}, got {value!r}")
+            raise error(f"{where}: expected {tp.__name__}, got {short(value)}")
         return value
     return value
 

@@ -12,7 +12,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from eaglenest.config import apply_overrides, build, load_yaml, to_dict
+from eaglenest.config import apply_overrides, build, load_yaml, short_text, to_dict
 from eaglenest.errors import ConfigError
 
 DEFAULT_RECIPE = "recipes/toy.yaml"
@@ -53,8 +53,8 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     """Load, override and validate a recipe. Raises :class:`ConfigError` naming the bad key."""
     path = str(path or DEFAULT_RECIPE)
     data = apply_overrides(load_yaml(path), list(overrides or []))
-    unknown = sorted(set(data) - set(SECTIONS))
+    unknown = sorted(map(str, set(data) - set(SECTIONS)))
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown recipe section (known: {', '.join(SECTIONS)})")
+        raise ConfigError(f"{short_text(unknown[0])}: unknown recipe section (known: {', '.join(SECTIONS)})")
     sections = {name: build(_section_class(name), data.get(name), where=name) for name in SECTIONS}
     return Recipe(path=path, sections=sections)

@@ -5,6 +5,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from eaglenest.config import short
+from eaglenest.errors import ConfigError
+
+#: Seeds feed numpy (>= 0) and torch (< 2**64); this range suits both, with room for seed + epoch.
+SEED_RANGE = range(0, 2**63)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -15,6 +21,10 @@ class RunConfig:
     #: LanceDB directory of the feature store; empty means ``<workdir>/store``.
     store: str = ""
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seed not in SEED_RANGE:
+            raise ConfigError(f"run.seed: must be in [0, 2**63), got {short(self.seed)}")
 
     @property
     def store_uri(self) -> str:

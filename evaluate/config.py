@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from eaglenest.config import short
 from eaglenest.engine import EngineConfig
 from eaglenest.errors import ConfigError
 
@@ -52,14 +53,16 @@ class EvaluateConfig:
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
-            raise ConfigError(f"evaluate.num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
+            raise ConfigError("evaluate.num_speculative_tokens: must be >= 1, "
+                              f"got {short(self.num_speculative_tokens)}")
         if self.prompt_set != "heldout" and not self.prompt_path:
             raise ConfigError(f"evaluate.prompt_path: required for prompt_set={self.prompt_set} "
                               "(a local file/directory or a hub dataset id)")
         if any(b < 16 for b in self.context_buckets):
-            raise ConfigError(f"evaluate.context_buckets: lengths must be >= 16 tokens, got {self.context_buckets}")
+            raise ConfigError("evaluate.context_buckets: lengths must be >= 16 tokens, "
+                              f"got {short(self.context_buckets)}")
         if any(c < 1 for c in self.concurrency) or not self.concurrency:
-            raise ConfigError(f"evaluate.concurrency: positive integers, got {self.concurrency}")
+            raise ConfigError(f"evaluate.concurrency: positive integers, got {short(self.concurrency)}")
         if self.ngram_order < 0 or self.ngram_fit_tokens < 0:
             raise ConfigError("evaluate.ngram_order / evaluate.ngram_fit_tokens: must be >= 0")
         if self.bucket_prompts < 1 or self.throughput_prompts < 1:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from eaglenest import faults
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore import turns
@@ -113,7 +114,21 @@ def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None) ->
         raise ConfigError(f"featurestore.storage: {cfg.storage!r} is not one of {', '.join(S.STORAGES)}")
     if not store.exists(store_uri, store.PROMPTS):
         raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
+    from eaglenest.featurestore import lease
+
+    # The whole capture holds the table's writer lease: what is missing is decided once, below, and
+    # stays true until the last commit (a second capture, a gc or a restore meanwhile is refused,
+    # naming this one). Taken before any engine starts.
+    with lease.hold(store_uri, name, purpose="featurestore capture", wait_s=5):
+        return _capture(target=target, store_uri=store_uri, cfg=cfg, lineage=lineage, t0=t0)
+
+
+def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: float) -> dict:
+    name = cfg.table
     pool = pool_conversations(store_uri)
+    if not pool:
+        raise StoreError(f"the prompts table in {store_uri} has no training conversation with a response: "
+                         "nothing to capture (run `ingest build`; check its failures)")
     meta = feature_meta(target, cfg.layer_ids, cfg.engine.dtype, storage=cfg.storage,
                         sample_ids=[r["sample_id"] for r in pool], gen_params_ids=[r["gen_params_id"] for r in pool])
     have = check_reuse(store_uri, name, meta)
@@ -145,6 +160,7 @@ def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None) ->
                         del aux, last
                         tokens += row["num_tokens"]
                         writer.add(row)
+                faults.delay("featurestore.before_commit")  # tests: hold the fragments-written window
                 writer.commit({**(lineage or {}), "feature_set_id": meta.feature_set_id,
                                "code_version": _code_version()})
                 bar.update(len(chunk))

@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from eaglenest.config import short
 from eaglenest.engine import EngineConfig, close_llm, make_llm
 from eaglenest.errors import ConfigError, StoreError
 
@@ -33,10 +35,19 @@ def default_layer_ids(num_layers: int) -> tuple[int, ...]:
 
 
 def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """The aux layer ids to capture, in the order given (it is the stored order and part of the
+    feature set's identity). Each id at most once, and never ``num_layers``: the last layer is
+    always captured as ``last_hidden`` already, so as an aux layer it would be stored twice."""
     ids = tuple(layer_ids) or default_layer_ids(num_layers)
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:
-        raise ConfigError(f"featurestore.layer_ids: {bad} outside 0..{num_layers} (vLLM convention)")
+        raise ConfigError(f"featurestore.layer_ids: {short(bad)} outside 0..{num_layers} (vLLM convention)")
+    if num_layers in ids:
+        raise ConfigError(f"featurestore.layer_ids: {num_layers} is the last layer, captured separately "
+                          f"(last_hidden); use ids 0..{num_layers - 1}")
+    dups = sorted(i for i, n in Counter(ids).items() if n > 1)
+    if dups:
+        raise ConfigError(f"featurestore.layer_ids: duplicate ids {short(dups)}; give each aux layer once")
     return ids
 
 

@@ -16,8 +16,11 @@ from eaglenest.cli import Command, run
 
 def cmd_capture(recipe, args) -> int:
     from eaglenest.featurestore.build import capture
+    from eaglenest.paths import ensure_writable
     from eaglenest.provenance import write_json_atomic, write_provenance
 
+    ensure_writable(recipe.run.path("featurestore"), "run.workdir")  # before the engine starts
+    ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
     ingest_stats = recipe.run.path("ingest") / "stats.json"
     manifest_hash = json.loads(ingest_stats.read_text()).get("manifest_hash") if ingest_stats.is_file() else None
     lineage = {"manifest_hash": manifest_hash, "prompts_version": _version(recipe.run.store_uri, "prompts")}
@@ -127,7 +130,8 @@ def cmd_compact(recipe, args) -> int:
 def cmd_gc(recipe, args) -> int:
     from eaglenest.featurestore import maintenance
 
-    return _print(maintenance.gc(*_t(recipe), older_than_hours=args.older_than_hours))
+    return _print(maintenance.gc(*_t(recipe), older_than_hours=args.older_than_hours,
+                                 grace_hours=args.grace_hours))
 
 
 def cmd_query(recipe, args) -> int:
@@ -174,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         "verify": Command(cmd_verify, "row counts, checksums, schema, NaN/inf scan", [_VERSION]),
         "compact": Command(cmd_compact, "merge small fragments (a new version)"),
         "gc": Command(cmd_gc, "drop untagged versions older than N hours", [
-            (("--older-than-hours",), {"type": float, "required": True})]),
+            (("--older-than-hours",), {"type": float, "required": True}),
+            (("--grace-hours",), {"type": float, "default": 1.0,
+                                  "help": "keep uncommitted data files younger than this (default 1)"})]),
         "query": Command(cmd_query, "read-only SQL over the store's tables", [
             (("--sql",), {"required": True}), (("--out",), {"default": None}),
             (("--attach",), {"action": "append", "help": "name=file.parquet|csv"}),

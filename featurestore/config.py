@@ -29,6 +29,14 @@ class FeaturestoreConfig:
     def __post_init__(self) -> None:
         from eaglenest.errors import ConfigError
 
-        if self.write_buffer_mb <= 0 or self.commit_every < 1 or self.batch_size < 1:
+        from eaglenest.featurestore.store import check_name
+
+        check_name(self.table)  # a table name is one identifier, never a path
+        dup = sorted({i for i in self.layer_ids if list(self.layer_ids).count(i) > 1})
+        if dup:
+            raise ConfigError(f"featurestore.layer_ids: duplicate ids {dup}; give distinct layers (vLLM convention)")
+        if any(i < 0 for i in self.layer_ids):
+            raise ConfigError("featurestore.layer_ids: ids are >= 0 (vLLM convention: 0 = embeddings output)")
+        if not (0 < self.write_buffer_mb < float("inf")) or self.commit_every < 1 or self.batch_size < 1:
             raise ConfigError("featurestore.write_buffer_mb: must be > 0; featurestore.commit_every / "
                               "batch_size: must be >= 1")

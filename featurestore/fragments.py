@@ -8,12 +8,13 @@ under the table directory **without** committing; it returns small picklable
 
 Trade-offs:
 
-* Fragments written but never committed are invisible garbage; ``featurestore gc`` (Lance's
-  ``cleanup_old_versions`` with ``delete_unverified``) removes them once they are old.
-* The table is created empty (schema and feature metadata only) on first use, with Lance's
-  ``mode="create"``, which fails atomically if another writer won the race; the loser then appends.
-  Two Appends never conflict in Lance (it rebases them); anything that does conflict (a concurrent
-  schema change, compaction) is retried with jittered exponential backoff.
+* Fragments written but never committed are invisible garbage; ``featurestore gc`` removes them
+  once they are older than its grace period, and never while a writer holds the table's lease.
+* The table is created empty (schema and feature metadata only) on first use, atomically (written
+  aside, renamed into place, under a per-table create lock).
+* Every commit is made under the table's writer lease (``featurestore/lease.py``) and refused if
+  it would store a ``sample_id`` twice. Two Appends never conflict in Lance (it rebases them);
+  anything that does conflict (a writer outside eaglenest) is retried with jittered backoff.
 * Lineage (manifest hash, code version, parent version, counts per domain) is written into the
   commit's Lance transaction properties under ``eaglenest.lineage``, so it is atomic with the data
   and read back per version by :mod:`eaglenest.featurestore.versions`.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -88,31 +90,50 @@ def write_fragment(uri: str, name: str, table: pa.Table, *, meta: S.FeatureMeta 
 
 
 def ensure_table(uri: str, name: str, *, meta: S.FeatureMeta | None = None) -> int:
-    """Create ``name`` empty (schema + metadata) if missing; returns its latest version."""
-    lance = store._lance()
+    """Create ``name`` empty (schema + metadata) if missing; returns its latest version.
+
+    Creation is atomic: under a short per-table lock, the empty table is written to a temporary
+    directory inside the store and renamed into place, so no reader or writer ever sees a table
+    directory without its first manifest (two writers creating a table at once both succeed, and
+    the table has one empty first version).
+    """
+    from eaglenest.featurestore import lease
+
     want = store.expected_schema(name, meta)
-    path = store.table_path(uri, name)
     if not store.exists(uri, name):
-        Path(uri).mkdir(parents=True, exist_ok=True)
-        try:
-            # File format 2.0: Lance's default (2.2 in pylance 14) wrote the large_binary tensor columns
-            # ~10x slower (bench/featurestore_write.py); later fragments inherit the table's format.
-            lance.write_dataset(want.empty_table(), str(path), schema=want, mode="create",
-                                data_storage_version="2.0")
-        except OSError as exc:
-            if "already exists" not in str(exc) and not store.exists(uri, name):
-                raise
-            log.debug("another writer created %s first", path)
-    for attempt in range(50):  # another writer may be between creating the directory and its manifest
-        try:
-            ds = store.dataset(uri, name)
-            break
-        except StoreError:
-            if attempt == 49:
-                raise
-            time.sleep(0.05)
+        with lease.create_lock(uri, name):
+            if not store.exists(uri, name):
+                _create(uri, name, want)
+    ds = store.dataset(uri, name, allow_rolled_back=True)
     check_identity(ds, name, meta)
     return ds.version
+
+
+def _create(uri: str, name: str, want: pa.Schema) -> None:
+    import shutil
+    import uuid
+
+    lance = store._lance()
+    path = store.table_path(uri, name)
+    if path.exists():
+        if any(path.iterdir()):
+            raise StoreError(f"table '{name}' in {uri}: {path} exists but holds no table version "
+                             "(an interrupted create by an older eaglenest?); move it away and re-run")
+        path.rmdir()
+    tmp = Path(uri) / ".eaglenest" / "tmp" / f"{name}.{uuid.uuid4().hex}.lance"
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        # File format 2.0: Lance's default (2.2 in pylance 14) wrote the large_binary tensor columns
+        # ~10x slower (bench/featurestore_write.py); later fragments inherit the table's format.
+        lance.write_dataset(want.empty_table(), str(tmp), schema=want, mode="create", data_storage_version="2.0")
+        os.rename(tmp, path)
+    except OSError as exc:
+        raise StoreError(f"run.store: cannot create table '{name}' in {uri} "
+                         f"({str(exc).splitlines()[0][:300]})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    store.record_head(uri, name, 1)
+    log.debug("created %s", path)
 
 
 def _is_conflict(exc: Exception) -> bool:
@@ -120,41 +141,93 @@ def _is_conflict(exc: Exception) -> bool:
     return "conflict" in text or "retry" in text or "concurrent" in text
 
 
+def fragment_sample_ids(uri: str, name: str, fragments: list) -> list[str]:
+    """``sample_id`` of every row of (uncommitted) ``fragments``, read from their data files."""
+    from lance.file import LanceFileReader
+
+    table_dir = store.table_path(uri, name)
+    field = store.dataset(uri, name, allow_rolled_back=True).lance_schema.field("sample_id").id()
+    ids: list[str] = []
+    for frag in fragments:
+        files = [f for f in frag.files if field in f.fields]
+        if len(files) != 1:
+            raise StoreError(f"fragment of table '{name}': no single data file holds sample_id")
+        path = table_dir / "data" / files[0].path
+        try:
+            t = LanceFileReader(str(path), columns=["sample_id"]).read_all().to_table()
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"table '{name}': cannot read the uncommitted data file {path} "
+                             f"({str(exc).splitlines()[0][:200]}); was it deleted?") from None
+        ids += t.column("sample_id").to_pylist()
+    return ids
+
+
+def duplicates(ids: list[str], existing: set[str]) -> list[str]:
+    """Ids of ``ids`` already in ``existing`` or repeated within ``ids`` (sorted, unique)."""
+    seen, dup = set(), set()
+    for i in ids:
+        if i in existing or i in seen:
+            dup.add(i)
+        seen.add(i)
+    return sorted(dup)
+
+
 def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMeta | None = None,
                      max_retries: int = 5, lineage: dict | None = None) -> int:
     """One Lance Append commit of ``fragments`` (creating the table if needed); returns the version.
 
-    Commit conflicts are retried up to ``max_retries`` times with jittered exponential backoff.
-    ``lineage`` (JSON-able) is stored in the commit's transaction properties; ``parent_version``
-    is filled in with the version the commit was made on top of.
+    Made under the table's writer lease (``featurestore/lease.py``; re-entered when the caller
+    already holds it, as capture and ingest do): the commit is refused, with nothing changed, when
+    the table was rolled back or when a ``sample_id`` of the new rows is already in the table or
+    repeated among them. So no sample is ever stored twice, whatever the writers do. Commit
+    conflicts with writers outside eaglenest are retried up to ``max_retries`` times with jittered
+    exponential backoff. ``lineage`` (JSON-able) is stored in the commit's transaction properties;
+    ``parent_version`` is filled in with the version the commit was made on top of.
     """
+    from eaglenest.featurestore import lease
+
     lance = store._lance()
     if name == store.FEATURES and meta is None:
         raise SchemaError("committing features needs its FeatureMeta")
     ensure_table(uri, name, meta=meta)
     path = str(store.table_path(uri, name))
-    for attempt in range(max_retries + 1):
-        ds = lance.dataset(path)
-        props = {}
-        if lineage is not None:
-            props[LINEAGE_KEY] = json.dumps({**lineage, "parent_version": ds.version}, sort_keys=True,
-                                            default=str)
-        tx = lance.Transaction(read_version=ds.version, operation=lance.LanceOperation.Append(list(fragments)),
-                               transaction_properties=props)
-        try:
-            new = lance.LanceDataset.commit(path, tx)
-        except OSError as exc:
-            if not _is_conflict(exc) or attempt == max_retries:
-                raise StoreError(f"commit to table '{name}' failed after {attempt + 1} attempt(s): {exc}") from exc
-            delay = min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random())
-            log.info("commit conflict on %s (attempt %d), retrying in %.2fs", path, attempt + 1, delay)
-            time.sleep(delay)
-            continue
-        from eaglenest.featurestore.maintenance import record_checksums
+    with lease.hold(uri, name, purpose="commit", wait_s=lease.WAIT_S):
+        new_ids = fragment_sample_ids(uri, name, fragments)
+        for attempt in range(max_retries + 1):
+            ds = store.dataset(uri, name)  # refuses a rolled-back table
+            existing = set(ds.to_table(columns=["sample_id"]).column("sample_id").to_pylist())
+            dup = duplicates(new_ids, existing)
+            if dup:
+                raise StoreError(f"commit to table '{name}' refused: {len(dup)} sample id(s) would be stored "
+                                 f"twice (e.g. {', '.join(dup[:3])}); nothing was committed "
+                                 f"(latest version {ds.version} unchanged)")
+            props = {}
+            if lineage is not None:
+                props[LINEAGE_KEY] = json.dumps({**lineage, "parent_version": ds.version}, sort_keys=True,
+                                                default=str)
+            tx = lance.Transaction(read_version=ds.version, operation=lance.LanceOperation.Append(list(fragments)),
+                                   transaction_properties=props)
+            try:
+                new = lance.LanceDataset.commit(path, tx)
+            except OSError as exc:
+                if not _is_conflict(exc) or attempt == max_retries:
+                    raise StoreError(f"commit to table '{name}' failed after {attempt + 1} attempt(s): "
+                                     f"{str(exc).splitlines()[0][:300]}") from None
+                delay = min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random())
+                log.info("commit conflict on %s (attempt %d), retrying in %.2fs", path, attempt + 1, delay)
+                time.sleep(delay)
+                continue
+            from eaglenest.featurestore.maintenance import record_checksums
 
-        record_checksums(uri, name, fragments)
-        log.debug("committed %d fragment(s) to %s as version %d", len(fragments), path, new.version)
-        return new.version
+            try:
+                store.record_head(uri, name, new.version)
+                record_checksums(uri, name, fragments)
+            except OSError as exc:
+                raise StoreError(f"table '{name}': version {new.version} was committed, but its head record or "
+                                 f"checksums could not be written ({exc.strerror or exc}); fix the store, "
+                                 "then run `featurestore verify`") from None
+            log.debug("committed %d fragment(s) to %s as version %d", len(fragments), path, new.version)
+            return new.version
     raise AssertionError("unreachable")
 
 

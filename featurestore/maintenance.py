@@ -14,10 +14,11 @@ fragment decodes, and a NaN/inf scan of the tensor columns. Problems name the fr
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import logging
+import time
 import os
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -32,13 +33,10 @@ CRC_DIR = "_eaglenest_crc"
 
 
 def crc_file(path: Path) -> str:
-    # One reused buffer: a fresh 8 MiB bytes per block cost ~1.8x in page faults (bench/featurestore_write.py).
-    crc, buf = 0, bytearray(8 << 20)
-    view = memoryview(buf)
-    with path.open("rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-    return f"{crc:08x}"
+    """CRC-32 of a file as 8 hex digits (one reused 8 MiB buffer: ``integrity.crc_and_stat``)."""
+    from eaglenest.featurestore import integrity
+
+    return integrity.crc_and_stat(path)[0]
 
 
 def _data_path(table_dir: Path, rel: str) -> Path:
@@ -46,28 +44,37 @@ def _data_path(table_dir: Path, rel: str) -> Path:
 
 
 def record_checksums(uri: str, name: str, fragments) -> None:
-    """Write the CRC sidecar of every data file of ``fragments`` (FragmentMetadata or LanceFragment)."""
+    """Write the CRC sidecar of every data file of ``fragments`` (FragmentMetadata or LanceFragment),
+    and the stamp that lets the trainer trust it by ``stat`` (``integrity.check_version``)."""
+    from eaglenest.featurestore import integrity
+
     table_dir = store.table_path(uri, name)
     crc_dir = table_dir / CRC_DIR
     crc_dir.mkdir(parents=True, exist_ok=True)
+    probe_ns = integrity.fs_now_ns(crc_dir)  # before any file is stat'ed: see integrity.write_stamp
     for frag in fragments:
         files = frag.files if hasattr(frag, "files") else frag.data_files()  # FragmentMetadata | LanceFragment
         for df in files:
             target = crc_dir / f"{Path(df.path).name}.crc"
             if target.exists():
                 continue
+            crc, st = integrity.crc_and_stat(_data_path(table_dir, df.path))
             tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-            tmp.write_text(crc_file(_data_path(table_dir, df.path)))
+            tmp.write_text(crc)
             os.replace(tmp, target)
+            if st is not None:  # the trainer's check then costs one stat (featurestore/integrity.py)
+                integrity.write_stamp(crc_dir, Path(df.path).name, integrity.Stamp.of(st, crc), probe_ns=probe_ns)
 
 
 def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
     """Check a table version; returns a report whose ``problems`` list is empty when healthy."""
     problems, unchecked = [], []
     try:
-        ds = store.dataset(uri, name, version)
+        ds = store.dataset(uri, name, version, allow_rolled_back=True)
     except Exception as exc:  # a corrupt manifest or schema is a finding, not a crash
-        return {"table": name, "ok": False, "problems": [f"cannot open: {exc}"]}
+        return {"table": name, "ok": False, "problems": [f"cannot open: {str(exc).splitlines()[0][:300]}"]}
+    if version is None and (rolled := store.rolled_back(uri, name, ds.version)):
+        problems.append(rolled)
     table_dir = store.table_path(uri, name)
     meta = S.feature_meta(ds.schema) if store.is_features(name) else None
     rows = 0
@@ -100,40 +107,99 @@ def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
                                     f"(e.g. {ids})")
     if rows != ds.count_rows():
         problems.append(f"row count: fragments read {rows}, table reports {ds.count_rows()}")
+    try:
+        ids = ds.to_table(columns=["sample_id"]).column("sample_id").to_pylist()
+    except (OSError, ValueError) as exc:  # a fragment that does not read is reported above
+        ids = []
+        problems.append(f"sample_id: not checked for duplicates ({str(exc).splitlines()[0][:200]})")
+    dup = sorted({i for i, n in collections.Counter(ids).items() if n > 1})
+    if dup:
+        problems.append(f"sample_id: {len(dup)} id(s) stored more than once, {len(ids) - len(set(ids))} extra "
+                        f"row(s) (e.g. {', '.join(dup[:3])})")
     return {"table": name, "version": ds.version, "rows": rows, "fragments": len(ds.get_fragments()),
             "unchecked_files": unchecked, "problems": problems, "ok": not problems}
 
 
 def compact(uri: str, name: str, *, target_rows_per_fragment: int = 1 << 20) -> dict:
-    """Rewrite small fragments into larger ones (a new version; old versions still read)."""
-    ds = store.dataset(uri, name)
-    before = len(ds.get_fragments())
-    metrics = ds.optimize.compact_files(target_rows_per_fragment=target_rows_per_fragment)
-    ds = store.dataset(uri, name)
-    record_checksums(uri, name, ds.get_fragments())
+    """Rewrite small fragments into larger ones (a new version; old versions still read), under
+    the table's writer lease."""
+    from eaglenest.featurestore import lease
+
+    with lease.hold(uri, name, purpose="featurestore compact", wait_s=lease.WAIT_S):
+        ds = store.dataset(uri, name)
+        before = len(ds.get_fragments())
+        metrics = ds.optimize.compact_files(target_rows_per_fragment=target_rows_per_fragment)
+        ds = store.dataset(uri, name, allow_rolled_back=True)
+        store.record_head(uri, name, ds.version)
+        record_checksums(uri, name, ds.get_fragments())
     return {"table": name, "version": ds.version, "fragments_before": before,
             "fragments_after": len(ds.get_fragments()), "fragments_removed": metrics.fragments_removed,
             "fragments_added": metrics.fragments_added}
 
 
-def gc(uri: str, name: str, *, older_than_hours: float) -> dict:
+#: Uncommitted data files younger than this are never deleted by ``gc`` (hours).
+GRACE_HOURS = 1.0
+
+
+def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRACE_HOURS) -> dict:
     """Drop untagged versions older than ``older_than_hours`` (tagged ones and the latest stay),
-    their unreferenced data files, uncommitted fragment files that old, and stale CRC sidecars."""
-    ds = store.dataset(uri, name)
-    before = [v["version"] for v in ds.versions()]
-    stats = ds.cleanup_old_versions(older_than=dt.timedelta(hours=older_than_hours),
-                                    delete_unverified=True, error_if_tagged_old_versions=False)
-    ds = store.dataset(uri, name)
-    live = {Path(df.path).name for v in ds.versions() for f in store.dataset(uri, name, v["version"]).get_fragments()
-            for df in f.data_files()}
-    crc_dir = store.table_path(uri, name) / CRC_DIR
-    stale = [p for p in crc_dir.glob("*.crc") if p.name[:-len(".crc")] not in live] if crc_dir.is_dir() else []
-    for p in stale:
-        p.unlink()
-    after = [v["version"] for v in ds.versions()]
+    their unreferenced data files, uncommitted data files older than ``grace_hours``, and stale
+    CRC sidecars. Runs under the table's writer lease, so never while a capture or ingest that may
+    still commit its written fragments is live; the grace period also protects fragments that a
+    writer outside eaglenest's leases (a bare ``write_fragment`` caller) has not committed yet.
+    A rolled-back table is refused: its lost version's files are the only copy left."""
+    from eaglenest.featurestore import lease
+
+    if not (older_than_hours >= 0 and grace_hours >= 0) or older_than_hours == float("inf"):
+        raise StoreError("featurestore gc: --older-than-hours and --grace-hours must be finite and >= 0")
+    with lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.WAIT_S):
+        ds = store.dataset(uri, name)  # refuses a rolled-back table
+        listed = ds.versions()
+        before = [v["version"] for v in listed]
+        # A version a live training run reads (lease.pin) stays, and so does every newer one:
+        # Lance removes versions by age, so the cut-off moves back to the oldest pinned version.
+        pinned = lease.pinned_versions(uri, name)
+        older_than = dt.timedelta(hours=older_than_hours)
+        stamps = {int(v["version"]): v["timestamp"] for v in listed}
+        if pinned & set(stamps):
+            oldest = min(stamps[p] for p in pinned if p in stamps)
+            now = dt.datetime.now(oldest.tzinfo) if oldest.tzinfo else dt.datetime.now()
+            older_than = max(older_than, now - oldest + dt.timedelta(seconds=1))
+        # delete_unverified=False: Lance deletes only files some removed version referenced. It
+        # would delete files of no version (uncommitted) at any age with True: swept below instead.
+        stats = ds.cleanup_old_versions(older_than=older_than,
+                                        delete_unverified=False, error_if_tagged_old_versions=False)
+        ds = store.dataset(uri, name)
+        live = referenced_files(uri, name, ds)
+        table_dir = store.table_path(uri, name)
+        cutoff = time.time() - grace_hours * 3600
+        swept, swept_bytes = 0, 0
+        for p in (table_dir / "data").glob("*"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            if p.name not in live and p.is_file() and st.st_mtime < cutoff:
+                p.unlink()
+                swept += 1
+                swept_bytes += st.st_size
+        crc_dir = table_dir / CRC_DIR
+        stale = [p for p in crc_dir.glob("*") if p.name.split(".lance")[0] + ".lance" not in live] \
+            if crc_dir.is_dir() else []
+        for p in stale:
+            p.unlink()
+        after = [v["version"] for v in ds.versions()]
     return {"table": name, "versions_before": before, "versions_after": after,
-            "bytes_removed": stats.bytes_removed, "old_versions_removed": stats.old_versions,
-            "checksums_removed": len(stale)}
+            "bytes_removed": stats.bytes_removed + swept_bytes, "old_versions_removed": stats.old_versions,
+            "uncommitted_files_removed": swept, "checksums_removed": len(stale),
+            "pinned_versions_kept": sorted(pinned)}
+
+
+def referenced_files(uri: str, name: str, ds=None) -> set[str]:
+    """Names of the data files some remaining version of the table references."""
+    ds = ds or store.dataset(uri, name, allow_rolled_back=True)
+    return {Path(df.path).name for v in ds.versions()
+            for f in store.dataset(uri, name, v["version"]).get_fragments() for df in f.data_files()}
 
 
 def require_ok(report: dict) -> None:

@@ -32,6 +32,11 @@ dequantisation included.
 Trade-off: the reader relies on Lance's blob descriptor being a byte range of the data file that
 the manifest lists for the fragment (true for Lance blob v1 columns in file format 2.0; checked
 against the tensor shape on decode, and ``featurestore verify`` checks every data file's CRC).
+Integrity: before the first read, every data file of the version is held to its CRC sidecar
+(:func:`eaglenest.featurestore.integrity.check_version`: one ``stat`` per file once the file's
+stamp is recorded, a full CRC pass otherwise), since a ``pread`` returns whatever bytes the file
+holds. A short read or a Lance error while taking a fragment's rows is a :class:`StoreError`
+naming the fragment and file. ``integrity="off"`` skips the check (the read bench's baseline).
 Memory: at most ``threads`` samples are in flight beyond those the caller holds (RSS), plus up to
 ``group`` samples read ahead into the page cache (reclaimable, not RSS).
 """
@@ -44,13 +49,14 @@ import dataclasses
 import os
 import warnings
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Literal
 
 import numpy as np
 import pyarrow as pa
 
-from eaglenest.errors import SchemaError
+from eaglenest.errors import SchemaError, StoreError
 from eaglenest.featurestore import schema as S
+from eaglenest.featurestore.integrity import VERIFY_HINT, check_version, read_error
 
 COLUMNS = ["input_ids", "loss_mask", "aux_hidden", "last_hidden"]
 
@@ -201,13 +207,17 @@ class BufferPool:
                 self._free.pop(min(range(len(self._free)), key=lambda k: self._free[k].size))
 
 
-def _pread_into(fd: int, buf: np.ndarray, position: int) -> None:
+def _pread_into(fd: int, buf: np.ndarray, position: int, *, where: str = "a data file") -> None:
     mv = memoryview(buf).cast("B")
     done = 0
     while done < len(mv):
-        n = os.preadv(fd, [mv[done:]], position + done)
+        try:
+            n = os.preadv(fd, [mv[done:]], position + done)
+        except OSError as exc:  # EIO from the disk: name the file, no traceback
+            raise StoreError(f"{where}: read failed ({exc}); {VERIFY_HINT}") from None
         if n <= 0:
-            raise SchemaError(f"data file ended {len(mv) - done} bytes short of a blob value")
+            raise StoreError(f"{where} ended {len(mv) - done} bytes short of a blob value at byte "
+                             f"{position} (truncated?); {VERIFY_HINT}")
         done += n
 
 
@@ -218,10 +228,14 @@ class SampleReader:
     """
 
     def __init__(self, ds, *, threads: int = 2, recycle: bool = False, max_free_buffers: int = 16,
-                 readahead: bool = False):
+                 readahead: bool = False, integrity: Literal["check", "off"] = "check"):
         if threads < 1:
             raise ValueError("threads must be >= 1")
+        if integrity not in ("check", "off"):
+            raise ValueError(f"integrity must be 'check' or 'off', not {integrity!r}")
         self.ds = ds
+        if integrity == "check":  # before any read: every data file of this version against its CRC
+            check_version(ds)
         #: With ``recycle``, blob values are read into pooled buffers that :meth:`Sample.release`
         #: hands back (version-2 tables; Lance's ``take`` allocates its own on version 1).
         self.pool = BufferPool(max_free_buffers) if recycle else None
@@ -268,7 +282,7 @@ class SampleReader:
         """One sample by dataset offset (synchronous)."""
         index = int(index)
         if self.layout == "inline":
-            t = self.ds.take([index], columns=COLUMNS)
+            t = self._take([index], COLUMNS)
             if t.num_rows != 1:
                 raise SchemaError(f"take of row {index} returned {t.num_rows} rows")
             return Sample(index=index, meta=self.meta, input_ids=_list_values(t.column("input_ids")),
@@ -278,10 +292,17 @@ class SampleReader:
 
     def _descriptors(self, indices: list[int]) -> pa.Table:
         """One ``take`` of the small columns, blob descriptors and row addresses (request order)."""
-        t = self.ds.take(indices, columns=[*COLUMNS, "_rowaddr"])
+        t = self._take(indices, [*COLUMNS, "_rowaddr"])
         if t.num_rows != len(indices):
             raise SchemaError(f"take of {len(indices)} rows returned {t.num_rows}")
         return t
+
+    def _take(self, indices: list[int], columns: list[str]) -> pa.Table:
+        """``dataset.take``; a Lance error (a truncated or damaged data file) names the fragment."""
+        try:
+            return self.ds.take(indices, columns=columns)
+        except (OSError, pa.ArrowException) as exc:
+            raise read_error(self.ds, indices, exc) from None
 
     def _from_row(self, t: pa.Table, k: int, index: int) -> Sample:
         """Sample ``index`` from row ``k`` of a :meth:`_descriptors` table: its values ``pread``."""
@@ -309,7 +330,8 @@ class SampleReader:
         buf = self.pool.get(size)[:size] if self.pool is not None else np.empty(size, np.uint8)
         path = self._files.get(frag, {}).get(col)
         if path is not None:
-            _pread_into(self._fds[path], buf, int(d["position"]))
+            _pread_into(self._fds[path], buf, int(d["position"]),
+                        where=f"table v{self.ds.version}: fragment {frag}, data file {path}")
         else:  # not a local file: Lance's blob reader fills the same buffer
             (blob,) = self.ds.take_blobs(col, indices=[index])
             mv, done = memoryview(buf), 0

@@ -7,7 +7,11 @@ declared schema first. Reads name a version so a finished run can be replayed on
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -28,8 +32,35 @@ def _lance():
     return require("lance", "featurestore")
 
 
+#: A table name is one plain identifier: it becomes a directory name inside the store, so nothing
+#: that could climb out of it (``..``, ``/``) or hide (a leading dot) is accepted.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+#: A tag is a file name inside the table (Lance ``_refs/tags``): the same rule, dots allowed inside.
+_TAG = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,127}")
+
+
+def _identifier(value, pattern: re.Pattern, what: str) -> str:
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        from eaglenest.config import short
+
+        raise StoreError(f"{what} {short(value)}: use 1-128 letters, digits, '_' or '-'"
+                         f"{', or inner dots' if pattern is _TAG else ''}, starting with a letter"
+                         f"{'' if pattern is _TAG else ' or digit'}")
+    return value
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a valid table name, else a :class:`StoreError` naming the key."""
+    return _identifier(name, _NAME, "featurestore.table: bad table name")
+
+
+def check_tag(tag: str) -> str:
+    """``tag`` if it is a valid tag name, else a :class:`StoreError`."""
+    return _identifier(tag, _TAG, "bad tag name")
+
+
 def table_path(uri: str, name: str) -> Path:
-    return Path(uri) / f"{name}.lance"
+    return Path(uri) / f"{check_name(name)}.lance"
 
 
 def exists(uri: str, name: str) -> bool:
@@ -42,8 +73,7 @@ def is_features(name: str) -> bool:
 
 
 def expected_schema(name: str, meta: S.FeatureMeta | None = None) -> pa.Schema:
-    if not name or not name.replace("_", "").replace("-", "").isalnum():
-        raise StoreError(f"bad table name '{name}': use letters, digits, '_' or '-' (featurestore.table)")
+    check_name(name)
     if name == PROMPTS:
         return S.PROMPTS_SCHEMA
     if meta is None:
@@ -65,19 +95,76 @@ def append(uri: str, name: str, table: pa.Table, *, meta: S.FeatureMeta | None =
     return version
 
 
-def dataset(uri: str, name: str, version: int | str | None = None):
-    """Open a table at ``version`` (a number or a tag; latest when None), validating its schema."""
+def dataset(uri: str, name: str, version: int | str | None = None, *, allow_rolled_back: bool = False):
+    """Open a table at ``version`` (a number or a tag; latest when None), validating its schema.
+
+    The latest version of a table that has been rolled back (a committed version's manifest is
+    gone; see :func:`rolled_back`) is refused: reading it would silently lose that version's rows.
+    """
     lance = _lance()
     if not exists(uri, name):
         raise StoreError(f"no table '{name}' in store {uri}")
     try:
         ds = lance.dataset(str(table_path(uri, name)), version=version)
     except (ValueError, OSError) as exc:
-        raise StoreError(f"table '{name}' in {uri}: cannot open version {version!r} ({exc})") from None
+        raise StoreError(f"table '{name}' in {uri}: cannot open version {version!r} "
+                         f"({str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__})") from None
     base = S.PROMPTS_SCHEMA if name == PROMPTS else S.FEATURES_SCHEMA
     # A version number past the latest, or an unknown tag, is a user error, not a traceback.
     S.validate(ds.schema, base, what=f"table '{name}'")
+    if version is None and not allow_rolled_back:
+        problem = rolled_back(uri, name, ds.version)
+        if problem:
+            raise StoreError(problem)
     return ds
+
+
+# -- the head record: the newest version eaglenest committed, to detect a table rolled back ------
+#
+# Lance finds a table's latest version by listing ``_versions/``. Delete the newest manifest and
+# the table silently opens at the one before, its rows gone. So every commit eaglenest makes (under
+# the table's writer lease) also records its version in ``<table>.lance/_eaglenest_head.json``;
+# a latest version older than that record (or than Lance's own ``latest_version_hint.json``) means
+# a committed version was lost. ``featurestore restore --v N`` accepts such a rollback explicitly.
+
+HEAD_FILE = "_eaglenest_head.json"
+
+
+def head_version(uri: str, name: str) -> int | None:
+    """The newest version eaglenest recorded committing (None: no record)."""
+    path = table_path(uri, name) / HEAD_FILE
+    try:
+        return int(json.loads(path.read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def record_head(uri: str, name: str, version: int, *, force: bool = False) -> None:
+    """Record ``version`` as committed (the larger of it and the record, unless ``force``)."""
+    path = table_path(uri, name) / HEAD_FILE
+    have = head_version(uri, name)
+    if have is not None and have >= version and not force:
+        return
+    tmp = path.with_name(f"{HEAD_FILE}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"version": int(version)}))
+    os.replace(tmp, path)
+
+
+def rolled_back(uri: str, name: str, latest: int) -> str | None:
+    """A message if a version newer than ``latest`` was committed and its manifest is gone."""
+    recorded = head_version(uri, name)
+    hint = None
+    try:
+        hint = int(json.loads((table_path(uri, name) / "_versions" / "latest_version_hint.json").read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    newest = max(v for v in (recorded, hint, latest) if v is not None)
+    if newest <= latest:
+        return None
+    return (f"table '{name}' in {uri} is rolled back: version {newest} was committed but the newest "
+            f"manifest is version {latest} (a file under {name}.lance/_versions was deleted?). Its rows "
+            f"are not readable; restore the manifest from a backup, or accept the loss with "
+            f"`featurestore restore --v {latest}`")
 
 
 def latest_version(uri: str, name: str) -> int:
@@ -91,14 +178,29 @@ BYTES = {"blob_handling": "all_binary"}
 def read(uri: str, name: str, *, version: int | str | None = None, columns: list[str] | None = None,
          filter: str | None = None) -> pa.Table:
     """A table version as Arrow (tensor columns as bytes; training reads use featurestore.reader)."""
-    return dataset(uri, name, version).to_table(columns=columns, filter=filter, **BYTES)
+    ds = dataset(uri, name, version)
+    with unreadable(uri, name, ds.version):
+        return ds.to_table(columns=columns, filter=filter, **BYTES)
 
 
 def iter_batches(uri: str, name: str, *, version: int | str | None = None,
                  columns: list[str] | None = None, filter: str | None = None,
                  batch_size: int = 64) -> Iterator[pa.RecordBatch]:
     ds = dataset(uri, name, version)
-    yield from ds.to_batches(columns=columns, filter=filter, batch_size=batch_size, **BYTES)
+    with unreadable(uri, name, ds.version):
+        yield from ds.to_batches(columns=columns, filter=filter, batch_size=batch_size, **BYTES)
+
+
+@contextlib.contextmanager
+def unreadable(uri: str, name: str, version: int):
+    """A Lance read failure (a missing, truncated or corrupt data file) as one line naming the
+    table and version, pointing at ``featurestore verify`` (which names the fragment and file)."""
+    try:
+        yield
+    except (OSError, pa.ArrowException) as exc:
+        first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        raise StoreError(f"table '{name}' in {uri}, version {version}: cannot read it ({first}); "
+                         "`featurestore verify` names the damaged fragment and file") from None
 
 
 def sample_ids(uri: str, name: str, *, filter: str | None = None) -> set[str]:
@@ -109,8 +211,6 @@ def sample_ids(uri: str, name: str, *, filter: str | None = None) -> set[str]:
 
 
 def tag(uri: str, name: str, tag_name: str, version: int) -> None:
-    ds = dataset(uri, name)
-    if tag_name in ds.tags.list():
-        ds.tags.update(tag_name, version)
-    else:
-        ds.tags.create(tag_name, version)
+    from eaglenest.featurestore import versions
+
+    versions.set_tag(uri, name, tag_name, version)

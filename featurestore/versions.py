@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import collections
 
-from eaglenest.featurestore import fragments, store
+from eaglenest.errors import StoreError
+from eaglenest.featurestore import fragments, lease, store
+
 
 
 def list_versions(uri: str, name: str) -> list[dict]:
-    ds = store.dataset(uri, name)
+    ds = store.dataset(uri, name, allow_rolled_back=True)  # listing is how a rollback is looked into
     tags = collections.defaultdict(list)
     for tag, info in ds.tags.list().items():
         tags[int(info["version"])].append(tag)
@@ -31,22 +33,26 @@ def list_versions(uri: str, name: str) -> list[dict]:
 
 
 def set_tag(uri: str, name: str, tag: str, version: int | str | None) -> int:
-    ds = store.dataset(uri, name)
-    v = int(store.dataset(uri, name, version).version)
-    if tag in ds.tags.list():
-        ds.tags.update(tag, v)
-    else:
-        ds.tags.create(tag, v)
+    """Point ``tag`` at ``version`` (latest when None), under the table's writer lease (so ``gc``
+    cannot drop the version between the check and the tag)."""
+    store.check_tag(tag)
+    with lease.hold(uri, name, purpose="featurestore tags", wait_s=lease.WAIT_S):
+        ds = store.dataset(uri, name, allow_rolled_back=version is not None)
+        v = int(store.dataset(uri, name, version).version)
+        if tag in ds.tags.list():
+            ds.tags.update(tag, v)
+        else:
+            ds.tags.create(tag, v)
     return v
 
 
 def delete_tag(uri: str, name: str, tag: str) -> None:
-    from eaglenest.errors import StoreError
-
-    ds = store.dataset(uri, name)
-    if tag not in ds.tags.list():
-        raise StoreError(f"table '{name}' has no tag '{tag}'")
-    ds.tags.delete(tag)
+    store.check_tag(tag)
+    with lease.hold(uri, name, purpose="featurestore tags", wait_s=lease.WAIT_S):
+        ds = store.dataset(uri, name, allow_rolled_back=True)
+        if tag not in ds.tags.list():
+            raise StoreError(f"table '{name}' has no tag '{tag}'")
+        ds.tags.delete(tag)
 
 
 def summary(uri: str, name: str, version: int | str | None = None) -> dict:
@@ -76,7 +82,14 @@ def diff(uri: str, name: str, a: int | str, b: int | str) -> dict:
 
 
 def restore(uri: str, name: str, version: int | str) -> int:
-    """Make ``version`` the latest (a new version with its contents); returns the new version."""
-    ds = store.dataset(uri, name, version)
-    ds.restore()
-    return int(store.dataset(uri, name).version)
+    """Make ``version`` the latest (a new version with its contents); returns the new version.
+
+    Under the table's writer lease (a restore during a capture would drop rows the capture has
+    committed while it goes on believing they are stored). On a rolled-back table this is how the
+    loss is accepted: the new version becomes the recorded head."""
+    with lease.hold(uri, name, purpose="featurestore restore", wait_s=lease.WAIT_S):
+        ds = store.dataset(uri, name, version)
+        ds.restore()
+        new = int(store.dataset(uri, name, allow_rolled_back=True).version)
+        store.record_head(uri, name, new, force=True)
+    return new

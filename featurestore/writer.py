@@ -19,9 +19,11 @@ the largest sample when a sample alone is larger than the budget (a single sampl
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import pyarrow as pa
 
+from eaglenest.errors import StoreError
 from eaglenest.featurestore import fragments
 from eaglenest.featurestore import schema as S
 
@@ -78,7 +80,8 @@ class FeatureWriter:
             return
         table = pa.Table.from_pylist(self._rows, schema=self.schema)
         self._rows, self._bytes = [], 0  # the table holds the bytes now; the rows can go
-        frags = fragments.write_fragment(self.uri, self.name, table, meta=self.meta)
+        with _write_errors(self.uri, self.name):
+            frags = fragments.write_fragment(self.uri, self.name, table, meta=self.meta)
         self.fragments_written += len(frags)
         self._frags += frags
 
@@ -91,4 +94,19 @@ class FeatureWriter:
         if not frags:
             return None
         lineage = {**(lineage or {}), "counts_per_domain": dict(sorted(counts.items()))}
-        return fragments.commit_fragments(self.uri, self.name, frags, meta=self.meta, lineage=lineage)
+        with _write_errors(self.uri, self.name):
+            return fragments.commit_fragments(self.uri, self.name, frags, meta=self.meta, lineage=lineage)
+
+
+@contextlib.contextmanager
+def _write_errors(uri: str, name: str):
+    """An OS-level write failure (disk full, file too large, permissions) as one clear line. The
+    commit in progress is not made, so the table stays at its last version; what was written of it
+    is uncommitted garbage for ``featurestore gc``."""
+    try:
+        yield
+    except OSError as exc:
+        first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        raise StoreError(f"cannot write table '{name}' in {uri}: {first}; nothing of this commit was "
+                         "committed (the table keeps its last version): free space or fix the store and "
+                         "re-run, which resumes") from None

@@ -17,7 +17,9 @@ the servers for token ids (``return_token_ids``), so no re-tokenisation happens 
 first chat answer of each endpoint is checked against the target's own chat template, so a server
 running another template is refused rather than silently mixed in. Endpoints must be loopback unless
 the recipe says otherwise; the API key is read from an environment variable whose *name* is the only
-thing the config, logs, stats and provenance ever hold.
+thing the config, logs, stats and provenance ever hold. The key goes only where the recipe points: a
+redirect to another scheme, host or port is refused (the request fails, the key is not sent), and
+plain http to a non-loopback host needs ``ingest.allow_plaintext_api_key``.
 """
 
 from __future__ import annotations
@@ -135,17 +137,60 @@ class LocalBackend:
         close_llm(self.llm)
 
 
-def check_endpoints(urls: list[str], *, allow_remote: bool) -> list[str]:
+def check_endpoints(urls: list[str], *, allow_remote: bool, key_sent: bool = False,
+                    allow_plaintext: bool = False) -> list[str]:
+    """Base URLs of ``urls``; a ConfigError naming the key for a URL the recipe did not allow.
+
+    ``key_sent``: an API key goes with every request, so plain http to a host that is not loopback
+    (readable by anyone on the path) needs ``allow_plaintext`` (``ingest.allow_plaintext_api_key``).
+    """
     out = []
     for i, url in enumerate(urls):
-        u = urllib.parse.urlparse(url)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise ConfigError(f"ingest.endpoints[{i}]: '{url}' is not an http(s) URL")
-        if u.hostname not in LOOPBACK and not allow_remote:
-            raise ConfigError(f"ingest.endpoints[{i}]: {u.hostname} is not loopback; "
+        host = _http_host(url)
+        if not host:
+            raise ConfigError(f"ingest.endpoints[{i}]: '{url[:80]}' is not an http(s) URL")
+        if host not in LOOPBACK and not allow_remote:
+            raise ConfigError(f"ingest.endpoints[{i}]: {host[:80]} is not loopback; "
                               "set ingest.allow_remote_endpoints=true to use it")
+        if key_sent and url.lower().startswith("http:") and host not in LOOPBACK and not allow_plaintext:
+            raise ConfigError(f"ingest.allow_plaintext_api_key: ingest.endpoints[{i}] is plain http to "
+                              f"{host[:80]}, so the API key would travel unencrypted; use https, or set "
+                              "ingest.allow_plaintext_api_key=true")
         out.append(url.rstrip("/").removesuffix("/v1"))
     return out
+
+
+def _http_host(url: str) -> str | None:
+    """The host of an http(s) URL whose port (if any) is valid, else None."""
+    try:
+        u = urllib.parse.urlparse(url)
+        u.port  # noqa: B018 - raises ValueError unless the port is a number in 0-65535
+    except ValueError:
+        return None
+    return u.hostname if u.scheme in ("http", "https") else None
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    u = urllib.parse.urlsplit(url)
+    try:
+        port = u.port or {"http": 80, "https": 443}.get(u.scheme)
+    except ValueError:
+        port = None
+    return u.scheme, (u.hostname or ""), port
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to the same scheme, host and port; urllib's default handler would
+    carry the ``Authorization`` header to any host a server names."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        target = urllib.parse.urljoin(req.full_url, newurl)
+        if _origin(target) != _origin(req.full_url):
+            fp.close()
+            scheme, host, port = _origin(target)
+            raise EaglenestError(f"{req.full_url[:120]}: refused a redirect (HTTP {code}) to another host "
+                                 f"({scheme}://{host[:80]}:{port}); credentials never follow one")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 class EndpointBackend:
@@ -153,13 +198,18 @@ class EndpointBackend:
 
     def __init__(self, urls: list[str], *, target: str, api_key_env: str = "", timeout_s: float = 120.0,
                  max_retries: int = 3, backoff_s: float = 0.5, in_flight_per_endpoint: int = 8,
-                 allow_remote: bool = False, max_in_flight: int = 0):
-        self.urls = check_endpoints(urls, allow_remote=allow_remote)
+                 allow_remote: bool = False, max_in_flight: int = 0, allow_plaintext_key: bool = False):
+        self.urls = check_endpoints(urls, allow_remote=allow_remote, key_sent=bool(api_key_env),
+                                    allow_plaintext=allow_plaintext_key)
         if not self.urls:
             raise ConfigError("ingest.endpoints: at least one URL is required for backend 'endpoints'")
         self._key = os.environ.get(api_key_env, "") if api_key_env else ""
         if api_key_env and not self._key:
             raise ConfigError(f"ingest.api_key_env: environment variable {api_key_env} is not set")
+        for scheme, host, _port in map(_origin, self.urls):
+            if self._key and scheme == "http" and host not in LOOPBACK:
+                log.warning("ingest.allow_plaintext_api_key: the API key goes over plain http to %s", host)
+        self._opener = urllib.request.build_opener(_SameOriginRedirects())
         self.target, self.timeout_s = target, timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.workers = in_flight_per_endpoint * len(self.urls)
@@ -181,7 +231,7 @@ class EndpointBackend:
             headers["Authorization"] = f"Bearer {self._key}"
         req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with self._opener.open(req, timeout=self.timeout_s) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:  # the message never contains our headers
             raise EaglenestError(f"{base}{path}: HTTP {exc.code}") from None
@@ -194,7 +244,7 @@ class EndpointBackend:
             headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
             req = urllib.request.Request(base + "/v1/models", headers=headers)
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                with self._opener.open(req, timeout=self.timeout_s) as resp:
                     self._models[base] = json.loads(resp.read())["data"][0]["id"]
             except urllib.error.HTTPError as exc:
                 raise EaglenestError(f"{base}/v1/models: HTTP {exc.code}") from None

@@ -49,7 +49,7 @@ def make_backend(cfg: IngestConfig, target: str):
             cfg.endpoints, target=target, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
             max_retries=cfg.max_retries, backoff_s=cfg.retry_backoff_s,
             in_flight_per_endpoint=cfg.in_flight_per_endpoint, allow_remote=cfg.allow_remote_endpoints,
-            max_in_flight=cfg.max_in_flight)
+            max_in_flight=cfg.max_in_flight, allow_plaintext_key=cfg.allow_plaintext_api_key)
     from eaglenest.engine import make_llm
 
     return backends.LocalBackend(make_llm(target, cfg.engine), max_in_flight=cfg.max_in_flight)
@@ -85,8 +85,19 @@ def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: 
     """Regenerate what is missing from the prompts table; return the run's stats.
 
     ``backend`` (in-process executor) or ``client`` (a ``distributed.Client``, Dask executor) reuse a
-    running engine or cluster instead of starting one; the caller keeps and closes it.
+    running engine or cluster instead of starting one; the caller keeps and closes it. The run holds
+    the prompts table's writer lease throughout (``featurestore/lease.py``): what is missing is
+    decided once at the start and stays true, so two ingests at once cannot both regenerate and
+    append the same prompts; the second is refused, naming the first.
     """
+    from eaglenest.featurestore import lease
+
+    with lease.hold(store_uri, store.PROMPTS, purpose="ingest build", wait_s=5):
+        return _build(manifest, pool, target=target, store_uri=store_uri, cfg=cfg, backend=backend, client=client)
+
+
+def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, cfg: IngestConfig,
+           backend=None, client=None) -> dict:
     t0 = time.time()
     gen_id = gen_params_id(manifest.generation, chat_template(target))
     try:
@@ -105,7 +116,8 @@ def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: 
     totals = {"rows": 0, "tokens": 0, "failures": [], "retries": 0}
     if shards:
         runner = _run_dask if cfg.executor == "dask" else _run_inprocess
-        with tqdm(total=len(train), desc="ingest: regenerate", unit="prompt") as bar:
+        # disable=None: no bar when stderr is not a terminal (logs keep one line per event)
+        with tqdm(total=len(train), desc="ingest: regenerate", unit="prompt", disable=None) as bar:
             def on_result(k: int, res: dict) -> None:
                 if res["fragments"]:
                     faults.delay("ingest.before_commit")  # tests: hold the fragments-written window
@@ -121,7 +133,10 @@ def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: 
             extra = {"client": client} if cfg.executor == "dask" else {"backend": backend}
             runner(shards, cfg=cfg, target=target, store_uri=store_uri, gen=manifest.generation,
                    gen_id=gen_id, on_result=on_result, **extra)
-    table = store.read(store_uri, store.PROMPTS, columns=["domain", "split", "finish_reason"])
+    columns = ["domain", "split", "finish_reason"]
+    stored = store.exists(store_uri, store.PROMPTS)  # not when nothing was held out and every request failed
+    table = (store.read(store_uri, store.PROMPTS, columns=columns) if stored
+             else schema.PROMPTS_SCHEMA.empty_table().select(columns))
     counts = collections.Counter(zip(table.column("domain").to_pylist(), table.column("split").to_pylist()))
     truncated = sum(1 for f in table.column("finish_reason").to_pylist() if f == "length")
     return {
@@ -133,7 +148,7 @@ def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: 
         "truncated_responses": truncated,
         "weights": {d: c.weight for d, c in manifest.domains.items()},
         "counts": {f"{d}/{s}": n for (d, s), n in sorted(counts.items())},
-        "prompts_table_version": store.latest_version(store_uri, store.PROMPTS),
+        "prompts_table_version": store.latest_version(store_uri, store.PROMPTS) if stored else None,
         "seconds": round(time.time() - t0, 2),
     }
 

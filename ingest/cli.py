@@ -11,6 +11,7 @@ import logging
 import sys
 
 from eaglenest.cli import Command, run
+from eaglenest.errors import EaglenestError, ManifestError
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,10 @@ def _manifest(recipe, args):
     return load_manifest(args.manifest or recipe.ingest.manifest)
 
 
+#: ``ingest validate`` prints at most this many problems (a hostile manifest can have millions).
+MAX_PROBLEMS = 50
+
+
 def cmd_validate(recipe, args) -> int:
     from eaglenest.ingest.manifest import ManifestProblems
 
@@ -30,8 +35,10 @@ def cmd_validate(recipe, args) -> int:
     try:
         m = _manifest(recipe, args)
     except ManifestProblems as exc:
-        for line in exc.problems:
+        for line in exc.problems[:MAX_PROBLEMS]:
             print(line, file=sys.stderr)
+        if len(exc.problems) > MAX_PROBLEMS:
+            print(f"... and {len(exc.problems) - MAX_PROBLEMS} more", file=sys.stderr)
         print(f"ingest: error: {path}: {len(exc.problems)} problem(s)", file=sys.stderr)
         return 2
     print(f"{path}: ok ({len(m.domains)} domains, manifest hash {m.content_hash()})")
@@ -43,22 +50,38 @@ def cmd_build(recipe, args) -> int:
     from eaglenest.ingest import contamination
     from eaglenest.ingest.build import build
     from eaglenest.ingest.pool import load_pool
+    from eaglenest.paths import ensure_writable
     from eaglenest.provenance import write_json_atomic, write_provenance
 
     manifest = _manifest(recipe, args)
     pool_report: dict = {}
     pool = load_pool(manifest, target=recipe.run.target, report=pool_report)  # all before anything is written
     pool, report = contamination.check(pool, manifest)
+    if not pool:
+        n = {k: sum(c[k] for c in pool_report["domains"].values()) for k in ("rows", "empty", "kept")}
+        raise ManifestError(f"{args.manifest or recipe.ingest.manifest}: the prompt pool is empty ({n['rows']} "
+                            f"rows read: {n['empty']} empty, {n['kept']} kept after dedup and caps, "
+                            f"{report['contaminated']} of them contaminated)")
+    out = recipe.run.path("ingest")
+    ensure_writable(out, "run.workdir")  # before any engine starts or anything is committed
+    ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
     stats = build(manifest, pool, target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.ingest)
     stats["contamination"] = report
     stats["pool"] = pool_report
-    out = recipe.run.path("ingest")
     write_json_atomic(out / "stats.json", stats)
     write_provenance(out, config=recipe.to_dict(), extra={"manifest": to_dict(manifest)},
                      inputs={"manifest": args.manifest or recipe.ingest.manifest, "target": recipe.run.target})
+    failures = stats["failures"]
+    first = " ".join(failures[0]["error"].split())[:300] if failures else ""
+    if failures and not stats["regenerated"]:  # nothing was committed for them; the next run retries
+        raise EaglenestError(f"all {len(failures)} requests failed; first error: {first} "
+                             f"(every failure: {out / 'stats.json'})")
     print(json.dumps({k: v for k, v in stats.items() if k != "failures"}, indent=2))
-    for f in stats["failures"]:
+    for f in failures:
         print(f"failed: {f['sample_id']}: {f['error']}", file=sys.stderr)
+    if failures:
+        print(f"ingest: warning: {len(failures)} of {len(failures) + stats['regenerated']} requests failed "
+              f"(not stored; the next run retries them); first error: {first}", file=sys.stderr)
     return 0
 
 

@@ -27,6 +27,9 @@ class IngestConfig:
     allow_remote_endpoints: bool = False
     #: Name of the environment variable holding the servers' API key ("" = none). Never the key.
     api_key_env: str = ""
+    #: Send the API key over plain http:// to a non-loopback endpoint (anyone on the path can read
+    #: it); off: such a recipe is refused. Redirects are never followed with the key.
+    allow_plaintext_api_key: bool = False
     request_timeout_s: float = 120.0
     max_retries: int = 3
     retry_backoff_s: float = 0.5
@@ -36,3 +39,26 @@ class IngestConfig:
     #: Dask scheduler address (``tcp://host:8786``); "" starts a LocalCluster of ``dask_workers``.
     dask_scheduler: str = ""
     dask_workers: int = 2
+
+    def __post_init__(self) -> None:
+        """Validate at config time, naming the key, so a bad value fails before any engine starts."""
+        import math
+
+        from eaglenest.errors import ConfigError
+
+        for key, low in (("commit_every", 1), ("max_in_flight", 0), ("max_retries", 0),
+                         ("in_flight_per_endpoint", 1), ("dask_workers", 1)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"ingest.{key}: {getattr(self, key)} must be at least {low}")
+        if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
+            raise ConfigError(f"ingest.request_timeout_s: {self.request_timeout_s} must be a finite number > 0")
+        if not (math.isfinite(self.retry_backoff_s) and self.retry_backoff_s >= 0):
+            raise ConfigError(f"ingest.retry_backoff_s: {self.retry_backoff_s} must be a finite number >= 0")
+        if self.backend == "endpoints":
+            from eaglenest.ingest.backends import check_endpoints
+
+            if not self.endpoints:
+                raise ConfigError("ingest.endpoints: at least one URL is required for backend 'endpoints'")
+
+            check_endpoints(self.endpoints, allow_remote=self.allow_remote_endpoints,
+                            key_sent=bool(self.api_key_env), allow_plaintext=self.allow_plaintext_api_key)

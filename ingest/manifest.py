@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping, get_args, get_origin
 
-from eaglenest.config import build, load_yaml, to_dict
+from eaglenest.config import build, load_yaml, short_text, to_dict
 from eaglenest.errors import ManifestError
 
 MANIFEST_VERSION = 1
@@ -178,7 +178,8 @@ def _walk(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
         hints = typing.get_type_hints(tp)
         fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
         n0 = len(problems)
-        problems += [f"{_key(where, str(k))}: unknown key" for k in sorted(map(str, set(value) - set(fields)))]
+        problems += [f"{_key(where, short_text(str(k)))}: unknown key"
+                     for k in sorted(map(str, set(value) - set(fields)))]
         kwargs = {}
         for name, f in fields.items():
             if name in value:

@@ -55,20 +55,35 @@ def _unit(key: str, salt: str) -> float:
 
 
 def _read_rows(src: Source, where: str, base_dir) -> tuple[list, str]:
+    """The raw rows of one source; unreadable data (binary, not UTF-8, corrupt) is a ManifestError."""
     if src.path:
         p = resolve_path(src.path, base_dir)
         if not p.is_file():
             raise ManifestError(f"{where}.path: file not found: {src.path}")
         if p.suffix == ".parquet":
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
-            return pq.read_table(p).to_pylist(), str(src.path)
-        text = p.read_text(encoding="utf-8")
+            try:
+                return pq.read_table(p).to_pylist(), str(src.path)
+            except (pa.ArrowException, OSError) as exc:
+                raise ManifestError(f"{where}.path: {src.path} is not a readable Parquet file "
+                                    f"({_short(exc)})") from None
+        data = p.read_bytes()
         try:
-            rows = ([json.loads(line) for line in text.splitlines() if line.strip()]
-                    if p.suffix == ".jsonl" else json.loads(text))
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data.count(b"\n", 0, exc.start) + 1
+            raise ManifestError(f"{where}.path: {src.path} line {line} is not UTF-8 text "
+                                f"(byte {exc.start}; binary file?)") from None
+        if p.suffix == ".jsonl":
+            return _json_lines(text, src.path, where), str(src.path)
+        try:
+            rows = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ManifestError(f"{where}.path: {p} is not valid JSON ({exc})") from None
+            raise ManifestError(f"{where}.path: {src.path} is not valid JSON ({exc})") from None
+        if not isinstance(rows, list):
+            raise ManifestError(f"{where}.path: {src.path} holds {_kind(rows)}, not a list of rows")
         return rows, str(src.path)
     from eaglenest.errors import require
 
@@ -77,26 +92,85 @@ def _read_rows(src: Source, where: str, base_dir) -> tuple[list, str]:
     return list(ds), f"hf:{src.hf_id}/{src.hf_config or 'default'}/{src.hf_split}"
 
 
+def _json_lines(text: str, path: str, where: str) -> list:
+    rows = []
+    for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 etc. may sit inside a string
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{where}.path: {path} line {n} is not valid JSON ({exc.msg}, "
+                                f"column {exc.colno})") from None
+    return rows
+
+
+def _short(value, limit: int = 80) -> str:
+    """A user value or message echoed in an error: one line, at most ``limit`` characters."""
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _kind(value) -> str:
+    """What a non-string value is, in JSON words (errors name the type, never echo the value)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, (bytes, bytearray)):
+        return "binary data"
+    return f"a {type(value).__name__}"
+
+
+def _text(value, what: str, where: str, *, null_ok: bool = False) -> str:
+    """``value`` if it is a string ('' for null when ``null_ok``); otherwise a ManifestError."""
+    if isinstance(value, str):
+        return value
+    if value is None and null_ok:
+        return ""
+    raise ManifestError(f"{where}: {what} is {_kind(value)}, not a string")
+
+
 def load_source(src: Source, *, where: str, base_dir: str | Path | None = None) -> list[dict]:
-    """Rows of one source as dicts with ``prompt``, ``system``, ``later_turns`` (I/O edge)."""
+    """Rows of one source as dicts with ``prompt``, ``system``, ``later_turns`` (I/O edge).
+
+    Prompts and message contents must be strings (a null, number, list or object is refused, never
+    turned into the text "None" or "42"); a null system prompt counts as no system prompt. A source
+    with no rows at all is an error.
+    """
     rows, label = _read_rows(src, where, base_dir)
+    if not rows:
+        raise ManifestError(f"{where}: {label} has no rows")
     out = []
     for i, row in enumerate(rows):
         col = src.messages_field or src.field
-        if not isinstance(row, dict) or col not in row:
-            key = "messages_field" if src.messages_field else "field"
+        key = "messages_field" if src.messages_field else "field"
+        if not isinstance(row, dict):
+            raise ManifestError(f"{where}.{key}: row {i} of {label} is {_kind(row)}, not an object")
+        if col not in row:
             raise ManifestError(f"{where}.{key}: row {i} of {label} has no column '{col}'")
-        system = str(row.get(src.system_field) or "") if src.system_field else ""
+        system = (_text(row.get(src.system_field), f"column '{src.system_field}'",
+                        f"{where}.system_field: row {i} of {label}", null_ok=True)
+                  if src.system_field else "")
         if src.messages_field:
             msgs = row[col]
             if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
                 raise ManifestError(f"{where}.messages_field: row {i} of {label} is not a list of messages")
-            system = system or next((str(m.get("content", "")) for m in msgs if m.get("role") == "system"), "")
-            turns = [str(m.get("content", "")) for m in msgs if m.get("role") == "user"]
+            at = f"{where}.messages_field: row {i} of {label}"
+            said = {r: [_text(m.get("content"), f"message {j} ({r}) content", at)
+                        for j, m in enumerate(msgs) if m.get("role") == r] for r in ("system", "user")}
+            system = system or next(iter(said["system"]), "")
+            turns = said["user"]
             if not turns:
                 continue
         else:
-            turns = [str(row[col])]
+            turns = [_text(row[col], f"column '{col}'", f"{where}.field: row {i} of {label}")]
         out.append({"prompt": turns[0], "later_turns": turns[1:], "system": system, "source": label})
     return out
 
@@ -199,7 +273,13 @@ def load_pool(manifest: Manifest, *, base_dir: str | Path | None = None,
     }
     needs_tokens = any(d.cap_tokens is not None for d in manifest.domains.values())
     counter = token_counter(target) if needs_tokens and target else None
-    return build_pool(manifest, loaded, count_tokens=counter, report=report)
+    report = {} if report is None else report
+    pool = build_pool(manifest, loaded, count_tokens=counter, report=report)
+    for name, c in report.get("domains", {}).items():
+        if not c["kept"] and pool:  # an empty pool as a whole is the caller's error
+            log.warning("domains.%s: no prompt kept (%d rows, %d empty, %d duplicates)", name, c["rows"],
+                        c["empty"], c["exact_duplicates"] + c["near_duplicates"])
+    return pool
 
 
 def raw_text(entry: PoolEntry) -> str:

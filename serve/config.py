@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from eaglenest.config import short
 from eaglenest.errors import ConfigError
 
 
@@ -29,10 +30,11 @@ class ServeConfig:
         for name in ("checkpoint_subdir", "draft_subdir"):
             value = getattr(self, name)
             if not value or value.startswith("/") or ".." in value.split("/"):
-                raise ConfigError(f"serve.{name}: a relative path inside run.workdir, got {value!r}")
+                raise ConfigError(f"serve.{name}: a relative path inside run.workdir, got {short(value)}")
         if self.num_speculative_tokens < 1:
-            raise ConfigError(f"serve.num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
+            raise ConfigError("serve.num_speculative_tokens: must be >= 1, "
+                              f"got {short(self.num_speculative_tokens)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"serve.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len < 16:
-            raise ConfigError(f"serve.max_model_len: must be >= 16, got {self.max_model_len}")
+            raise ConfigError(f"serve.max_model_len: must be >= 16, got {short(self.max_model_len)}")

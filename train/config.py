@@ -7,9 +7,12 @@ Every check names the key to change.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
+from eaglenest.config import short
 from eaglenest.errors import ConfigError
+from eaglenest.runconfig import SEED_RANGE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,25 +88,35 @@ class TrainConfig:
         positive = ("draft_vocab_size", "ttt_steps", "pack_tokens", "batch_rows", "num_epochs",
                     "log_every_steps", "num_threads", "keep_states", "select_prompts_per_domain",
                     "prefetch_batches", "attn_chunk_tokens", "stream_depth")
+        for name in ("step_decay", "lr", "min_lr_ratio", "weight_decay", "grad_clip"):
+            if not math.isfinite(getattr(self, name)):  # NaN would pass every comparison below
+                raise ConfigError(f"train.{name}: must be a finite number")
         if self.sliding_window != "auto" and self.sliding_window < 0:
-            raise ConfigError(f"train.sliding_window: must be >= 0 or 'auto', got {self.sliding_window}")
+            raise ConfigError(f"train.sliding_window: must be >= 0 or 'auto', got {short(self.sliding_window)}")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"train.{name}: must be >= 1, got {short(getattr(self, name))}")
         for name in ("warmup_steps", "num_steps", "weight_decay", "grad_clip", "state_every_steps",
                      "select_every_steps"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(f"train.{name}: must be >= 0, got {short(getattr(self, name))}")
         if not self.lr > 0:
             raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
         if not 0 < self.step_decay <= 1:
             raise ConfigError(f"train.step_decay: must be in (0, 1], got {self.step_decay}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        # Both would fail only once training starts: numpy's generator refuses a negative seed, and
+        # Lance versions are unsigned 64-bit numbers.
+        if self.seed is not None and self.seed not in SEED_RANGE:
+            raise ConfigError(f"train.seed: must be in [0, 2**63) or null, got {short(self.seed)}")
+        if isinstance(self.table_version, int) and not 0 <= self.table_version < 2**63:
+            raise ConfigError("train.table_version: a version number >= 0 or a tag, "
+                              f"got {short(self.table_version)}")
         if self.source not in ("table", "stream"):
-            raise ConfigError(f"train.source: 'table' or 'stream', got {self.source!r}")
+            raise ConfigError(f"train.source: 'table' or 'stream', got {short(self.source)}")
         if not self.output_subdir or "/" in self.output_subdir or self.output_subdir.startswith("."):
-            raise ConfigError(f"train.output_subdir: a plain directory name, got {self.output_subdir!r}")
+            raise ConfigError(f"train.output_subdir: a plain directory name, got {short(self.output_subdir)}")
 
     def flags(self):
         from eaglenest.train.model import DraftFlags

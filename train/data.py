@@ -25,6 +25,7 @@ row carry their own ids and restart rotary positions at 0, so nothing attends ac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -32,6 +33,7 @@ import time
 from typing import Iterator
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from eaglenest.errors import StoreError
@@ -45,14 +47,24 @@ class FeatureShards:
 
     def __init__(self, uri: str, *, version: int | str | None, split: str, pack_tokens: int,
                  batch_rows: int, seed: int, read_threads: int = 2, table: str = "features"):
-        from eaglenest.featurestore import store
+        from eaglenest.featurestore import lease, store
+        from eaglenest.featurestore.integrity import check_version, read_error
         from eaglenest.featurestore.reader import SampleReader
 
         self.ds = store.dataset(uri, table, version)
         self.version = int(self.ds.version)
+        # While this run reads the version, `featurestore gc` keeps it (featurestore/lease.py).
+        self._pin = contextlib.ExitStack()
+        self._pin.enter_context(lease.pin(uri, table, self.version))
         self.meta = S.feature_meta(self.ds.schema)
         self.split = split
-        small = self.ds.to_table(columns=["split", "num_tokens", "num_loss_tokens"])
+        # Before anything is read, this scan included: every data file of the version against its
+        # CRC sidecar (one stat per file once stamped; featurestore/integrity.py).
+        check_version(self.ds, table=table)
+        try:
+            small = self.ds.to_table(columns=["split", "num_tokens", "num_loss_tokens"])
+        except (OSError, pa.ArrowException) as exc:  # a data file without a checksum, damaged
+            raise read_error(self.ds, None, exc) from None
         ok = ((np.asarray(small.column("split").to_pylist()) == split)
               & (small.column("num_loss_tokens").to_numpy() > 0))
         #: dataset offsets of the eligible rows, in table order (``take`` indices).
@@ -65,10 +77,15 @@ class FeatureShards:
         # vLLM concatenates aux states in ascending layer order; reorder if the table does not.
         self.aux_order = aux_order(self.meta.layer_ids)
         # Pooled read buffers: each sample is converted into the batch, then its buffers are reused.
-        self.reader = SampleReader(self.ds, threads=read_threads, recycle=True)
+        self.reader = SampleReader(self.ds, threads=read_threads, recycle=True, integrity="off")  # checked above
         if int((self.lengths > pack_tokens).sum()):
             log.warning("%d samples longer than train.pack_tokens=%d are truncated",
                         int((self.lengths > pack_tokens).sum()), pack_tokens)
+
+    def close(self) -> None:
+        """Stop the reader and release the version's pin (gc may remove the version afterwards)."""
+        self.reader.close()
+        self._pin.close()
 
     @property
     def num_rows(self) -> int:

@@ -235,8 +235,7 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
     finally:
         loader.close()
         bar.close()
-        if cfg.source == "stream":
-            data.close()
+        data.close()  # the stream's engine, or the table reader and its version pin
     loop_s = time.perf_counter() - loop_t0
     stall_fraction = loader.wait_seconds / loop_s if steps_run else 0.0
     tps = tokens_seen / loop_s if steps_run else 0.0

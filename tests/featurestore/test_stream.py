@@ -135,7 +135,7 @@ def test_stream_batches_equal_table_bounded_and_early_close(captured, tiny_targe
 
 
 @pytest.mark.slow
-def test_train_from_stream_equals_table_then_producer_killed(captured, tiny_target, tmp_path):
+def test_train_from_stream_equals_table_then_producer_killed(captured, tiny_target, tmp_path, monkeypatch):
     import psutil
 
     from eaglenest.train.config import TrainConfig
@@ -148,22 +148,38 @@ def test_train_from_stream_equals_table_then_producer_killed(captured, tiny_targ
     ref_loss = [json.loads(x)["loss"] for x in (ref.outdir / "metrics.jsonl").read_text().splitlines()]
     metrics = tmp_path / "stream" / "metrics.jsonl"
     killed = {}
+    # The consumer is held before its 5th capture until the producer is dead: 12 captures are
+    # scheduled, at most 2 (credits) + 2 (the engine's current window) more can reach it, so the
+    # stream cannot end before the kill however fast the trainer or slow the killer. (A kill timed
+    # by polling the metrics raced the trainer: ~2 steps after the 2nd line the engine has sent all.)
+    from eaglenest.featurestore.stream import CaptureStream
+
+    held, release, hold_at, plain_next = threading.Event(), threading.Event(), 4, CaptureStream.next
+
+    def next_held(self):
+        if self.channel.handed == hold_at and not release.is_set():
+            killed["stream"] = self
+            held.set()
+            release.wait(240)
+        return plain_next(self)
+
+    monkeypatch.setattr(CaptureStream, "next", next_held)
 
     def kill_producer_after_two_steps():
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-                for p in psutil.Process().children():
-                    try:
-                        if "eaglenest.featurestore.stream_producer" not in " ".join(p.cmdline()):
-                            continue
-                        killed["pids"] = [p.pid] + [c.pid for c in p.children(recursive=True)]
-                    except psutil.Error:  # e.g. an earlier engine's zombie
-                        continue
-                    killed["at"] = time.monotonic()
-                    os.kill(p.pid, signal.SIGKILL)
+        try:
+            deadline = time.monotonic() + 240
+            if not held.wait(240):
+                return
+            while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+                if time.monotonic() > deadline:
                     return
-            time.sleep(0.05)
+                time.sleep(0.05)
+            proc = killed["stream"].proc
+            killed["pids"] = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+            killed["at"] = time.monotonic()
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            release.set()
 
     killer = threading.Thread(target=kill_producer_after_two_steps, daemon=True)
     killer.start()

@@ -75,7 +75,8 @@ def write_features(uri: str, target_dir: Path, samples, *, layer_ids=LAYER_IDS, 
                          hidden_size=TARGET_SHAPE["hidden_size"], dtype="float32")
     rows = []
     for i, ((ids, mask), (aux, last)) in enumerate(zip(samples, feats)):
-        rows.append(dict(sample_id=f"s{i}", domain="synthetic", source="test", split=split, mode="raw",
+        sid = f"s{i}" if split == "train" else f"{split}-s{i}"  # ids are unique across a table
+        rows.append(dict(sample_id=sid, domain="synthetic", source="test", split=split, mode="raw",
                          gen_params_id="greedy", num_tokens=len(ids), num_loss_tokens=int(sum(mask)),
                          input_ids=list(ids), loss_mask=list(mask),
                          aux_hidden=S.encode_tensor(np.asarray(aux, dtype="<f4"), "float32"),

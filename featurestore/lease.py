@@ -61,7 +61,9 @@ def _remote(uri: str) -> bool:
 def lease_path(uri: str, name: str) -> Path:
     from eaglenest.featurestore.store import check_name
 
-    return Path(uri) / ".eaglenest" / "leases" / f"{check_name(name)}.lease"
+    # Resolved: one file, one key, however the store is spelled ("runs/s", "./runs/s", a symlink).
+    # Opening and closing the same file under a second spelling would drop this process's lock.
+    return Path(uri).resolve() / ".eaglenest" / "leases" / f"{check_name(name)}.lease"
 
 
 def _alive(pid: int) -> bool:
@@ -213,7 +215,7 @@ def create_lock(uri: str, name: str) -> Iterator[None]:
 def _pins_dir(uri: str, name: str) -> Path:
     from eaglenest.featurestore.store import check_name
 
-    return Path(uri) / ".eaglenest" / "pins" / check_name(name)
+    return Path(uri).resolve() / ".eaglenest" / "pins" / check_name(name)
 
 
 @contextlib.contextmanager

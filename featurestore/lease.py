@@ -58,12 +58,13 @@ def _remote(uri: str) -> bool:
     return "://" in uri and not uri.startswith("file://")
 
 
-def lease_path(uri: str, name: str) -> Path:
+def lease_path(uri: str, name: str, kind: str = "lease") -> Path:
+    """The lock file of table ``name``: ``kind`` "lease" (writers), "tags" (tag changes vs gc)."""
     from eaglenest.featurestore.store import check_name
 
     # Resolved: one file, one key, however the store is spelled ("runs/s", "./runs/s", a symlink).
     # Opening and closing the same file under a second spelling would drop this process's lock.
-    return Path(uri).resolve() / ".eaglenest" / "leases" / f"{check_name(name)}.lease"
+    return Path(uri).resolve() / ".eaglenest" / "leases" / f"{check_name(name)}.{kind}"
 
 
 def _alive(pid: int) -> bool:
@@ -120,13 +121,16 @@ def _info_text(purpose: str) -> str:
 
 
 @contextlib.contextmanager
-def hold(uri: str, name: str, *, purpose: str, wait_s: float = 0.0) -> Iterator[None]:
+def hold(uri: str, name: str, *, purpose: str, wait_s: float = 0.0, kind: str = "lease") -> Iterator[None]:
     """Hold table ``name``'s writer lease for the block. Busy for longer than ``wait_s``: a
-    :class:`StoreError` naming the holder (pid, host, since when, what it is doing)."""
+    :class:`StoreError` naming the holder (pid, host, since when, what it is doing).
+
+    ``kind="tags"`` is a second, separate lock that tag changes and ``gc`` take: a tag may be set
+    while a capture writes (tags touch no data), but never while ``gc`` decides what to remove."""
     if _remote(uri):  # object storage: no lease (module docstring)
         yield
         return
-    path = lease_path(uri, name)
+    path = lease_path(uri, name, kind)
     key = str(path)
     with _mutex:
         if key in _held:

@@ -152,7 +152,8 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
 
     if not (older_than_hours >= 0 and grace_hours >= 0) or older_than_hours == float("inf"):
         raise StoreError("featurestore gc: --older-than-hours and --grace-hours must be finite and >= 0")
-    with lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.WAIT_S):
+    with lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.WAIT_S), \
+            lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.WAIT_S, kind="tags"):
         ds = store.dataset(uri, name)  # refuses a rolled-back table
         listed = ds.versions()
         before = [v["version"] for v in listed]

@@ -94,14 +94,17 @@ def test_gc_during_a_write_is_refused_and_loses_nothing(tmp_path, capsys):
     assert f"being written by pid {proc.pid}" in err and "featurestore capture" in err and "since" in err
     assert time.time() - t0 < 10
     assert set(os.listdir(data)) == files_before  # not one uncommitted file deleted
+    # Tags touch no data: they are set while the writer writes (a lock of their own, shared with gc).
+    tagged = versions.set_tag(uri, store.FEATURES, "during-capture", None)
     go.touch()
     out, errs = proc.communicate(timeout=60)
     assert proc.returncode == 0, errs[-2000:]
     assert sorted(_ids(uri)) == sorted(["a", "b"] + [f"held-{i}" for i in range(6)])
     assert maintenance.verify(uri, store.FEATURES)["ok"]
+    assert store.read(uri, store.FEATURES, version="during-capture").num_rows == 2 and tagged == 2
     # Once the writer is gone, gc runs and the table stays whole.
     g = maintenance.gc(uri, store.FEATURES, older_than_hours=0, grace_hours=0)
-    assert g["versions_after"] == [store.latest_version(uri, store.FEATURES)]
+    assert g["versions_after"] == [tagged, store.latest_version(uri, store.FEATURES)]  # the tag kept its version
     assert maintenance.verify(uri, store.FEATURES)["ok"] and len(_ids(uri)) == 8
 
 

@@ -46,8 +46,10 @@ from eaglenest.errors import StoreError
 
 log = logging.getLogger(__name__)
 
-#: How long maintenance verbs and single commits wait for a busy lease before giving up.
+#: How long a single commit (``store.append``, a library writer) waits for a busy lease.
 WAIT_S = 30.0
+#: How long ``compact``, ``gc``, ``restore`` and tag changes wait before saying who holds it.
+MAINTENANCE_WAIT_S = 5.0
 
 _held: dict[str, list] = {}  # lease path -> [fd, depth] for leases this process holds
 _pins: dict[str, int] = {}   # pin file -> version, for pins this process holds

@@ -125,7 +125,7 @@ def compact(uri: str, name: str, *, target_rows_per_fragment: int = 1 << 20) -> 
     the table's writer lease."""
     from eaglenest.featurestore import lease
 
-    with lease.hold(uri, name, purpose="featurestore compact", wait_s=lease.WAIT_S):
+    with lease.hold(uri, name, purpose="featurestore compact", wait_s=lease.MAINTENANCE_WAIT_S):
         ds = store.dataset(uri, name)
         before = len(ds.get_fragments())
         metrics = ds.optimize.compact_files(target_rows_per_fragment=target_rows_per_fragment)
@@ -152,8 +152,8 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
 
     if not (older_than_hours >= 0 and grace_hours >= 0) or older_than_hours == float("inf"):
         raise StoreError("featurestore gc: --older-than-hours and --grace-hours must be finite and >= 0")
-    with lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.WAIT_S), \
-            lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.WAIT_S, kind="tags"):
+    with lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S), \
+            lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
         ds = store.dataset(uri, name)  # refuses a rolled-back table
         listed = ds.versions()
         before = [v["version"] for v in listed]

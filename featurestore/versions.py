@@ -36,7 +36,7 @@ def set_tag(uri: str, name: str, tag: str, version: int | str | None) -> int:
     """Point ``tag`` at ``version`` (latest when None), under the table's tags lock (so ``gc``
     cannot drop the version between the check and the tag; a running capture does not block it)."""
     store.check_tag(tag)
-    with lease.hold(uri, name, purpose="featurestore tags", wait_s=lease.WAIT_S, kind="tags"):
+    with lease.hold(uri, name, purpose="featurestore tags", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
         ds = store.dataset(uri, name, allow_rolled_back=version is not None)
         v = int(store.dataset(uri, name, version).version)
         if tag in ds.tags.list():
@@ -48,7 +48,7 @@ def set_tag(uri: str, name: str, tag: str, version: int | str | None) -> int:
 
 def delete_tag(uri: str, name: str, tag: str) -> None:
     store.check_tag(tag)
-    with lease.hold(uri, name, purpose="featurestore tags", wait_s=lease.WAIT_S, kind="tags"):
+    with lease.hold(uri, name, purpose="featurestore tags", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
         ds = store.dataset(uri, name, allow_rolled_back=True)
         if tag not in ds.tags.list():
             raise StoreError(f"table '{name}' has no tag '{tag}'")
@@ -87,7 +87,7 @@ def restore(uri: str, name: str, version: int | str) -> int:
     Under the table's writer lease (a restore during a capture would drop rows the capture has
     committed while it goes on believing they are stored). On a rolled-back table this is how the
     loss is accepted: the new version becomes the recorded head."""
-    with lease.hold(uri, name, purpose="featurestore restore", wait_s=lease.WAIT_S):
+    with lease.hold(uri, name, purpose="featurestore restore", wait_s=lease.MAINTENANCE_WAIT_S):
         ds = store.dataset(uri, name, version)
         ds.restore()
         new = int(store.dataset(uri, name, allow_rolled_back=True).version)

@@ -62,7 +62,7 @@ def test_second_capture_and_gc_loop_during_a_capture(tmp_path, root, tiny_target
         assert len(err) == 1 and f"being written by pid {first.pid}" in err[0] and "featurestore capture" in err[0]
         assert time.time() - t0 < 120
         # gc with no grace at all, every ~0.3 s while the capture writes and commits: always refused.
-        lease.WAIT_S, refused, saw_uncommitted = 0.1, 0, False
+        lease.MAINTENANCE_WAIT_S, refused, saw_uncommitted = 0.1, 0, False
         data = store.table_path(uri, store.FEATURES) / "data"
         while first.poll() is None:
             if data.is_dir() and store.exists(uri, store.FEATURES):

@@ -84,12 +84,12 @@ def test_gc_during_a_write_is_refused_and_loses_nothing(tmp_path, capsys):
     data = store.table_path(uri, store.FEATURES) / "data"
     files_before = set(os.listdir(data))
     t0 = time.time()
-    lease_wait, lease.WAIT_S = lease.WAIT_S, 0.5
+    lease_wait, lease.MAINTENANCE_WAIT_S = lease.MAINTENANCE_WAIT_S, 0.5
     try:
         code, err = _cli(capsys, "gc", "--older-than-hours", "0", "--grace-hours", "0", f"run.store={uri}",
                          f"run.workdir={tmp_path}")
     finally:
-        lease.WAIT_S = lease_wait
+        lease.MAINTENANCE_WAIT_S = lease_wait
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert f"being written by pid {proc.pid}" in err and "featurestore capture" in err and "since" in err
     assert time.time() - t0 < 10
@@ -164,7 +164,7 @@ MAINTENANCE_LOOP = """
     from eaglenest.errors import StoreError
     from eaglenest.featurestore import lease, maintenance, store, versions
     uri, stop = sys.argv[1], Path(sys.argv[2])
-    lease.WAIT_S = 1.0
+    lease.MAINTENANCE_WAIT_S = 1.0
     counts = {"gc": 0, "compact": 0, "tag": 0, "busy": 0}
     k = 0
     while not stop.exists():

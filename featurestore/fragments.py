@@ -141,12 +141,12 @@ def _is_conflict(exc: Exception) -> bool:
     return "conflict" in text or "retry" in text or "concurrent" in text
 
 
-def fragment_sample_ids(uri: str, name: str, fragments: list) -> list[str]:
-    """``sample_id`` of every row of (uncommitted) ``fragments``, read from their data files."""
+def fragment_sample_ids(uri: str, name: str, fragments: list, ds) -> list[str]:
+    """``sample_id`` of every row of (uncommitted) ``fragments`` of table ``ds``, read from their data files."""
     from lance.file import LanceFileReader
 
     table_dir = store.table_path(uri, name)
-    field = store.dataset(uri, name, allow_rolled_back=True).lance_schema.field("sample_id").id()
+    field = ds.lance_schema.field("sample_id").id()
     ids: list[str] = []
     for frag in fragments:
         files = [f for f in frag.files if field in f.fields]
@@ -192,9 +192,11 @@ def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMet
     ensure_table(uri, name, meta=meta)
     path = str(store.table_path(uri, name))
     with lease.hold(uri, name, purpose="commit", wait_s=lease.WAIT_S):
-        new_ids = fragment_sample_ids(uri, name, fragments)
+        new_ids = None
         for attempt in range(max_retries + 1):
             ds = store.dataset(uri, name)  # refuses a rolled-back table
+            if new_ids is None:
+                new_ids = fragment_sample_ids(uri, name, fragments, ds)
             existing = set(ds.to_table(columns=["sample_id"]).column("sample_id").to_pylist())
             dup = duplicates(new_ids, existing)
             if dup:

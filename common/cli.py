@@ -1,4 +1,5 @@
-"""One small CLI shape for every stage: ``<stage> <subcommand> [--recipe R] [key=value ...]``.
+"""One small CLI shape for every stage: ``<stage> <subcommand> [--recipe R] [key=value ...]``
+(options and overrides in any order).
 
 Each stage declares its subcommands as functions ``fn(recipe, args) -> int`` and calls
 :func:`run`. User errors (:class:`EaglenestError`) become exit code 2 and one line on stderr.
@@ -11,8 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from eaglenest import reaper
@@ -38,6 +41,39 @@ def setup_logging(verbose: int) -> None:
         logging.getLogger("eaglenest").setLevel(logging.INFO)
 
 
+#: Environment variables through which a user already chose how vLLM logs (then left alone).
+VLLM_LOG_ENV = ("VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING")
+
+
+def quiet_vllm(log_dir: Path, verbose: int) -> Path | None:
+    """Without ``-v``, vLLM's INFO lines (its own and its engine processes') go to
+    ``<log_dir>/vllm.log`` and only its warnings reach the console, so eaglenest's progress bars and
+    summaries are what a user sees. Through vLLM's own ``VLLM_LOGGING_CONFIG_PATH`` (inherited by
+    the engine processes), before vLLM is imported. Returns the log file (None: left as it was)."""
+    if verbose or any(k in os.environ for k in VLLM_LOG_ENV):
+        return None
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        config = {
+            "version": 1, "disable_existing_loggers": False,
+            "formatters": {"vllm": {"format": "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"}},
+            "handlers": {
+                "file": {"class": "logging.FileHandler", "filename": str(log_dir / "vllm.log"),
+                         "formatter": "vllm", "level": "INFO"},
+                "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "vllm",
+                            "level": "WARNING"}},
+            "loggers": {"vllm": {"handlers": ["file", "console"], "level": "INFO", "propagate": False}},
+        }
+        path = log_dir / "vllm-logging.json"
+        path.write_text(json.dumps(config, indent=1))
+    except OSError:  # an unwritable run directory is reported by the stage itself
+        os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+        return None
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
+    return log_dir / "vllm.log"
+
+
 def run(prog: str, description: str, commands: dict[str, Command], argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -51,7 +87,13 @@ def run(prog: str, description: str, commands: dict[str, Command], argv: list[st
         p.add_argument("-v", "--verbose", action="count", default=0)
         for flags, kwargs in cmd.args:
             p.add_argument(*flags, **kwargs)
-    args = parser.parse_args(argv)
+    # Options may come before or after the overrides (``al key=v --out D k2=v2``): argparse stops
+    # the positional list at the first option, so overrides after an option are picked up here.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if getattr(args, "overrides", None) is None or any(x.startswith("-") or "=" not in x for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     setup_logging(args.verbose)
     reaper.guard()  # engines and helpers end with this process, even under SIGKILL (common/reaper.py)
     cmd = commands[args.command]
@@ -64,6 +106,9 @@ def run(prog: str, description: str, commands: dict[str, Command], argv: list[st
         if args.dry_run:
             print(json.dumps(recipe.to_dict(), indent=2, sort_keys=True))
             return 0
+        vllm_log = quiet_vllm(recipe.run.path("logs"), args.verbose)
+        if vllm_log is not None:
+            log.debug("vLLM's INFO log: %s (-v shows it on the console)", vllm_log)
         return int(cmd.fn(recipe, args) or 0)
     except EaglenestError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

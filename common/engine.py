@@ -54,7 +54,8 @@ def checkpoint_dtype(model: str) -> str:
     return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
 
 
-def engine_kwargs(cfg: EngineConfig, model: str = "") -> dict[str, Any]:
+def engine_kwargs(cfg: EngineConfig, model: str = "", *, trust_remote_code: bool = False) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments; ``trust_remote_code`` is ``run.trust_remote_code``."""
     return {
         "max_model_len": cfg.max_model_len,
         "gpu_memory_utilization": cfg.memory_fraction,
@@ -63,20 +64,31 @@ def engine_kwargs(cfg: EngineConfig, model: str = "") -> dict[str, Any]:
         "enforce_eager": cfg.enforce_eager,
         "seed": cfg.seed,
         "tensor_parallel_size": cfg.tensor_parallel_size,
+        "trust_remote_code": trust_remote_code,
     }
 
 
-def make_llm(model: str, cfg: EngineConfig, **extra: Any):
-    """A ``vllm.LLM`` for ``model``; ``extra`` adds e.g. ``speculative_config``."""
+def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, **extra: Any):
+    """A ``vllm.LLM`` for ``model``; ``extra`` adds e.g. ``speculative_config``. A local checkpoint
+    that needs its own code is refused before the engine starts unless ``trust_remote_code``."""
     from eaglenest.errors import require
+    from eaglenest.hf import check_remote_code
 
+    check_remote_code(model, trust_remote_code=trust_remote_code)
     require("vllm", "cpu" if not has_cuda() else "cuda")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     from vllm import LLM
 
-    kwargs = {**engine_kwargs(cfg, model), **extra}
+    kwargs = {**engine_kwargs(cfg, model, trust_remote_code=trust_remote_code), **extra}
     log.info("starting vLLM engine for %s", model)
-    return LLM(model=model, **kwargs)
+    try:
+        return LLM(model=model, **kwargs)
+    except ValueError as exc:  # a hub checkpoint with its own code: vLLM reads its config in process
+        from eaglenest.hf import is_refusal, refusal
+
+        if trust_remote_code or not is_refusal(exc):
+            raise
+        raise refusal(model) from None
 
 
 def close_llm(llm) -> None:

@@ -13,6 +13,16 @@ SEED_RANGE = range(0, 2**63)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class TargetKeys:
+    """Names of the target tensors the draft needs, in the target's safetensors. Empty: found from
+    the config and the weight map (nested language towers of multimodal checkpoints included)."""
+
+    embed: str = ""
+    norm: str = ""
+    lm_head: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     #: Directory for every output of this run (store, checkpoints, draft, reports).
     workdir: str = "runs/toy"
@@ -21,6 +31,14 @@ class RunConfig:
     #: LanceDB directory of the feature store; empty means ``<workdir>/store``.
     store: str = ""
     seed: int = 0
+    #: Run the target's own Python code (``auto_map`` in its config / tokenizer_config), as
+    #: transformers' and vLLM's ``trust_remote_code`` do. Off by default: only for checkpoints you trust.
+    trust_remote_code: bool = False
+    #: Override where the draft finds the target's embeddings, final norm and lm_head.
+    target_keys: TargetKeys = TargetKeys()
+    #: The prompts table records which target generated its responses; capture and train refuse
+    #: another target unless this says the data is meant to be off-policy.
+    off_policy: bool = False
 
     def __post_init__(self) -> None:
         if self.seed not in SEED_RANGE:

@@ -22,9 +22,10 @@ from eaglenest.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def _ids(tok, messages: list[dict]) -> list[int]:
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+def _ids(tok, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+    from eaglenest.evaluate.prompts import render
+
+    return render(tok, messages, chat_template_kwargs)
 
 
 def bucket_length(bucket: int, *, max_positions: int, max_tokens: int) -> int:
@@ -33,7 +34,8 @@ def bucket_length(bucket: int, *, max_positions: int, max_tokens: int) -> int:
 
 
 def build_bucket_prompts(tok, material: list[tuple[list[dict], str]], buckets: tuple[int, ...], *,
-                         per_bucket: int, max_positions: int, max_tokens: int, seed: int = 0
+                         per_bucket: int, max_positions: int, max_tokens: int, seed: int = 0,
+                         chat_template_kwargs: dict | None = None
                          ) -> dict[int, list[dict]]:
     """``{bucket: [{"sample_id", "prompt_token_ids", "question_id"}]}`` of exact lengths.
 
@@ -52,7 +54,7 @@ def build_bucket_prompts(tok, material: list[tuple[list[dict], str]], buckets: t
             rng = random.Random(f"{seed}:{bucket}:{i}")
             q_msgs, _ = material[rng.randrange(len(material))]
             question = [m for m in q_msgs if m["role"] == "user"][-1:]
-            tail = _ids(tok, question)
+            tail = _ids(tok, question, chat_template_kwargs)
             bos = 1 if tok.bos_token_id is not None and tail[:1] == [tok.bos_token_id] else 0
             history: list[dict] = []
             body: list[int] = []
@@ -66,7 +68,7 @@ def build_bucket_prompts(tok, material: list[tuple[list[dict], str]], buckets: t
                     history += [m for m in msgs if m["role"] == "user"][-1:]
                     history.append({"role": "assistant", "content": answer})
                 passes += 1
-                full = _ids(tok, history + question)
+                full = _ids(tok, history + question, chat_template_kwargs)
                 body = full[bos:len(full) - (len(tail) - bos)]
             ids = tail[:bos] + body[len(body) - need:] + tail[bos:] if need > 0 else tail[-length:]
             assert len(ids) == length, (len(ids), length)

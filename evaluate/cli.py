@@ -8,9 +8,12 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from eaglenest.cli import Command, run
+
+log = logging.getLogger(__name__)
 
 
 def draft_dir(recipe) -> str:
@@ -18,14 +21,45 @@ def draft_dir(recipe) -> str:
     return recipe.evaluate.draft or str(recipe.run.path(recipe.serve.draft_subdir))
 
 
+def evaluate_config(recipe):
+    """``recipe.evaluate`` with ``chat_template_kwargs`` resolved: as set, or (null) what ingest
+    rendered the training prompts with: ``ingest.chat_template_kwargs`` with the manifest's
+    ``generation.reasoning`` on top (``eaglenest.ingest.reasoning.template_kwargs``)."""
+    import dataclasses
+
+    from eaglenest.errors import ManifestError
+    from eaglenest.ingest.reasoning import template_kwargs
+
+    cfg = recipe.evaluate
+    if cfg.chat_template_kwargs is not None:
+        return cfg
+    reasoning = "default"
+    try:
+        from eaglenest.ingest.manifest import load_manifest
+
+        reasoning = load_manifest(recipe.ingest.manifest).generation.reasoning
+    except ManifestError as exc:  # evaluating without the manifest at hand: the recipe's kwargs alone
+        log.warning("evaluate: manifest not read (%s); rendering with ingest.chat_template_kwargs only", exc)
+    kwargs = template_kwargs(reasoning, recipe.ingest.chat_template_kwargs) or {}
+    return dataclasses.replace(cfg, chat_template_kwargs=kwargs)
+
+
+def _check_target(recipe) -> None:
+    """A target that needs its own code is refused before anything else (run.trust_remote_code)."""
+    from eaglenest.hf import check_remote_code
+
+    check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
+
+
 def cmd_al(recipe, args) -> int:
     from eaglenest.evaluate.report import markdown, write_report
     from eaglenest.evaluate.run import evaluate_al
     from eaglenest.provenance import write_provenance
 
-    cfg, draft = recipe.evaluate, draft_dir(recipe)
+    _check_target(recipe)
+    cfg, draft = evaluate_config(recipe), draft_dir(recipe)
     out = args.out or str(recipe.run.path("eval"))
-    key = _cache_key(recipe, draft)
+    key = _cache_key(recipe, draft, cfg)
     cached = None if args.force else _cached_report(out, key)
     if cached is not None:
         print(f"evaluate: {out}/report.json already measures this draft with these settings "
@@ -33,7 +67,7 @@ def cmd_al(recipe, args) -> int:
         print(markdown(cached))
         return 0
     report = evaluate_al(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri, cfg=cfg,
-                         features_table=recipe.featurestore.table)
+                         features_table=recipe.featurestore.table, trust_remote_code=recipe.run.trust_remote_code)
     report["cache_key"] = key
     write_report(out, report)
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
@@ -41,8 +75,9 @@ def cmd_al(recipe, args) -> int:
     return 0
 
 
-def _cache_key(recipe, draft: str) -> str:
-    """Identity of a measurement: draft and target weights, the evaluate settings, the prompts version."""
+def _cache_key(recipe, draft: str, cfg=None) -> str:
+    """Identity of a measurement: draft and target weights, the evaluate settings (``cfg``: resolved,
+    so the chat-template kwargs count), the prompts version."""
     import hashlib
     import json
     from pathlib import Path
@@ -56,7 +91,9 @@ def _cache_key(recipe, draft: str) -> str:
         for f in sorted(d.glob("*.json")):
             if f.name != "provenance.json":
                 h.update(f.name.encode() + f.read_bytes())
-    h.update(json.dumps({"evaluate": recipe.to_dict()["evaluate"], **_inputs(recipe, draft)},
+    kwargs = getattr(cfg, "chat_template_kwargs", None)  # only when set: earlier keys stay valid
+    h.update(json.dumps({"evaluate": recipe.to_dict()["evaluate"], **_inputs(recipe, draft),
+                         **({"chat_template_kwargs": kwargs} if kwargs else {})},
                         sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
 
@@ -87,9 +124,11 @@ def cmd_throughput(recipe, args) -> int:
     from eaglenest.evaluate.plots import throughput_plot
     from eaglenest.provenance import write_json_atomic, write_provenance
 
+    _check_target(recipe)
     draft = draft_dir(recipe)
     result = run_sweep(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri,
-                       cfg=recipe.evaluate, serve_cfg=recipe.serve, log_dir=recipe.run.path("serve"))
+                       cfg=evaluate_config(recipe), serve_cfg=recipe.serve, log_dir=recipe.run.path("serve"),
+                       trust_remote_code=recipe.run.trust_remote_code)
     out = recipe.run.path(args.out or "throughput")
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "throughput.json", result)
@@ -103,6 +142,7 @@ def cmd_throughput(recipe, args) -> int:
 def cmd_compare(recipe, args) -> int:
     from eaglenest.evaluate.compare import compare
 
+    _check_target(recipe)
     out = recipe.run.path(args.out or "compare")
     print(compare(args.a, args.b, recipe=recipe, outdir=out))
     return 0
@@ -113,14 +153,16 @@ def cmd_offline(recipe, args) -> int:
     from eaglenest.evaluate.prompts import load_prompt_set
     from eaglenest.provenance import write_json_atomic, write_provenance
 
-    cfg, draft = recipe.evaluate, args.draft or draft_dir(recipe)
+    _check_target(recipe)
+    cfg, draft = evaluate_config(recipe), args.draft or draft_dir(recipe)
     if cfg.temperature != 0.0:
         from eaglenest.errors import ConfigError
 
         raise ConfigError(f"evaluate.temperature: offline AL is greedy only (0.0), got {cfg.temperature}")
     groups, info = load_prompt_set(cfg, recipe.run.store_uri)
     report = offline_al(target=recipe.run.target, draft=draft, groups=groups,
-                        num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=cfg.max_tokens)
+                        num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=cfg.max_tokens,
+                        trust_remote_code=recipe.run.trust_remote_code, chat_template_kwargs=cfg.chat_template_kwargs)
     report["prompts"] = info
     out = recipe.run.path(args.out or "eval_offline")
     out.mkdir(parents=True, exist_ok=True)

@@ -23,10 +23,12 @@ def _load(spec: str, recipe) -> dict:
     if (p / "config.json").is_file():
         import dataclasses
 
+        from eaglenest.evaluate.cli import evaluate_config
         from eaglenest.evaluate.run import evaluate_al
 
-        cfg = dataclasses.replace(recipe.evaluate, check_lossless=False)
-        return evaluate_al(target=recipe.run.target, draft=str(p), store_uri=recipe.run.store_uri, cfg=cfg)
+        cfg = dataclasses.replace(evaluate_config(recipe), check_lossless=False)
+        return evaluate_al(target=recipe.run.target, draft=str(p), store_uri=recipe.run.store_uri, cfg=cfg,
+                           trust_remote_code=recipe.run.trust_remote_code)
     raise EaglenestError(f"compare: {spec} is neither a report.json nor an exported draft directory")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 from eaglenest.config import short
 from eaglenest.engine import EngineConfig
@@ -50,6 +50,10 @@ class EvaluateConfig:
     throughput_prompts: int = 16
     throughput_max_tokens: int = 48
     engine: EngineConfig = EngineConfig()
+    #: Extra chat-template variables for every prompt decoded (``{enable_thinking: true}``). null: the
+    #: ones ingest rendered the training prompts with (``ingest.chat_template_kwargs`` and the
+    #: manifest's ``generation.reasoning``), so AL is measured in the mode the draft was trained on.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:

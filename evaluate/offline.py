@@ -65,10 +65,12 @@ def load_draft(draft: str | Path, target_dir: str | Path):
         raise ConfigError(f"evaluate.draft: {draft} is neither an exported draft (config.json + "
                           f"model.safetensors) nor a draft checkpoint ({INFO})")
     raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    # vLLM's ids: top level (exports since serve/formats.py; eagle_config's are SGLang's, id - 1),
+    # else eagle_config's (older exports wrote vLLM's ids there).
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
     if not ids:
-        raise ConfigError(f"evaluate.draft: {path / 'config.json'} has no "
-                          "eagle_config.eagle_aux_hidden_state_layer_ids")
+        raise ConfigError(f"evaluate.draft: {path / 'config.json'} has no eagle_aux_hidden_state_layer_ids")
     cfg = LlamaConfig.from_dict(raw)
     cfg.eagle_aux_layer_ids = [int(i) for i in ids]
     model = Eagle3Draft(cfg)
@@ -84,16 +86,18 @@ def load_draft(draft: str | Path, target_dir: str | Path):
         raise ConfigError(f"evaluate.draft: {path} weights do not match its config "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     with torch.no_grad():  # vLLM shares the target's embeddings with the draft
-        model.embed_tokens.weight.copy_(load_target_tensors(target_dir)["embed"])
+        model.embed_tokens.weight.copy_(load_target_tensors(target_dir, only=("embed",))["embed"])
     return model.eval()
 
 
-def load_target(target_dir: str | Path):
+def load_target(target_dir: str | Path, *, trust_remote_code: bool = False):
     """(HF causal LM in its config dtype, tokenizer, stop token ids as vLLM uses them)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype="auto").eval()
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    from eaglenest.hf import load_causal_lm, load_tokenizer
+
+    model = load_causal_lm(target_dir, trust_remote_code=trust_remote_code, dtype="auto").eval()
+    tok = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
     stops = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     try:
         eos = GenerationConfig.from_pretrained(str(target_dir)).eos_token_id
@@ -103,12 +107,13 @@ def load_target(target_dir: str | Path):
     return model, tok, stops
 
 
-def prompt_ids(tok, prompt: dict) -> list[int]:
+def prompt_ids(tok, prompt: dict, chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a prompt: ``prompt_token_ids`` as given, or the chat template (as vLLM's chat)."""
+    from eaglenest.evaluate.prompts import render
+
     if "prompt_token_ids" in prompt:
         return list(prompt["prompt_token_ids"])
-    text = tok.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+    return render(tok, prompt["messages"], chat_template_kwargs)
 
 
 def _aux(hidden_states, layer_ids) -> torch.Tensor:
@@ -192,19 +197,21 @@ def summarise(results: list[RequestAL]) -> dict:
 
 def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[dict]],
                num_speculative_tokens: int, max_tokens: int, ignore_eos: bool = False,
-               num_threads: int = 1) -> dict:
+               num_threads: int = 1, trust_remote_code: bool = False,
+               chat_template_kwargs: dict | None = None) -> dict:
     """Offline AL per group and overall; ``groups`` as ``evaluate.prompts`` returns them.
 
     Returns ``{"overall": row, "domains": {group: row}, "outputs": {sample_id: token ids}}``,
     rows shaped like ``evaluate_al``'s. ``num_threads``: torch intra-op threads while decoding
     (1 by default: the tensors are small and extra threads spin on a busy machine; measured 18x
-    slower with 2 threads beside another job on 2 cores).
+    slower with 2 threads beside another job on 2 cores). ``trust_remote_code``: ``run.trust_remote_code``;
+    ``chat_template_kwargs``: as ``evaluate.chat_template_kwargs`` resolves.
     """
     if num_speculative_tokens < 1:
         raise ConfigError(f"evaluate.num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
     if max_tokens < 1:
         raise ConfigError(f"evaluate.max_tokens: must be >= 1, got {max_tokens}")
-    model, tok, stops = load_target(target)
+    model, tok, stops = load_target(target, trust_remote_code=trust_remote_code)
     dmodel = load_draft(draft, target).to(next(model.parameters()).dtype)
     if dmodel.config.vocab_size != model.config.vocab_size:
         raise ConfigError(f"evaluate.draft: vocab {dmodel.config.vocab_size} differs from the target's "
@@ -216,7 +223,7 @@ def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[
     try:
         for name, prompts in groups.items():
             res = _decode_group(model, dmodel, tok, name, prompts, k=num_speculative_tokens,
-                                max_tokens=max_tokens, stops=stops)
+                                max_tokens=max_tokens, stops=stops, chat_template_kwargs=chat_template_kwargs)
             domains[name] = summarise(res)
             outputs.update({r.sample_id: r.token_ids for r in res})
             everything += res
@@ -229,8 +236,9 @@ def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[
             "overall": summarise(everything), "domains": domains, "outputs": outputs}
 
 
-def _decode_group(model, dmodel, tok, name, prompts, *, k, max_tokens, stops) -> list[RequestAL]:
-    return [decode(model, dmodel, prompt_ids(tok, p), k=k, max_tokens=max_tokens, stop_ids=stops,
+def _decode_group(model, dmodel, tok, name, prompts, *, k, max_tokens, stops,
+                  chat_template_kwargs=None) -> list[RequestAL]:
+    return [decode(model, dmodel, prompt_ids(tok, p, chat_template_kwargs), k=k, max_tokens=max_tokens, stop_ids=stops,
                    sample_id=p.get("sample_id", f"{name}-{i}")) for i, p in enumerate(prompts)]
 
 

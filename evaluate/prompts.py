@@ -27,6 +27,14 @@ log = logging.getLogger(__name__)
 Groups = dict[str, list[dict]]
 
 
+def render(tok, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a chat prompt as vLLM's ``LLM.chat`` renders it: the target's template with the
+    generation prompt and ``evaluate.chat_template_kwargs`` (resolved, see ``evaluate/cli.py``)."""
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                   **(chat_template_kwargs or {}))
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
 def _keys(messages: list[dict]) -> set[str]:
     """Content keys of a conversation's prompt: the user text alone and with the system prompt."""
     system = "".join(m["content"] for m in messages if m["role"] == "system")

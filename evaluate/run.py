@@ -52,15 +52,17 @@ def _decode(llm, prompts: list[dict], cfg, *, max_tokens: int | None = None, log
     if prompts and "prompt_token_ids" in prompts[0]:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p["prompt_token_ids"]) for p in prompts], sp,
                             use_tqdm=False)
-    else:
-        outs = llm.chat([p["messages"] for p in prompts], sp, use_tqdm=False)
+    else:  # rendered by vLLM with the target's template and evaluate.chat_template_kwargs
+        outs = llm.chat([p["messages"] for p in prompts], sp, use_tqdm=False,
+                        chat_template_kwargs=cfg.chat_template_kwargs or None)
     return list(outs)
 
 
-def _max_positions(target: str) -> int:
-    from transformers import AutoConfig
+def _max_positions(target: str, *, trust_remote_code: bool = False) -> int:
+    from eaglenest.hf import load_config
 
-    return int(getattr(AutoConfig.from_pretrained(target), "max_position_embeddings", 4096))
+    cfg = load_config(target, trust_remote_code=trust_remote_code)
+    return int(getattr(cfg, "max_position_embeddings", 4096))
 
 
 def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = None
@@ -77,18 +79,25 @@ def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = No
     return row, toks, delta
 
 
-def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table: str = "features") -> dict:
+def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table: str = "features",
+                trust_remote_code: bool = False) -> dict:
+    """AL report of ``draft`` on ``target``; ``trust_remote_code`` is ``run.trust_remote_code``, and
+    chat prompts render with ``cfg.chat_template_kwargs`` (resolved by the CLI; None: none)."""
+    from eaglenest.hf import check_remote_code
+
+    check_remote_code(target, trust_remote_code=trust_remote_code)
     if not (Path(draft) / "config.json").is_file():
         raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
     groups, prompt_info = load_prompt_set(cfg, store_uri)
-    max_pos = _max_positions(target)
+    max_pos = _max_positions(target, trust_remote_code=trust_remote_code)
     longest = max((bucket_length(b, max_positions=max_pos, max_tokens=cfg.bucket_max_tokens)
                    for b in cfg.context_buckets), default=0)
     max_len = max(cfg.engine.max_model_len, min(max_pos, longest + cfg.bucket_max_tokens))
     engine = cfg.engine.__class__(**{**cfg.engine.__dict__, "max_model_len": max_len})
     t0 = time.time()
     spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": cfg.num_speculative_tokens}
-    llm = make_llm(target, engine, speculative_config=spec, disable_log_stats=False,
+    llm = make_llm(target, engine, trust_remote_code=trust_remote_code, speculative_config=spec,
+                   disable_log_stats=False,
                    per_request_spec_decode_metrics="summary")
     domains, buckets, outputs, total = {}, {}, {}, SpecCounters(0, 0, 0, ())
     bucket_prompts: dict[int, list[dict]] = {}
@@ -101,7 +110,8 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
             domains[name] = row
             log.info("%s: AL %.3f over %d prompts", name, row["acceptance_length"] or 0, len(prompts))
         if cfg.context_buckets:
-            bucket_prompts = _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos)
+            bucket_prompts = _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos,
+                                             trust_remote_code=trust_remote_code)
             for b, prompts in bucket_prompts.items():
                 row, toks, _ = _measure(llm, prompts, cfg, max_tokens=cfg.bucket_max_tokens, prompt_ids=prompt_ids)
                 row["prompt_tokens"] = len(prompts[0]["prompt_token_ids"])
@@ -115,6 +125,7 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
     report = {
         "target": target, "draft": draft, "split": cfg.split, "prompts": prompt_info,
         "num_speculative_tokens": cfg.num_speculative_tokens, "temperature": cfg.temperature,
+        "chat_template_kwargs": cfg.chat_template_kwargs or {},
         "max_tokens": cfg.max_tokens, "bucket_max_tokens": cfg.bucket_max_tokens,
         "al_average": AVERAGES["acceptance_length"], "averages": AVERAGES,
         "overall": {"prompts": len(overall_prompts), **total.summary(),
@@ -123,7 +134,8 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
     }
     pred: dict = {}
     if cfg.check_lossless:
-        report["lossless"], probs = _check_lossless(target, engine, groups, bucket_prompts, outputs, cfg)
+        report["lossless"], probs = _check_lossless(target, engine, groups, bucket_prompts, outputs, cfg,
+                                                    trust_remote_code=trust_remote_code)
         pred.update(predictability(report, groups, bucket_prompts, probs))
     if cfg.ngram_order > 0:
         pred.update(ngram_predictability(report, groups, bucket_prompts, outputs, prompt_ids, cfg,
@@ -234,11 +246,11 @@ def _merge_per_request(rows: list[dict]) -> dict:
             "acceptance_by_position_per_request": [round(x, 4) for x in pos]}
 
 
-def _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos):
+def _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos, *, trust_remote_code=False):
     """Held-out (prompt, answer) material: reuse the held-out decode, or decode held-out prompts."""
-    from transformers import AutoTokenizer
+    from eaglenest.hf import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(target)
+    tok = load_tokenizer(target, trust_remote_code=trust_remote_code)
     if cfg.prompt_set == "heldout":
         pool = [p for ps in groups.values() for p in ps]
     else:  # other prompt sets: the target answers held-out prompts once (not part of the report)
@@ -247,14 +259,16 @@ def _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos):
         outputs = {**outputs, **{p["sample_id"]: list(r.outputs[0].token_ids) for p, r in zip(pool, outs)}}
     material = [(p["messages"], tok.decode(outputs[p["sample_id"]], skip_special_tokens=True)) for p in pool]
     return build_bucket_prompts(tok, material, tuple(cfg.context_buckets), per_bucket=cfg.bucket_prompts,
-                                max_positions=max_pos, max_tokens=cfg.bucket_max_tokens, seed=cfg.engine.seed)
+                                max_positions=max_pos, max_tokens=cfg.bucket_max_tokens, seed=cfg.engine.seed,
+                                chat_template_kwargs=cfg.chat_template_kwargs)
 
 
-def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, cfg) -> tuple[dict, dict]:
+def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, cfg, *,
+                    trust_remote_code: bool = False) -> tuple[dict, dict]:
     """Decode without speculation; (lossless summary, {sample_id: probability of each output token})."""
     import math
 
-    llm = make_llm(target, engine)
+    llm = make_llm(target, engine, trust_remote_code=trust_remote_code)
     try:
         prompts = [p for ps in groups.values() for p in ps]
         outs = [r.outputs[0] for r in _decode(llm, prompts, cfg, logprobs=0)]

@@ -27,9 +27,12 @@ import time
 log = logging.getLogger(__name__)
 
 
-async def _one(client, url: str, messages: list[dict], max_tokens: int, seed: int) -> dict:
+async def _one(client, url: str, messages: list[dict], max_tokens: int, seed: int,
+               chat_template_kwargs: dict | None = None) -> dict:
     body = {"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "seed": seed, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if chat_template_kwargs:
+        body["chat_template_kwargs"] = chat_template_kwargs
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
@@ -46,7 +49,8 @@ async def _one(client, url: str, messages: list[dict], max_tokens: int, seed: in
     return {"ttft_s": ttft if ttft is not None else e2e, "e2e_s": e2e, "output_tokens": tokens}
 
 
-async def _point(url: str, prompts: list[dict], *, concurrency: int, max_tokens: int, seed: int) -> dict:
+async def _point(url: str, prompts: list[dict], *, concurrency: int, max_tokens: int, seed: int,
+                 chat_template_kwargs: dict | None = None) -> dict:
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -55,7 +59,7 @@ async def _point(url: str, prompts: list[dict], *, concurrency: int, max_tokens:
 
     async def run(p):
         async with sem:
-            return await _one(client, url, p["messages"], max_tokens, seed)
+            return await _one(client, url, p["messages"], max_tokens, seed, chat_template_kwargs)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         t0 = time.perf_counter()
@@ -99,10 +103,12 @@ def summarise(points: dict[str, dict[int, list[dict]]]) -> tuple[dict[str, list[
 
 
 def sweep(urls: dict[str, str], prompts: list[dict], *, concurrency: tuple[int, ...], seeds: tuple[int, ...],
-          max_tokens: int, num_requests: int) -> dict[str, dict[int, list[dict]]]:
+          max_tokens: int, num_requests: int, chat_template_kwargs: dict | None = None
+          ) -> dict[str, dict[int, list[dict]]]:
     """Raw points ``{mode: {concurrency: [point per seed]}}``; the modes alternate at every point."""
     for url in urls.values():  # warm-up
-        asyncio.run(_point(url, prompts[:1], concurrency=1, max_tokens=4, seed=0))
+        asyncio.run(_point(url, prompts[:1], concurrency=1, max_tokens=4, seed=0,
+                           chat_template_kwargs=chat_template_kwargs))
     points: dict[str, dict[int, list[dict]]] = {mode: {} for mode in urls}
     for c in concurrency:
         n = max(num_requests, c)
@@ -110,13 +116,15 @@ def sweep(urls: dict[str, str], prompts: list[dict], *, concurrency: tuple[int, 
         for i, seed in enumerate(seeds):
             order = list(urls) if i % 2 == 0 else list(urls)[::-1]
             for mode in order:
-                pt = asyncio.run(_point(urls[mode], batch, concurrency=c, max_tokens=max_tokens, seed=seed))
+                pt = asyncio.run(_point(urls[mode], batch, concurrency=c, max_tokens=max_tokens, seed=seed,
+                                        chat_template_kwargs=chat_template_kwargs))
                 points[mode].setdefault(c, []).append({**pt, "requests": n, "seed": seed})
                 log.info("concurrency %d seed %d %s: %.1f tok/s", c, seed, mode, pt["output_tokens_per_s"])
     return points
 
 
-def run_sweep(*, target: str, draft: str, store_uri: str, cfg, serve_cfg, log_dir) -> dict:
+def run_sweep(*, target: str, draft: str, store_uri: str, cfg, serve_cfg, log_dir,
+              trust_remote_code: bool = False) -> dict:
     import contextlib
 
     from eaglenest.evaluate.prompts import load_prompt_set
@@ -129,10 +137,12 @@ def run_sweep(*, target: str, draft: str, store_uri: str, cfg, serve_cfg, log_di
         for mode, d in (("baseline", None), ("speculative", draft)):
             server = Server(target, draft=d, num_speculative_tokens=cfg.num_speculative_tokens,
                             memory_fraction=cfg.engine.memory_fraction, max_model_len=cfg.engine.max_model_len,
-                            max_num_seqs=max(cfg.engine.max_num_seqs, max(cfg.concurrency)), log_dir=log_dir)
+                            max_num_seqs=max(cfg.engine.max_num_seqs, max(cfg.concurrency)), log_dir=log_dir,
+                            trust_remote_code=trust_remote_code)
             urls[mode] = stack.enter_context(server).url
         points = sweep(urls, prompts, concurrency=tuple(cfg.concurrency), seeds=tuple(cfg.throughput_seeds),
-                       max_tokens=cfg.throughput_max_tokens, num_requests=cfg.throughput_prompts)
+                       max_tokens=cfg.throughput_max_tokens, num_requests=cfg.throughput_prompts,
+                       chat_template_kwargs=cfg.chat_template_kwargs)
     modes, speedup = summarise(points)
     return {"target": target, "draft": draft, "num_speculative_tokens": cfg.num_speculative_tokens,
             "max_tokens": cfg.throughput_max_tokens, "seeds": list(cfg.throughput_seeds),

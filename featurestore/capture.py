@@ -51,14 +51,15 @@ def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], num_layers: int) -
     return ids
 
 
-def capture_llm(target: str, capture_ids: list[int], engine: EngineConfig, *, spool: str, extra: dict | None = None):
+def capture_llm(target: str, capture_ids: list[int], engine: EngineConfig, *, spool: str, extra: dict | None = None,
+                trust_remote_code: bool = False):
     """A vLLM engine whose ``extract_hidden_states`` proposer hands ``capture_ids`` (aux layers +
     the last) to the eaglenest connector, which spools them under ``spool`` (``extra``: more
     connector settings, e.g. the stream's publish socket)."""
     from eaglenest.featurestore import connector
 
     return make_llm(
-        target, engine,
+        target, engine, trust_remote_code=trust_remote_code,
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -76,12 +77,14 @@ def capture_llm(target: str, capture_ids: list[int], engine: EngineConfig, *, sp
 class Capturer:
     """A live vLLM engine that returns hidden states for token sequences. Use as a context manager."""
 
-    def __init__(self, target: str, layer_ids: tuple[int, ...], num_layers: int, engine: EngineConfig):
+    def __init__(self, target: str, layer_ids: tuple[int, ...], num_layers: int, engine: EngineConfig, *,
+                 trust_remote_code: bool = False):
         self.layer_ids = tuple(layer_ids)
         self.capture_ids = [*self.layer_ids, num_layers]
         self._spool = Path(tempfile.mkdtemp(prefix="eaglenest-capture-"))
         self.num_forward_passes = 0
-        self.llm = capture_llm(target, self.capture_ids, engine, spool=str(self._spool))
+        self.llm = capture_llm(target, self.capture_ids, engine, spool=str(self._spool),
+                               trust_remote_code=trust_remote_code)
 
     def __enter__(self) -> "Capturer":
         return self

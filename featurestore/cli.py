@@ -16,16 +16,18 @@ from eaglenest.cli import Command, run
 
 def cmd_capture(recipe, args) -> int:
     from eaglenest.featurestore.build import capture
+    from eaglenest.hf import check_remote_code
     from eaglenest.paths import ensure_writable
     from eaglenest.provenance import write_json_atomic, write_provenance
 
+    check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)  # fail fast
     ensure_writable(recipe.run.path("featurestore"), "run.workdir")  # before the engine starts
     ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
     ingest_stats = recipe.run.path("ingest") / "stats.json"
     manifest_hash = json.loads(ingest_stats.read_text()).get("manifest_hash") if ingest_stats.is_file() else None
     lineage = {"manifest_hash": manifest_hash, "prompts_version": _version(recipe.run.store_uri, "prompts")}
     stats = capture(target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.featurestore,
-                    lineage=lineage)
+                    lineage=lineage, off_policy=recipe.run.off_policy, trust_remote_code=recipe.run.trust_remote_code)
     out = recipe.run.path("featurestore")
     write_json_atomic(out / "stats.json", stats)
     write_provenance(out, config=recipe.to_dict(), inputs={

@@ -242,7 +242,7 @@ class CaptureStream:
 
     def __init__(self, target: str, *, layer_ids, num_layers: int, engine, sequences: list[list[int]],
                  depth: int = 8, window: int = 0, poll_s: float = 0.5, log_path: str | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, trust_remote_code: bool = False):
         import dataclasses
 
         self.proc = None
@@ -252,7 +252,7 @@ class CaptureStream:
                                check=self._check_producer, poll_s=poll_s)
         spec = {"target": str(target), "layer_ids": [int(i) for i in layer_ids], "num_layers": int(num_layers),
                 "engine": dataclasses.asdict(engine), "socket": self.channel.path, "storage_dir": str(self._dir),
-                "window": max(1, min(window or depth, depth)),
+                "window": max(1, min(window or depth, depth)), "trust_remote_code": bool(trust_remote_code),
                 "sequences": [[int(t) for t in s] for s in sequences]}
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(self.log_path, "ab") as logf:

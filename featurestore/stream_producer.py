@@ -71,7 +71,8 @@ def run(spec: dict) -> int:
     threading.Thread(target=_watch_consumer, args=(state,), name="eaglenest-stream-control", daemon=True).start()
     state["llm"] = llm = capture_llm(spec["target"], [*spec["layer_ids"], spec["num_layers"]],
                                      EngineConfig(**spec["engine"]), spool=spec["storage_dir"],
-                                     extra={stream.PUBLISH_KEY: spec["socket"]})
+                                     extra={stream.PUBLISH_KEY: spec["socket"]},
+                                     trust_remote_code=bool(spec.get("trust_remote_code", False)))
     seqs, window = spec["sequences"], int(spec["window"])
     try:
         for start in range(0, len(seqs), window):

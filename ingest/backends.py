@@ -56,9 +56,12 @@ class Failure:
     error: str
 
 
-def chat_kwargs(gen: Generation) -> dict | None:
-    """``chat_template_kwargs`` for the manifest's reasoning switch (None: template default)."""
-    return None if gen.reasoning == "default" else {"enable_thinking": gen.reasoning == "on"}
+def chat_kwargs(gen: Generation, base: dict | None = None) -> dict | None:
+    """``chat_template_kwargs``: the recipe's ``base`` with the manifest's reasoning switch on top
+    (None: the template's defaults). See :mod:`eaglenest.ingest.reasoning`."""
+    from eaglenest.ingest.reasoning import template_kwargs
+
+    return template_kwargs(gen.reasoning, base)
 
 
 class LocalBackend:
@@ -69,8 +72,10 @@ class LocalBackend:
     core runs in its own process, so it keeps generating while this process writes and commits.
     """
 
-    def __init__(self, llm, *, max_in_flight: int = 0):
+    def __init__(self, llm, *, max_in_flight: int = 0, chat_template_kwargs: dict | None = None):
         self.llm = llm
+        #: ``ingest.chat_template_kwargs``, merged with each request's reasoning switch.
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         #: Requests kept queued in the engine (0: four times the engine's ``max_num_seqs``).
         self.max_in_flight = max_in_flight or 4 * llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
         self._pending: dict[str, object] = {}  # the caller's request id -> the caller's key
@@ -92,7 +97,7 @@ class LocalBackend:
         try:
             if kind == "chat":
                 (rid,) = self.llm.enqueue_chat([payload], params, use_tqdm=False,
-                                               chat_template_kwargs=chat_kwargs(gen))
+                                               chat_template_kwargs=chat_kwargs(gen, self.chat_template_kwargs))
             else:
                 (rid,) = self.llm.enqueue([payload], params, use_tqdm=False)
         except Exception as exc:  # noqa: BLE001 - vLLM refuses one request (too long, bad input): report it
@@ -125,7 +130,7 @@ class LocalBackend:
 
     def chat(self, conversations: list[list[dict]], gen: Generation) -> list[Completion | Failure]:
         outs = self.llm.chat(conversations, self._params(gen), use_tqdm=False,
-                             chat_template_kwargs=chat_kwargs(gen))
+                             chat_template_kwargs=chat_kwargs(gen, self.chat_template_kwargs))
         return [self._done(o) for o in outs]
 
     def complete(self, texts: list[str], gen: Generation) -> list[Completion | Failure]:
@@ -198,7 +203,8 @@ class EndpointBackend:
 
     def __init__(self, urls: list[str], *, target: str, api_key_env: str = "", timeout_s: float = 120.0,
                  max_retries: int = 3, backoff_s: float = 0.5, in_flight_per_endpoint: int = 8,
-                 allow_remote: bool = False, max_in_flight: int = 0, allow_plaintext_key: bool = False):
+                 allow_remote: bool = False, max_in_flight: int = 0, allow_plaintext_key: bool = False,
+                 chat_template_kwargs: dict | None = None, trust_remote_code: bool = False):
         self.urls = check_endpoints(urls, allow_remote=allow_remote, key_sent=bool(api_key_env),
                                     allow_plaintext=allow_plaintext_key)
         if not self.urls:
@@ -211,6 +217,8 @@ class EndpointBackend:
                 log.warning("ingest.allow_plaintext_api_key: the API key goes over plain http to %s", host)
         self._opener = urllib.request.build_opener(_SameOriginRedirects())
         self.target, self.timeout_s = target, timeout_s
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.trust_remote_code = trust_remote_code
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.workers = in_flight_per_endpoint * len(self.urls)
         #: Requests queued at once when streaming (0: twice the concurrent HTTP requests).
@@ -264,11 +272,16 @@ class EndpointBackend:
                 body = {"model": self._model(base), **self._sampling(gen)}
                 if kind == "chat":
                     body["messages"] = payload
-                    if chat_kwargs(gen):
-                        body["chat_template_kwargs"] = chat_kwargs(gen)
+                    kwargs = chat_kwargs(gen, self.chat_template_kwargs)
+                    if kwargs:
+                        body["chat_template_kwargs"] = kwargs
                     r = self._post(base, "/v1/chat/completions", body)
                     choice = r["choices"][0]
                     text, ids = choice["message"].get("content") or "", choice.get("token_ids")
+                    if ids and (choice["message"].get("reasoning_content") or choice["message"].get("reasoning")):
+                        # a server with --reasoning-parser moves the thinking out of `content`; the
+                        # stored text keeps it, as the token ids do
+                        text = self._tokenizer().decode(ids, skip_special_tokens=True)
                 else:
                     body["prompt"] = payload
                     r = self._post(base, "/v1/completions", body)
@@ -295,16 +308,20 @@ class EndpointBackend:
         with self._lock:
             if base in self._checked:
                 return
-            if self._tok is None:
-                from transformers import AutoTokenizer
-
-                self._tok = AutoTokenizer.from_pretrained(self.target)
-            want = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False, **(chat_kwargs(gen) or {}))
+            want = self._tokenizer().apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                **(chat_kwargs(gen, self.chat_template_kwargs) or {}))
             if list(want) != done.prompt_ids:
                 raise ConfigError(f"ingest.endpoints: {base} renders prompts differently from the target "
                                   f"{self.target}'s chat template; start it with the same model")
             self._checked.add(base)
+
+    def _tokenizer(self):
+        if self._tok is None:
+            from eaglenest.hf import load_tokenizer
+
+            self._tok = load_tokenizer(self.target, trust_remote_code=self.trust_remote_code)
+        return self._tok
 
     def _map(self, kind: str, payloads: list, gen: Generation) -> list[Completion | Failure]:
         with ThreadPoolExecutor(max_workers=min(self.workers, max(1, len(payloads)))) as pool:

@@ -11,37 +11,42 @@ skips ids already in the table. So a killed run loses at most the shards in flig
 are uncommitted garbage, never visible), and a shard whose Dask worker died is simply run again
 elsewhere, its lost fragments never committed: no row can appear twice. Failed prompts (backend
 errors after retries) are not written, reported per prompt in the stats, and retried by the next
-run. No engine is started when nothing is left to do.
+run. Chat answers cut off inside an open think block (``reasoning.py``) are not written either; they
+are counted per domain and recorded in ``dropped_path`` under their ``gen_params_id``, so a re-run
+with the same generation settings skips them instead of regenerating them to the same cut-off (new
+settings, e.g. a larger ``max_tokens``, give a new id and try them again). No engine is started
+when nothing is left to do.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import time
+from pathlib import Path
 
 import pyarrow as pa
 from tqdm import tqdm
 
 from eaglenest import faults
-from eaglenest.errors import StoreError
-from eaglenest.featurestore import schema, store
+from eaglenest.errors import ConfigError, StoreError
+from eaglenest.featurestore import policy, schema, store
 from eaglenest.ingest.config import IngestConfig
 from eaglenest.ingest.manifest import Generation, Manifest
 from eaglenest.ingest.pool import PoolEntry
-from eaglenest.ingest.regen import gen_params_id, heldout_row, regenerate, stream
+from eaglenest.ingest.regen import Dropped, gen_params_id, heldout_row, regenerate, stream
 
 log = logging.getLogger(__name__)
 
 
-def chat_template(target: str) -> str:
-    from transformers import AutoTokenizer
+def chat_template(target: str, *, trust_remote_code: bool = False) -> str:
+    from eaglenest.hf import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(target)
-    return tok.chat_template or ""
+    return load_tokenizer(target, trust_remote_code=trust_remote_code).chat_template or ""
 
 
-def make_backend(cfg: IngestConfig, target: str):
+def make_backend(cfg: IngestConfig, target: str, *, trust_remote_code: bool = False):
     from eaglenest.ingest import backends
 
     if cfg.backend == "endpoints":
@@ -49,10 +54,12 @@ def make_backend(cfg: IngestConfig, target: str):
             cfg.endpoints, target=target, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
             max_retries=cfg.max_retries, backoff_s=cfg.retry_backoff_s,
             in_flight_per_endpoint=cfg.in_flight_per_endpoint, allow_remote=cfg.allow_remote_endpoints,
-            max_in_flight=cfg.max_in_flight, allow_plaintext_key=cfg.allow_plaintext_api_key)
+            max_in_flight=cfg.max_in_flight, allow_plaintext_key=cfg.allow_plaintext_api_key,
+            chat_template_kwargs=cfg.chat_template_kwargs, trust_remote_code=trust_remote_code)
     from eaglenest.engine import make_llm
 
-    return backends.LocalBackend(make_llm(target, cfg.engine), max_in_flight=cfg.max_in_flight)
+    return backends.LocalBackend(make_llm(target, cfg.engine, trust_remote_code=trust_remote_code),
+                                 max_in_flight=cfg.max_in_flight, chat_template_kwargs=cfg.chat_template_kwargs)
 
 
 def write_rows(store_uri: str, rows: list[dict]) -> list:
@@ -68,52 +75,74 @@ def commit(store_uri: str, fragments: list, lineage: dict) -> int:
     return commit_fragments(store_uri, store.PROMPTS, fragments, lineage=lineage)
 
 
-def shard_result(fragments: list, rows: list[dict], failures: list[dict]) -> dict:
+def shard_result(fragments: list, rows: list[dict], failures: list[dict], dropped: list[dict] = ()) -> dict:
     """What an executor reports for one shard (its written, uncommitted fragments and counts)."""
-    return {"fragments": fragments, "rows": len(rows), "failures": failures,
+    return {"fragments": fragments, "rows": len(rows), "failures": failures, "dropped": list(dropped),
             "tokens": sum(len(r["response_token_ids"]) for r in rows)}
 
 
-def run_shard(backend, store_uri: str, entries: list[PoolEntry], gen: Generation, gen_id: str) -> dict:
+def run_shard(backend, store_uri: str, entries: list[PoolEntry], gen: Generation, gen_id: str, *,
+              think=None) -> dict:
     """Regenerate one shard and write its fragments (not committed): the unit an executor runs."""
-    rows, failures = regenerate(backend, entries, gen, gen_id)
-    return shard_result(write_rows(store_uri, rows) if rows else [], rows, failures)
+    dropped: list[dict] = []
+    rows, failures = regenerate(backend, entries, gen, gen_id, think=think, dropped=dropped)
+    return shard_result(write_rows(store_uri, rows) if rows else [], rows, failures, dropped)
 
 
 def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, cfg: IngestConfig,
-          backend=None, client=None) -> dict:
+          backend=None, client=None, off_policy: bool = False, trust_remote_code: bool = False,
+          dropped_path: str | Path | None = None) -> dict:
     """Regenerate what is missing from the prompts table; return the run's stats.
 
     ``backend`` (in-process executor) or ``client`` (a ``distributed.Client``, Dask executor) reuse a
     running engine or cluster instead of starting one; the caller keeps and closes it. The run holds
     the prompts table's writer lease throughout (``featurestore/lease.py``): what is missing is
     decided once at the start and stays true, so two ingests at once cannot both regenerate and
-    append the same prompts; the second is refused, naming the first.
+    append the same prompts; the second is refused, naming the first. Each commit records the
+    generating target (``featurestore/policy.py``); responses from a different target than those
+    already stored are refused unless ``off_policy``. ``dropped_path``: the JSON file of
+    conversations dropped for truncated thinking (read to skip them, then updated).
     """
     from eaglenest.featurestore import lease
 
     with lease.hold(store_uri, store.PROMPTS, purpose="ingest build", wait_s=5):
-        return _build(manifest, pool, target=target, store_uri=store_uri, cfg=cfg, backend=backend, client=client)
+        return _build(manifest, pool, target=target, store_uri=store_uri, cfg=cfg, backend=backend, client=client,
+                      off_policy=off_policy, trust_remote_code=trust_remote_code, dropped_path=dropped_path)
 
 
 def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, cfg: IngestConfig,
-           backend=None, client=None) -> dict:
+           backend=None, client=None, off_policy: bool = False, trust_remote_code: bool = False,
+           dropped_path=None) -> dict:
+    from eaglenest.hf import load_tokenizer
+    from eaglenest.ingest.backends import chat_kwargs
+    from eaglenest.ingest.reasoning import ThinkCheck, resolve_tags
+
     t0 = time.time()
-    gen_id = gen_params_id(manifest.generation, chat_template(target))
+    chat_kwargs(manifest.generation, cfg.chat_template_kwargs)  # a contradiction is refused before any work
+    if backend is not None and getattr(backend, "chat_template_kwargs", {}) != dict(cfg.chat_template_kwargs):
+        raise ConfigError("ingest.chat_template_kwargs: the backend given renders with other kwargs "
+                          "(build it with make_backend, or with the same chat_template_kwargs)")
+    tok = load_tokenizer(target, trust_remote_code=trust_remote_code)
+    gen_id = gen_params_id(manifest.generation, tok.chat_template or "", cfg.chat_template_kwargs)
+    think = ThinkCheck(*resolve_tags(cfg.think_tags, tok), target=target, trust_remote_code=trust_remote_code)
+    earlier = _read_dropped(dropped_path)
+    skipped = earlier.get(gen_id, {})
     try:
         done = store.sample_ids(store_uri, store.PROMPTS)
     except OSError as exc:
         raise StoreError(f"run.store_uri: cannot read the prompts table in {store_uri} ({exc})") from None
-    todo = [e for e in pool if e.sample_id not in done]
+    todo = [e for e in pool if e.sample_id not in done and e.sample_id not in skipped]
     heldout = [e for e in todo if e.split == "heldout"]
     train = [e for e in todo if e.split == "train"]
+    if train:  # responses are about to be added: they must come from the same target as those stored
+        policy.check_prompts(store_uri, target, off_policy=off_policy, stage="ingest build")
     lineage = {"stage": "ingest", "manifest": manifest.name, "manifest_hash": manifest.content_hash(),
-               "gen_params_id": gen_id}
+               "gen_params_id": gen_id, **policy.lineage_record(target)}
     if heldout:
         _guarded(lambda: commit(store_uri, write_rows(store_uri, [heldout_row(e, gen_id) for e in heldout]),
                                 {**lineage, "shard": "heldout"}), store_uri)
     shards = [train[i:i + cfg.commit_every] for i in range(0, len(train), cfg.commit_every)]
-    totals = {"rows": 0, "tokens": 0, "failures": [], "retries": 0}
+    totals = {"rows": 0, "tokens": 0, "failures": [], "retries": 0, "dropped": []}
     if shards:
         runner = _run_dask if cfg.executor == "dask" else _run_inprocess
         # disable=None: no bar when stderr is not a terminal (logs keep one line per event)
@@ -125,6 +154,7 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
                 totals["rows"] += res["rows"]
                 totals["tokens"] += res["tokens"]
                 totals["failures"] += res["failures"]
+                totals["dropped"] += res.get("dropped", [])
                 totals["retries"] += res.get("retries", 0)
                 bar.update(len(shards[k]))
                 bar.set_postfix(tok_s=f"{totals['tokens'] / max(time.time() - t0, 1e-9):.0f}",
@@ -132,13 +162,20 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
 
             extra = {"client": client} if cfg.executor == "dask" else {"backend": backend}
             runner(shards, cfg=cfg, target=target, store_uri=store_uri, gen=manifest.generation,
-                   gen_id=gen_id, on_result=on_result, **extra)
-    columns = ["domain", "split", "finish_reason"]
+                   gen_id=gen_id, on_result=on_result, think=think, trust_remote_code=trust_remote_code, **extra)
+    if totals["dropped"] and dropped_path is not None:
+        earlier[gen_id] = {**skipped, **{d["sample_id"]: d["domain"] for d in totals["dropped"]}}
+        _write_dropped(dropped_path, earlier)
+    columns = ["domain", "split", "finish_reason", "gen_params_id"]
     stored = store.exists(store_uri, store.PROMPTS)  # not when nothing was held out and every request failed
     table = (store.read(store_uri, store.PROMPTS, columns=columns) if stored
              else schema.PROMPTS_SCHEMA.empty_table().select(columns))
     counts = collections.Counter(zip(table.column("domain").to_pylist(), table.column("split").to_pylist()))
     truncated = sum(1 for f in table.column("finish_reason").to_pylist() if f == "length")
+    # Responses of every generation setting in the table: more than one means rows generated with
+    # other settings (sampling, template, chat_template_kwargs) sit beside these; the CLI warns.
+    answered = [g for g, f in zip(table.column("gen_params_id").to_pylist(), table.column("finish_reason").to_pylist())
+                if f]
     return {
         "manifest": manifest.name, "manifest_hash": manifest.content_hash(), "gen_params_id": gen_id,
         "backend": cfg.backend, "executor": cfg.executor, "shards": len(shards),
@@ -146,11 +183,36 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
         "regenerated": totals["rows"], "heldout_written": len(heldout), "generated_tokens": totals["tokens"],
         "failed": len(totals["failures"]), "failures": totals["failures"], "retries": totals["retries"],
         "truncated_responses": truncated,
+        "gen_params_ids": dict(sorted(collections.Counter(answered).items())),
+        "thinking_truncated": {
+            "tags": [think.open_tag, think.close_tag], "dropped": len(totals["dropped"]),
+            "per_domain": dict(sorted(collections.Counter(d["domain"] for d in totals["dropped"]).items())),
+            "skipped_from_earlier_runs": sum(e.sample_id in skipped for e in pool if e.sample_id not in done),
+        },
         "weights": {d: c.weight for d, c in manifest.domains.items()},
         "counts": {f"{d}/{s}": n for (d, s), n in sorted(counts.items())},
         "prompts_table_version": store.latest_version(store_uri, store.PROMPTS) if stored else None,
         "seconds": round(time.time() - t0, 2),
     }
+
+
+def _read_dropped(path) -> dict[str, dict[str, str]]:
+    """``{gen_params_id: {sample_id: domain}}`` of earlier runs' drops (empty if no file)."""
+    if path is None or not Path(path).is_file():
+        return {}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError:
+        log.warning("%s is not valid JSON: earlier drops are tried again", path)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_dropped(path, data: dict) -> None:
+    from eaglenest.provenance import write_json_atomic
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(Path(path), data)
 
 
 def _guarded(fn, store_uri: str):
@@ -162,19 +224,23 @@ def _guarded(fn, store_uri: str):
                          f"{str(exc).splitlines()[0][:300]}; no partial version was committed") from None
 
 
-def _run_inprocess(shards, *, cfg, target, store_uri, gen, gen_id, on_result, backend=None) -> None:
+def _run_inprocess(shards, *, cfg, target, store_uri, gen, gen_id, on_result, backend=None, think=None,
+                   trust_remote_code: bool = False) -> None:
     """Stream every shard's prompts through one backend; write + commit each shard as it completes."""
     own = backend is None
-    backend = backend or make_backend(cfg, target)
+    backend = backend or make_backend(cfg, target, trust_remote_code=trust_remote_code)
     where = {e.sample_id: (k, i) for k, shard in enumerate(shards) for i, e in enumerate(shard)}
     left = [len(s) for s in shards]
     rows: dict[int, dict[int, dict]] = {k: {} for k in range(len(shards))}
     failures: dict[int, list] = {k: [] for k in range(len(shards))}
+    dropped: dict[int, list] = {k: [] for k in range(len(shards))}
     retries = getattr(backend, "retries", 0)
     try:
-        for e, r, err in stream(backend, (e for shard in shards for e in shard), gen, gen_id):
+        for e, r, err in stream(backend, (e for shard in shards for e in shard), gen, gen_id, think=think):
             k, i = where[e.sample_id]
-            if r is None:
+            if isinstance(err, Dropped):
+                dropped[k].append({"sample_id": e.sample_id, "domain": e.domain, "reason": str(err)})
+            elif r is None:
                 failures[k].append({"sample_id": e.sample_id, "error": err})
             else:
                 rows[k][i] = r
@@ -184,7 +250,7 @@ def _run_inprocess(shards, *, cfg, target, store_uri, gen, gen_id, on_result, ba
             got = rows.pop(k)
             done = [got[i] for i in sorted(got)]  # entry order: the same fragments as a batch run
             res = shard_result(_guarded(lambda: write_rows(store_uri, done), store_uri) if done else [],
-                               done, failures.pop(k))
+                               done, failures.pop(k), dropped.pop(k))
             now = getattr(backend, "retries", 0)
             res["retries"], retries = now - retries, now
             on_result(k, res)
@@ -193,8 +259,9 @@ def _run_inprocess(shards, *, cfg, target, store_uri, gen, gen_id, on_result, ba
             backend.close()
 
 
-def _run_dask(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None) -> None:
+def _run_dask(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None, think=None,
+              trust_remote_code: bool = False) -> None:
     from eaglenest.ingest import dask_executor
 
     dask_executor.run(shards, cfg=cfg, target=target, store_uri=store_uri, gen=gen, gen_id=gen_id,
-                      on_result=on_result, client=client)
+                      on_result=on_result, client=client, think=think, trust_remote_code=trust_remote_code)

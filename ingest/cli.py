@@ -47,15 +47,20 @@ def cmd_validate(recipe, args) -> int:
 
 def cmd_build(recipe, args) -> int:
     from eaglenest.config import to_dict
+    from eaglenest.hf import check_remote_code
     from eaglenest.ingest import contamination
+    from eaglenest.ingest.backends import chat_kwargs
     from eaglenest.ingest.build import build
     from eaglenest.ingest.pool import load_pool
     from eaglenest.paths import ensure_writable
     from eaglenest.provenance import write_json_atomic, write_provenance
 
+    check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)  # fail fast
     manifest = _manifest(recipe, args)
+    chat_kwargs(manifest.generation, recipe.ingest.chat_template_kwargs)  # refuses a contradiction
     pool_report: dict = {}
-    pool = load_pool(manifest, target=recipe.run.target, report=pool_report)  # all before anything is written
+    pool = load_pool(manifest, target=recipe.run.target, report=pool_report,  # all before anything is written
+                     trust_remote_code=recipe.run.trust_remote_code)
     pool, report = contamination.check(pool, manifest)
     if not pool:
         n = {k: sum(c[k] for c in pool_report["domains"].values()) for k in ("rows", "empty", "kept")}
@@ -65,7 +70,9 @@ def cmd_build(recipe, args) -> int:
     out = recipe.run.path("ingest")
     ensure_writable(out, "run.workdir")  # before any engine starts or anything is committed
     ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
-    stats = build(manifest, pool, target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.ingest)
+    stats = build(manifest, pool, target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.ingest,
+                  off_policy=recipe.run.off_policy, trust_remote_code=recipe.run.trust_remote_code,
+                  dropped_path=out / "thinking_truncated.json")
     stats["contamination"] = report
     stats["pool"] = pool_report
     write_json_atomic(out / "stats.json", stats)
@@ -82,6 +89,16 @@ def cmd_build(recipe, args) -> int:
     if failures:
         print(f"ingest: warning: {len(failures)} of {len(failures) + stats['regenerated']} requests failed "
               f"(not stored; the next run retries them); first error: {first}", file=sys.stderr)
+    if len(stats["gen_params_ids"]) > 1:
+        print(f"ingest: warning: the prompts table holds responses of {len(stats['gen_params_ids'])} generation "
+              f"settings ({stats['gen_params_ids']}; this run: {stats['gen_params_id']}): rows regenerated with "
+              "other sampling, template or chat_template_kwargs are mixed; use a new run.store to keep them "
+              "apart", file=sys.stderr)
+    cut = stats["thinking_truncated"]
+    if cut["dropped"]:
+        print(f"ingest: warning: {cut['dropped']} answers hit generation.max_tokens inside an open think block "
+              f"({cut['per_domain']}): dropped, and not retried with these generation settings; raise "
+              f"generation.max_tokens to keep them", file=sys.stderr)
     return 0
 
 

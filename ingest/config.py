@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 from eaglenest.engine import EngineConfig
 
@@ -39,6 +39,15 @@ class IngestConfig:
     #: Dask scheduler address (``tcp://host:8786``); "" starts a LocalCluster of ``dask_workers``.
     dask_scheduler: str = ""
     dask_workers: int = 2
+    #: Extra variables for the target's chat template, e.g. ``{enable_thinking: true}``: sent with
+    #: every chat request (local engine and endpoints) and used by ``evaluate``; part of the
+    #: responses' ``gen_params_id``. The manifest's ``generation.reasoning`` on/off sets
+    #: ``enable_thinking`` on top (a contradiction is refused). See ``ingest/reasoning.py``.
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: ``[open, close]`` think tags of a reasoning target; empty: a known pair found in the target's
+    #: chat template or added tokens, else ``<think>`` / ``</think>``. Answers cut off by max_tokens
+    #: inside an open think block are dropped and counted per domain.
+    think_tags: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Validate at config time, naming the key, so a bad value fails before any engine starts."""
@@ -54,6 +63,12 @@ class IngestConfig:
             raise ConfigError(f"ingest.request_timeout_s: {self.request_timeout_s} must be a finite number > 0")
         if not (math.isfinite(self.retry_backoff_s) and self.retry_backoff_s >= 0):
             raise ConfigError(f"ingest.retry_backoff_s: {self.retry_backoff_s} must be a finite number >= 0")
+        if self.think_tags and (len(self.think_tags) != 2 or not all(self.think_tags)
+                                or self.think_tags[0] == self.think_tags[1]):
+            from eaglenest.config import short
+
+            raise ConfigError(f"ingest.think_tags: two different, non-empty tags [open, close], "
+                              f"got {short(self.think_tags)}")
         if self.backend == "endpoints":
             from eaglenest.ingest.backends import check_endpoints
 

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 _BACKENDS: dict[str, object] = {}
 
 
-def _shard_task(cfg, target: str, store_uri: str, entries, gen, gen_id: str) -> dict:
+def _shard_task(cfg, target: str, store_uri: str, entries, gen, gen_id: str, think=None,
+                trust_remote_code: bool = False) -> dict:
     """Runs on a worker. Hook for the fault tests: ``EAGLENEST_TEST_SHARD_STARTED`` names a
     directory where the task drops ``<pid>`` before working, so a test can kill that process."""
     from eaglenest.ingest.build import make_backend, run_shard
@@ -30,12 +31,12 @@ def _shard_task(cfg, target: str, store_uri: str, entries, gen, gen_id: str) -> 
     marker_dir = os.environ.get("EAGLENEST_TEST_SHARD_STARTED")
     if marker_dir:
         open(os.path.join(marker_dir, f"{os.getpid()}-{entries[0].sample_id}"), "w").close()
-    key = repr((cfg, target))
+    key = repr((cfg, target, trust_remote_code))
     if key not in _BACKENDS:
-        _BACKENDS[key] = make_backend(cfg, target)
+        _BACKENDS[key] = make_backend(cfg, target, trust_remote_code=trust_remote_code)
     backend = _BACKENDS[key]
     before = getattr(backend, "retries", 0)
-    res = run_shard(backend, store_uri, entries, gen, gen_id)
+    res = run_shard(backend, store_uri, entries, gen, gen_id, think=think)
     res["retries"] = getattr(backend, "retries", 0) - before
     return res
 
@@ -78,15 +79,16 @@ def close(client) -> None:
         cluster.close()
 
 
-def run(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None) -> None:
+def run(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None, think=None,
+        trust_remote_code: bool = False) -> None:
     """Submit every shard; call ``on_result(k, result)`` on the driver as each finishes."""
     from distributed import as_completed
 
     own = client is None
     client = client or client_for(cfg)
     try:
-        futures = {client.submit(_shard_task, cfg, target, store_uri, shard, gen, gen_id, pure=False,
-                                 key=f"ingest-shard-{k}-{shard[0].sample_id}"): k
+        futures = {client.submit(_shard_task, cfg, target, store_uri, shard, gen, gen_id, think, trust_remote_code,
+                                 pure=False, key=f"ingest-shard-{k}-{shard[0].sample_id}"): k
                    for k, shard in enumerate(shards)}
         for fut in as_completed(futures):
             on_result(futures[fut], fut.result())

@@ -257,22 +257,23 @@ def _heldout_keys(manifest: Manifest, domain: str, chosen: list[str]) -> set[str
     return set(sorted(chosen, key=lambda k: _unit(k, "heldout"))[: int(value)])
 
 
-def token_counter(target: str) -> Callable[[str], int]:
-    from transformers import AutoTokenizer
+def token_counter(target: str, *, trust_remote_code: bool = False) -> Callable[[str], int]:
+    from eaglenest.hf import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(target)
+    tok = load_tokenizer(target, trust_remote_code=trust_remote_code)
     return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
 
 
 def load_pool(manifest: Manifest, *, base_dir: str | Path | None = None,
-              target: str | None = None, report: dict | None = None) -> list[PoolEntry]:
+              target: str | None = None, report: dict | None = None,
+              trust_remote_code: bool = False) -> list[PoolEntry]:
     loaded = {
         name: [r for i, s in enumerate(d.sources)
                for r in load_source(s, where=f"domains.{name}.sources[{i}]", base_dir=base_dir)]
         for name, d in manifest.domains.items()
     }
     needs_tokens = any(d.cap_tokens is not None for d in manifest.domains.values())
-    counter = token_counter(target) if needs_tokens and target else None
+    counter = token_counter(target, trust_remote_code=trust_remote_code) if needs_tokens and target else None
     report = {} if report is None else report
     pool = build_pool(manifest, loaded, count_tokens=counter, report=report)
     for name, c in report.get("domains", {}).items():

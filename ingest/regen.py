@@ -11,7 +11,10 @@ as soon as turn ``t - 1`` is answered, its history holding the target's *own* ea
 stored row is the whole conversation in ``messages_json``; its token ids are those of the last turn
 (prompt = the full rendered history, response = the last answer), so the loss covers the final
 assistant turn while earlier on-policy answers are context. A request that fails (after the
-backend's retries) drops its whole conversation from this run and is reported per prompt.
+backend's retries) drops its whole conversation from this run and is reported per prompt. A chat
+answer cut off by ``max_tokens`` inside an open think block (``reasoning.ThinkCheck``) drops its
+conversation too, as a :class:`Dropped` reason rather than a failure: it is counted per domain and
+not retried (the same generation settings would cut it off again).
 """
 
 from __future__ import annotations
@@ -28,18 +31,30 @@ from eaglenest.ingest.pool import PoolEntry, raw_text
 log = logging.getLogger(__name__)
 
 
-def gen_params_id(gen: Generation, chat_template: str) -> str:
-    """Identity of how responses were produced (sampling + template), stored with every row."""
+class Dropped(str):
+    """A reason a conversation was left out on purpose (not a failure): counted, not retried."""
+
+
+THINKING_TRUNCATED = Dropped("thinking truncated: max_tokens reached inside an open think block")
+
+
+def gen_params_id(gen: Generation, chat_template: str, chat_template_kwargs: dict | None = None) -> str:
+    """Identity of how responses were produced (sampling + template + the recipe's
+    ``ingest.chat_template_kwargs``), stored with every row."""
     spec = {"temperature": gen.temperature, "max_tokens": gen.max_tokens, "seed": gen.seed,
             "chat_template_sha256": hashlib.sha256(chat_template.encode()).hexdigest()}
     if gen.reasoning != "default":  # keeps ids of existing runs unchanged
         spec["reasoning"] = gen.reasoning
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    if chat_template_kwargs:  # likewise: only present when set
+        spec["chat_template_kwargs"] = chat_template_kwargs
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def stream(backend, entries: Iterable[PoolEntry], gen: Generation, gen_id: str
+def stream(backend, entries: Iterable[PoolEntry], gen: Generation, gen_id: str, *, think=None
            ) -> Iterator[tuple[PoolEntry, dict | None, str | None]]:
     """``(entry, row, None)`` or ``(entry, None, error)`` for each entry, as its conversation finishes.
+    ``error`` is a :class:`Dropped` for a chat answer ``think`` (a ``reasoning.ThinkCheck``) finds
+    cut off inside its think block, at any turn.
 
     Keeps up to the backend's ``max_in_flight`` requests queued in it, raw and
     chat mixed, drawing new entries as others finish: the engine is never drained between batches.
@@ -69,6 +84,10 @@ def stream(backend, entries: Iterable[PoolEntry], gen: Generation, gen_id: str
                 if isinstance(c, Failure):
                     yield e, None, (c.error if e.mode == "raw" else f"turn {turn}: {c.error}")
                     continue
+                if think is not None and e.mode == "chat" and think.truncated(c.prompt_ids, c.response_ids,
+                                                                              c.finish_reason):
+                    yield e, None, THINKING_TRUNCATED
+                    continue
                 history = messages + [{"role": "assistant", "content": c.text}]
                 if e.mode == "chat" and turn < len(e.later_turns):  # the target's own answer, then the next turn
                     live[sid] = (e, history + [{"role": "user", "content": e.later_turns[turn]}], turn + 1)
@@ -81,12 +100,17 @@ def stream(backend, entries: Iterable[PoolEntry], gen: Generation, gen_id: str
             backend.cancel()
 
 
-def regenerate(backend, entries: list[PoolEntry], gen: Generation, gen_id: str) -> tuple[list[dict], list[dict]]:
-    """``(rows, failures)``: rows for the prompts table in entry order, and ``{sample_id, error}``."""
+def regenerate(backend, entries: list[PoolEntry], gen: Generation, gen_id: str, *, think=None,
+               dropped: list | None = None) -> tuple[list[dict], list[dict]]:
+    """``(rows, failures)``: rows for the prompts table in entry order, and ``{sample_id, error}``.
+    Conversations dropped on purpose go to ``dropped`` (``{sample_id, domain, reason}``), if given."""
     done: dict[str, dict] = {}
     failures = []
-    for e, r, err in stream(backend, entries, gen, gen_id):
-        if r is None:
+    for e, r, err in stream(backend, entries, gen, gen_id, think=think):
+        if isinstance(err, Dropped):
+            if dropped is not None:
+                dropped.append({"sample_id": e.sample_id, "domain": e.domain, "reason": str(err)})
+        elif r is None:
             failures.append({"sample_id": e.sample_id, "error": err})
         else:
             done[e.sample_id] = r

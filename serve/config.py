@@ -20,17 +20,35 @@ class ServeConfig:
     #: "fp8": linears as float8_e4m3fn with per-output-channel fp32 scales (compressed-tensors
     #: format vLLM loads); norms, lm_head and the vocab maps stay at ``dtype``.
     quantization: Literal["none", "fp8"] = "none"
+    #: "vllm": the ``LlamaForCausalLMEagle3`` directory (vLLM, SGLang); "speculators": speculators'
+    #: own Eagle-3 checkpoint (``speculators_config`` + ``transformer_layer_config``), which vLLM
+    #: also serves directly (docs/serve.md, "Formats").
+    format: Literal["vllm", "speculators"] = "vllm"
     #: vLLM speculative decoding settings (used by the load check and the evaluate stage).
     num_speculative_tokens: int = 3
+    #: ``serve up`` listens here, as ``vllm serve`` does by default (port 0: any free port).
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: Model name clients send; empty: the target's own name (run.target), vLLM's default.
+    served_model_name: str = ""
     #: On CPU: fraction of the NUMA node's RAM reserved for the KV cache.
     gpu_memory_utilization: float = 0.15
     max_model_len: int = 2048
+    #: ``serve push``: Hugging Face Hub repo ("namespace/name"), its visibility when created, and
+    #: the branch to commit to (created when missing). The token comes from HF_TOKEN or the login.
+    hub_repo_id: str = ""
+    hub_visibility: Literal["private", "public"] = "private"
+    hub_revision: str = "main"
 
     def __post_init__(self) -> None:
         for name in ("checkpoint_subdir", "draft_subdir"):
             value = getattr(self, name)
             if not value or value.startswith("/") or ".." in value.split("/"):
                 raise ConfigError(f"serve.{name}: a relative path inside run.workdir, got {short(value)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"serve.port: 0..65535, got {short(self.port)}")
+        if not self.host or any(c.isspace() for c in self.host):
+            raise ConfigError(f"serve.host: an address to listen on, got {short(self.host)}")
         if self.num_speculative_tokens < 1:
             raise ConfigError("serve.num_speculative_tokens: must be >= 1, "
                               f"got {short(self.num_speculative_tokens)}")
@@ -38,3 +56,8 @@ class ServeConfig:
             raise ConfigError(f"serve.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len < 16:
             raise ConfigError(f"serve.max_model_len: must be >= 16, got {short(self.max_model_len)}")
+        if self.format == "speculators" and self.quantization != "none":
+            raise ConfigError("serve.format: speculators checkpoints carry no quantised weights; "
+                              "use serve.format=vllm with serve.quantization=fp8")
+        if not self.hub_revision or any(c.isspace() for c in self.hub_revision):
+            raise ConfigError(f"serve.hub_revision: a branch name, got {short(self.hub_revision)}")

@@ -4,18 +4,21 @@ The one boundary between eaglenest's training module and the serving format. Out
 
 * ``config.json``: a one-layer Llama config (``architectures: ["LlamaForCausalLMEagle3"]``) with
   the target's shape, rope settings and max_position_embeddings, ``vocab_size`` = target vocab,
-  ``draft_vocab_size``, ``target_hidden_size``, ``eagle_config`` (aux layer ids in vLLM's
-  convention, ``use_aux_hidden_state``), the EAGLE-3.1 flags and ``torch_dtype``.
+  ``draft_vocab_size``, ``target_hidden_size``, the aux layer ids (top-level
+  ``eagle_aux_hidden_state_layer_ids`` in vLLM's convention, ``eagle_config``'s in SGLang's: see
+  ``serve/formats.py``), ``use_aux_hidden_state``, the EAGLE-3.1 flags and ``torch_dtype``.
 * ``model.safetensors``: ``fc.weight`` (+ ``input_norm.weight`` / ``fc_norm.{i}.weight`` when the
   3.1 flags are on), ``midlayer.*`` in HF Llama names, ``norm.weight``, ``lm_head.weight``,
   ``d2t`` (int64 offsets: target = draft + d2t[draft]) and ``t2d`` (bool; vLLM skips it). No
   ``embed_tokens``: vLLM shares the target's.
 * ``README.md`` (model card) and ``provenance.json``.
 
-With ``serve.quantization=fp8`` the draft's linears (``fc``, midlayer q/k/v/o, gate/up/down) are
-written as float8_e4m3fn ``weight`` + float32 per-output-channel ``weight_scale`` and config.json
-gets compressed-tensors' ``quantization_config`` (``serve/fp8.py`` says why this format and why
-``lm_head`` stays at the export dtype).
+With ``serve.format=speculators`` the same weights are written in speculators' own Eagle-3 layout
+(``speculators_config`` + ``transformer_layer_config``, ``layers.0.*``; ``serve/formats.py``), which
+vLLM also serves directly. With ``serve.quantization=fp8`` the draft's linears (``fc``, midlayer
+q/k/v/o, gate/up/down) are written as float8_e4m3fn ``weight`` + float32 per-output-channel
+``weight_scale`` and config.json gets compressed-tensors' ``quantization_config`` (``serve/fp8.py``
+says why this format and why ``lm_head`` stays at the export dtype).
 
 vLLM renames ``midlayer.`` to ``layers.0.``, stacks q/k/v into ``qkv_proj`` and gate/up into
 ``gate_up_proj``, and loads ``d2t`` into ``draft_id_to_target_id`` (tests/serve checks this
@@ -35,13 +38,16 @@ import torch
 
 from eaglenest.errors import ConfigError
 from eaglenest.provenance import write_json_atomic, write_provenance
+from eaglenest.serve import formats
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-#: Keys copied verbatim from the target's config.json (shape and positional encoding).
-FROM_TARGET = ("hidden_act", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
-               "bos_token_id", "eos_token_id", "pad_token_id", "attention_bias", "mlp_bias")
+#: Keys copied verbatim from the target's (language) config.json. The rotary settings are not
+#: among them: they come from the draft's own config, so vLLM serves the rotary the draft was
+#: trained with (a partial rotary included; train/model.py ``draft_rope``).
+FROM_TARGET = ("hidden_act", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+               "attention_bias", "mlp_bias")
 FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,13 +69,16 @@ def draft_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype: 
         "target_hidden_size": d["target_hidden_size"],
         "rms_norm_eps": d["rms_norm_eps"],
         "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(info["layer_ids"]),
-                         "use_aux_hidden_state": True},
+        **formats.aux_layer_keys(list(info["layer_ids"])),
         "torch_dtype": dtype,
     }
     for key in FROM_TARGET:
         if target_cfg.get(key) is not None:
             cfg[key] = target_cfg[key]
+    rope = d.get("rope_parameters") or {}
+    cfg["rope_parameters"] = rope
+    if rope.get("rope_theta") is not None:
+        cfg["rope_theta"] = rope["rope_theta"]  # readers that predate rope_parameters
     for flag in FLAGS:
         cfg[flag] = bool(d.get(flag, False))
     if "sliding_attention" in (d.get("layer_types") or ()):  # train.sliding_window (vLLM's Llama reads both)
@@ -81,9 +90,11 @@ def draft_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype: 
 
 
 def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str | Path,
-                 dtype: str = "auto", quantization: str = "none", argv: list[str] | None = None,
+                 dtype: str = "auto", quantization: str = "none", format: formats.Format = "vllm",
+                 num_speculative_tokens: int = 3, argv: list[str] | None = None,
                  recipe: dict[str, Any] | None = None) -> Path:
-    """Write the vLLM draft directory ``out_dir`` from checkpoint ``ckpt_dir``; returns out_dir."""
+    """Write the draft directory ``out_dir`` (``format``: vLLM's or speculators' layout) from
+    checkpoint ``ckpt_dir``; returns out_dir."""
     from safetensors.torch import load_file, save_file
 
     from eaglenest.train.checkpoint import WEIGHTS, read_info
@@ -97,8 +108,20 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
         raise ConfigError(f"serve.dtype: cannot export as {dtype!r} (one of {', '.join(DTYPES)})")
     if quantization not in ("none", "fp8"):
         raise ConfigError(f"serve.quantization: one of none, fp8; got {quantization!r}")
+    if format not in ("vllm", "speculators") or (format == "speculators" and quantization != "none"):
+        raise ConfigError(f"serve.format: vllm, or speculators without quantization; got {format!r}")
     cfg = draft_hf_config(info, target_cfg, dtype=dtype)
+    written = cfg
+    if format == "speculators":
+        written = formats.speculators_config(cfg, verifier=str(target_dir),
+                                             verifier_architectures=target_cfg.get("architectures") or [],
+                                             num_speculative_tokens=num_speculative_tokens)
+    notes = formats.reader_notes(cfg, format, target_layers=int(target_cfg["num_hidden_layers"]))
+    for reader, note in notes:
+        log.warning("%s: %s", reader, note)
     state = load_file(str(Path(ckpt_dir) / WEIGHTS))
+    info.setdefault("num_parameters", sum(t.numel() for n, t in state.items()
+                                          if t.is_floating_point() and not n.startswith("embed_tokens.")))
     tensors = {}
     for name, t in state.items():
         if name.startswith("embed_tokens."):
@@ -111,56 +134,71 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
 
         tensors = fp8.quantise_state(tensors)
         cfg["quantization_config"] = fp8.quantization_config()
+    if format == "speculators":
+        tensors = formats.speculators_tensors(tensors)
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    write_json_atomic(tmp / "config.json", cfg)
+    write_json_atomic(tmp / "config.json", written)
+    meta = info.get("feature_meta") or {}
     inputs = {"checkpoint": str(ckpt_dir), "step": info.get("step"), "store_uri": info.get("store_uri"),
-              "table": "features", "version": info.get("table_version"), "target": str(target_dir)}
-    write_provenance(tmp, config=recipe or {"serve": {"dtype": dtype, "quantization": quantization}},
-                     argv=argv, inputs=inputs)
-    (tmp / "README.md").write_text(model_card(cfg, info, inputs), encoding="utf-8")
+              "table": info.get("table") or "features", "version": info.get("table_version"),
+              "target": str(target_dir), "feature_set_id": meta.get("feature_set_id"),
+              "feature_identity": meta.get("identity")}
+    write_provenance(tmp, config=recipe or {"serve": {"dtype": dtype, "quantization": quantization,
+                                                      "format": format}},
+                     argv=argv, inputs=inputs, extra={"format": format})
+    (tmp / "README.md").write_text(model_card(cfg, info, inputs, format=format, notes=notes), encoding="utf-8")
     # Replace the whole directory at once so vLLM never reads a half-written draft.
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
-    log.info("exported draft (%s%s, %d tensors) to %s", dtype, ", fp8 linears" if quantization == "fp8" else "",
-             len(tensors), out_dir)
+    log.info("exported draft (%s format, %s%s, %d tensors) to %s", format, dtype,
+             ", fp8 linears" if quantization == "fp8" else "", len(tensors), out_dir)
     return out_dir
 
 
-def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]) -> str:
+def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any], *,
+               format: formats.Format = "vllm", notes: list[tuple[str, str]] = ()) -> str:
     m = info.get("metrics") or {}
     acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc", [])) or "n/a"
+    window = f"{cfg['sliding_window']} tokens" if "sliding_window" in cfg else "none (full attention)"
     return f"""# EAGLE-3 draft head (eaglenest)
 
-Speculative-decoding draft for the target `{inputs['target']}`, in vLLM's `{ARCHITECTURE}` format.
-
-```python
-from vllm import LLM
-llm = LLM(model="{inputs['target']}",
-          speculative_config={{"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": 3}})
-```
+{formats.usage_text(format, inputs['target'], ARCHITECTURE)}
 
 | | |
 |---|---|
-| aux layers (vLLM ids) | {cfg['eagle_config']['eagle_aux_hidden_state_layer_ids']} |
+| aux layers (vLLM ids) | {cfg['eagle_aux_hidden_state_layer_ids']} |
 | draft vocab | {cfg['draft_vocab_size']} of {cfg['vocab_size']} target ids (coverage of loss tokens: {info.get('vocab_coverage', float('nan')):.3f}) |
-| hidden / heads / kv heads | {cfg['hidden_size']} / {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} |
+| parameters | {info.get('num_parameters', 0):,} (target embeddings shared, not counted) |
+| hidden / heads / kv heads / head dim / MLP | {cfg['hidden_size']} / {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / {cfg['head_dim']} / {cfg['intermediate_size']} |
+| rotary | {_rope_text(cfg['rope_parameters'])} |
 | EAGLE-3.1 flags | {', '.join(f for f in FLAGS if cfg[f]) or 'none'} |
 | dtype | {cfg['torch_dtype']}{' (linears: FP8 e4m3, per-channel scales, compressed-tensors)' if 'quantization_config' in cfg else ''} |
 | trained steps | {info.get('step')} (TTT steps {info.get('train_config', {}).get('ttt_steps')}) |
-| features | `{inputs['store_uri']}` table `features` version {inputs['version']} |
+| sliding window | {window} |
+| features | `{inputs['store_uri']}` table `{inputs['table']}` version {inputs['version']} |
 | last logged loss | {m.get('loss', float('nan')):.4f} |
 | last logged per-step top-1 accuracy | {acc} |
 
 `d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`. Full provenance in `provenance.json`.
+
+{formats.readers_text(cfg, format, notes, inputs['target'])}
+
 Training configuration:
 
 ```json
 {json.dumps(info.get('train_config', {}), indent=2, sort_keys=True)}
 ```
 """
+
+
+def _rope_text(rope: dict[str, Any]) -> str:
+    text = f"{rope.get('rope_type', 'default')}, theta {rope.get('rope_theta')}"
+    if rope.get("partial_rotary_factor"):
+        text += f", partial {rope['partial_rotary_factor']} of each head"
+    return text

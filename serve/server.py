@@ -27,22 +27,36 @@ from eaglenest.errors import EaglenestError
 log = logging.getLogger(__name__)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse, with the key to change, a port something else already listens on."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise EaglenestError(f"serve.port: cannot listen on {host}:{port} ({e.strerror or e}); set "
+                                 "serve.port=<free port> (0 picks one) or serve.host") from None
 
 
 def server_argv(target: str, *, port: int, draft: str | None, num_speculative_tokens: int,
                 memory_fraction: float, max_model_len: int, dtype: str = "auto", max_num_seqs: int = 64,
-                served_name: str = "target", seed: int = 0) -> list[str]:
+                served_name: str = "target", seed: int = 0, trust_remote_code: bool = False,
+                host: str = "127.0.0.1") -> list[str]:
     from eaglenest.engine import checkpoint_dtype
 
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
-            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", served_name, "--host", host, "--port", str(port),
             "--gpu-memory-utilization", str(memory_fraction), "--max-model-len", str(max_model_len),
             "--max-num-seqs", str(max_num_seqs), "--enforce-eager", "--seed", str(seed),
             "--dtype", checkpoint_dtype(target) if dtype == "auto" else dtype]
+    if trust_remote_code:  # run.trust_remote_code: the target's own Python code (eaglenest.hf)
+        argv.append("--trust-remote-code")
     if draft:
         spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": num_speculative_tokens}
         argv += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
@@ -50,18 +64,31 @@ def server_argv(target: str, *, port: int, draft: str | None, num_speculative_to
 
 
 class Server:
-    """A running vLLM OpenAI server; ``url`` is its base URL (``http://127.0.0.1:PORT``)."""
+    """A running vLLM OpenAI server; ``url`` is its base URL (``http://HOST:PORT``).
+
+    ``port`` 0 picks a free port (what evaluation uses); ``served_name`` is the model name clients
+    send (``serve up`` uses the target's own name, as vLLM does by default)."""
 
     def __init__(self, target: str, *, draft: str | None = None, num_speculative_tokens: int = 3,
                  memory_fraction: float = 0.15, max_model_len: int = 2048, log_dir: str | Path = ".",
-                 startup_timeout_s: float = 300.0, max_num_seqs: int = 64, dtype: str = "auto"):
+                 startup_timeout_s: float = 300.0, max_num_seqs: int = 64, dtype: str = "auto",
+                 trust_remote_code: bool = False, host: str = "127.0.0.1", port: int = 0,
+                 served_name: str = "target"):
+        from eaglenest.hf import check_remote_code
+
         if draft and not (Path(draft) / "config.json").is_file():
             raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        check_remote_code(target, trust_remote_code=trust_remote_code)
+        if port:
+            check_port(host, port)
+        self.port = port or free_port(host)
+        self.served_name = served_name
+        # Clients on this machine reach a wildcard bind through loopback.
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.port}"
         self.argv = server_argv(target, port=self.port, draft=draft, num_speculative_tokens=num_speculative_tokens,
                                 memory_fraction=memory_fraction, max_model_len=max_model_len,
-                                max_num_seqs=max_num_seqs, dtype=dtype)
+                                max_num_seqs=max_num_seqs, dtype=dtype, trust_remote_code=trust_remote_code,
+                                host=host, served_name=served_name)
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.log_path = Path(log_dir) / f"vllm-{'spec' if draft else 'base'}-{self.port}.log"
         self.startup_timeout_s = startup_timeout_s

@@ -17,11 +17,16 @@ import json
 import sys
 
 
-def _engine(target: str, *, draft: str | None, num_spec: int, mem: float, max_len: int):
+def _engine(target: str, *, draft: str | None, num_spec: int, mem: float, max_len: int,
+            trust_remote_code: bool = False):
     from vllm import LLM
 
+    from eaglenest.hf import check_remote_code
+
+    check_remote_code(target, trust_remote_code=trust_remote_code)
     kw = dict(model=target, dtype="float32", gpu_memory_utilization=mem, max_model_len=max_len,
-              enforce_eager=True, disable_log_stats=False, skip_tokenizer_init=True, seed=0)
+              enforce_eager=True, disable_log_stats=False, skip_tokenizer_init=True, seed=0,
+              trust_remote_code=trust_remote_code)
     if draft:
         kw["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": num_spec}
     return LLM(**kw)
@@ -48,12 +53,14 @@ def spec_metrics(llm) -> dict[str, float]:
 
 
 def check(target: str, draft: str, prompts: list[list[int]], *, max_tokens: int = 64, num_spec: int = 3,
-          mem: float = 0.15, max_len: int = 2048) -> dict:
-    llm = _engine(target, draft=None, num_spec=num_spec, mem=mem, max_len=max_len)
+          mem: float = 0.15, max_len: int = 2048, trust_remote_code: bool = False) -> dict:
+    llm = _engine(target, draft=None, num_spec=num_spec, mem=mem, max_len=max_len,
+                  trust_remote_code=trust_remote_code)
     base = _generate(llm, prompts, max_tokens)
     del llm
     gc.collect()
-    llm = _engine(target, draft=draft, num_spec=num_spec, mem=mem, max_len=max_len)
+    llm = _engine(target, draft=draft, num_spec=num_spec, mem=mem, max_len=max_len,
+                  trust_remote_code=trust_remote_code)
     spec = _generate(llm, prompts, max_tokens)
     metrics = spec_metrics(llm)
     del llm
@@ -83,9 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-spec", type=int, default=3)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the target's own Python code (as run.trust_remote_code)")
     a = p.parse_args(argv)
-    result = check(a.target, a.draft, prompts_from_store(a.prompts_from, n=a.num_prompts),
-                   max_tokens=a.max_tokens, num_spec=a.num_spec)
+    from eaglenest.errors import EaglenestError
+
+    try:
+        result = check(a.target, a.draft, prompts_from_store(a.prompts_from, n=a.num_prompts),
+                       max_tokens=a.max_tokens, num_spec=a.num_spec, trust_remote_code=a.trust_remote_code)
+    except EaglenestError as exc:
+        print(f"vllm_check: error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(result, indent=2))
     return 0 if result["lossless"] else 1
 

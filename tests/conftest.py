@@ -38,3 +38,27 @@ def root() -> Path:
 def tiny_target() -> Path:
     assert (TINY_TARGET / "model.safetensors").is_file(), "the tiny-target fixture is missing"
     return TINY_TARGET
+
+
+#: A Qwen3-style generation prompt: ``enable_thinking`` true opens a think block, false renders an
+#: empty one, unset renders neither (the tiny target's own template otherwise).
+THINKING_PROMPT = ("{% if add_generation_prompt %}<|assistant|>\n{% if enable_thinking is defined %}"
+                   "{% if enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+                   "{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def thinking_target(tmp_path_factory) -> Path:
+    """A copy of the tiny target whose chat template renders ``enable_thinking`` (reasoning tests)."""
+    import json
+    import shutil
+
+    dst = tmp_path_factory.mktemp("thinking") / "target"
+    shutil.copytree(TINY_TARGET, dst)
+    path = dst / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    plain = "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    assert plain in cfg["chat_template"]
+    cfg["chat_template"] = cfg["chat_template"].replace(plain, THINKING_PROMPT)
+    path.write_text(json.dumps(cfg, indent=2))
+    return dst

@@ -72,5 +72,6 @@ def load_checkpoint(ckpt_dir: str | Path, *, target_dir: str | Path | None = Non
         from eaglenest.train.target import load_target_tensors
 
         with torch.no_grad():
-            model.embed_tokens.weight.copy_(load_target_tensors(target_dir)["embed"])
+            model.embed_tokens.weight.copy_(load_target_tensors(target_dir, keys=info.get("target_keys"),
+                                                                only=("embed",))["embed"])
     return model, info

@@ -7,6 +7,7 @@ the same as that torchrun line: it starts torchrun with this interpreter and wai
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -16,6 +17,7 @@ from eaglenest.cli import Command, run
 
 
 def _run(recipe, args) -> int:
+    from eaglenest.evaluate.cli import evaluate_config  # served-AL selection renders as evaluate does
     from eaglenest.train.loop import train
 
     main_rank = os.environ.get("RANK", "0") == "0"
@@ -23,10 +25,12 @@ def _run(recipe, args) -> int:
         logging.getLogger("eaglenest").setLevel(logging.WARNING)
     r = recipe.run
     summary = train(recipe.train, store_uri=r.store_uri, workdir=r.workdir, target_dir=r.target,
-                    seed=r.seed, argv=sys.argv, recipe=recipe.to_dict(), evaluate=recipe.evaluate,
-                    featurestore=recipe.featurestore)
+                    seed=r.seed, argv=sys.argv, recipe=recipe.to_dict(), evaluate=evaluate_config(recipe),
+                    featurestore=recipe.featurestore, target_keys=dataclasses.asdict(r.target_keys),
+                    off_policy=r.off_policy, trust_remote_code=r.trust_remote_code)
     if main_rank:
-        print(f"draft checkpoint: {summary.outdir} (step {summary.steps}, features v{summary.table_version}, "
+        print(f"draft checkpoint: {summary.outdir} (step {summary.steps}, {summary.num_parameters:,} parameters, "
+              f"features v{summary.table_version}, "
               f"data stall {100 * summary.stall_fraction:.2f}%)")
     return 0
 

@@ -16,6 +16,27 @@ from eaglenest.runconfig import SEED_RANGE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftShapeConfig:
+    """``train.draft``: explicit draft layer sizes (0 = the rule, see eaglenest.train.model.draft_shape)."""
+
+    intermediate_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"train.draft.{f.name}: an integer >= 0 (0 = the sizing rule), got {short(v)}")
+
+    def shape(self):
+        from eaglenest.train.model import DraftShape
+
+        return DraftShape(**dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     #: Rows of the draft lm_head: the most frequent target ids among loss tokens.
     draft_vocab_size: int = 1024
@@ -83,8 +104,27 @@ class TrainConfig:
     #: draft trained on short samples never meets, at long context, an attention span it was not
     #: trained on (docs/training.md; measured in BENCHMARKS.md).
     sliding_window: int | Literal["auto"] = 0
+    #: Start the draft's lm_head from the target's lm_head rows of the draft vocabulary ("target")
+    #: instead of at random ("random"), and its final norm from the target's final norm instead of
+    #: ones: served AL 2.37 instead of 1.42 after 2 epochs of the demo (BENCHMARKS.md, "Learning curves").
+    init_lm_head: Literal["random", "target"] = "target"
+    #: Tokens whose target top-1 is outside the draft vocabulary: "keep" trains on the target's
+    #: distribution restricted to the draft vocabulary and renormalised; "drop" leaves them out of
+    #: the loss (SpecForge's rule). Measured side by side in BENCHMARKS.md, "Learning curves".
+    oov_positions: Literal["keep", "drop"] = "keep"
+    init_norm: Literal["ones", "target"] = "target"
+    #: Draft attention/MLP sizes; 0 keeps the rule for the target's architecture (dense: the
+    #: target's own; MLA: v_head_dim heads, at most 64; MoE: MLP 1.75 x hidden). docs/targets.md.
+    draft: DraftShapeConfig = dataclasses.field(default_factory=DraftShapeConfig)
+    #: Batches with more positions (rows x tokens) than this compute the target's next-token
+    #: distribution and the draft's loss over its vocabulary in chunks of this many positions, so
+    #: full-vocabulary logits never exist for the whole batch (152K-200K target vocabularies;
+    #: docs/training.md, "Large vocabularies"). 0 = never chunk.
+    target_chunk_tokens: int = 2048
 
     def __post_init__(self) -> None:
+        if self.target_chunk_tokens < 0:
+            raise ConfigError(f"train.target_chunk_tokens: must be >= 0 (0 = off), got {short(self.target_chunk_tokens)}")
         positive = ("draft_vocab_size", "ttt_steps", "pack_tokens", "batch_rows", "num_epochs",
                     "log_every_steps", "num_threads", "keep_states", "select_prompts_per_domain",
                     "prefetch_batches", "attn_chunk_tokens", "stream_depth")
@@ -113,6 +153,12 @@ class TrainConfig:
         if isinstance(self.table_version, int) and not 0 <= self.table_version < 2**63:
             raise ConfigError("train.table_version: a version number >= 0 or a tag, "
                               f"got {short(self.table_version)}")
+        if self.init_lm_head not in ("random", "target"):
+            raise ConfigError(f"train.init_lm_head: 'random' or 'target', got {short(self.init_lm_head)}")
+        if self.oov_positions not in ("keep", "drop"):
+            raise ConfigError(f"train.oov_positions: 'keep' or 'drop', got {short(self.oov_positions)}")
+        if self.init_norm not in ("ones", "target"):
+            raise ConfigError(f"train.init_norm: 'ones' or 'target', got {short(self.init_norm)}")
         if self.source not in ("table", "stream"):
             raise ConfigError(f"train.source: 'table' or 'stream', got {short(self.source)}")
         if not self.output_subdir or "/" in self.output_subdir or self.output_subdir.startswith("."):

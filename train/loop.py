@@ -30,7 +30,7 @@ from eaglenest.train import checkpoint, select, state as S, vocab as V
 from eaglenest.train.config import TrainConfig
 from eaglenest.train.data import FeatureShards, Prefetcher
 from eaglenest.train.dist import DistState
-from eaglenest.train.model import Eagle3Draft, draft_config, init_weights
+from eaglenest.train.model import Eagle3Draft, draft_config, init_weights, num_parameters
 from eaglenest.train.target import load_target_tensors
 from eaglenest.train.ttt import TargetHead, TTTObjective, target_targets, valid_counts
 
@@ -46,6 +46,8 @@ class TrainSummary:
     #: Seconds the steps waited for data / seconds of the training loop.
     stall_fraction: float = 0.0
     tokens_per_second: float = 0.0
+    #: Parameters of the draft (the target's shared embeddings excluded).
+    num_parameters: int = 0
 
 
 def attention_span(cfg: TrainConfig, lengths) -> int:
@@ -62,7 +64,7 @@ def build_draft(cfg: TrainConfig, target: dict[str, Any], *, layer_ids: tuple[in
     ``sliding_window``: positions the draft attends over (0: all; see :func:`attention_span`)."""
     dcfg = draft_config(target["config"], draft_vocab_size=vocab.size,
                         layer_ids=tuple(sorted(layer_ids)), flags=cfg.flags(),
-                        sliding_window=sliding_window)
+                        sliding_window=sliding_window, shape=cfg.draft.shape())
     dcfg.attn_chunk_tokens = int(cfg.attn_chunk_tokens)
     model = Eagle3Draft(dcfg)
     init_weights(model, seed=seed)
@@ -70,6 +72,10 @@ def build_draft(cfg: TrainConfig, target: dict[str, Any], *, layer_ids: tuple[in
         model.embed_tokens.weight.copy_(target["embed"])
         model.d2t.copy_(vocab.d2t)
         model.t2d.copy_(vocab.t2d)
+        if cfg.init_lm_head == "target":  # the target's own output rows of the draft vocabulary
+            model.lm_head.weight.copy_(target["lm_head"][torch.from_numpy(vocab.draft_ids)])
+        if cfg.init_norm == "target":
+            model.norm.weight.copy_(target["norm"])
     return model
 
 
@@ -83,9 +89,13 @@ def lr_factor(step: int, *, total: int, warmup: int, min_ratio: float) -> float:
 
 def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, seed: int,
           argv: list[str] | None = None, recipe: dict[str, Any] | None = None,
-          evaluate=None, dist: DistState | None = None, featurestore=None) -> TrainSummary:
+          evaluate=None, dist: DistState | None = None, featurestore=None,
+          target_keys: dict[str, str] | None = None, off_policy: bool = False,
+          trust_remote_code: bool = False) -> TrainSummary:
     """Train a draft on ``store_uri``'s features and write ``<workdir>/<output_subdir>/``.
 
+    ``target_keys``: ``run.target_keys`` (where the target's embed/norm/lm_head are); ``off_policy``:
+    ``run.off_policy`` (train on features of responses another target generated).
     ``evaluate``: the recipe's EvaluateConfig, used for served-AL selection. ``featurestore``: its
     FeaturestoreConfig, used by ``train.source=stream`` (capture engine, layer ids). ``dist``: default
     joins torchrun's process group when launched by torchrun (and leaves it at the end).
@@ -94,14 +104,15 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
     dist = dist or DistState.from_env()
     try:
         return _train(cfg, store_uri=store_uri, workdir=workdir, target_dir=target_dir, seed=seed,
-                      argv=argv, recipe=recipe, evaluate=evaluate, dist=dist, featurestore=featurestore)
+                      argv=argv, recipe=recipe, evaluate=evaluate, dist=dist, featurestore=featurestore,
+                      target_keys=target_keys, off_policy=off_policy, trust_remote_code=trust_remote_code)
     finally:
         if own:
             dist.close()
 
 
 def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate, dist,
-           featurestore=None) -> TrainSummary:
+           featurestore=None, target_keys=None, off_policy=False, trust_remote_code=False) -> TrainSummary:
     from tqdm import tqdm
 
     seed = cfg.seed if cfg.seed is not None else seed
@@ -114,12 +125,16 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
 
         data = StreamShards(store_uri, featurestore=featurestore, target=target_dir, split=cfg.split,
                             pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed,
-                            depth=cfg.stream_depth, devices=cfg.stream_devices)
+                            depth=cfg.stream_depth, devices=cfg.stream_devices, trust_remote_code=trust_remote_code)
     else:
         data = FeatureShards(store_uri, version=cfg.table_version, split=cfg.split, table=table,
                              pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed)
     meta, version = data.meta, data.version
-    target = load_target_tensors(target_dir)
+    from eaglenest.featurestore import policy
+
+    policy.check_features(meta, target_dir, off_policy=off_policy, stage="train run")
+    policy.check_prompts(store_uri, target_dir, off_policy=off_policy, stage="train run")
+    target = load_target_tensors(target_dir, keys=target_keys)
     if meta.hidden_size != target["config"]["hidden_size"]:
         raise SchemaError(f"features were captured with hidden size {meta.hidden_size}, "
                           f"run.target {target_dir} has {target['config']['hidden_size']}")
@@ -141,9 +156,15 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
         return build_draft(cfg, target, layer_ids=meta.layer_ids, vocab=vocab, seed=seed,
                            sliding_window=attn_window)
 
-    objective = dist.shard(TTTObjective(fresh_draft()).to(dist.device), param_dtype=cfg.param_dtype)
+    first = fresh_draft()
+    num_params = num_parameters(first)
+    log.info("draft: %s parameters (hidden %d, heads %d/%d x %d, MLP %d, draft vocab %d)",
+             f"{num_params:,}", first.config.hidden_size, first.config.num_attention_heads,
+             first.config.num_key_value_heads, first.config.head_dim, first.config.intermediate_size, vocab.size)
+    objective = dist.shard(TTTObjective(first).to(dist.device), param_dtype=cfg.param_dtype)
     head = TargetHead(target["norm"], target["lm_head"], target["rms_norm_eps"]).to(dist.device)
     draft_target_ids = torch.from_numpy(vocab.draft_ids).to(dist.device)
+    in_draft_vocab = vocab.t2d.to(dist.device)
     schedule = [(e, rows) for e in range(cfg.num_epochs) for rows in data.plan(e)]
     total = min(len(schedule), cfg.num_steps) if cfg.num_steps else len(schedule)
     params = [p for p in objective.parameters() if p.requires_grad]
@@ -164,7 +185,8 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
     window = info.get("window", []) if info else []
     dist.barrier()
     selector = select.Selector(outdir, cfg=cfg, evaluate=evaluate, target_dir=target_dir,
-                               store_uri=store_uri, active=dist.is_main, resume_step=step)
+                               store_uri=store_uri, active=dist.is_main, resume_step=step,
+                               trust_remote_code=trust_remote_code)
     metrics_path = outdir / "metrics.jsonl"
     if dist.is_main:
         outdir.mkdir(parents=True, exist_ok=True)
@@ -173,7 +195,7 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
     base = {"table": table, "table_version": version, "store_uri": store_uri, "target": target_dir,
             "layer_ids": list(sorted(meta.layer_ids)), "feature_meta": json.loads(meta.to_json()),
             "train_config": dataclasses.asdict(cfg), "seed": seed, "vocab_coverage": V.coverage(counts, vocab),
-            "world_size": dist.world_size}
+            "world_size": dist.world_size, "num_parameters": num_params, "target_keys": target["keys"]}
 
     def snapshot() -> Eagle3Draft | None:
         """The current weights as a plain draft on rank 0 (a collective under FSDP2)."""
@@ -193,12 +215,15 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
                 batch.loss_mask = torch.zeros_like(batch.loss_mask)
             batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(dist.device)
                                                   for f in dataclasses.fields(batch)})
-            probs, argmax = target_targets(head, batch.last_hidden, draft_target_ids)
+            probs, argmax = target_targets(head, batch.last_hidden, draft_target_ids,
+                                           chunk_tokens=cfg.target_chunk_tokens)
             if step == 0 and dist.is_main:
                 _check_target_agreement(batch, argmax)
+            if cfg.oov_positions == "drop":
+                batch = drop_oov_positions(batch, argmax, in_draft_vocab)
             denoms = dist.all_reduce_sum(valid_counts(batch, cfg.ttt_steps))
             res = objective(batch, probs, argmax, num_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
-                            denominators=denoms)
+                            denominators=denoms, chunk_tokens=cfg.target_chunk_tokens)
             opt.zero_grad(set_to_none=True)
             (res.loss * dist.world_size).backward()
             if cfg.grad_clip:
@@ -258,7 +283,7 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
                  info_out["step"], outdir, 100 * stall_fraction, tps)
     dist.barrier()
     return TrainSummary(outdir=outdir, steps=step, table_version=version, final=final,
-                        stall_fraction=stall_fraction, tokens_per_second=tps)
+                        stall_fraction=stall_fraction, tokens_per_second=tps, num_parameters=num_params)
 
 
 def _full_draft(objective, fresh_draft, dist: DistState) -> Eagle3Draft | None:
@@ -274,6 +299,15 @@ def _full_draft(objective, fresh_draft, dist: DistState) -> Eagle3Draft | None:
     state = {k.removeprefix("draft."): v for k, v in full.items()}
     draft.load_state_dict(state, strict=True)
     return draft
+
+
+def drop_oov_positions(batch, argmax: torch.Tensor, in_draft_vocab: torch.Tensor):
+    """``train.oov_positions=drop`` (SpecForge's rule): a token whose target distribution (at the
+    position before it) has its top-1 outside the draft vocabulary leaves the loss, at every TTT
+    step. The default ``keep`` trains on the draft-vocab part of that distribution, renormalised."""
+    keep = torch.ones_like(batch.loss_mask)
+    keep[:, 1:] = in_draft_vocab[argmax[:, :-1]]
+    return dataclasses.replace(batch, loss_mask=batch.loss_mask & keep)
 
 
 def _check_target_agreement(batch, argmax: torch.Tensor) -> None:

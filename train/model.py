@@ -24,6 +24,7 @@ applies as for any stack of blocks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Any
@@ -38,11 +39,28 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-#: Keys copied from the target's config.json into the draft's (architecture and rope settings).
-TARGET_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "rms_norm_eps", "hidden_act", "max_position_embeddings", "rope_parameters",
-               "rope_theta", "rope_scaling", "vocab_size", "attention_bias", "mlp_bias",
-               "bos_token_id", "eos_token_id", "pad_token_id")
+from eaglenest.errors import ConfigError
+
+#: Keys copied from the target's (language) config into the draft's. Attention and MLP sizes are
+#: not among them: :func:`draft_shape` sets those, and the rotary settings come from :func:`draft_rope`.
+TARGET_KEYS = ("hidden_size", "rms_norm_eps", "hidden_act", "max_position_embeddings", "vocab_size",
+               "attention_bias", "mlp_bias", "bos_token_id", "eos_token_id", "pad_token_id")
+#: Config keys that make a target a mixture of experts (any of them > 1).
+MOE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+#: MLP width of a MoE target's draft, as a multiple of hidden_size (rounded up to 64).
+MOE_MLP_RATIO = 1.75
+#: Most heads an MLA target's draft gets.
+MLA_MAX_HEADS = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftShape:
+    """Explicit draft attention / MLP sizes (``train.draft.*``); 0 = :func:`draft_shape`'s rule."""
+
+    intermediate_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,16 +73,109 @@ class DraftFlags:
     norm_output: bool = False           # next step's hidden = normed output instead of prenorm
 
 
+def is_moe(target_cfg: dict[str, Any]) -> bool:
+    return any(int(target_cfg.get(k) or 0) > 1 for k in MOE_KEYS)
+
+
+def is_mla(target_cfg: dict[str, Any]) -> bool:
+    return target_cfg.get("kv_lora_rank") is not None
+
+
+def draft_shape(target_cfg: dict[str, Any], override: DraftShape = DraftShape()) -> dict[str, int]:
+    """The draft layer's attention and MLP sizes (docs/targets.md, "Draft sizing").
+
+    * dense targets with ordinary attention: the target's own head_dim, head counts and
+      intermediate_size (what vLLM's speculators and SpecForge do for Llama/Qwen);
+    * MLA targets (DeepSeek-V3, Kimi-K2): their head_dim fields describe a latent attention the
+      draft does not have (transformers even writes head_dim = qk_rope_head_dim), so the draft gets
+      plain multi-head attention with head_dim = v_head_dim (else 128) and
+      min(target heads, 64) heads;
+    * MoE targets: the dense intermediate_size of a MoE config is not the width of anything the
+      draft imitates (18432 on DeepSeek-V3 would make a ~1B-parameter head), so the MLP is
+      1.75 x hidden (rounded up to 64), the ratio of TorchSpec's Kimi-K2.5 draft (12288 at 7168).
+
+    ``override`` (``train.draft.*``) replaces any of the four.
+    """
+    hidden = int(target_cfg["hidden_size"])
+    heads = int(target_cfg["num_attention_heads"])
+    if is_mla(target_cfg):
+        head_dim = int(target_cfg.get("v_head_dim") or 128)
+        heads = max(1, min(heads, MLA_MAX_HEADS))
+        kv = heads
+    else:
+        head_dim = int(target_cfg.get("head_dim") or hidden // heads)
+        kv = int(target_cfg.get("num_key_value_heads") or heads)
+    if is_moe(target_cfg) or not target_cfg.get("intermediate_size"):
+        inter = -(-int(math.ceil(MOE_MLP_RATIO * hidden)) // 64) * 64
+    else:
+        inter = int(target_cfg["intermediate_size"])
+    shape = {"intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim}
+    for key in shape:
+        if getattr(override, key):
+            shape[key] = int(getattr(override, key))
+    if override.num_attention_heads and not override.num_key_value_heads and is_mla(target_cfg):
+        shape["num_key_value_heads"] = shape["num_attention_heads"]
+    if shape["num_attention_heads"] % shape["num_key_value_heads"]:
+        raise ConfigError(f"train.draft: {shape['num_attention_heads']} attention heads are not a multiple of "
+                          f"{shape['num_key_value_heads']} key/value heads")
+    return shape
+
+
+def rotary_fraction(target_cfg: dict[str, Any]) -> float:
+    """Share of each head's dims the target rotates (1.0 = all). Read from wherever checkpoints
+    put it: ``rope_parameters.partial_rotary_factor``, the top-level ``partial_rotary_factor`` /
+    ``rotary_pct`` / ``rotary_emb_fraction`` (names vLLM also reads), or MiniMax's ``rotary_dim``."""
+    rope = target_cfg.get("rope_parameters") if isinstance(target_cfg.get("rope_parameters"), dict) else {}
+    for value in (rope.get("partial_rotary_factor"), target_cfg.get("partial_rotary_factor"),
+                  target_cfg.get("rotary_pct"), target_cfg.get("rotary_emb_fraction")):
+        if value is not None:
+            return float(value)
+    if target_cfg.get("rotary_dim") and target_cfg.get("head_dim"):
+        return int(target_cfg["rotary_dim"]) / int(target_cfg["head_dim"])
+    return 1.0
+
+
+def draft_rope(target_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The draft's ``rope_parameters``: the target's theta and scaling (legacy ``rope_theta`` /
+    ``rope_scaling`` folded in), with ``partial_rotary_factor`` written out when the target rotates
+    only part of each head. vLLM's Llama reads exactly this dict (``get_rope``: rotary_dim =
+    head_dim x partial_rotary_factor, neox style), and :class:`DraftAttention` applies the same."""
+    rope = target_cfg.get("rope_parameters")
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        # Per-layer-type parameters (gpt-oss style sliding/full): the draft is one full-attention layer.
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    out = dict(rope) if isinstance(rope, dict) else {}
+    legacy = target_cfg.get("rope_scaling")
+    if isinstance(legacy, dict):
+        for k, v in legacy.items():
+            out.setdefault("rope_type" if k == "type" else k, v)
+    if "rope_theta" not in out:
+        out["rope_theta"] = float(target_cfg.get("rope_theta") or 10000.0)
+    out.setdefault("rope_type", "default")
+    if out["rope_type"] in ("mrope", "default") and "mrope_section" in out:
+        out.pop("mrope_section")  # multimodal 3-D positions: text tokens use the 1-D rotary
+        out.pop("mrope_interleaved", None)
+        out["rope_type"] = "default"
+    frac = rotary_fraction(target_cfg)
+    if not 0 < frac <= 1:
+        raise ConfigError(f"run.target: partial rotary factor {frac} is not in (0, 1]")
+    if frac < 1:
+        out["partial_rotary_factor"] = frac
+    else:
+        out.pop("partial_rotary_factor", None)
+    return out
+
+
 def draft_config(target_cfg: dict[str, Any], *, draft_vocab_size: int, layer_ids: tuple[int, ...],
-                 flags: DraftFlags, sliding_window: int = 0) -> LlamaConfig:
-    """A one-layer Llama config for the draft, derived from the target's ``config.json`` dict.
+                 flags: DraftFlags, sliding_window: int = 0, shape: DraftShape = DraftShape()) -> LlamaConfig:
+    """A one-layer Llama config for the draft, derived from the target's (language) config dict.
 
     ``sliding_window`` > 0 makes the layer a sliding-window attention layer (``layer_types``
     ``["sliding_attention"]``, as vLLM's Llama reads it): each query sees the last
     ``sliding_window`` positions, itself included."""
     kw = {k: target_cfg[k] for k in TARGET_KEYS if target_cfg.get(k) is not None}
-    kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
-    cfg = LlamaConfig(**kw, num_hidden_layers=1, tie_word_embeddings=False)
+    cfg = LlamaConfig(**kw, **draft_shape(target_cfg, shape), rope_parameters=draft_rope(target_cfg),
+                      num_hidden_layers=1, tie_word_embeddings=False)
     cfg.draft_vocab_size = int(draft_vocab_size)
     cfg.target_hidden_size = int(target_cfg["hidden_size"])
     cfg.eagle_aux_layer_ids = [int(i) for i in layer_ids]
@@ -74,6 +185,30 @@ def draft_config(target_cfg: dict[str, Any], *, draft_vocab_size: int, layer_ids
         cfg.sliding_window = int(sliding_window)
         cfg.layer_types = ["sliding_attention"]
     return cfg
+
+
+def rotary_dim(cfg) -> int:
+    """Dims of each head the draft rotates (vLLM: int(head_dim * partial_rotary_factor))."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return int(head_dim_of(cfg) * float(rope.get("partial_rotary_factor", 1.0) or 1.0))
+
+
+def rotary_embedding(cfg) -> nn.Module:
+    """Hugging Face's Llama rotary embedding over the rotated dims only. Its frequencies follow
+    the head size it is given, so a partial rotary gets a config whose head_dim is the rotary dim
+    (as vLLM's ``get_rope`` builds frequencies over rotary_dim)."""
+    rot = rotary_dim(cfg)
+    if rot == head_dim_of(cfg):
+        return LlamaRotaryEmbedding(cfg)
+    sub = copy.deepcopy(cfg)
+    sub.head_dim = rot
+    sub.rope_parameters = {k: v for k, v in cfg.rope_parameters.items() if k != "partial_rotary_factor"}
+    return LlamaRotaryEmbedding(sub)
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Parameters the draft trains and exports (the target's shared embeddings excluded)."""
+    return sum(p.numel() for n, p in model.named_parameters() if not n.startswith("embed_tokens."))
 
 
 def attention_window(cfg) -> int:
@@ -108,6 +243,7 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.chunk_tokens = int(getattr(cfg, "attn_chunk_tokens", 2048) or 2048)
         self.window = attention_window(cfg)
+        self.rotary_dim = rotary_dim(cfg)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -126,7 +262,7 @@ class DraftAttention(nn.Module):
         q = self._heads(self.q_proj(x), self.num_heads)
         k = self._heads(self.k_proj(x), self.num_kv_heads)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = apply_rotary(q, k, cos, sin, self.rotary_dim)
         cache = [*past, (k, v)]
         rep = self.num_heads // self.num_kv_heads
         keys = [kk.repeat_interleave(rep, dim=1) for kk, _ in cache]
@@ -214,7 +350,7 @@ class Eagle3Draft(nn.Module):
         self.midlayer = DraftLayer(cfg)
         self.norm = LlamaRMSNorm(h, eps=eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(cfg)
+        self.rotary_emb = rotary_embedding(cfg)
         # Vocabulary maps (see eaglenest.train.vocab); buffers so they travel with state_dict.
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
@@ -249,6 +385,15 @@ class Eagle3Draft(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen target embeddings (what a checkpoint stores)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int):
+    """Rotate the first ``rot`` dims of each head (neox style), pass the rest through: vLLM's
+    ``RotaryEmbedding`` for rotary_dim < head_size. ``rot`` = head_dim is plain Llama."""
+    if rot >= q.shape[-1]:
+        return apply_rotary_pos_emb(q, k, cos, sin)
+    qr, kr = apply_rotary_pos_emb(q[..., :rot], k[..., :rot], cos, sin)
+    return torch.cat([qr, q[..., rot:]], dim=-1), torch.cat([kr, k[..., rot:]], dim=-1)
 
 
 def causal_doc_mask(doc_ids: torch.Tensor, *, window: int = 0) -> torch.Tensor:
@@ -286,5 +431,5 @@ def init_weights(model: Eagle3Draft, *, seed: int, std: float = 0.02) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-__all__ = ["DraftFlags", "Eagle3Draft", "attention_window", "causal_doc_mask", "chunk_doc_mask", "draft_config",
+__all__ = ["DraftFlags", "DraftShape", "apply_rotary", "draft_rope", "draft_shape", "num_parameters", "Eagle3Draft", "attention_window", "causal_doc_mask", "chunk_doc_mask", "draft_config",
            "init_weights"]

@@ -49,8 +49,9 @@ class Selector:
     """Served-AL evaluations and the best snapshot; inert unless ``active`` and selection is on."""
 
     def __init__(self, outdir: Path, *, cfg, evaluate, target_dir: str, store_uri: str, active: bool,
-                 resume_step: int):
+                 resume_step: int, trust_remote_code: bool = False):
         self.outdir, self.cfg, self.target_dir, self.store_uri = outdir, cfg, target_dir, store_uri
+        self.trust_remote_code = trust_remote_code
         self.on = bool(cfg.select_every_steps) and active
         self.path = outdir / SELECTION
         if not self.on:
@@ -81,7 +82,7 @@ class Selector:
         snap = checkpoint.save_checkpoint(work / "snapshot", draft, info=info)
         exported = export_draft(snap, work / "draft", target_dir=self.target_dir, argv=["train-select"])
         report = evaluate_al(target=self.target_dir, draft=str(exported), store_uri=self.store_uri,
-                             cfg=self.eval_cfg)
+                             cfg=self.eval_cfg, trust_remote_code=self.trust_remote_code)
         al = report["overall"].get("acceptance_length")
         rec = {"step": step, "served_al": float(al or 0.0), "prompts": report["overall"].get("prompts"),
                "loss": (info.get("metrics") or {}).get("loss")}

@@ -61,7 +61,7 @@ def _diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     # A train key added after the state was saved counts as its default there: such states still match.
     from eaglenest.train.config import TrainConfig
 
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    defaults = dataclasses.asdict(TrainConfig())
     nt = now.get("train", {})
     st = {**{k: defaults[k] for k in nt if k in defaults}, **saved.get("train", {})}
     out += [f"train.{k} {st.get(k)!r} -> {nt.get(k)!r}" for k in sorted(set(st) | set(nt))

@@ -33,7 +33,7 @@ class StreamShards:
     """The table-less data source: a plan from ``prompts``, tensors from a live engine."""
 
     def __init__(self, store_uri: str, *, featurestore, target: str, split: str, pack_tokens: int,
-                 batch_rows: int, seed: int, depth: int, devices: str = ""):
+                 batch_rows: int, seed: int, depth: int, devices: str = "", trust_remote_code: bool = False):
         from eaglenest.featurestore import build, store, turns
 
         if featurestore is None:
@@ -50,7 +50,9 @@ class StreamShards:
             raise StoreError(f"prompts v{self.version}: no conversations to train on (check train.split={split!r})")
         self.meta = build.feature_meta(target, featurestore.layer_ids, featurestore.engine.dtype,
                                        storage="raw", sample_ids=[r["sample_id"] for r in pool],
-                                       gen_params_ids=[r["gen_params_id"] for r in pool])
+                                       gen_params_ids=[r["gen_params_id"] for r in pool],
+                                       trust_remote_code=trust_remote_code)
+        self.trust_remote_code = trust_remote_code
         self.lengths = np.array([len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in self.convs],
                                 dtype=np.int64)
         longest = int(self.lengths.max())
@@ -61,7 +63,7 @@ class StreamShards:
         self.window = featurestore.batch_size
         self.aux_order = aux_order(self.meta.layer_ids)
         # The table's loss mask (build.feature_row): every answer of a multi-turn conversation.
-        spans = build._turn_spans(target, self.convs)
+        spans = build._turn_spans(target, self.convs, trust_remote_code=trust_remote_code)
         self.masks = [np.asarray(turns.loss_mask(len(c["prompt_token_ids"]), len(c["response_token_ids"]),
                                                  list(spans(c))), dtype=bool) for c in self.convs]
         self._stream = None
@@ -97,7 +99,8 @@ class StreamShards:
         self._stream = CaptureStream(self.target, layer_ids=self.meta.layer_ids,
                                      num_layers=self.meta.last_layer_id, engine=self.engine, sequences=seqs,
                                      depth=self.depth, window=self.window,
-                                     env={"CUDA_VISIBLE_DEVICES": self.devices} if self.devices else None)
+                                     env={"CUDA_VISIBLE_DEVICES": self.devices} if self.devices else None,
+                                     trust_remote_code=self.trust_remote_code)
 
     def read(self, rows: list[list[int]]):
         """The next batch of the stream, which must be ``rows`` (the schedule given to start)."""

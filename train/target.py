@@ -4,31 +4,42 @@ The draft shares the target's token embeddings (frozen) and trains against the t
 next-token distribution, which needs the final norm and lm_head. Only these three tensors are
 read (through the shard index when the checkpoint is sharded), never the whole model: on a real
 target that is the difference between megabytes and tens of gigabytes of RAM.
+
+Where they are is found from the weight map, not assumed: a plain causal LM keeps them at
+``model.embed_tokens.weight`` / ``model.norm.weight`` / ``lm_head.weight``; multimodal wrappers nest
+the language model (``model.language_model.embed_tokens.weight``,
+``language_model.model.norm.weight``, ...). The embedding is the one ``*embed_tokens.weight``
+outside vision/audio towers, the final norm sits beside it (``<prefix>norm.weight``), and lm_head
+is the ``*lm_head.weight`` outside the towers, or the embedding when the config ties them.
+``run.target_keys.{embed,norm,lm_head}`` name them explicitly when the rule cannot tell.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 from eaglenest.errors import ConfigError
+from eaglenest.target import language_config, read_config
 
 log = logging.getLogger(__name__)
 
+#: Tensor names of a plain causal LM (Llama, Qwen, Mistral, DeepSeek, gpt-oss, MiniMax ...).
 EMBED = "model.embed_tokens.weight"
 NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
+#: Name parts of non-language towers: never the draft's embeddings, norm or head.
+_TOWERS = re.compile(r"(^|\.)(vision|visual|vision_tower|vision_model|audio|audio_tower|multi_modal_projector|"
+                     r"mm_projector|image_newline|mtp)(\.|_|$)")
+_EMBED_SUFFIXES = ("embed_tokens.weight", "tok_embeddings.weight", "word_embeddings.weight")
 
 
 def target_config(target_dir: str | Path) -> dict[str, Any]:
-    """The target's ``config.json`` as a dict (text_config of multimodal wrappers not handled)."""
-    p = Path(target_dir) / "config.json"
-    if not p.is_file():
-        raise ConfigError(f"run.target: {target_dir} has no config.json (a local HF model directory "
-                          "is required)")
-    return json.loads(p.read_text(encoding="utf-8"))
+    """The language model's config (``text_config`` of multimodal wrappers, see eaglenest.target)."""
+    return language_config(read_config(target_dir))
 
 
 def _weight_files(target_dir: Path) -> dict[str, Path]:
@@ -45,27 +56,79 @@ def _weight_files(target_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def load_target_tensors(target_dir: str | Path) -> dict[str, Any]:
-    """{"embed", "norm", "lm_head": tensors (float32), "rms_norm_eps", "config"}."""
+def _one(kind: str, found: list[str], target_dir: Path) -> str:
+    if len(found) == 1:
+        return found[0]
+    what = f"several candidates ({', '.join(found[:4])})" if found else "no candidate"
+    raise ConfigError(f"run.target: cannot tell the target's {kind} tensor in {target_dir}: {what}; "
+                      f"name it with run.target_keys.{kind}=<tensor name>")
+
+
+def find_keys(names, cfg: dict[str, Any], *, target_dir: Path | str = "",
+              overrides: dict[str, str] | None = None) -> dict[str, str]:
+    """{"embed", "norm", "lm_head"} -> tensor names in the checkpoint (see the module docstring)."""
+    names = set(names)
+    given = {k: v for k, v in (overrides or {}).items() if v}
+    target_dir = Path(target_dir)
+    for kind, name in given.items():
+        if name not in names:
+            raise ConfigError(f"run.target_keys.{kind}: {target_dir} has no tensor '{name}'")
+    lm = [n for n in names if not _TOWERS.search(n)]
+    keys = dict(given)
+    if "embed" not in keys:
+        keys["embed"] = EMBED if EMBED in names else _one(
+            "embed", sorted(n for n in lm if n.endswith(_EMBED_SUFFIXES)), target_dir)
+    prefix = next((keys["embed"][: -len(s)] for s in _EMBED_SUFFIXES if keys["embed"].endswith(s)), "")
+    if "norm" not in keys:
+        beside = [p + "norm.weight" for p in (prefix, prefix + "final_") if p + "norm.weight" in names]
+        keys["norm"] = beside[0] if beside else _one("norm", [], target_dir)
+    if "lm_head" not in keys:
+        heads = sorted(n for n in lm if n.endswith(LM_HEAD) or n.endswith("output.weight") and n.count(".") <= 2)
+        heads = [LM_HEAD] if LM_HEAD in heads else heads
+        if heads:
+            keys["lm_head"] = _one("lm_head", heads, target_dir)
+        elif cfg.get("tie_word_embeddings", False):
+            keys["lm_head"] = keys["embed"]
+        else:
+            raise ConfigError(f"run.target: {target_dir} has no lm_head tensor and does not tie its embeddings "
+                              "(set run.target_keys.lm_head)")
+    return keys
+
+
+def load_target_tensors(target_dir: str | Path, *, keys: dict[str, str] | None = None,
+                        only: tuple[str, ...] = ("embed", "norm", "lm_head")) -> dict[str, Any]:
+    """{"embed", "norm", "lm_head": tensors (float32), "rms_norm_eps", "config", "keys"}.
+
+    ``keys``: explicit tensor names (``run.target_keys``); ``only``: which of the three to read."""
     from safetensors import safe_open
 
     target_dir = Path(target_dir)
     cfg = target_config(target_dir)
+    if str(cfg.get("model_type", "")).startswith("gemma"):
+        raise ConfigError(f"run.target: {target_dir} is a Gemma model ({cfg['model_type']}); its final norm "
+                          "scales by (1 + weight) and its logits are soft-capped, which the trainer's target head "
+                          "does not model yet (docs/targets.md)")
     files = _weight_files(target_dir)
-    names = {"embed": EMBED, "norm": NORM, "lm_head": LM_HEAD}
-    if LM_HEAD not in files:
-        if not cfg.get("tie_word_embeddings", False):
-            raise ConfigError(f"run.target: {target_dir} has no {LM_HEAD} and untied embeddings")
-        names["lm_head"] = EMBED
+    names = find_keys(files, cfg, target_dir=target_dir, overrides=keys)
     out: dict[str, Any] = {}
-    for key, name in names.items():
-        if name not in files:
-            raise ConfigError(f"run.target: {target_dir} has no tensor '{name}'")
-        with safe_open(str(files[name]), framework="pt") as f:
-            out[key] = f.get_tensor(name).float()
+    for kind in only:
+        with safe_open(str(files[names[kind]]), framework="pt") as f:
+            out[kind] = f.get_tensor(names[kind]).float()
+    vocab = int(cfg["vocab_size"])
+    for kind in ("embed", "lm_head"):
+        if kind in out and (out[kind].ndim != 2 or out[kind].shape[1] != int(cfg["hidden_size"])
+                            or out[kind].shape[0] < vocab):
+            raise ConfigError(f"run.target: tensor '{names[kind]}' has shape {tuple(out[kind].shape)}, expected "
+                              f"[>= vocab_size {vocab}, hidden_size {cfg['hidden_size']}] (check run.target_keys.{kind})")
+        if kind in out:
+            out[kind] = out[kind][:vocab]  # some checkpoints pad the vocabulary rows
+    if "norm" in out and tuple(out["norm"].shape) != (int(cfg["hidden_size"]),):
+        raise ConfigError(f"run.target: tensor '{names['norm']}' has shape {tuple(out['norm'].shape)}, expected "
+                          f"[{cfg['hidden_size']}] (check run.target_keys.norm)")
     out["rms_norm_eps"] = float(cfg.get("rms_norm_eps", 1e-6))
     out["config"] = cfg
-    log.debug("loaded embed/norm/lm_head from %s", target_dir)
+    out["keys"] = names
+    log.debug("loaded %s from %s", names, target_dir)
     return out
 
 
@@ -75,4 +138,4 @@ def torch_dtype_name(cfg: dict[str, Any]) -> str:
     return str(d).replace("torch.", "")
 
 
-__all__ = ["load_target_tensors", "target_config", "torch_dtype_name"]
+__all__ = ["find_keys", "load_target_tensors", "target_config", "torch_dtype_name"]

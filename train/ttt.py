@@ -16,6 +16,16 @@ Indexing (sequence x_0..x_{T-1}, fused target features g_t = fc(aux_t), target l
 All chains advance together: step k is one batched forward over [B, T] with a dense step-0 mask
 plus k "diagonal" keys (see :class:`eaglenest.train.model.DraftAttention`). Memory grows with K
 (activations of every step are kept for backward); that is the price of exact TTT gradients.
+
+Large vocabularies (``train.target_chunk_tokens``): a batch with more positions than the knob
+computes the target distribution chunk by chunk of positions, so the full-vocabulary fp32 logits
+exist for one chunk at a time (O(chunk x V_target), not O(B x T x V_target): 2.3 GiB at 4K tokens
+and 152K ids), and computes each step's soft cross-entropy over the draft vocab chunk by chunk in
+one autograd function that keeps only the draft's logits for backward (in their own dtype) and
+reads the target distribution in place (no shifted copy): one [B, T, Vd] tensor saved per step
+instead of two fp32 ones, at the same FLOPs (backward recomputes a softmax, no matmul). Both are
+row-wise, so results equal the unchunked path's up to summation order (fp32 rounding). Batches at
+or under the knob (every toy-recipe batch) take the plain path unchanged.
 """
 
 from __future__ import annotations
@@ -67,10 +77,10 @@ class TargetHead(nn.Module):
         self.requires_grad_(False)
 
     @classmethod
-    def from_pretrained(cls, target_dir: str | Path) -> "TargetHead":
+    def from_pretrained(cls, target_dir: str | Path, keys: dict[str, str] | None = None) -> "TargetHead":
         from eaglenest.train.target import load_target_tensors
 
-        t = load_target_tensors(target_dir)
+        t = load_target_tensors(target_dir, keys=keys, only=("norm", "lm_head"))
         return cls(t["norm"], t["lm_head"], t["rms_norm_eps"])
 
     def forward(self, last_hidden: torch.Tensor) -> torch.Tensor:
@@ -78,14 +88,83 @@ class TargetHead(nn.Module):
 
 
 @torch.no_grad()
-def target_targets(head: TargetHead, last_hidden: torch.Tensor,
-                   draft_target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def target_targets(head: TargetHead, last_hidden: torch.Tensor, draft_target_ids: torch.Tensor, *,
+                   chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs over the draft vocab [B,T,Vd], full-vocab argmax [B,T]) at every position.
 
     Restricting then renormalising == softmax over the draft-vocab columns of the logits.
+    ``chunk_tokens`` > 0 (``train.target_chunk_tokens``) and fewer than the B*T positions: the
+    logits are computed for that many positions at a time, never [B, T, V_target] at once.
     """
-    logits = head(last_hidden.float())
-    return torch.softmax(logits[..., draft_target_ids], dim=-1), logits.argmax(-1)
+    n = last_hidden.numel() // last_hidden.shape[-1]
+    if not chunk_tokens or n <= chunk_tokens:
+        logits = head(last_hidden.float())
+        return torch.softmax(logits[..., draft_target_ids], dim=-1), logits.argmax(-1)
+    flat = last_hidden.reshape(n, last_hidden.shape[-1])
+    probs, argmax = None, torch.empty(n, dtype=torch.long, device=flat.device)
+    for s in range(0, n, chunk_tokens):
+        e = min(n, s + chunk_tokens)
+        logits = head(flat[s:e].float())              # [C, V_target]: the only full-vocab tensor
+        part = torch.softmax(logits[:, draft_target_ids], dim=-1)
+        if probs is None:  # the head's dtype (fp32; float64 in tests)
+            probs = part.new_empty(n, part.shape[-1])
+        probs[s:e] = part
+        argmax[s:e] = logits.argmax(-1)
+        del logits, part
+    return probs.view(*last_hidden.shape[:-1], -1), argmax.view(last_hidden.shape[:-1])
+
+
+class ChunkedSoftCE(torch.autograd.Function):
+    """Soft cross-entropy of the draft's logits against the target distribution, chunk by chunk.
+
+    Inputs: ``logits`` [B, T, Vd] (any float dtype, requires grad), ``probs`` [B, T, Vd] fp32 (the
+    UNshifted target distribution), ``valid`` bool [B, T], ``offset`` = 1 + k, ``chunk`` positions.
+    Returns (sum over valid (b, t) of -sum_d probs[b, t+offset, d] * log_softmax(logits[b, t])_d,
+    argmax of logits[b, t] as long [B, T], 0 where t + offset >= T).
+
+    Forward and backward both run over chunks of one row's positions, so fp32 temporaries are
+    [chunk, Vd]; only ``logits`` is saved (``probs`` and ``valid`` are the caller's tensors, no
+    copies). Backward recomputes each chunk's log-softmax (no matmul) and forms
+    d/dz of -sum_d p_d log_softmax(z)_d = softmax(z) * sum_d p_d - p as autograd's log_softmax
+    backward does.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, probs, valid, offset: int, chunk: int):
+        b_rows, t = logits.shape[:2]
+        total = torch.zeros((), dtype=torch.promote_types(probs.dtype, torch.float32), device=logits.device)
+        pred = torch.zeros(b_rows, t, dtype=torch.long, device=logits.device)
+        for b, s, e in _chunks(b_rows, t - offset, chunk):
+            logp = torch.log_softmax(logits[b, s:e].float(), dim=-1)
+            ce = -(probs[b, s + offset:e + offset] * logp).sum(-1)
+            total += (ce * valid[b, s:e]).sum()
+            pred[b, s:e] = logp.argmax(-1)
+        ctx.save_for_backward(logits, probs, valid)
+        ctx.offset, ctx.chunk = offset, chunk
+        ctx.mark_non_differentiable(pred)
+        return total, pred
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_pred):
+        logits, probs, valid = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        if grad_total is None:
+            return grad, None, None, None, None
+        for b, s, e in _chunks(logits.shape[0], logits.shape[1] - ctx.offset, ctx.chunk):
+            logp = torch.log_softmax(logits[b, s:e].float(), dim=-1)
+            # d loss / d logp, then log_softmax's backward (g - exp(logp) * sum(g)), in the order
+            # autograd takes them; in place, so a chunk needs two [chunk, Vd] temporaries.
+            g = (probs[b, s + ctx.offset:e + ctx.offset] * (valid[b, s:e, None] * grad_total)).neg_().to(logp.dtype)
+            g -= logp.exp_().mul_(g.sum(-1, keepdim=True))
+            grad[b, s:e] = g
+        return grad, None, None, None, None
+
+
+def _chunks(rows: int, positions: int, chunk: int):
+    """(row, start, end) over the first ``positions`` positions of each row, ``chunk`` at a time."""
+    for b in range(rows):
+        for s in range(0, max(positions, 0), chunk):
+            yield b, s, min(positions, s + chunk)
 
 
 def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
@@ -109,13 +188,15 @@ def valid_counts(batch: Batch, num_steps: int) -> list[int]:
 
 def ttt_loss(model: Eagle3Draft, batch: Batch, target_probs: torch.Tensor,
              target_argmax: torch.Tensor, *, num_steps: int, step_decay: float,
-             denominators: list[float] | None = None) -> TTTResult:
+             denominators: list[float] | None = None, chunk_tokens: int = 0) -> TTTResult:
     """The weighted TTT loss of ``num_steps`` unrolled steps (see the module docstring).
 
     ``denominators``: per-step valid counts of the GLOBAL batch when this batch is one rank's
     part of it; the local losses then sum over ranks to the global loss (and so do gradients).
-    Default: this batch's own counts.
+    Default: this batch's own counts. ``chunk_tokens`` (``train.target_chunk_tokens``): batches
+    with more positions compute each step's loss with :class:`ChunkedSoftCE`.
     """
+    chunked = bool(chunk_tokens) and batch.input_ids.numel() > chunk_tokens
     # Long rows pass the doc ids: the attention then builds its mask per query chunk.
     chunk = int(getattr(model.config, "attn_chunk_tokens", 2048) or 2048)
     window = attention_window(model.config)
@@ -129,15 +210,21 @@ def ttt_loss(model: Eagle3Draft, batch: Batch, target_probs: torch.Tensor,
         normed, next_hidden = model.step(tokens, hidden, batch.position_ids + k, cache, mask)
         # (t, k) predicts x_{t+2+k}: valid iff it exists, is a loss token, same document.
         valid = step_valid(batch, k)
-        logp = torch.log_softmax(model.logits(normed).float(), dim=-1)
-        probs = shift(target_probs, 1 + k, 0.0)
-        ce = -(probs * logp).sum(-1)
         n = int(valid.sum())
         denom = denominators[k] if denominators is not None else n
-        lk = (ce * valid).sum() / max(denom, 1)
+        if chunked:
+            ce_sum, draft_pred = ChunkedSoftCE.apply(model.logits(normed), target_probs, valid, 1 + k,
+                                                     int(chunk_tokens))
+            lk = ce_sum / max(denom, 1)
+        else:
+            logp = torch.log_softmax(model.logits(normed).float(), dim=-1)
+            probs = shift(target_probs, 1 + k, 0.0)
+            ce = -(probs * logp).sum(-1)
+            lk = (ce * valid).sum() / max(denom, 1)
+            draft_pred = logp.argmax(-1)
         loss = loss + (step_decay ** k) * lk
         with torch.no_grad():
-            pred = model.draft_to_target(logp.argmax(-1))
+            pred = model.draft_to_target(draft_pred)
             correct = (pred == shift(target_argmax, 1 + k, -1)) & valid
         step_loss.append(float(lk.detach()))
         step_correct.append(int(correct.sum()))
@@ -162,7 +249,7 @@ class TTTObjective(nn.Module):
         return [self.draft.midlayer]
 
     def forward(self, batch: Batch, target_probs: torch.Tensor, target_argmax: torch.Tensor, *,
-                num_steps: int, step_decay: float, denominators: list[float] | None = None
-                ) -> TTTResult:
+                num_steps: int, step_decay: float, denominators: list[float] | None = None,
+                chunk_tokens: int = 0) -> TTTResult:
         return ttt_loss(self.draft, batch, target_probs, target_argmax, num_steps=num_steps,
-                        step_decay=step_decay, denominators=denominators)
+                        step_decay=step_decay, denominators=denominators, chunk_tokens=chunk_tokens)

@@ -261,7 +261,7 @@ def test_sigkill_of_featurestore_capture_leaves_no_engine(tmp_path, root, tiny_t
 def test_sigkill_of_serve_up_leaves_no_server(tmp_path, root, tiny_target):
     """The vLLM server leads its own session (Server.start): only the tree snapshots reach it."""
     argv = [str(BIN / "serve"), "up", "--no-spec", *_engine_args(tiny_target, tmp_path / "w"),
-            "serve.max_model_len=512"]
+            "serve.max_model_len=512", "serve.port=0"]
     proc, kids, sids = _kill_when_engine_up(argv, cwd=root, needles=("vllm.entrypoints.openai.api_server", SPAWNED))
     assert any(sid != proc.pid for sid in sids.values()), "the server should lead a session of its own"
     left = _wait_gone(kids)

@@ -32,8 +32,16 @@ def test_train_then_export(tmp_path, feature_store, tiny_target, capsys):
     common = ["--recipe", RECIPE, f"run.workdir={tmp_path}", f"run.target={tiny_target}", f"run.store={uri}"]
     assert train_main(["run", *common, "train.num_steps=2", "train.draft_vocab_size=256",
                        "train.ttt_steps=2", f"train.table_version={version}"]) == 0
+    printed = capsys.readouterr().out
     assert serve_main(["export", *common]) == 0
     cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    # The draft's size is reported by train run and in the model card (the target embeddings excluded).
+    from safetensors.torch import load_file
+
+    n = sum(t.numel() for k, t in load_file(str(tmp_path / "draft" / "model.safetensors")).items()
+            if t.is_floating_point())
+    assert f"{n:,} parameters" in printed
+    assert f"| parameters | {n:,} " in (tmp_path / "draft" / "README.md").read_text()
     assert cfg["draft_vocab_size"] == 256 and cfg["torch_dtype"] == "float32"
     prov = json.loads((tmp_path / "train" / "provenance.json").read_text())
     assert prov["inputs"]["version"] == version and prov["config"]["train"]["num_steps"] == 2

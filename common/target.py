@@ -1,0 +1,54 @@
+"""What every stage needs to know about the target checkpoint's language model, from config.json.
+
+Multimodal checkpoints (Qwen3-VL, Llama-4, Gemma-3, Mistral-3, Kimi-K2.5 style) nest the language
+model's settings under ``text_config`` (InternVL-style ones under ``llm_config``); the draft, the
+capture layer ids and the feature shapes all follow the language model, so they read
+:func:`language_config`. Keys a wrapper keeps only at the top level (dtype, tied embeddings) are
+filled in from there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eaglenest.errors import ConfigError
+
+#: Where wrappers keep the language model's config, in the order they are tried.
+NESTED = ("text_config", "llm_config", "language_config")
+_INHERITED = ("torch_dtype", "dtype", "tie_word_embeddings")
+
+
+def read_config(target: str | Path) -> dict[str, Any]:
+    """``config.json`` of a local target directory as a dict."""
+    p = Path(target) / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"run.target: {target} has no config.json (a local Hugging Face model directory "
+                          "is required)")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"run.target: {p} is not valid JSON ({e})") from None
+
+
+def language_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's settings: ``cfg`` itself, or its nested text config with the
+    wrapper's dtype and embedding tying filled in where the nested one does not say."""
+    for key in NESTED:
+        inner = cfg.get(key)
+        if isinstance(inner, dict) and "hidden_size" in inner:
+            out = dict(inner)
+            for k in _INHERITED:
+                if out.get(k) is None and cfg.get(k) is not None:
+                    out[k] = cfg[k]
+            return out
+    return cfg
+
+
+def nested_key(cfg: dict[str, Any]) -> str | None:
+    """The key holding the language config of a wrapper (None for a plain causal LM)."""
+    return next((k for k in NESTED if isinstance(cfg.get(k), dict) and "hidden_size" in cfg[k]), None)
+
+
+__all__ = ["NESTED", "language_config", "nested_key", "read_config"]

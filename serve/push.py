@@ -1,0 +1,178 @@
+"""Push an exported draft to the Hugging Face Hub, with a model card that says where it came from.
+
+``serve push`` uploads the draft directory (config.json, weights, provenance.json) in one commit
+whose README.md is built here: the export's own card with Hub metadata on top (licence, base
+model, tags), then the data lineage (feature store, table and version, feature-set identity), the
+licences the manifest gives its sources, and the AL table of ``evaluate al`` when its report
+measured this very directory. The repo is created when missing (``serve.hub_visibility``), the
+branch too (``serve.hub_revision``).
+
+The token comes from HF_TOKEN or the saved login (``huggingface_hub.get_token``) and goes only to
+the client's Authorization header: it is never printed, logged, or written to a file. The
+trade-off: one ``create_commit`` with an explicit list of ``CommitOperationAdd`` instead of
+``upload_folder``, so exactly what is sent is decided (and tested) here; the client still decides
+how each file travels (inline, LFS or Xet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from eaglenest.errors import ConfigError, EaglenestError
+
+log = logging.getLogger(__name__)
+
+#: Hub licence ids the card's metadata may name directly; any other licence is "other".
+HUB_LICENCES = frozenset({"apache-2.0", "mit", "cc0-1.0", "cc-by-4.0", "cc-by-sa-4.0", "cc-by-nc-4.0",
+                          "cc-by-nc-sa-4.0", "cc-by-3.0", "bsd-2-clause", "bsd-3-clause", "mpl-2.0", "gpl-3.0",
+                          "lgpl-3.0", "agpl-3.0", "odc-by", "odbl", "pddl", "unlicense", "llama3.1", "gemma"})
+
+
+@dataclasses.dataclass(frozen=True)
+class PushPlan:
+    """Everything one push sends: where, and which files (``path_in_repo`` -> local path or bytes)."""
+
+    repo_id: str
+    revision: str
+    private: bool
+    files: dict[str, Path | bytes]
+    commit_message: str
+
+    @property
+    def card(self) -> str:
+        return self.files["README.md"].decode("utf-8")
+
+
+def check_repo_id(repo_id: str) -> None:
+    """``serve.hub_repo_id`` must be a Hub model id ("namespace/name")."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not repo_id:
+        raise ConfigError("serve.hub_repo_id: set the Hub repo to push to, e.g. serve.hub_repo_id=me/my-draft")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise ConfigError(f"serve.hub_repo_id: {exc}") from None
+    if "/" not in repo_id:
+        raise ConfigError(f"serve.hub_repo_id: 'namespace/name', got {repo_id!r}")
+
+
+def resolve_token() -> str:
+    """HF_TOKEN, else the saved login; a clear error when there is neither."""
+    from huggingface_hub import get_token
+
+    token = os.environ.get("HF_TOKEN") or get_token()
+    if not token:
+        raise EaglenestError("serve push: no Hugging Face token: set HF_TOKEN or log in with `hf auth login`")
+    return token
+
+
+def plan_push(draft_dir: str | Path, *, repo_id: str, revision: str = "main", visibility: str = "private",
+              licences: dict[str, str], manifest_name: str = "", report: dict | None = None) -> PushPlan:
+    """The commit for ``draft_dir``: its files and the card. ``licences``: source -> licence."""
+    draft = Path(draft_dir)
+    if not (draft / "config.json").is_file():
+        raise EaglenestError(f"serve push: no exported draft at {draft}: run `serve export` first")
+    prov = json.loads((draft / "provenance.json").read_text()) if (draft / "provenance.json").is_file() else {}
+    files: dict[str, Path | bytes] = {p.name: p for p in sorted(draft.iterdir())
+                                      if p.is_file() and not p.name.startswith(".") and p.name != "README.md"}
+    card_in = (draft / "README.md").read_text(encoding="utf-8") if (draft / "README.md").is_file() else ""
+    if report is not None and Path(str(report.get("draft", ""))).resolve() != draft.resolve():
+        log.info("evaluate report measured %s, not %s: no AL table in the card", report.get("draft"), draft)
+        report = None
+    files["README.md"] = card(card_in, prov, licences=licences, manifest_name=manifest_name,
+                              report=report).encode("utf-8")
+    inputs = prov.get("inputs") or {}
+    message = f"eaglenest EAGLE-3 draft ({prov.get('format', 'vllm')} format, step {inputs.get('step')})"
+    return PushPlan(repo_id=repo_id, revision=revision, private=visibility == "private", files=files,
+                    commit_message=message)
+
+
+def push_draft(plan: PushPlan, *, token: str, endpoint: str | None = None) -> str:
+    """Create the repo (and branch) if needed and commit ``plan``; returns the commit URL."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi(endpoint=endpoint, token=token)
+    ops = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data if isinstance(data, bytes) else str(data))
+           for name, data in plan.files.items()]
+    try:
+        api.create_repo(plan.repo_id, private=plan.private, repo_type="model", exist_ok=True)
+        if plan.revision != "main":
+            api.create_branch(plan.repo_id, branch=plan.revision, repo_type="model", exist_ok=True)
+        info = api.create_commit(plan.repo_id, ops, commit_message=plan.commit_message, revision=plan.revision,
+                                 repo_type="model")
+    except HfHubHTTPError as exc:  # one line; the client's messages carry no token
+        raise EaglenestError(f"serve push: the Hub refused ({str(exc).splitlines()[0]})") from None
+    except Exception as exc:  # transport errors: the client's HTTP library (httpx/httpx2) or the OS
+        if not (isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "requests")):
+            raise
+        raise EaglenestError(f"serve push: cannot reach the Hub at {api.endpoint}: {exc}") from None
+    log.info("pushed %d files to %s@%s", len(ops), plan.repo_id, plan.revision)
+    return info.commit_url
+
+
+def card(card_in: str, prov: dict[str, Any], *, licences: dict[str, str], manifest_name: str,
+         report: dict | None) -> str:
+    """The Hub card: metadata, the export's card, lineage, licence and (when measured) AL."""
+    inputs = prov.get("inputs") or {}
+    target = str(inputs.get("target", ""))
+    distinct = sorted(set(licences.values()))
+    meta = ["---", f"license: {_hub_licence(distinct)}"]
+    if len(distinct) != 1 or distinct[0].lower() not in HUB_LICENCES:
+        meta.append(f"license_name: {_slug('-'.join(distinct) or 'unknown')}")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", target) and not Path(target).exists():  # a Hub id, not a local path
+        meta.append(f"base_model: {target}")
+    meta += ["tags:", "- eagle3", "- speculative-decoding", "- eaglenest", f"- {prov.get('format', 'vllm')}", "---", ""]
+    lineage = ["## Data and lineage", "", "| | |", "|---|---|",
+               f"| target | `{target}` |",
+               f"| manifest | `{manifest_name}` |" if manifest_name else None,
+               f"| feature store | `{inputs.get('store_uri')}` |",
+               f"| features table | `{inputs.get('table')}` version {inputs.get('version')} |",
+               f"| feature set | `{inputs.get('feature_set_id') or 'n/a'}` |",
+               f"| draft checkpoint | step {inputs.get('step')} |",
+               f"| code version | `{prov.get('code_version', 'n/a')}` |"]
+    if inputs.get("feature_identity"):
+        lineage += ["", "Feature-set identity (what the stored hidden states depend on):", "", "```json",
+                    json.dumps(json.loads(inputs["feature_identity"]), indent=2, sort_keys=True), "```"]
+    lic = ["## Licence", "",
+           "Prompt sources and their licences, from the manifest:", "",
+           *[f"- `{src}`: {name}" for src, name in sorted(licences.items())], "",
+           "The responses the draft was trained on were generated by the target, whose own licence terms "
+           "apply as well."]
+    body = [card_in.rstrip(), "", *(x for x in lineage if x is not None), "", *_al_table(report), *lic]
+    return "\n".join(meta + body) + "\n"
+
+
+def _al_table(report: dict | None) -> list[str]:
+    if not report:
+        return []
+    k = int(report.get("num_speculative_tokens") or 0)
+    rows = [*report.get("domains", {}).items(), ("**overall**", report.get("overall") or {})]
+    head = ["group", "prompts", "AL pooled", "AL per-request", *[f"pos {i + 1}" for i in range(k)]]
+    out = [f"## Acceptance length (vLLM, `evaluate al`, {k} draft tokens, temperature "
+           f"{report.get('temperature')})", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, d in rows:
+        pos = [*(d.get("acceptance_by_position") or []), *[None] * k][:k]
+        cells = [name, d.get("prompts"), d.get("acceptance_length"), d.get("acceptance_length_per_request"), *pos]
+        out.append("| " + " | ".join("-" if c is None else f"{c:.3f}" if isinstance(c, float) else str(c)
+                                     for c in cells) + " |")
+    if "lossless" in report:
+        ll = report["lossless"]
+        out += ["", f"Lossless check: {ll.get('identical')}/{ll.get('prompts')} greedy outputs token-for-token "
+                    "identical to the target's alone."]
+    return out + [""]
+
+
+def _hub_licence(distinct: list[str]) -> str:
+    return distinct[0].lower() if len(distinct) == 1 and distinct[0].lower() in HUB_LICENCES else "other"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.-]+", "-", text.lower()).strip("-") or "unknown"

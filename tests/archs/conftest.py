@@ -1,0 +1,23 @@
+"""Real-architecture test fixtures: the helper module on sys.path, one run directory per architecture."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from arch_helpers import Run, write_prompts  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def make_run(tmp_path_factory):
+    """``make_run(arch)``: the target built into a fresh directory, with a recipe and a prompts table."""
+    def make(arch: str) -> Run:
+        run = Run(arch, tmp_path_factory.mktemp(arch))
+        write_prompts(run.store, run.target)
+        return run
+
+    return make

@@ -1,0 +1,53 @@
+"""Without -v, vLLM's INFO lines go to <workdir>/logs/vllm.log and only its warnings reach the
+console; with -v (or a user's own VLLM_LOGGING_* setting) vLLM logs as it always does (issue 12)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from eaglenest.cli import VLLM_LOG_ENV, quiet_vllm
+
+# What vllm.LLM(...) and the engine processes do first: apply the logging config the environment
+# describes (vllm/entrypoints/llm.py -> configure_logging_if_needed), then log.
+PROBE = """
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging_if_needed, init_logger
+configure_logging_if_needed(LoggingConfig())
+log = init_logger("vllm.probe")
+log.info("probe-info-line")
+log.warning("probe-warning-line")
+"""
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in VLLM_LOG_ENV}
+
+
+def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_info_to_the_run_log_warnings_to_the_console(tmp_path, monkeypatch):
+    for k in VLLM_LOG_ENV:
+        monkeypatch.delenv(k, raising=False)
+    path = quiet_vllm(tmp_path / "logs", verbose=0)
+    assert path == tmp_path / "logs" / "vllm.log"
+    out = _probe(dict(os.environ))  # what an engine process inherits
+    assert out.returncode == 0, out.stderr
+    console = out.stdout + out.stderr
+    assert "probe-info-line" not in console and "probe-warning-line" in console
+    text = path.read_text()
+    assert "probe-info-line" in text and "probe-warning-line" in text
+
+
+def test_verbose_or_user_setting_leaves_vllm_alone(tmp_path, monkeypatch):
+    for k in VLLM_LOG_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert quiet_vllm(tmp_path / "logs", verbose=1) is None
+    assert not any(k in os.environ for k in VLLM_LOG_ENV)
+    out = _probe(_clean_env())
+    assert "probe-info-line" in out.stdout + out.stderr  # vLLM's default: INFO on the console
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    assert quiet_vllm(tmp_path / "logs2", verbose=0) is None and not (tmp_path / "logs2").exists()

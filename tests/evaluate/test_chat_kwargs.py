@@ -1,0 +1,50 @@
+"""Evaluation renders prompts with the chat-template kwargs the training prompts were generated with:
+``evaluate.chat_template_kwargs`` resolves to ``ingest.chat_template_kwargs`` plus the manifest's
+reasoning switch unless set, and every renderer (``prompts.render``, the context buckets, the
+offline path) uses it. No engine: ``tests/ingest/test_reasoning.py`` checks vLLM's own rendering
+(``evaluate.run._decode``) against ``render`` on a real engine."""
+
+from __future__ import annotations
+
+import logging
+
+from eaglenest.evaluate.buckets import build_bucket_prompts
+from eaglenest.evaluate.cli import evaluate_config
+from eaglenest.evaluate.offline import prompt_ids
+from eaglenest.evaluate.prompts import render
+from eaglenest.hf import load_tokenizer
+from eaglenest.recipe import load_recipe
+
+QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def test_render_passes_the_kwargs_to_the_template(thinking_target):
+    tok = load_tokenizer(thinking_target, trust_remote_code=False)
+    on, off, none = (tok.decode(render(tok, QUESTION, k)) for k in ({"enable_thinking": True},
+                                                                   {"enable_thinking": False}, None))
+    assert on.endswith("<|assistant|>\n<think>\n")
+    assert off.endswith("<|assistant|>\n<think>\n\n</think>\n\n")
+    assert none.endswith("<|assistant|>\n")
+    kwargs = {"enable_thinking": True}
+    assert prompt_ids(tok, {"messages": QUESTION}, kwargs) == render(tok, QUESTION, kwargs)
+    material = [([{"role": "user", "content": f"Question {i}?"}], f"Answer {i}.") for i in range(4)]
+    (bucket,) = build_bucket_prompts(tok, material, (128,), per_bucket=1, max_positions=4096, max_tokens=16,
+                                     chat_template_kwargs=kwargs)[128]
+    assert tok.decode(bucket["prompt_token_ids"]).endswith("<|assistant|>\n<think>\n")
+
+
+def test_evaluate_uses_the_ingest_kwargs_unless_set(tmp_path, root, caplog):
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(f"name: m\nlicence: CC0-1.0\ngeneration:\n  reasoning: 'on'\ndomains:\n  a:\n"
+                        f"    cap_prompts: 4\n    sources:\n      - path: {root}/recipes/data/arithmetic.jsonl\n"
+                        f"        provenance: test\n")
+    base = [f"ingest.manifest={manifest}", "ingest.chat_template_kwargs={custom: 1}"]
+    cfg = evaluate_config(load_recipe(root / "recipes/toy.yaml", base))
+    assert cfg.chat_template_kwargs == {"custom": 1, "enable_thinking": True}
+    cfg = evaluate_config(load_recipe(root / "recipes/toy.yaml", base + ["evaluate.chat_template_kwargs={}"]))
+    assert cfg.chat_template_kwargs == {}  # set explicitly: the template's defaults
+    with caplog.at_level(logging.WARNING):
+        cfg = evaluate_config(load_recipe(root / "recipes/toy.yaml", [f"ingest.manifest={tmp_path}/none.yaml",
+                                                                      "ingest.chat_template_kwargs={custom: 1}"]))
+    assert cfg.chat_template_kwargs == {"custom": 1} and "manifest not read" in caplog.text
+    assert evaluate_config(load_recipe(root / "recipes/toy.yaml")).chat_template_kwargs == {}

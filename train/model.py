@@ -55,7 +55,10 @@ MLA_MAX_HEADS = 64
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftShape:
-    """Explicit draft attention / MLP sizes (``train.draft.*``); 0 = :func:`draft_shape`'s rule."""
+    """Explicit draft attention / MLP sizes (``train.draft.*``); 0 = :func:`draft_shape`'s rule.
+
+    The recipe's ``train.config.DraftShapeConfig`` has the same fields; it is kept apart so that this
+    module imports no YAML (bench/gpu_check.py runs it where pyyaml may be missing)."""
 
     intermediate_size: int = 0
     num_attention_heads: int = 0

@@ -66,9 +66,19 @@ def weights_hash(target: str) -> str:
     if not root.is_dir():  # a hub id: its revision is the identity (resolved by the caller's cache)
         return "hub:" + str(target)
     files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
-    full = sum(p.stat().st_size for p in files) <= FULL_HASH_BYTES
+    # One hash per content per process: capture and train consult it more than once (identity,
+    # on-policy checks). Keyed by each file's stat, so any write, copy or replace hashes again.
+    stats = tuple((str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                  for p in files for st in (p.stat(),))
+    if stats in _HASHED:
+        return _HASHED[stats]
+    full = sum(s[1] for s in stats) <= FULL_HASH_BYTES
     blob = {p.name: _sha_file(p, full=full) for p in files}
-    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+    _HASHED[stats] = digest = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+    return digest
+
+
+_HASHED: dict[tuple, str] = {}
 
 
 def tokenizer_hashes(target: str) -> tuple[str, str]:

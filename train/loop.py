@@ -7,8 +7,9 @@ and gradients sum to exactly the 1-rank ones (FSDP2 averages gradients, hence ``
 Everything that makes a run differ is explicit: the table version (pinned in provenance and
 state), the seed (init, sample order, packing) and the config. Same seed, same thread count ->
 the same weights bit for bit, also across a SIGKILL and ``train.resume=auto``
-(:mod:`eaglenest.train.state`). Served-AL selection and the report live in
-:mod:`eaglenest.train.select`.
+(:mod:`eaglenest.train.state`). Served-AL selection's books and the report live in
+:mod:`eaglenest.train.select`; the scorer, which serves the draft, is passed in from above the
+stages (:mod:`eaglenest.pipeline.select`).
 """
 
 from __future__ import annotations
@@ -89,29 +90,31 @@ def lr_factor(step: int, *, total: int, warmup: int, min_ratio: float) -> float:
 
 def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, seed: int,
           argv: list[str] | None = None, recipe: dict[str, Any] | None = None,
-          evaluate=None, dist: DistState | None = None, featurestore=None,
+          score=None, dist: DistState | None = None, featurestore=None,
           target_keys: dict[str, str] | None = None, off_policy: bool = False,
           trust_remote_code: bool = False) -> TrainSummary:
     """Train a draft on ``store_uri``'s features and write ``<workdir>/<output_subdir>/``.
 
     ``target_keys``: ``run.target_keys`` (where the target's embed/norm/lm_head are); ``off_policy``:
     ``run.off_policy`` (train on features of responses another target generated).
-    ``evaluate``: the recipe's EvaluateConfig, used for served-AL selection. ``featurestore``: its
+    ``score``: served-AL scorer for ``train.select_every_steps`` (snapshot dir -> ``{"served_al",
+    "prompts"}``; :func:`eaglenest.pipeline.select.served_al_scorer`). ``featurestore``: its
     FeaturestoreConfig, used by ``train.source=stream`` (capture engine, layer ids). ``dist``: default
     joins torchrun's process group when launched by torchrun (and leaves it at the end).
     """
+    select.require_scorer(cfg, score)
     own = dist is None
     dist = dist or DistState.from_env()
     try:
         return _train(cfg, store_uri=store_uri, workdir=workdir, target_dir=target_dir, seed=seed,
-                      argv=argv, recipe=recipe, evaluate=evaluate, dist=dist, featurestore=featurestore,
+                      argv=argv, recipe=recipe, score=score, dist=dist, featurestore=featurestore,
                       target_keys=target_keys, off_policy=off_policy, trust_remote_code=trust_remote_code)
     finally:
         if own:
             dist.close()
 
 
-def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate, dist,
+def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, score, dist,
            featurestore=None, target_keys=None, off_policy=False, trust_remote_code=False) -> TrainSummary:
     from tqdm import tqdm
 
@@ -184,9 +187,8 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, evaluate,
     step = info["step"] if info else 0
     window = info.get("window", []) if info else []
     dist.barrier()
-    selector = select.Selector(outdir, cfg=cfg, evaluate=evaluate, target_dir=target_dir,
-                               store_uri=store_uri, active=dist.is_main, resume_step=step,
-                               trust_remote_code=trust_remote_code)
+    selector = select.Selector(outdir, cfg=cfg, score=score, target_dir=target_dir, active=dist.is_main,
+                               resume_step=step)
     metrics_path = outdir / "metrics.jsonl"
     if dist.is_main:
         outdir.mkdir(parents=True, exist_ok=True)

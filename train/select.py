@@ -1,11 +1,12 @@
 """Checkpoint selection by served acceptance length, and the run report (JSON + PNG).
 
 Every ``train.select_every_steps`` steps (and at the last step) rank 0 saves the current draft as
-a snapshot, exports it with :func:`eaglenest.serve.export.export_draft`, serves it with real vLLM
-through :func:`eaglenest.evaluate.run.evaluate_al` on ``select_prompts_per_domain`` prompts per
-domain of ``select_split`` (no lossless check: that is the evaluate stage's job) and appends the
-served AL to ``selection.jsonl``. The best snapshot by served AL is kept in ``<outdir>/best/``;
-at the end it becomes the run's checkpoint (``checkpoint.json`` gains a ``selection`` record).
+a snapshot and hands it to ``score``, a function from a snapshot directory to
+``{"served_al", "prompts"}``, and appends the result to ``selection.jsonl``. Scoring serves the
+draft, so it needs the stages after this one (export, evaluate): the scorer is built above the
+stages, in :mod:`eaglenest.pipeline.select`, and passed in; this module keeps the books. The best
+snapshot by served AL is kept in ``<outdir>/best/``; at the end it becomes the run's checkpoint
+(``checkpoint.json`` gains a ``selection`` record).
 
 Trade-off: each evaluation starts a vLLM engine (~25 s on 2 CPU cores) while the other ranks
 wait at a barrier, so selection is off by default and meant for sparse intervals. The held-out
@@ -16,13 +17,13 @@ slice is small, so served AL differences of a few hundredths are noise; ties kee
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from eaglenest.errors import ConfigError
 from eaglenest.provenance import write_json_atomic
 from eaglenest.train import checkpoint
 
@@ -45,22 +46,24 @@ def truncate_jsonl(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
+def require_scorer(cfg, score) -> None:
+    if cfg.select_every_steps and score is None:
+        raise ConfigError("train.select_every_steps needs a served-AL scorer; the `train run` command "
+                          "passes one (eaglenest.pipeline.select.served_al_scorer), a direct call of "
+                          "eaglenest.train.loop.train must pass score=")
+
+
 class Selector:
     """Served-AL evaluations and the best snapshot; inert unless ``active`` and selection is on."""
 
-    def __init__(self, outdir: Path, *, cfg, evaluate, target_dir: str, store_uri: str, active: bool,
-                 resume_step: int, trust_remote_code: bool = False):
-        self.outdir, self.cfg, self.target_dir, self.store_uri = outdir, cfg, target_dir, store_uri
-        self.trust_remote_code = trust_remote_code
+    def __init__(self, outdir: Path, *, cfg, score: Callable[[Path], dict[str, Any]] | None, target_dir: str,
+                 active: bool, resume_step: int):
+        require_scorer(cfg, score)
+        self.outdir, self.cfg, self.score, self.target_dir = outdir, cfg, score, target_dir
         self.on = bool(cfg.select_every_steps) and active
         self.path = outdir / SELECTION
         if not self.on:
             return
-        from eaglenest.evaluate.config import EvaluateConfig
-
-        base = evaluate if evaluate is not None else EvaluateConfig()
-        self.eval_cfg = dataclasses.replace(base, split=cfg.select_split, check_lossless=False, ngram_order=0,
-                                            max_prompts_per_domain=cfg.select_prompts_per_domain)
         outdir.mkdir(parents=True, exist_ok=True)
         truncate_jsonl(self.path, resume_step)
         if not resume_step:
@@ -73,18 +76,12 @@ class Selector:
     def evaluate(self, step: int, draft, *, info: dict[str, Any]) -> float | None:
         if not self.on or draft is None:
             return None
-        from eaglenest.evaluate.run import evaluate_al
-        from eaglenest.serve.export import export_draft
-
         if any(r["step"] == step for r in read_jsonl(self.path)):
             return None  # already evaluated before a resume
         work = self.outdir / "select"
         snap = checkpoint.save_checkpoint(work / "snapshot", draft, info=info)
-        exported = export_draft(snap, work / "draft", target_dir=self.target_dir, argv=["train-select"])
-        report = evaluate_al(target=self.target_dir, draft=str(exported), store_uri=self.store_uri,
-                             cfg=self.eval_cfg, trust_remote_code=self.trust_remote_code)
-        al = report["overall"].get("acceptance_length")
-        rec = {"step": step, "served_al": float(al or 0.0), "prompts": report["overall"].get("prompts"),
+        scored = self.score(snap)
+        rec = {"step": step, "served_al": float(scored.get("served_al") or 0.0), "prompts": scored.get("prompts"),
                "loss": (info.get("metrics") or {}).get("loss")}
         prev = self.best()
         with self.path.open("a", encoding="utf-8") as f:

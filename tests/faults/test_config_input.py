@@ -16,7 +16,7 @@ from eaglenest.config import MAX_YAML_BYTES, build, load_yaml, short
 from eaglenest.errors import ConfigError, ManifestError
 from eaglenest.featurestore.capture import resolve_layer_ids
 from eaglenest.ingest.cli import main as ingest_main
-from eaglenest.train.cli import main as train_main
+from eaglenest.pipeline.train_cli import main as train_main
 from eaglenest.train.config import TrainConfig
 
 LINE_CHARS = 500

@@ -220,7 +220,7 @@ def _synth():
 
 @pytest.mark.slow
 def test_train_run_exits_2_on_a_damaged_store(tmp_path, capsys):
-    from eaglenest.train.cli import main as train_main
+    from eaglenest.pipeline.train_cli import main as train_main
 
     synth = _synth()
     target = synth.make_target(tmp_path / "tiny-target")

@@ -97,7 +97,7 @@ def test_train_refuses_features_of_another_target(tmp_path, tiny_target, other, 
     """A features table whose identity names another target's weights is refused by train run."""
     import numpy as np
 
-    from eaglenest.train.cli import main
+    from eaglenest.pipeline.train_cli import main
 
     work = tmp_path / "run"
     uri = str(work / "store")

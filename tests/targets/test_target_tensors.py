@@ -84,7 +84,7 @@ def test_nested_checkpoint_gives_the_same_tensors(tmp_path, tiny_target):
 
 def test_target_keys_override_reaches_training(tmp_path, tiny_target, capsys):
     """``run.target_keys.*`` reaches ``train run``: a wrong name is refused, naming the key."""
-    from eaglenest.train.cli import main
+    from eaglenest.pipeline.train_cli import main
 
     rc = main(["run", "--dry-run", f"run.workdir={tmp_path}", "run.target_keys.norm=model.nope"])
     assert rc == 0  # the dry run validates the recipe only

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from eaglenest.serve.cli import main as serve_main
-from eaglenest.train.cli import main as train_main
+from eaglenest.pipeline.train_cli import main as train_main
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml")
 

@@ -40,7 +40,7 @@ def env() -> dict[str, str]:
 def test_two_ranks_match_one_rank(tmp_path, feature_store, tiny_target):
     one = train(TrainConfig(**TRAJ), store_uri=feature_store[0], workdir=str(tmp_path / "one"),
                 target_dir=str(tiny_target), seed=0)
-    cmd = [sys.executable, "-m", "eaglenest.train.cli", "launch", "--nproc", "2", "--recipe", RECIPE,
+    cmd = [sys.executable, "-m", "eaglenest.pipeline.train_cli", "launch", "--nproc", "2", "--recipe", RECIPE,
            *overrides(TRAJ, tmp_path / "two", feature_store, tiny_target)]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-12000:]
@@ -66,7 +66,7 @@ KILL = dict(draft_vocab_size=512, ttt_steps=7, pack_tokens=128, batch_rows=2, wa
 @pytest.mark.slow
 def test_sigkill_then_resume_continues_exactly(tmp_path, feature_store, tiny_target):
     work = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "eaglenest.train.cli", "run", "--recipe", RECIPE,
+    cmd = [sys.executable, "-m", "eaglenest.pipeline.train_cli", "run", "--recipe", RECIPE,
            *overrides(KILL, work, feature_store, tiny_target)]
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     latest = work / "train" / "state" / "latest.json"
@@ -115,7 +115,7 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, feature_store, tiny_tar
 
 
 def test_launch_validates_the_recipe_before_starting_ranks(capsys):
-    from eaglenest.train.cli import main
+    from eaglenest.pipeline.train_cli import main
 
     assert main(["launch", "--nproc", "2", "--recipe", RECIPE, "train.resume=maybe"]) == 2
     assert "train.resume" in capsys.readouterr().err

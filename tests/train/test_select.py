@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from eaglenest.engine import EngineConfig
+from eaglenest.errors import ConfigError
 from eaglenest.evaluate.config import EvaluateConfig
+from eaglenest.pipeline.select import served_al_scorer
 from eaglenest.train.config import TrainConfig
 from eaglenest.train.loop import train
 
@@ -43,7 +45,8 @@ def test_served_al_selection_and_report(tmp_path, real_store):
                       warmup_steps=2, num_epochs=8, num_steps=8, log_every_steps=2,
                       select_every_steps=4, select_prompts_per_domain=2)
     ev = EvaluateConfig(max_tokens=24, engine=EngineConfig(max_model_len=512, memory_fraction=0.1, max_num_seqs=4))
-    s = train(cfg, store_uri=real_store, workdir=str(tmp_path), target_dir=str(ROOT_TARGET), seed=0, evaluate=ev)
+    score = served_al_scorer(cfg, ev, target_dir=str(ROOT_TARGET), store_uri=real_store)
+    s = train(cfg, store_uri=real_store, workdir=str(tmp_path), target_dir=str(ROOT_TARGET), seed=0, score=score)
     out = s.outdir
     sel = [json.loads(x) for x in (out / "selection.jsonl").read_text().splitlines()]
     assert [r["step"] for r in sel] == [4, 8]
@@ -59,3 +62,13 @@ def test_served_al_selection_and_report(tmp_path, real_store):
     assert [r["step"] for r in report["served_al"]] == [4, 8] and len(report["metrics"]) == 4
     assert len(report["metrics"][0]["step_acc"]) == 3 and 0 <= report["stall_fraction"] < 1
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_selection_without_a_scorer_is_a_config_error(tmp_path, real_store):
+    """The trainer does not serve drafts itself (that needs later stages): a direct call asking for
+    selection without ``score=`` stops before training, naming what to pass."""
+    cfg = TrainConfig(draft_vocab_size=512, ttt_steps=2, pack_tokens=192, batch_rows=2, num_steps=2,
+                      select_every_steps=1)
+    with pytest.raises(ConfigError, match="score="):
+        train(cfg, store_uri=real_store, workdir=str(tmp_path), target_dir=str(ROOT_TARGET), seed=0)
+    assert not (tmp_path / "train" / "checkpoint.json").exists()

@@ -1,8 +1,11 @@
 """``train run`` / ``train launch``: train an EAGLE-3 draft from the run's feature store.
 
 ``train run`` works as a plain process and under ``torchrun --nproc-per-node N -m
-eaglenest.train.cli run ...`` (FSDP2, see docs/training.md). ``train launch --nproc N ...`` is
+eaglenest.pipeline.train_cli run ...`` (FSDP2, see docs/training.md). ``train launch --nproc N ...`` is
 the same as that torchrun line: it starts torchrun with this interpreter and waits for it.
+
+The command lives above the stages because ``train.select_every_steps`` scores snapshots by serving
+them (export and evaluate come after train); the trainer itself imports neither.
 """
 
 from __future__ import annotations
@@ -18,14 +21,19 @@ from eaglenest.cli import Command, run
 
 def _run(recipe, args) -> int:
     from eaglenest.evaluate.cli import evaluate_config  # served-AL selection renders as evaluate does
+    from eaglenest.pipeline.select import served_al_scorer
     from eaglenest.train.loop import train
 
     main_rank = os.environ.get("RANK", "0") == "0"
     if not main_rank:  # torchrun: one rank reports
         logging.getLogger("eaglenest").setLevel(logging.WARNING)
     r = recipe.run
+    score = None
+    if recipe.train.select_every_steps:
+        score = served_al_scorer(recipe.train, evaluate_config(recipe), target_dir=r.target,
+                                 store_uri=r.store_uri, trust_remote_code=r.trust_remote_code)
     summary = train(recipe.train, store_uri=r.store_uri, workdir=r.workdir, target_dir=r.target,
-                    seed=r.seed, argv=sys.argv, recipe=recipe.to_dict(), evaluate=evaluate_config(recipe),
+                    seed=r.seed, argv=sys.argv, recipe=recipe.to_dict(), score=score,
                     featurestore=recipe.featurestore, target_keys=dataclasses.asdict(r.target_keys),
                     off_policy=r.off_policy, trust_remote_code=r.trust_remote_code)
     if main_rank:
@@ -37,7 +45,7 @@ def _run(recipe, args) -> int:
 
 def _launch(recipe, args) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "eaglenest.train.cli", "run"]
+           "-m", "eaglenest.pipeline.train_cli", "run"]
     if args.recipe:
         cmd += ["--recipe", args.recipe]
     cmd += list(args.overrides) + ["-v"] * args.verbose

@@ -1,0 +1,8 @@
+"""What orchestrates several stages, above all of them.
+
+The stages depend in one direction (``ingest -> featurestore -> train -> serve -> evaluate``, each
+also on ``featurestore`` and the shared ``eaglenest`` plumbing). Anything that needs a later stage
+while an earlier one runs lives here: served-AL checkpoint selection during training
+(:mod:`eaglenest.pipeline.select`, which exports and serves snapshots) and the ``train`` command
+that wires it in (:mod:`eaglenest.pipeline.train_cli`). ``tests/test_layering.py`` checks the graph.
+"""

@@ -1,0 +1,38 @@
+"""Served-AL scoring of training snapshots: export (serve stage), then serve with vLLM and measure
+acceptance length (evaluate stage) on ``train.select_prompts_per_domain`` prompts per domain of
+``train.select_split``. No lossless check here: that is ``evaluate al``'s job on the final draft.
+
+The trainer keeps the books (:mod:`eaglenest.train.select`); it receives the function built here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+
+def served_al_scorer(train_cfg, evaluate_cfg=None, *, target_dir: str, store_uri: str,
+                     trust_remote_code: bool = False) -> Callable[[Path], dict[str, Any]]:
+    """A function ``snapshot_dir -> {"served_al", "prompts"}`` for :func:`eaglenest.train.loop.train`.
+
+    ``evaluate_cfg``: the recipe's EvaluateConfig (engine settings, max_tokens, template kwargs);
+    split, prompt count, lossless check and n-gram reference are set for selection."""
+    from eaglenest.evaluate.config import EvaluateConfig
+
+    base = evaluate_cfg if evaluate_cfg is not None else EvaluateConfig()
+    cfg = dataclasses.replace(base, split=train_cfg.select_split, check_lossless=False, ngram_order=0,
+                              max_prompts_per_domain=train_cfg.select_prompts_per_domain)
+
+    def score(snapshot: Path) -> dict[str, Any]:
+        from eaglenest.evaluate.run import evaluate_al
+        from eaglenest.serve.export import export_draft
+
+        exported = export_draft(snapshot, Path(snapshot).parent / "draft", target_dir=target_dir,
+                                argv=["train-select"])
+        report = evaluate_al(target=target_dir, draft=str(exported), store_uri=store_uri, cfg=cfg,
+                             trust_remote_code=trust_remote_code)
+        return {"served_al": report["overall"].get("acceptance_length"),
+                "prompts": report["overall"].get("prompts")}
+
+    return score

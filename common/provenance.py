@@ -50,6 +50,39 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+#: Environment variables whose values are secrets: never written, wherever they turn up.
+_SECRET_ENV = ("SECRET", "TOKEN", "PASSWORD", "ACCOUNT_KEY", "SAS_KEY", "PRIVATE_KEY", "CREDENTIALS")
+REDACTED = "<redacted>"
+
+
+def redact(obj: Any) -> Any:
+    """``obj`` (JSON-like) with every secret replaced by ``<redacted>``: the value of any secret-named
+    environment variable (AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, ...) wherever it occurs, and
+    storage-option credentials (``run.storage_options``, ``key=value`` arguments) unless they are
+    ``${ENV_VAR}`` references. The recipe refuses literal credentials already; this is the backstop."""
+    from eaglenest.runconfig import SECRET_KEY
+
+    secrets = [v for k, v in os.environ.items() if len(v) >= 8 and any(s in k.upper() for s in _SECRET_ENV)]
+
+    def text(s: str) -> str:
+        for v in secrets:
+            s = s.replace(v, REDACTED)
+        key, sep, value = s.partition("=")
+        if sep and "storage_options" in key and SECRET_KEY.search(key) and not value.startswith("${"):
+            return f"{key}={REDACTED}"
+        return s
+
+    def walk(o: Any, parent: str = "") -> Any:
+        if isinstance(o, dict):
+            return {k: (REDACTED if parent == "storage_options" and SECRET_KEY.search(str(k))
+                        and not str(v).startswith("${") else walk(v, str(k))) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [walk(v, parent) for v in o]
+        return text(o) if isinstance(o, str) else o
+
+    return walk(obj)
+
+
 def write_provenance(outdir: str | Path, *, config: Any, inputs: dict[str, Any] | None = None,
                      argv: list[str] | None = None, extra: dict[str, Any] | None = None) -> Path:
     """Write ``outdir/provenance.json`` and return its path."""
@@ -66,5 +99,5 @@ def write_provenance(outdir: str | Path, *, config: Any, inputs: dict[str, Any] 
     if extra:
         record.update(extra)
     path = Path(outdir) / "provenance.json"
-    write_json_atomic(path, record)
+    write_json_atomic(path, redact(json.loads(json.dumps(record, default=str))))
     return path

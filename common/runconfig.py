@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import re
 from pathlib import Path
 
 from eaglenest.config import short
@@ -10,6 +13,52 @@ from eaglenest.errors import ConfigError
 
 #: Seeds feed numpy (>= 0) and torch (< 2**64); this range suits both, with room for seed + epoch.
 SEED_RANGE = range(0, 2**63)
+
+#: Object stores a store URI may name (``run.store``); anything else with ``://`` is refused.
+REMOTE_SCHEMES = ("s3", "gs", "az")
+#: ``run.storage_options`` keys that hold credentials: only ``${ENV_VAR}`` references are accepted
+#: there, so a resolved recipe (provenance, --dry-run, checkpoints) never holds a secret.
+SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|access_key|account_key|sas_|private_key|"
+                        r"client_secret|session", re.IGNORECASE)
+_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+#: Child processes (Dask workers, training ranks) inherit the options here: references, no secrets.
+OPTIONS_ENV = "EAGLENEST_STORAGE_OPTIONS"
+
+
+def _registered() -> dict[str, dict[str, str]]:
+    try:
+        data = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def register_storage_options(store_uri: str, options: dict[str, str]) -> None:
+    """Remember ``options`` for every path under ``store_uri`` (this process and its children)."""
+    data = _registered()
+    key = store_uri.rstrip("/")
+    if data.get(key) == options:
+        return
+    data[key] = dict(options)
+    os.environ[OPTIONS_ENV] = json.dumps(data, sort_keys=True)
+
+
+def storage_options_for(uri: str) -> dict[str, str]:
+    """Lance/pyarrow storage options for ``uri``: those registered for the longest store URI it is
+    under, ``${VAR}`` references resolved from the environment now (never stored resolved)."""
+    text = uri.rstrip("/")
+    best = max((k for k in _registered() if text == k or text.startswith(k + "/")), key=len, default=None)
+    if best is None:
+        return {}
+    out = {}
+    for key, value in _registered()[best].items():
+        def env(m, key=key):
+            if m.group(1) not in os.environ:
+                raise ConfigError(f"run.storage_options.{key}: environment variable {m.group(1)} is not set")
+            return os.environ[m.group(1)]
+
+        out[key] = _REF.sub(env, value)
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,8 +77,13 @@ class RunConfig:
     workdir: str = "runs/toy"
     #: Target model: a local Hugging Face directory (the tiny target by default) or a hub id.
     target: str = "assets/tiny-target"
-    #: LanceDB directory of the feature store; empty means ``<workdir>/store``.
+    #: LanceDB directory of the feature store; empty means ``<workdir>/store``. Also an object
+    #: store: ``s3://bucket/prefix``, ``gs://...``, ``az://...`` (docs/storage.md).
     store: str = ""
+    #: Lance storage options of an object store (``aws_endpoint``, ``aws_region``, ``allow_http``,
+    #: ...). Credentials stay in the environment (AWS_ACCESS_KEY_ID, ...) or are referenced as
+    #: ``${ENV_VAR}``; a literal secret is refused, so no resolved recipe ever holds one.
+    storage_options: dict[str, str | bool | int] = dataclasses.field(default_factory=dict)
     seed: int = 0
     #: Run the target's own Python code (``auto_map`` in its config / tokenizer_config), as
     #: transformers' and vLLM's ``trust_remote_code`` do. Off by default: only for checkpoints you trust.
@@ -43,6 +97,23 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.seed not in SEED_RANGE:
             raise ConfigError(f"run.seed: must be in [0, 2**63), got {short(self.seed)}")
+        store = self.store_uri
+        kind = store.split("://", 1)[0].lower() if "://" in store else ""
+        if kind not in ("", "file", *REMOTE_SCHEMES):
+            raise ConfigError(f"run.store: {kind[:20]}:// is not a supported store (a local path, or "
+                              f"{', '.join(s + '://' for s in REMOTE_SCHEMES)})")
+        opts = {}
+        for key, value in self.storage_options.items():
+            text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+            if SECRET_KEY.search(key) and not _REF.fullmatch(text):
+                # The value is never echoed: it is a secret.
+                raise ConfigError(f"run.storage_options.{key[:80]}: credentials are not written in a recipe or on "
+                                  "the command line (they would land in provenance.json); set the standard "
+                                  "environment variable (e.g. AWS_SECRET_ACCESS_KEY) or write ${ENV_VAR}")
+            opts[key] = text
+        object.__setattr__(self, "storage_options", opts)
+        if kind in REMOTE_SCHEMES:
+            register_storage_options(store, opts)
 
     @property
     def store_uri(self) -> str:

@@ -5,6 +5,8 @@
     featurestore versions | tags | diff A B | checkout V | restore V    versions of featurestore.table
     featurestore verify | compact | gc --older-than-hours N             maintenance
     featurestore query "SELECT ..." [--out f.csv|f.parquet] [--attach name=file] [--with-tensors]
+    featurestore stream-serve --addr HOST:PORT --engine-rank I [--target DIR]   one engine host of a
+                                     cross-host capture stream (train.stream_transport=gloo)
 """
 
 from __future__ import annotations
@@ -161,6 +163,12 @@ def cmd_query(recipe, args) -> int:
     return 0
 
 
+def cmd_stream_serve(recipe, args) -> int:
+    from eaglenest.featurestore.stream_xhost import serve
+
+    return serve(args.addr, args.engine_rank, target=args.target, timeout_s=args.timeout_s)
+
+
 _VERSION = (("--version",), {"default": None, "help": "table version number or tag (default latest)"})
 
 
@@ -188,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
             (("--attach",), {"action": "append", "help": "name=file.parquet|csv"}),
             (("--with-tensors",), {"action": "store_true"}), (("--max-rows",), {"type": int, "default": 50}),
             _VERSION]),
+        "stream-serve": Command(cmd_stream_serve, "run one capture engine of a cross-host stream", [
+            (("--addr",), {"required": True, "help": "the trainer's train.stream_addr (host:port)"}),
+            (("--engine-rank",), {"type": int, "required": True, "help": "0..train.stream_engines-1"}),
+            (("--target",), {"default": None, "help": "target directory on this host (default: the trainer's)"}),
+            (("--timeout-s",), {"type": float, "default": 1800.0, "help": "longest wait for a peer"})],
+            needs_recipe=False),
     }, argv)
 
 

@@ -10,8 +10,9 @@ Trade-offs:
 
 * Fragments written but never committed are invisible garbage; ``featurestore gc`` removes them
   once they are older than its grace period, and never while a writer holds the table's lease.
-* The table is created empty (schema and feature metadata only) on first use, atomically (written
-  aside, renamed into place, under a per-table create lock).
+* The table is created empty (schema and feature metadata only) on first use, atomically: on local
+  disk written aside and renamed into place under a per-table create lock; on an object store
+  written in place, Lance's conditional PUT of the first manifest letting one creator win.
 * Every commit is made under the table's writer lease (``featurestore/lease.py``) and refused if
   it would store a ``sample_id`` twice. Two Appends never conflict in Lance (it rebases them);
   anything that does conflict (a writer outside eaglenest) is retried with jittered backoff.
@@ -31,7 +32,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from eaglenest import faults
 from eaglenest.errors import SchemaError, StoreError
+from eaglenest.featurestore import objects
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore import store
 
@@ -83,8 +86,8 @@ def write_fragment(uri: str, name: str, table: pa.Table, *, meta: S.FeatureMeta 
     if table.num_rows == 0:
         return []
     ensure_table(uri, name, meta=meta)  # refuses another feature set before any byte is written
-    path = store.table_path(uri, name)
-    frags = fragment.write_fragments(table, str(path), schema=want)
+    path = store.table_uri(uri, name)
+    frags = fragment.write_fragments(table, path, schema=want, storage_options=objects.lance_options(uri))
     log.debug("wrote %d fragment(s), %d rows, for %s", len(frags), table.num_rows, path)
     return list(frags)
 
@@ -114,13 +117,16 @@ def _create(uri: str, name: str, want: pa.Schema) -> None:
     import uuid
 
     lance = store._lance()
+    if objects.is_remote(uri):
+        _create_remote(lance, uri, name, want)
+        return
     path = store.table_path(uri, name)
     if path.exists():
         if any(path.iterdir()):
             raise StoreError(f"table '{name}' in {uri}: {path} exists but holds no table version "
                              "(an interrupted create by an older eaglenest?); move it away and re-run")
         path.rmdir()
-    tmp = Path(uri) / ".eaglenest" / "tmp" / f"{name}.{uuid.uuid4().hex}.lance"
+    tmp = Path(objects.local(uri)) / ".eaglenest" / "tmp" / f"{name}.{uuid.uuid4().hex}.lance"
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
         # File format 2.0: Lance's default (2.2 in pylance 14) wrote the large_binary tensor columns
@@ -136,6 +142,24 @@ def _create(uri: str, name: str, want: pa.Schema) -> None:
     log.debug("created %s", path)
 
 
+def _create_remote(lance, uri: str, name: str, want: pa.Schema) -> None:
+    """Create the table in place on an object store: no rename there, but Lance writes the first
+    manifest with a conditional PUT (``If-None-Match``), so of two creators one wins and the other
+    finds the table (docs/storage.md)."""
+    path = store.table_uri(uri, name)
+    try:
+        lance.write_dataset(want.empty_table(), path, schema=want, mode="create", data_storage_version="2.0",
+                            storage_options=objects.lance_options(uri))
+    except (OSError, ValueError) as exc:
+        if not store.exists(uri, name):
+            raise StoreError(f"run.store: cannot create table '{name}' in {uri} "
+                             f"({str(exc).splitlines()[0][:300]})") from None
+        log.debug("table %s was created by another writer meanwhile", path)
+        return
+    store.record_head(uri, name, 1)
+    log.debug("created %s", path)
+
+
 def _is_conflict(exc: Exception) -> bool:
     text = str(exc).lower()
     return "conflict" in text or "retry" in text or "concurrent" in text
@@ -145,16 +169,17 @@ def fragment_sample_ids(uri: str, name: str, fragments: list, ds) -> list[str]:
     """``sample_id`` of every row of (uncommitted) ``fragments`` of table ``ds``, read from their data files."""
     from lance.file import LanceFileReader
 
-    table_dir = store.table_path(uri, name)
+    table_dir = store.table_uri(uri, name)
     field = ds.lance_schema.field("sample_id").id()
     ids: list[str] = []
     for frag in fragments:
         files = [f for f in frag.files if field in f.fields]
         if len(files) != 1:
             raise StoreError(f"fragment of table '{name}': no single data file holds sample_id")
-        path = table_dir / "data" / files[0].path
+        path = objects.join(table_dir, "data", files[0].path)
         try:
-            t = LanceFileReader(str(path), columns=["sample_id"]).read_all().to_table()
+            t = LanceFileReader(path, storage_options=objects.lance_options(uri),
+                                columns=["sample_id"]).read_all().to_table()
         except (OSError, ValueError) as exc:
             raise StoreError(f"table '{name}': cannot read the uncommitted data file {path} "
                              f"({str(exc).splitlines()[0][:200]}); was it deleted?") from None
@@ -183,6 +208,10 @@ def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMet
     conflicts with writers outside eaglenest are retried up to ``max_retries`` times with jittered
     exponential backoff. ``lineage`` (JSON-able) is stored in the commit's transaction properties;
     ``parent_version`` is filled in with the version the commit was made on top of.
+
+    On an object store there is no lease: the check runs against the version the commit is made on
+    top of, and a concurrent writer's commit landing in between is caught after the fact
+    (:func:`_undo_concurrent_duplicates`; docs/storage.md says what that does and does not cover).
     """
     from eaglenest.featurestore import lease
 
@@ -190,7 +219,7 @@ def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMet
     if name == store.FEATURES and meta is None:
         raise SchemaError("committing features needs its FeatureMeta")
     ensure_table(uri, name, meta=meta)
-    path = str(store.table_path(uri, name))
+    path = store.table_uri(uri, name)
     with lease.hold(uri, name, purpose="commit", wait_s=lease.WAIT_S):
         new_ids = None
         for attempt in range(max_retries + 1):
@@ -209,8 +238,9 @@ def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMet
                                                 default=str)
             tx = lance.Transaction(read_version=ds.version, operation=lance.LanceOperation.Append(list(fragments)),
                                    transaction_properties=props)
+            faults.delay("featurestore.commit_after_check")  # tests: two unleased writers in this window
             try:
-                new = lance.LanceDataset.commit(path, tx)
+                new = lance.LanceDataset.commit(path, tx, storage_options=objects.lance_options(uri))
             except OSError as exc:
                 if not _is_conflict(exc) or attempt == max_retries:
                     raise StoreError(f"commit to table '{name}' failed after {attempt + 1} attempt(s): "
@@ -219,6 +249,8 @@ def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMet
                 log.info("commit conflict on %s (attempt %d), retrying in %.2fs", path, attempt + 1, delay)
                 time.sleep(delay)
                 continue
+            if new.version > ds.version + 1:  # other commits landed since the check (no lease: object stores)
+                new = _undo_concurrent_duplicates(uri, name, new, new_ids, fragments)
             from eaglenest.featurestore.maintenance import record_checksums
 
             try:
@@ -231,6 +263,37 @@ def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMet
             log.debug("committed %d fragment(s) to %s as version %d", len(fragments), path, new.version)
             return new.version
     raise AssertionError("unreachable")
+
+
+def _undo_concurrent_duplicates(uri: str, name: str, new, new_ids: list[str], fragments: list):
+    """After a commit that other commits overtook (possible without a lease, on an object store):
+    rows of this commit whose ``sample_id`` one of those commits stored first are deleted again,
+    in one Delete commit. Only the later of two racing writers sees the other's rows in between,
+    so exactly one copy stays. Returns the dataset at the version that holds no duplicate."""
+    lance = store._lance()
+    path = store.table_uri(uri, name)
+    before = set(objects.dataset(path, new.version - 1).to_table(columns=["sample_id"])
+                 .column("sample_id").to_pylist())
+    dup = sorted(set(new_ids) & before)
+    if not dup:
+        return new
+    ours = {df.path for f in fragments for df in f.files}
+    pred = "sample_id IN (" + ", ".join("'" + i.replace("'", "''") + "'" for i in dup) + ")"
+    updated, removed = [], []
+    for frag in objects.dataset(path, new.version).get_fragments():
+        if {df.path for df in frag.data_files()} & ours:
+            left = frag.delete(pred)
+            (removed.append(frag.fragment_id) if left is None else updated.append(left))
+    try:
+        fixed = lance.LanceDataset.commit(path, lance.LanceOperation.Delete(updated, removed, pred),
+                                          read_version=new.version, storage_options=objects.lance_options(uri))
+    except OSError as exc:
+        raise StoreError(f"table '{name}': version {new.version} stored {len(dup)} sample id(s) that a concurrent "
+                         f"writer committed first (e.g. {dup[0]}), and removing them failed "
+                         f"({str(exc).splitlines()[0][:200]}); run `featurestore verify`") from None
+    log.warning("table '%s': a concurrent writer committed %d of this commit's sample ids first (e.g. %s); "
+                "removed them from version %d (now version %d)", name, len(dup), dup[0], new.version, fixed.version)
+    return fixed
 
 
 def lineage_of(ds, version: int) -> dict | None:

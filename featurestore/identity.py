@@ -133,8 +133,7 @@ def find(store_uri: str, feature_set_id: str, *, tables: list[str] | None = None
     """(table, latest version) of the table in the store that holds ``feature_set_id``, else None."""
     from eaglenest.featurestore import store
 
-    root = Path(store_uri)
-    names = tables if tables is not None else sorted(p.name[:-len(".lance")] for p in root.glob("*.lance"))
+    names = tables if tables is not None else store.table_names(store_uri)
     for name in names:
         if name == store.PROMPTS or not store.exists(store_uri, name):
             continue

@@ -156,10 +156,17 @@ def check_version(ds, *, table: str | None = None) -> Report:
 
     Trusted by stamp: one ``stat``; otherwise one full read. Raises :class:`StoreError` naming the
     fragment and file for a missing file, a size changed since its checksum, or a CRC mismatch."""
+    from eaglenest.featurestore import objects
+
+    report = Report()
+    if objects.is_remote(str(ds.uri)):  # object storage: no sidecars there (maintenance.py)
+        what = f"table '{table or str(ds.uri).rstrip('/').rsplit('/', 1)[-1].removesuffix('.lance')}' v{ds.version}"
+        log.info("%s is on an object store: its data files carry no CRC sidecar and are not checked here "
+                 "(docs/storage.md)", what)
+        return report
     table_dir = Path(str(ds.uri))
     what = f"table '{table or table_dir.name.removesuffix('.lance')}' v{ds.version}"
-    report = Report()
-    if not table_dir.is_dir():  # not a local table (object storage): nothing to stat
+    if not table_dir.is_dir():
         log.warning("%s: not a local directory, data files not checked", what)
         return report
     crc_dir = table_dir / CRC_DIR

@@ -18,7 +18,9 @@ the holder dies, however it dies (SIGKILL included), so a stale lease needs no c
 writer takes it and logs whose it was. Record locks, unlike ``flock``, belong to the process and
 are not inherited across ``fork``, so an engine process a killed CLI leaves behind does not keep
 the table locked. They also work on NFS (through its lock manager). Not on object storage: a store
-there has no lease, and relies on Lance's conflict handling and the commit-time ``sample_id`` check.
+there has no lease, and relies on Lance's conflict handling (conditional PUTs of manifests), the
+commit-time ``sample_id`` check and its after-the-fact repair (``fragments.commit_fragments``;
+docs/storage.md says what that guarantees).
 
 A process re-entering a lease it holds gets it at once (capture holds it and commits under it).
 Caveat of record locks: closing *any* descriptor of the lease file in the holding process drops
@@ -57,7 +59,9 @@ _mutex = threading.RLock()
 
 
 def _remote(uri: str) -> bool:
-    return "://" in uri and not uri.startswith("file://")
+    from eaglenest.featurestore.objects import is_remote
+
+    return is_remote(uri)
 
 
 def lease_path(uri: str, name: str, kind: str = "lease") -> Path:

@@ -10,6 +10,10 @@ immutable in Lance, so a sidecar never goes stale; ``gc`` removes those of delet
 ``verify`` checks, at one version: the schema, row counts (manifest vs what each fragment reads),
 every data file's CRC against its sidecar (a file without one is reported as unchecked), that every
 fragment decodes, and a NaN/inf scan of the tensor columns. Problems name the fragment and file.
+
+Object stores (docs/storage.md): no CRC sidecars are written there (computing one would download
+every data file just uploaded; the store checks its own uploads and holds objects redundantly), so
+``verify`` lists their data files as unchecked by CRC and checks everything else.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from eaglenest.errors import StoreError
+from eaglenest.featurestore import objects
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore import store
 
@@ -48,6 +53,8 @@ def record_checksums(uri: str, name: str, fragments) -> None:
     and the stamp that lets the trainer trust it by ``stat`` (``integrity.check_version``)."""
     from eaglenest.featurestore import integrity
 
+    if objects.is_remote(uri):  # no sidecars on object stores (module docstring)
+        return
     table_dir = store.table_path(uri, name)
     crc_dir = table_dir / CRC_DIR
     crc_dir.mkdir(parents=True, exist_ok=True)
@@ -75,12 +82,19 @@ def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
         return {"table": name, "ok": False, "problems": [f"cannot open: {str(exc).splitlines()[0][:300]}"]}
     if version is None and (rolled := store.rolled_back(uri, name, ds.version)):
         problems.append(rolled)
-    table_dir = store.table_path(uri, name)
+    remote = objects.is_remote(uri)
     meta = S.feature_meta(ds.schema) if store.is_features(name) else None
     rows = 0
     for frag in ds.get_fragments():
         fid = frag.fragment_id
         for df in frag.data_files():
+            if remote:
+                if not objects.exists(objects.join(store.table_uri(uri, name), "data", df.path)):
+                    problems.append(f"fragment {fid}: data file {df.path} is missing")
+                else:
+                    unchecked.append(df.path)
+                continue
+            table_dir = store.table_path(uri, name)
             path = _data_path(table_dir, df.path)
             side = table_dir / CRC_DIR / f"{Path(df.path).name}.crc"
             if not path.is_file():
@@ -172,21 +186,20 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
                                         delete_unverified=False, error_if_tagged_old_versions=False)
         ds = store.dataset(uri, name)
         live = referenced_files(uri, name, ds)
-        table_dir = store.table_path(uri, name)
+        data_dir = objects.join(store.table_uri(uri, name), "data")
         cutoff = time.time() - grace_hours * 3600
         swept, swept_bytes = 0, 0
-        for p in (table_dir / "data").glob("*"):
-            try:
-                st = p.stat()
-            except FileNotFoundError:
-                continue
-            if p.name not in live and p.is_file() and st.st_mtime < cutoff:
-                p.unlink()
+        for e in objects.listdir(data_dir):  # local directory or object-store prefix alike
+            if e.is_file and e.name not in live and e.mtime_s is not None and e.mtime_s < cutoff:
+                try:
+                    objects.delete(objects.join(data_dir, e.name))
+                except FileNotFoundError:
+                    continue
                 swept += 1
-                swept_bytes += st.st_size
-        crc_dir = table_dir / CRC_DIR
+                swept_bytes += e.size
+        crc_dir = None if objects.is_remote(uri) else store.table_path(uri, name) / CRC_DIR
         stale = [p for p in crc_dir.glob("*") if p.name.split(".lance")[0] + ".lance" not in live] \
-            if crc_dir.is_dir() else []
+            if crc_dir is not None and crc_dir.is_dir() else []
         for p in stale:
             p.unlink()
         after = [v["version"] for v in ds.versions()]

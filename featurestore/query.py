@@ -44,7 +44,7 @@ def check_read_only(sql: str) -> None:
 
 
 def tables_in(uri: str) -> list[str]:
-    return sorted(p.name[:-len(".lance")] for p in Path(uri).glob("*.lance") if store.exists(uri, p.name[:-6]))
+    return store.table_names(uri)  # a local directory or an object-store prefix
 
 
 def connect(uri: str, *, versions: dict[str, int | str] | None = None, with_tensors: bool = False,

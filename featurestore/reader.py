@@ -254,11 +254,12 @@ class SampleReader:
         """fragment id -> tensor column -> local data file holding it (None: not a local file)."""
         ids = {c: self.ds.lance_schema.field(c).id() for c in S.TENSOR_COLUMNS}
         root = Path(str(self.ds.uri))
+        remote = "://" in str(self.ds.uri) and not str(self.ds.uri).startswith("file://")
         for frag in self.ds.get_fragments():
             files = {}
             for col, fid in ids.items():
                 paths = [df.path for df in frag.data_files() if fid in df.fields]
-                path = root / "data" / paths[0] if len(paths) == 1 else None
+                path = root / "data" / paths[0] if len(paths) == 1 and not remote else None
                 files[col] = str(path) if path is not None and path.is_file() else None
             self._files[frag.fragment_id] = files
         for files in self._files.values():

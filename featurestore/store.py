@@ -1,8 +1,10 @@
 """Thin, validated access to the store's Lance tables: append, read a pinned version, tag.
 
-A store is a LanceDB directory; each table is a Lance dataset ``<uri>/<name>.lance``. Every write
-is one Lance commit (atomic: a reader sees all of it or none of it) and is validated against the
-declared schema first. Reads name a version so a finished run can be replayed on identical data.
+A store is a LanceDB directory, local or on an object store (``s3://bucket/prefix``; opened
+through :mod:`eaglenest.featurestore.objects`, docs/storage.md); each table is a Lance dataset
+``<uri>/<name>.lance``. Every write is one Lance commit (atomic: a reader sees all of it or none of
+it) and is validated against the declared schema first. Reads name a version so a finished run can
+be replayed on identical data.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Iterator
@@ -18,6 +19,7 @@ from typing import Iterator
 import pyarrow as pa
 
 from eaglenest.errors import SchemaError, StoreError
+from eaglenest.featurestore import objects
 from eaglenest.featurestore import schema as S
 
 log = logging.getLogger(__name__)
@@ -60,11 +62,26 @@ def check_tag(tag: str) -> str:
 
 
 def table_path(uri: str, name: str) -> Path:
-    return Path(uri) / f"{check_name(name)}.lance"
+    """The table's directory in a local store (object stores: :func:`table_uri`)."""
+    if objects.is_remote(uri):
+        raise StoreError(f"table '{name}' in {uri}: not a local directory (internal: use table_uri)")
+    return Path(objects.local(uri)) / f"{check_name(name)}.lance"
+
+
+def table_uri(uri: str, name: str) -> str:
+    """The table's location as Lance and pyarrow take it (a local path or an object-store URI)."""
+    return objects.join(uri, f"{check_name(name)}.lance")
 
 
 def exists(uri: str, name: str) -> bool:
-    return (table_path(uri, name) / "_versions").is_dir()
+    return objects.exists(objects.join(table_uri(uri, name), "_versions"), directory=True)
+
+
+def table_names(uri: str) -> list[str]:
+    """Names of the tables in the store (directories ``<name>.lance`` holding a version)."""
+    names = sorted(e.name[:-len(".lance")] for e in objects.listdir(uri)
+                   if not e.is_file and e.name.endswith(".lance") and _NAME.fullmatch(e.name[:-len(".lance")]))
+    return [n for n in names if exists(uri, n)]
 
 
 def is_features(name: str) -> bool:
@@ -91,7 +108,7 @@ def append(uri: str, name: str, table: pa.Table, *, meta: S.FeatureMeta | None =
 
     frags = fragments.write_fragment(uri, name, table, meta=meta)
     version = fragments.commit_fragments(uri, name, frags, meta=meta, lineage=lineage)
-    log.debug("appended %d rows to %s (version %d)", table.num_rows, table_path(uri, name), version)
+    log.debug("appended %d rows to %s (version %d)", table.num_rows, table_uri(uri, name), version)
     return version
 
 
@@ -101,11 +118,10 @@ def dataset(uri: str, name: str, version: int | str | None = None, *, allow_roll
     The latest version of a table that has been rolled back (a committed version's manifest is
     gone; see :func:`rolled_back`) is refused: reading it would silently lose that version's rows.
     """
-    lance = _lance()
     if not exists(uri, name):
         raise StoreError(f"no table '{name}' in store {uri}")
     try:
-        ds = lance.dataset(str(table_path(uri, name)), version=version)
+        ds = objects.dataset(table_uri(uri, name), version)
     except (ValueError, OSError) as exc:
         raise StoreError(f"table '{name}' in {uri}: cannot open version {version!r} "
                          f"({str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__})") from None
@@ -126,28 +142,27 @@ def dataset(uri: str, name: str, version: int | str | None = None, *, allow_roll
 # the table's writer lease) also records its version in ``<table>.lance/_eaglenest_head.json``;
 # a latest version older than that record (or than Lance's own ``latest_version_hint.json``) means
 # a committed version was lost. ``featurestore restore --v N`` accepts such a rollback explicitly.
+# On an object store the record is one PUT (atomic); without leases there, two writers may write
+# it in either order, so it can lag (a missed detection), never run ahead (a false alarm).
 
 HEAD_FILE = "_eaglenest_head.json"
 
 
 def head_version(uri: str, name: str) -> int | None:
     """The newest version eaglenest recorded committing (None: no record)."""
-    path = table_path(uri, name) / HEAD_FILE
+    text = objects.read_text(objects.join(table_uri(uri, name), HEAD_FILE))
     try:
-        return int(json.loads(path.read_text())["version"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(json.loads(text)["version"])
+    except (ValueError, KeyError, TypeError):
         return None
 
 
 def record_head(uri: str, name: str, version: int, *, force: bool = False) -> None:
     """Record ``version`` as committed (the larger of it and the record, unless ``force``)."""
-    path = table_path(uri, name) / HEAD_FILE
     have = head_version(uri, name)
     if have is not None and have >= version and not force:
         return
-    tmp = path.with_name(f"{HEAD_FILE}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"version": int(version)}))
-    os.replace(tmp, path)
+    objects.write_text(objects.join(table_uri(uri, name), HEAD_FILE), json.dumps({"version": int(version)}))
 
 
 def rolled_back(uri: str, name: str, latest: int) -> str | None:
@@ -155,8 +170,9 @@ def rolled_back(uri: str, name: str, latest: int) -> str | None:
     recorded = head_version(uri, name)
     hint = None
     try:
-        hint = int(json.loads((table_path(uri, name) / "_versions" / "latest_version_hint.json").read_text())["version"])
-    except (OSError, ValueError, KeyError, TypeError):
+        hint = int(json.loads(objects.read_text(objects.join(table_uri(uri, name), "_versions",
+                                                             "latest_version_hint.json")))["version"])
+    except (ValueError, KeyError, TypeError):
         pass
     newest = max(v for v in (recorded, hint, latest) if v is not None)
     if newest <= latest:

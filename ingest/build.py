@@ -105,9 +105,19 @@ def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: 
     """
     from eaglenest.featurestore import lease
 
-    with lease.hold(store_uri, store.PROMPTS, purpose="ingest build", wait_s=5):
-        return _build(manifest, pool, target=target, store_uri=store_uri, cfg=cfg, backend=backend, client=client,
-                      off_policy=off_policy, trust_remote_code=trust_remote_code, dropped_path=dropped_path)
+    own = None
+    if cfg.executor == "dask" and client is None and cfg.dask_scheduler:
+        from eaglenest.ingest import dask_executor
+
+        client = own = dask_executor.connect(cfg.dask_scheduler)  # a dead address fails before any write
+    try:
+        with lease.hold(store_uri, store.PROMPTS, purpose="ingest build", wait_s=5):
+            return _build(manifest, pool, target=target, store_uri=store_uri, cfg=cfg, backend=backend,
+                          client=client, off_policy=off_policy, trust_remote_code=trust_remote_code,
+                          dropped_path=dropped_path)
+    finally:
+        if own is not None:
+            own.close()
 
 
 def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, cfg: IngestConfig,

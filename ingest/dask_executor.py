@@ -8,37 +8,149 @@ scheduler reruns the task on another worker (up to ``distributed.scheduler.allow
 whatever the dead worker had written is never committed. The store must be on storage every worker
 can reach (a shared filesystem or an object store) and every worker needs the target locally.
 
-Trade-off: on a 2-core machine a LocalCluster adds orchestration, not speed; the point is the same
-code on a real cluster, where each worker holds a GPU and its own engine.
+What a real cluster (``dask scheduler`` + ``dask worker`` processes) adds over a LocalCluster, and
+how it is handled here:
+
+* Workers have their own working directory: local target and store paths are made absolute on the
+  driver, and a worker that cannot see them fails the shard with one line naming the key.
+* ``dask worker`` runs each worker as a daemonic child of its nanny, and daemonic processes may not
+  start children, which a vLLM engine needs: refused with one line naming the setting.
+* A worker SIGKILLed (by the nanny's memory limit, the OOM killer, a preemption) would leave its
+  vLLM engine processes running on the node: each worker arms :mod:`eaglenest.reaper`, whose
+  watchdog ends them when the worker process dies; the nanny restarts the worker.
+* A ``dask worker`` is no child of the driver: the store's options (``run.storage_options``, held
+  as ``${VAR}`` references) travel with each task; the variables they name must be set on workers.
+* A scheduler that is not there fails within ``CONNECT_TIMEOUT_S``, before anything is written.
+
+Trade-offs: one engine per worker process, kept warm for later builds until the worker exits (a
+second build on the same workers starts in seconds; the memory stays held: restart the workers to
+free it). A backend key change (other engine settings or target) closes the old engine first, so
+a worker never holds two. On a 2-core machine a cluster adds orchestration, not speed; the point
+is the same code on a real cluster, where each worker holds a GPU and its own engine.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 
 log = logging.getLogger(__name__)
 
+#: Seconds to reach the scheduler; a wrong or dead address fails after this, before any write.
+CONNECT_TIMEOUT_S = 10.0
+
+#: The ``ingest.*`` keys a backend is built from: a worker reuses its engine while they are unchanged.
+BACKEND_KEYS = ("backend", "engine", "endpoints", "allow_remote_endpoints", "api_key_env", "allow_plaintext_api_key",
+                "request_timeout_s", "max_retries", "retry_backoff_s", "in_flight_per_endpoint", "max_in_flight",
+                "chat_template_kwargs")
+
 _BACKENDS: dict[str, object] = {}
+_LOCK = threading.Lock()  # a worker with --nthreads > 1 still runs one shard on its engine at a time
+
+
+def _worker_name() -> str:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except ValueError:  # not inside a Dask task (a unit test calling the checks directly)
+        return f"pid {os.getpid()}"
+
+
+def check_worker(cfg, target: str, store_uri: str) -> None:
+    """Runs on a worker before any work: what a cluster set up differently from the driver gets wrong."""
+    import multiprocessing
+
+    from eaglenest.errors import ConfigError, StoreError
+
+    where = _worker_name()
+    if cfg.backend == "vllm" and multiprocessing.current_process().daemon:
+        raise ConfigError(f"ingest.dask_scheduler: Dask worker {where} is a daemonic process and cannot start the "
+                          "vLLM engine's processes; start the workers with DASK_DISTRIBUTED__WORKER__DAEMON=False "
+                          "in their environment (or dask worker --no-nanny)")
+    if os.path.isabs(target) and not os.path.isdir(target):
+        raise ConfigError(f"run.target: {target} does not exist on Dask worker {where}; every worker needs the "
+                          "target at the same path")
+    if "://" not in store_uri and not os.path.isdir(store_uri):
+        raise StoreError(f"run.store: {store_uri} is not visible on Dask worker {where}; put the store on a "
+                         "filesystem every worker shares, or on an object store")
+
+
+def _backend(cfg, target: str, trust_remote_code: bool):
+    from eaglenest.ingest.build import make_backend
+
+    key = repr((tuple(getattr(cfg, k) for k in BACKEND_KEYS), target, trust_remote_code))
+    if key not in _BACKENDS:
+        _close_backends()  # one engine per worker: never two warm at once
+        if cfg.backend == "vllm":
+            from eaglenest import reaper
+
+            reaper.guard()  # this worker's engine processes end with it, even on SIGKILL
+        _BACKENDS[key] = make_backend(cfg, target, trust_remote_code=trust_remote_code)
+    return _BACKENDS[key]
+
+
+def adopt_storage_options(registered: str) -> None:
+    """Runs on a worker: take the driver's registered store options (``${VAR}`` references, never
+    secrets; the variables must be set on the worker). A ``dask worker`` is no child of the driver,
+    so it does not inherit them through the environment as a LocalCluster worker does."""
+    import json
+
+    from eaglenest.runconfig import register_storage_options
+
+    for uri, options in json.loads(registered or "{}").items():
+        register_storage_options(uri, options)
 
 
 def _shard_task(cfg, target: str, store_uri: str, entries, gen, gen_id: str, think=None,
-                trust_remote_code: bool = False) -> dict:
-    """Runs on a worker. Hook for the fault tests: ``EAGLENEST_TEST_SHARD_STARTED`` names a
-    directory where the task drops ``<pid>`` before working, so a test can kill that process."""
-    from eaglenest.ingest.build import make_backend, run_shard
+                trust_remote_code: bool = False, storage_options: str = "") -> dict:
+    """Runs on a worker. Hooks for the fault tests: ``EAGLENEST_TEST_SHARD_STARTED`` names a directory
+    where the task drops ``<pid>-<first sample id>`` before working, ``EAGLENEST_TEST_SHARD_WRITTEN``
+    one where it drops the same name once the shard's fragments are written (then the fault point
+    ``ingest.shard_written`` holds that window), so a test can kill the process in either."""
+    from eaglenest import faults
+    from eaglenest.ingest.build import run_shard
 
-    marker_dir = os.environ.get("EAGLENEST_TEST_SHARD_STARTED")
+    name = f"{os.getpid()}-{entries[0].sample_id}"
+    with _LOCK:
+        _mark("EAGLENEST_TEST_SHARD_STARTED", name)
+        adopt_storage_options(storage_options)
+        check_worker(cfg, target, store_uri)
+        backend = _backend(cfg, target, trust_remote_code)
+        before = getattr(backend, "retries", 0)
+        res = run_shard(backend, store_uri, entries, gen, gen_id, think=think)
+        res["retries"] = getattr(backend, "retries", 0) - before
+        _mark("EAGLENEST_TEST_SHARD_WRITTEN", name)
+        faults.delay("ingest.shard_written")
+        return res
+
+
+def _mark(env: str, name: str) -> None:
+    marker_dir = os.environ.get(env)
     if marker_dir:
-        open(os.path.join(marker_dir, f"{os.getpid()}-{entries[0].sample_id}"), "w").close()
-    key = repr((cfg, target, trust_remote_code))
-    if key not in _BACKENDS:
-        _BACKENDS[key] = make_backend(cfg, target, trust_remote_code=trust_remote_code)
-    backend = _BACKENDS[key]
-    before = getattr(backend, "retries", 0)
-    res = run_shard(backend, store_uri, entries, gen, gen_id, think=think)
-    res["retries"] = getattr(backend, "retries", 0) - before
-    return res
+        open(os.path.join(marker_dir, name), "w").close()
+
+
+def connect(address: str):
+    """A ``distributed.Client`` of the running scheduler at ``address``, or one line naming the key."""
+    from eaglenest.errors import ConfigError, require
+
+    distributed = require("distributed", "dask")
+    try:
+        if distributed.comm.parse_address(address)[0] == "tcp":  # refused: at once (Client would retry)
+            import socket
+
+            socket.create_connection(distributed.comm.get_address_host_port(address),
+                                     timeout=CONNECT_TIMEOUT_S).close()
+        client = distributed.Client(address, timeout=CONNECT_TIMEOUT_S)
+    except (OSError, ValueError, TimeoutError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"ingest.dask_scheduler: cannot reach a Dask scheduler at {address} ({reason}); "
+                          "start one (dask scheduler) or fix the address") from None
+    if not client.scheduler_info().get("workers"):
+        log.warning("the Dask scheduler at %s has no workers yet: shards wait until one joins", address)
+    return client
 
 
 def client_for(cfg):
@@ -49,7 +161,7 @@ def client_for(cfg):
     import dask
 
     if cfg.dask_scheduler:
-        return distributed.Client(cfg.dask_scheduler)
+        return connect(cfg.dask_scheduler)
     # Workers must be allowed children: an in-process vLLM engine spawns its engine-core process.
     dask.config.set({"distributed.worker.daemon": False})
     cluster = distributed.LocalCluster(n_workers=cfg.dask_workers, threads_per_worker=1, processes=True,
@@ -79,19 +191,41 @@ def close(client) -> None:
         cluster.close()
 
 
+def _local(path: str) -> str:
+    """An absolute path for a local path the driver can see (workers have another cwd); else as is."""
+    return path if "://" in path or not os.path.exists(path) else os.path.abspath(path)
+
+
 def run(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None, think=None,
         trust_remote_code: bool = False) -> None:
     """Submit every shard; call ``on_result(k, result)`` on the driver as each finishes."""
-    from distributed import as_completed
+    import dataclasses
 
+    from distributed import KilledWorker, as_completed
+
+    from eaglenest.errors import EaglenestError
+    from eaglenest.runconfig import OPTIONS_ENV
+
+    if "://" not in store_uri:
+        os.makedirs(store_uri, exist_ok=True)  # workers check they see it
+    target, store_uri = _local(target), _local(store_uri)
+    if think is not None:
+        think = dataclasses.replace(think, target=target)  # it decodes with the target on the worker
     own = client is None
     client = client or client_for(cfg)
     try:
+        options = os.environ.get(OPTIONS_ENV, "")
         futures = {client.submit(_shard_task, cfg, target, store_uri, shard, gen, gen_id, think, trust_remote_code,
-                                 pure=False, key=f"ingest-shard-{k}-{shard[0].sample_id}"): k
+                                 options, pure=False, key=f"ingest-shard-{k}-{shard[0].sample_id}"): k
                    for k, shard in enumerate(shards)}
         for fut in as_completed(futures):
-            on_result(futures[fut], fut.result())
+            try:
+                res = fut.result()
+            except KilledWorker as exc:  # the same shard killed allowed-failures + 1 workers
+                raise EaglenestError(f"ingest.executor: shard {futures[fut]} killed every Dask worker that ran it "
+                                     f"({' '.join(str(exc).split())[:300]}); committed shards are kept and a "
+                                     "re-run resumes after them") from None
+            on_result(futures[fut], res)
     finally:
         if own:
             close(client)

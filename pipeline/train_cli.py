@@ -3,6 +3,9 @@
 ``train run`` works as a plain process and under ``torchrun --nproc-per-node N -m
 eaglenest.pipeline.train_cli run ...`` (FSDP2, see docs/training.md). ``train launch --nproc N ...`` is
 the same as that torchrun line: it starts torchrun with this interpreter and waits for it.
+``train launch --nnodes M --rdzv-endpoint HOST:PORT`` (run once per node) is torchrun's multi-node
+line with its c10d rendezvous (docs/training.md, "Multi-node"): this module only translates and
+checks options; rendezvous, worker restarts and failure detection are torchrun's own.
 
 The command lives above the stages because ``train.select_every_steps`` scores snapshots by serving
 them (export and evaluate come after train); the trainer itself imports neither.
@@ -11,12 +14,17 @@ them (export and evaluate come after train); the trainer itself imports neither.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
+import shlex
 import subprocess
 import sys
 
 from eaglenest.cli import Command, run
+from eaglenest.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def _run(recipe, args) -> int:
@@ -43,19 +51,67 @@ def _run(recipe, args) -> int:
     return 0
 
 
+def rdzv_id(workdir: str) -> str:
+    """The default ``--rdzv-id``: the same on every node that runs the same recipe (its ``run.workdir``)."""
+    return "eaglenest-" + hashlib.sha256(os.path.normpath(workdir).encode()).hexdigest()[:12]
+
+
+def torchrun_argv(*, nnodes: int, nproc_per_node: int, node_rank: int | None, rdzv_endpoint: str | None,
+                  rdzv_id: str, max_restarts: int) -> list[str]:
+    """torchrun's options for one node's agent; ConfigError (exit 2) for options that do not fit."""
+    if nnodes < 1 or nproc_per_node < 1:
+        raise ConfigError(f"--nnodes ({nnodes}) and --nproc-per-node ({nproc_per_node}) must be at least 1")
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
+    if rdzv_endpoint is None:
+        if nnodes > 1:
+            raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node, "
+                              "a port node 0 can listen on)")
+        return ["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}"]
+    host, _, port = rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--rdzv-endpoint must be HOST:PORT, got {rdzv_endpoint!r}")
+    out = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}", f"--max-restarts={max_restarts}"]
+    if node_rank is not None:
+        # Node 0 hosts the rendezvous store at the endpoint, the others connect to it; without a node
+        # rank torchrun guesses from the host name (on one host: whichever agent binds the port first).
+        # Not passed as torchrun's --node-rank: c10d ignores it (global ranks follow the rendezvous).
+        out.append(f"--rdzv-conf=is_host={int(node_rank == 0)}")
+    return out
+
+
 def _launch(recipe, args) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "eaglenest.pipeline.train_cli", "run"]
+    opts = torchrun_argv(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
+                         rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
+                         rdzv_id=args.rdzv_id or rdzv_id(recipe.run.workdir))
+    rest = ["-m", "eaglenest.pipeline.train_cli", "run"]
     if args.recipe:
-        cmd += ["--recipe", args.recipe]
-    cmd += list(args.overrides) + ["-v"] * args.verbose
+        rest += ["--recipe", args.recipe]
+    rest += list(args.overrides) + ["-v"] * args.verbose
+    log.info("%s", shlex.join(["torchrun", *opts, *rest]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", *opts, *rest]
     return subprocess.call(cmd)
 
 
+LAUNCH_ARGS = [
+    (("--nproc-per-node", "--nproc"), {"type": int, "default": 2, "dest": "nproc_per_node",
+                                       "help": "ranks (processes) on this node"}),
+    (("--nnodes",), {"type": int, "default": 1, "help": "nodes; > 1 needs --rdzv-endpoint"}),
+    (("--node-rank",), {"type": int, "default": None, "help": "this node's index (optional with c10d; "
+                                                              "0 hosts the rendezvous store)"}),
+    (("--rdzv-endpoint",), {"default": None, "metavar": "HOST:PORT",
+                            "help": "c10d rendezvous address, the same on every node (node 0's host)"}),
+    (("--rdzv-id",), {"default": None, "help": "rendezvous id (default: derived from run.workdir)"}),
+    (("--max-restarts",), {"type": int, "default": 0, "help": "torchrun worker-group restarts on failure"}),
+]
+
 COMMANDS = {
     "run": Command(_run, "train a draft head on the features table (TTT objective)"),
-    "launch": Command(_launch, "run `train run` under torchrun with --nproc ranks (FSDP2)",
-                      args=[(("--nproc",), {"type": int, "default": 2, "help": "ranks (processes)"})]),
+    "launch": Command(_launch, "run `train run` under torchrun (FSDP2), on one node or several",
+                      args=LAUNCH_ARGS),
 }
 
 

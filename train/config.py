@@ -94,6 +94,17 @@ class TrainConfig:
     stream_depth: int = 8
     #: train.source=stream: CUDA_VISIBLE_DEVICES of the capture engine ("" = inherit the trainer's).
     stream_devices: str = ""
+    #: train.source=stream: "unix": one engine child of a single-rank trainer, same host; "gloo":
+    #: every torchrun rank fed by stream_engines engines started with `featurestore stream-serve`
+    #: on any host, over a gloo group of their own (docs/featurestore.md, "Across hosts").
+    stream_transport: Literal["unix", "gloo"] = "unix"
+    stream_engines: int = 1
+    #: stream_transport=gloo: host:port of the stream's TCPStore, hosted by trainer rank 0. It has
+    #: no authentication: use an address on a private interface.
+    stream_addr: str = ""
+    #: stream_transport=gloo: longest wait for a peer (engine start, a paused trainer) before the
+    #: job fails; a dead peer fails it at once (its connection closes).
+    stream_timeout_s: float = 1800.0
     #: FSDP2 mixed precision on CUDA (parameters; gradients reduce in fp32). CPU runs stay fp32.
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     #: Attention is computed in query chunks of this many tokens (with recomputation in backward)
@@ -127,7 +138,7 @@ class TrainConfig:
             raise ConfigError(f"train.target_chunk_tokens: must be >= 0 (0 = off), got {short(self.target_chunk_tokens)}")
         positive = ("draft_vocab_size", "ttt_steps", "pack_tokens", "batch_rows", "num_epochs",
                     "log_every_steps", "num_threads", "keep_states", "select_prompts_per_domain",
-                    "prefetch_batches", "attn_chunk_tokens", "stream_depth")
+                    "prefetch_batches", "attn_chunk_tokens", "stream_depth", "stream_engines")
         for name in ("step_decay", "lr", "min_lr_ratio", "weight_decay", "grad_clip"):
             if not math.isfinite(getattr(self, name)):  # NaN would pass every comparison below
                 raise ConfigError(f"train.{name}: must be a finite number")
@@ -161,6 +172,14 @@ class TrainConfig:
             raise ConfigError(f"train.init_norm: 'ones' or 'target', got {short(self.init_norm)}")
         if self.source not in ("table", "stream"):
             raise ConfigError(f"train.source: 'table' or 'stream', got {short(self.source)}")
+        if self.stream_transport not in ("unix", "gloo"):
+            raise ConfigError(f"train.stream_transport: 'unix' or 'gloo', got {short(self.stream_transport)}")
+        if not (math.isfinite(self.stream_timeout_s) and self.stream_timeout_s > 0):
+            raise ConfigError(f"train.stream_timeout_s: a number of seconds > 0, got {short(self.stream_timeout_s)}")
+        if self.source == "stream" and self.stream_transport == "gloo":
+            from eaglenest.featurestore.stream_xhost import parse_addr
+
+            parse_addr(self.stream_addr)  # names train.stream_addr
         if not self.output_subdir or "/" in self.output_subdir or self.output_subdir.startswith("."):
             raise ConfigError(f"train.output_subdir: a plain directory name, got {short(self.output_subdir)}")
 

@@ -1,11 +1,16 @@
 """Distributed state for the trainer: one explicit object holding the process group's DeviceMesh.
 
-``DistState.from_env()`` reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
-Without it the trainer is a plain single process: no process group, no FSDP, and every helper
-here still works (``all_reduce_sum`` is the identity, ``barrier`` a no-op), so rank-0 code paths
-need no special cases. Under torchrun (any world size, 1 included) the draft is wrapped with
-FSDP2: ``fully_shard`` on the block (``midlayer``), then on the root, with a bf16 mixed-precision
-policy on CUDA when ``train.param_dtype`` asks for it (CPU/gloo stays fp32).
+``DistState.from_env()`` reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``). Without it the trainer is a plain single process: no process group, no
+FSDP, and every helper here still works (``all_reduce_sum`` is the identity, ``barrier`` a no-op),
+so rank-0 code paths need no special cases. Under torchrun (any world size, 1 included) the draft
+is wrapped with FSDP2: ``fully_shard`` on the block (``midlayer``), then on the root, with a bf16
+mixed-precision policy on CUDA when ``train.param_dtype`` asks for it (CPU/gloo stays fp32).
+
+Across nodes (``train launch --nnodes M``) the global rank says which rows a rank trains on and who
+writes (rank 0); ``LOCAL_RANK`` only picks the GPU. c10d assigns global ranks at rendezvous, so
+rank 0 may live on any node, and every rank writes its DCP shard into the run's state directory:
+``run.workdir`` must be one shared filesystem (checked at start: :meth:`DistState.check_shared_dir`).
 
 Trade-off: the draft has one block, so FSDP2 shards little here; it is used for the same code
 path as a large draft, and so the state handling (DCP, full state dicts) is the distributed one.
@@ -17,9 +22,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from eaglenest.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +37,8 @@ class DistState:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    #: Ranks on this node (torchrun's LOCAL_WORLD_SIZE); world_size // local_world_size nodes.
+    local_world_size: int = 1
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     #: The 1-D DeviceMesh over all ranks (None for a plain process).
     mesh: Any = None
@@ -36,6 +46,10 @@ class DistState:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
 
     @property
     def distributed(self) -> bool:
@@ -50,7 +64,8 @@ class DistState:
         from torch.distributed.device_mesh import init_device_mesh
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_RANK", rank))
+        # The GPU of this rank on its node (a launcher without LOCAL_RANK: ranks filled node by node).
+        local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
             device, backend, kind = torch.device("cuda", local), "nccl", "cuda"
@@ -60,7 +75,38 @@ class DistState:
             dist.init_process_group(backend=backend)
         mesh = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
         log.info("rank %d/%d joined a %s process group", rank, world, backend)
-        return cls(rank=rank, world_size=world, local_rank=local, device=device, mesh=mesh)
+        return cls(rank=rank, world_size=world, local_rank=local, device=device, mesh=mesh,
+                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+    def check_shared_dir(self, path: Path) -> None:
+        """Refuse a ``path`` that not every rank sees as rank 0 does (a collective).
+
+        Rank 0 writes a probe file with a fresh name (so no node has a cached negative lookup of it);
+        every rank must read it back. Without this, a workdir local to each node fails late: each
+        rank's DCP shard lands on its own node's disk, and the state rank 0 renames and later resumes
+        from lacks the other nodes' shards.
+        """
+        if not self.distributed:
+            return
+        import secrets
+
+        token = self.broadcast_object(secrets.token_hex(8) if self.is_main else None)
+        probe = Path(path) / f".shared-probe-{token}"
+        if self.is_main:
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_text(token, encoding="utf-8")
+        self.barrier()
+        try:
+            seen = probe.read_text(encoding="utf-8") == token
+        except OSError:
+            seen = False
+        blind = int(self.all_reduce_sum([0.0 if seen else 1.0])[0])
+        if self.is_main:
+            probe.unlink(missing_ok=True)
+        if blind:
+            raise ConfigError(f"{path} is not shared by all nodes: {blind} of {self.world_size} ranks do not "
+                              "see rank 0's files there; run.workdir must be one filesystem on every node "
+                              "(NFS, a cluster filesystem), see docs/training.md, \"Multi-node\"")
 
     def shard(self, model: torch.nn.Module, *, param_dtype: str) -> torch.nn.Module:
         """FSDP2: ``fully_shard`` each block, then the root. Identity without a process group."""

@@ -179,7 +179,10 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, score, di
     state_dir = outdir / "state"
     fp = S.fingerprint(cfg, table_version=version, store_uri=store_uri, target=target_dir, seed=seed,
                        table=table)
-    info = S.resolve(S.read_latest(state_dir) if cfg.resume == "auto" else None, fp, state_dir)
+    dist.check_shared_dir(outdir)  # each rank writes its DCP shard there (docs/training.md, "Multi-node")
+    # Rank 0's view of the latest state decides for all (another node's cache might lag behind).
+    latest = S.read_latest(state_dir) if cfg.resume == "auto" and dist.is_main else None
+    info = S.resolve(dist.broadcast_object(latest), fp, state_dir)
     if info is not None:
         S.load_state(info, objective=objective, opt=opt, sched=sched, dist=dist)
     elif dist.is_main:
@@ -280,7 +283,8 @@ def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, score, di
         write_provenance(outdir, config=recipe or {"train": dataclasses.asdict(cfg)}, argv=argv,
                          inputs={"store_uri": store_uri, "version": version,
                                  "table": table if cfg.source == "table" else "prompts (streamed)",
-                                 "target": target_dir}, extra={"world_size": dist.world_size})
+                                 "target": target_dir},
+                         extra={"world_size": dist.world_size, "num_nodes": dist.num_nodes})
         log.info("saved draft checkpoint (step %d) to %s; data stall %.2f%% of loop time, %.0f tokens/s",
                  info_out["step"], outdir, 100 * stall_fraction, tps)
     dist.barrier()

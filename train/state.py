@@ -11,7 +11,9 @@ Layout (``<outdir>/state/``)::
     latest.json               {"step": 40, "dir": "step_00000040"}, written last
 
 A state is written into ``step_X.tmp`` and renamed, then ``latest.json`` is replaced atomically:
-a SIGKILL at any moment leaves the previous state intact. The fingerprint (features version, store,
+a SIGKILL at any moment leaves the previous state intact. Every rank writes its files into the
+directory rank 0 created and renames, so across nodes ``state/`` must be on one shared filesystem
+(docs/training.md, "Multi-node"); rank 0 alone reads ``latest.json`` and tells the others. The fingerprint (features version, store,
 target, seed and every train key that changes the trajectory) must match to resume; otherwise
 the resume is refused naming what differs. Frozen target embeddings are not stored.
 """

@@ -12,12 +12,19 @@ The feature set is what ``featurestore capture`` would write with the recipe's `
 section (layer ids, engine dtype): its :class:`FeatureMeta` and identity are computed the same way.
 Sample order is by ``sample_id``, which is the table order of a capture made in one run.
 
-Trade-offs: the target runs again every epoch (nothing is stored), and one rank is fed (torchrun
-with ``train.source=stream`` is refused). Resume works: the stream starts at the resumed step.
+With ``train.stream_transport=gloo`` (:mod:`eaglenest.featurestore.stream_xhost`) every torchrun
+rank is fed its own share, the rows :func:`rank_rows` gives it, by ``train.stream_engines`` engines
+started with ``featurestore stream-serve``; a rank left without rows in a last batch (a ghost: it
+runs the step with no loss) gets the batch's first row with zero hidden states instead of having
+it captured twice. With ``unix`` (the default) the engine is a child process and one rank is fed.
+
+Trade-offs: the target runs again every epoch (nothing is stored). Resume works: the stream
+starts at the resumed step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -33,7 +40,8 @@ class StreamShards:
     """The table-less data source: a plan from ``prompts``, tensors from a live engine."""
 
     def __init__(self, store_uri: str, *, featurestore, target: str, split: str, pack_tokens: int,
-                 batch_rows: int, seed: int, depth: int, devices: str = "", trust_remote_code: bool = False):
+                 batch_rows: int, seed: int, depth: int, devices: str = "", trust_remote_code: bool = False,
+                 transport: str = "unix", engines: int = 1, addr: str = "", timeout_s: float = 1800.0):
         from eaglenest.featurestore import build, store, turns
 
         if featurestore is None:
@@ -61,6 +69,7 @@ class StreamShards:
         self.split, self.pack_tokens, self.batch_rows, self.seed = split, pack_tokens, batch_rows, seed
         self.target, self.engine, self.depth, self.devices = target, featurestore.engine, depth, devices
         self.window = featurestore.batch_size
+        self.transport, self.num_engines, self.addr, self.timeout_s = transport, engines, addr, timeout_s
         self.aux_order = aux_order(self.meta.layer_ids)
         # The table's loss mask (build.feature_row): every answer of a multi-turn conversation.
         spans = build._turn_spans(target, self.convs, trust_remote_code=trust_remote_code)
@@ -83,17 +92,47 @@ class StreamShards:
                               for r, m in zip(self.convs, self.masks)])
         return np.bincount(ids, minlength=vocab_size)[:vocab_size]
 
-    def start(self, schedule: list[tuple[int, list[list[int]]]], *, world_size: int = 1) -> None:
-        """Start the engine on the samples of ``schedule`` in the order :meth:`read` will ask for them."""
-        from eaglenest.featurestore.stream import CaptureStream
+    def start(self, schedule: list[tuple[int, list[list[int]]]], *, world_size: int = 1,
+              rank: int | None = None) -> None:
+        """Start the stream of this rank's samples of ``schedule``, in the order :meth:`read` asks for them.
 
-        if world_size != 1:
-            raise ConfigError("train.source=stream feeds one rank: run `train run`, not torchrun/launch")
-        self._order = [i for _, rows in schedule for row in rows for i in row]
+        ``rank`` defaults to torchrun's ``RANK``. With the unix transport the engine is started
+        here (one rank only); with gloo this rank joins the engines started by ``stream-serve``."""
+        import os
+
+        from eaglenest.train.data import rank_rows
+
+        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        if self.transport == "unix" and world_size != 1:
+            raise ConfigError("train.source=stream with train.stream_transport=unix feeds one rank: run "
+                              "`train run`, or set train.stream_transport=gloo for torchrun")
+        self._reads, self._order, steps = [], [], []
+        for step, (_, rows) in enumerate(schedule):
+            mine, ghost = rank_rows(rows, rank, world_size)
+            self._reads.append((mine, ghost))
+            if not ghost:
+                new = [i for row in mine for i in row]
+                self._order += new
+                steps += [step] * len(new)
         seqs = [self.convs[i]["prompt_token_ids"] + self.convs[i]["response_token_ids"] for i in self._order]
-        self._pos = 0
+        self._pos, self._read = 0, 0
+        if self.transport == "gloo":
+            from eaglenest.featurestore.stream_xhost import RankStream
+
+            log.info("rank %d: %d samples from %d engines over gloo at %s (%d in flight at most)",
+                     rank, len(seqs), self.num_engines, self.addr, self.depth)
+            spec = {"target": str(self.target), "layer_ids": list(self.meta.layer_ids),
+                    "num_layers": self.meta.last_layer_id, "engine": dataclasses.asdict(self.engine),
+                    "window": max(1, min(self.window or self.depth, self.depth)),
+                    "trust_remote_code": self.trust_remote_code}
+            self._stream = RankStream(self.addr, rank=rank, world_size=world_size, num_engines=self.num_engines,
+                                      spec=spec, sequences=seqs, steps=steps, depth=self.depth,
+                                      timeout_s=self.timeout_s)
+            return
         if not seqs:  # e.g. a resumed run that is already finished: no engine to start
             return
+        from eaglenest.featurestore.stream import CaptureStream
+
         log.info("streaming %d samples from a live %s engine (%d in flight at most)",
                  len(seqs), self.target, self.depth)
         self._stream = CaptureStream(self.target, layer_ids=self.meta.layer_ids,
@@ -104,9 +143,22 @@ class StreamShards:
 
     def read(self, rows: list[list[int]]):
         """The next batch of the stream, which must be ``rows`` (the schedule given to start)."""
+        if self._read >= len(self._reads) or self._reads[self._read][0] != rows:
+            raise StoreError(f"stream read out of schedule order at batch {self._read}")
+        ghost = self._reads[self._read][1]
+        self._read += 1
+        if ghost:  # no loss on this rank: the row's ids and mask with zero hidden states, nothing captured
+            return collate([[self._blank(i) for i in row] for row in rows])
         if self._stream is None:
             raise StoreError("StreamShards.read before start(schedule)")
         return collate([[self._decode(i) for i in row] for row in rows])
+
+    def _blank(self, i: int):
+        conv = self.convs[i]
+        n = min(len(conv["prompt_token_ids"]) + len(conv["response_token_ids"]), self.pack_tokens)
+        ids = torch.tensor((conv["prompt_token_ids"] + conv["response_token_ids"])[:n], dtype=torch.long)
+        H, L = self.meta.hidden_size, len(self.meta.layer_ids)
+        return ids, torch.from_numpy(self.masks[i][:n].copy()), torch.zeros(n, L * H), torch.zeros(n, H)
 
     def _decode(self, i: int):
         if self._pos >= len(self._order) or self._order[self._pos] != i:

@@ -48,10 +48,11 @@ class Run:
                                                **RECIPE}))
 
     def cli(self, stage: str, command: str, *overrides: str) -> int:
-        """``<stage> <command> --recipe R overrides...`` in this process; its exit code."""
-        import importlib
+        """``<stage> <command> --recipe R overrides...`` in this process (the installed console
+        script's entry point); its exit code."""
+        from importlib.metadata import entry_points
 
-        main = importlib.import_module(f"eaglenest.{stage}.cli").main
+        main = entry_points(group="console_scripts")[stage].load()
         return main([command, "--recipe", str(self.recipe), *overrides])
 
     def config(self) -> dict:

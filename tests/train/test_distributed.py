@@ -18,7 +18,7 @@ from eaglenest.train.loop import train
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml")
 # 24 samples of 32 tokens, 3 per row -> 8 rows -> global batches of 3, 3, 2 rows: uneven shards.
-TRAJ = dict(draft_vocab_size=512, ttt_steps=3, pack_tokens=96, batch_rows=3, warmup_steps=5, lr=5e-3,
+TRAJ = dict(draft_vocab_size=512, ttt_steps=3, pack_tokens=96, batch_rows=3, warmup_steps=5, lr=2e-3,
             num_epochs=7, num_steps=20, log_every_steps=1, num_threads=1,
             sliding_window="auto")  # as recipes/toy.yaml, which the torchrun launches read
 

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: pyproject.toml's [tool.setuptools.package-dir], used when tomllib cannot read it.
 PACKAGE_DIRS = {"eaglenest": "common", "eaglenest.ingest": "ingest", "eaglenest.featurestore": "featurestore",
                 "eaglenest.train": "train", "eaglenest.serve": "serve", "eaglenest.evaluate": "evaluate",
-                "eaglenest.tinytarget": "tinytarget"}
+                "eaglenest.tinytarget": "tinytarget", "eaglenest.pipeline": "pipeline"}
 DEFAULT_CHUNK = 2048  # train.target_chunk_tokens' default (train/config.py imports pyyaml, so not read here)
 H200_BF16_TFLOPS = 989.0
 #: ``chunk``: train.target_chunk_tokens of the chunked variant (the plain one is 0).

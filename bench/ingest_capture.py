@@ -1,6 +1,6 @@
 """Capture overhead: regeneration plus hidden-state capture versus regeneration alone, same prompts.
 
-    .venv/bin/python bench/ingest_capture.py [--prompts 256] [--rounds 3] [--max-tokens 160] [--one-pass]
+    .venv/bin/python bench/ingest_capture.py [--prompts 256] [--rounds 3] [--max-tokens 160] [--one-pass] [--floor]
 
 Two engines are started once and kept (start-up is not timed): the regeneration engine and the
 capture engine (``extract_hidden_states`` + eaglenest's connector, as ``featurestore capture`` builds
@@ -9,6 +9,10 @@ it). Arms, order rotated every round, each into a fresh store:
 * ``regen``: ``ingest.build.build`` (pool -> streamed regeneration -> prompts table).
 * ``regen+capture``: the same, then ``featurestore.build.capture`` over that store (prompt + response
   token ids through the capture engine, features table written), i.e. the pipeline's two passes.
+* ``regen+prefill`` (``--floor``, a reference, not a pipeline path): regeneration, then the same
+  prompt + response sequences through the *regeneration* engine with ``max_tokens=1`` (no capture
+  method, no connector, nothing read or stored). It is the second forward pass alone, so its ratio
+  is the floor for any two-pass capture on this machine.
 * ``one-pass`` (``--one-pass``, an experiment, not a pipeline path): the capture engine generates
   the responses itself with ``kv_transfer_params.include_output_tokens`` and the hidden states of
   prompt + response (minus the last token) are read back from the same pass (checked, not stored:
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import os
 import shutil
 import statistics
 import tempfile
@@ -37,6 +42,7 @@ _spec.loader.exec_module(C)
 def main() -> None:
     ap = C.add_args(argparse.ArgumentParser())
     ap.add_argument("--one-pass", action="store_true")
+    ap.add_argument("--floor", action="store_true")
     a = ap.parse_args()
 
     from eaglenest.config import build as build_cfg
@@ -74,6 +80,17 @@ def main() -> None:
         assert stats["captured"] == len(pool), stats
         return n
 
+    def regen_prefill(uri: str) -> int:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        n = regen(uri)
+        seqs = [c["prompt_token_ids"] + c["response_token_ids"] for c in fbuild.pool_conversations(uri)]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs],
+                            SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        assert len(outs) == len(pool)
+        return n
+
     def one_pass(uri: str) -> int:
         from vllm import SamplingParams
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -95,7 +112,8 @@ def main() -> None:
 
     # Warm-up (and a check that one-pass generates what regeneration generates).
     regen_capture(str(scratch / "warm"))
-    arms = {"regen": regen, "regen+capture": regen_capture, **({"one-pass": one_pass} if a.one_pass else {})}
+    arms = {"regen": regen, "regen+capture": regen_capture, **({"regen+prefill": regen_prefill} if a.floor else {}),
+            **({"one-pass": one_pass} if a.one_pass else {})}
     if a.one_pass:
         one_pass(str(scratch / "warm-one"))
     names = list(arms)
@@ -109,7 +127,8 @@ def main() -> None:
             t0 = time.perf_counter()
             toks[name].add(arms[name](str(scratch / f"{name}-{r}")))
             secs[name].append(time.perf_counter() - t0)
-        print(f"round {r} ({' -> '.join(order)}): " + "  ".join(f"{n} {secs[n][-1]:.2f} s" for n in names), flush=True)
+        print(f"round {r} ({' -> '.join(order)}): " + "  ".join(f"{n} {secs[n][-1]:.2f} s" for n in names)
+              + f"  (load {os.getloadavg()[0]:.1f})", flush=True)
     rows = store.read(str(scratch / "warm"), "features", columns=["num_tokens"]).column("num_tokens").to_pylist()
     cap.close()
     close_llm(llm)

@@ -8,6 +8,7 @@ features table are skipped, and no engine starts when nothing is left to capture
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from eaglenest.featurestore import schema as S
 from eaglenest.featurestore import turns
 from eaglenest.featurestore import identity, store
 from eaglenest.featurestore.capture import Capturer, dtype_name, resolve_layer_ids
-from eaglenest.featurestore.writer import FeatureWriter, bytes_per_token, engine_batches
+from eaglenest.featurestore.writer import FeatureWriter, bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -156,27 +157,29 @@ def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: floa
         earlier_turns = _turn_spans(target, todo, trust_remote_code=trust_remote_code)
         budget = max(1, int(cfg.write_buffer_mb * (1 << 20)))
         writer = FeatureWriter(store_uri, name, meta, budget=budget)
+        lineage = {**(lineage or {}), "feature_set_id": meta.feature_set_id, "code_version": _code_version()}
         with Capturer(target, meta.layer_ids, meta.last_layer_id, cfg.engine,
                       trust_remote_code=trust_remote_code) as cap, \
                 tqdm(total=len(todo), desc="featurestore: capture", unit="sample") as bar:
-            for i in range(0, len(todo), cfg.commit_every):
-                chunk = todo[i:i + cfg.commit_every]
-                # Memory stays bounded by the write budget, not by commit_every x sample size.
-                for part in engine_batches(chunk, max_samples=cfg.batch_size, budget=budget,
-                                           per_token=bytes_per_token(meta)):
-                    seqs = [c["prompt_token_ids"] + c["response_token_ids"] for c in part]
-                    for conv, (aux, last) in zip(part, cap.capture(seqs)):
-                        if dtype_name(aux) != meta.dtype:
-                            raise StoreError(f"engine produced {dtype_name(aux)}, table is {meta.dtype}: "
-                                             "set featurestore.engine.dtype")
-                        row = feature_row(conv, aux, last, meta, spans=earlier_turns(conv))
-                        del aux, last
-                        tokens += row["num_tokens"]
-                        writer.add(row)
-                faults.delay("featurestore.before_commit")  # tests: hold the fragments-written window
-                writer.commit({**(lineage or {}), "feature_set_id": meta.feature_set_id,
-                               "code_version": _code_version()})
-                bar.update(len(chunk))
+            # One stream over everything missing, in order: the engine computes the next captures
+            # while this process encodes, writes and commits; the window (featurestore.batch_size
+            # samples, write_buffer_mb bytes) bounds what is in flight, as fixed batches did.
+            seqs = [c["prompt_token_ids"] + c["response_token_ids"] for c in todo]
+            results = contextlib.closing(cap.stream(seqs, max_in_flight=cfg.batch_size, budget_bytes=budget,
+                                                    bytes_per_token=bytes_per_token(meta)))
+            with results as stream:  # closed on any error: what is still queued is aborted
+                for i, (conv, (aux, last)) in enumerate(zip(todo, stream), 1):
+                    if dtype_name(aux) != meta.dtype:
+                        raise StoreError(f"engine produced {dtype_name(aux)}, table is {meta.dtype}: "
+                                         "set featurestore.engine.dtype")
+                    row = feature_row(conv, aux, last, meta, spans=earlier_turns(conv))
+                    del aux, last
+                    tokens += row["num_tokens"]
+                    writer.add(row)
+                    if i % cfg.commit_every == 0 or i == len(todo):  # the same commit boundaries as before
+                        faults.delay("featurestore.before_commit")  # tests: hold the fragments-written window
+                        writer.commit(lineage)
+                        bar.update((i - 1) % cfg.commit_every + 1)
             passes = cap.num_forward_passes
     table = store.read(store_uri, name, columns=["domain", "num_tokens", "num_loss_tokens"]) \
         if store.exists(store_uri, name) else None

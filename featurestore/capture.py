@@ -6,6 +6,12 @@ request's ``[num_tokens, num_layers, hidden]`` tensor to a private directory; th
 back, checks the token ids, and deletes the spool file. Layers captured are the EAGLE-3 aux layers
 followed by the last layer (vLLM ids; id L is the last block's output before the final norm), so
 one pass yields both the draft's inputs and the target's own logits basis.
+
+:meth:`Capturer.stream` keeps the engine busy: sequences go in as a window that is refilled as
+requests finish, and captures are handed out in order, so the engine process computes while the
+caller encodes and writes. Fixed batches (the earlier design) left it idle during every batch's read-back, encode
+and commit, and each batch ended with a lone tail step. The trade-off: results come one at a time,
+and the window, not a batch, is what bounds memory (``max_in_flight`` sequences and a byte budget).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +90,9 @@ class Capturer:
         self.capture_ids = [*self.layer_ids, num_layers]
         self._spool = Path(tempfile.mkdtemp(prefix="eaglenest-capture-"))
         self.num_forward_passes = 0
+        #: Largest window :meth:`stream` held: sequences in the engine, sequences sent and not yet
+        #: handed out, and their hidden-state bytes (what tests check the bounds against).
+        self.peak_window = {"in_engine": 0, "sequences": 0, "bytes": 0}
         self.llm = capture_llm(target, self.capture_ids, engine, spool=str(self._spool),
                                trust_remote_code=trust_remote_code)
 
@@ -98,39 +108,110 @@ class Capturer:
         close_llm(llm)
 
     def capture(self, sequences: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """For each token sequence, ``(aux [T, n_aux, H], last [T, H])`` as numpy (torch dtype kept)."""
+        """For each token sequence, ``(aux [T, n_aux, H], last [T, H])`` as numpy (torch dtype kept),
+        all sent to the engine at once."""
+        n = len(sequences)
+        return list(self.stream(sequences, max_in_flight=max(n, 1), budget_bytes=float("inf"), bytes_per_token=0))
+
+    def stream(self, sequences: list[list[int]], *, max_in_flight: int, budget_bytes: float,
+               bytes_per_token: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`capture`'s results one by one, in the order of ``sequences``, while the engine
+        keeps going. At most ``max_in_flight`` sequences are in the engine, refilled as soon as
+        requests finish, and the window of sequences sent and not yet handed out (in the engine, or
+        finished and spooled) holds at most ``2 * max_in_flight`` sequences and ``budget_bytes`` of
+        hidden states (``bytes_per_token`` each; one sequence alone may exceed it). The engine (its
+        own process) thus computes the next captures while the caller encodes and writes this one.
+        Refilling on finish, not on hand-out, matters: vLLM's connector extracts a request's states
+        only in the engine step after the one that finished it, so a window refilled on hand-out
+        would leave that step empty. Leaving early (an error, ``close()``) aborts what is still
+        queued, so the engine can be reused."""
         from vllm import SamplingParams
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            cleanup_hidden_states,
-            load_hidden_states,
-        )
         from vllm.inputs import TokensPrompt
 
-        prompts = [TokensPrompt(prompt_token_ids=list(map(int, s))) for s in sequences]
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        self.num_forward_passes += len(prompts)
-        results = []
-        for seq, out in zip(sequences, outputs):
-            path = (out.kv_transfer_params or {}).get("hidden_states_path")
-            if path is None:
-                raise StoreError("vLLM returned no hidden states: is the capture connector loaded?")
-            data = load_hidden_states(path)
-            cleanup_hidden_states(path)
-            hs, ids = data["hidden_states"], data["token_ids"]
-            if ids.tolist() != list(map(int, seq)):
-                raise StoreError("captured token ids differ from the sequence sent")
-            if hs.shape[0] != len(seq) or hs.shape[1] != len(self.capture_ids):
-                raise StoreError(f"captured shape {tuple(hs.shape)} for {len(seq)} tokens, "
-                                 f"{len(self.capture_ids)} layers")
-            results.append((_to_numpy(hs[:, :-1]), _to_numpy(hs[:, -1])))
-        return results
+        engine = self.llm.llm_engine
+        sizes = [len(s) * bytes_per_token for s in sequences]
+        queued: dict[str, int] = {}  # vLLM request id -> index, not finished yet
+        finished: dict[int, object] = {}  # index -> RequestOutput, finished, not handed out yet
+        state = {"sent": 0, "handed": 0, "held": 0}  # held: bytes of the window (sent, not handed out)
+
+        def fill() -> None:
+            batch, sent, handed = [], state["sent"], state["handed"]
+            while sent < len(sequences) and (sent == handed or (
+                    len(queued) + len(batch) < max_in_flight and sent - handed < 2 * max_in_flight
+                    and state["held"] + sizes[sent] <= budget_bytes)):
+                batch.append(sent)
+                state["held"] += sizes[sent]
+                sent += 1
+            state["sent"] = sent
+            for key, value in (("in_engine", len(queued) + len(batch)), ("sequences", sent - handed),
+                               ("bytes", state["held"])):
+                self.peak_window[key] = max(self.peak_window[key], value)
+            if batch:
+                prompts = [TokensPrompt(prompt_token_ids=list(map(int, sequences[i]))) for i in batch]
+                ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+                # vLLM appends "-<random>" internally; outputs carry the id before it.
+                queued.update((rid.split("-", 1)[0], i) for rid, i in zip(ids, batch))
+                self.num_forward_passes += len(batch)
+
+        try:
+            while state["handed"] < len(sequences):
+                fill()
+                while state["handed"] not in finished:
+                    for out in engine.step():
+                        if out.finished and out.request_id in queued:
+                            finished[queued.pop(out.request_id)] = out
+                    fill()
+                i = state["handed"]
+                result = self._read(sequences[i], finished.pop(i))
+                state["held"] -= sizes[i]
+                state["handed"] = i + 1
+                yield result
+        finally:
+            if queued:
+                engine.abort_request(list(queued))
+            for out in finished.values():  # read by no one: their spool files go now
+                path = (out.kv_transfer_params or {}).get("hidden_states_path")
+                if path:
+                    _cleanup(path)
+
+    def _read(self, seq: list[int], out) -> tuple[np.ndarray, np.ndarray]:
+        """The spooled capture of one finished request, checked against ``seq``; the file is removed."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            load_hidden_states,
+        )
+
+        path = (out.kv_transfer_params or {}).get("hidden_states_path")
+        if path is None:
+            raise StoreError("vLLM returned no hidden states: is the capture connector loaded?")
+        try:
+            data = load_hidden_states(path)  # waits on the file's lock until the writer is done
+        finally:
+            _cleanup(path)
+        hs, ids = data["hidden_states"], data["token_ids"]
+        if ids.tolist() != list(map(int, seq)):
+            raise StoreError("captured token ids differ from the sequence sent")
+        if hs.shape[0] != len(seq) or hs.shape[1] != len(self.capture_ids):
+            raise StoreError(f"captured shape {tuple(hs.shape)} for {len(seq)} tokens, "
+                             f"{len(self.capture_ids)} layers")
+        arr = _to_numpy(hs)
+        # numpy copies (single-threaded): a torch .contiguous() here runs on OpenMP threads that
+        # compete with the engine's for the same cores.
+        return np.ascontiguousarray(arr[:, :-1]), np.ascontiguousarray(arr[:, -1])
+
+
+def _cleanup(path: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+    )
+
+    cleanup_hidden_states(path)
 
 
 def _to_numpy(t) -> np.ndarray:
+    """A numpy view of a CPU tensor (bfloat16 as its uint16 bit patterns)."""
     import torch
 
-    t = t.contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.uint16).numpy()
     return t.numpy()

@@ -14,11 +14,11 @@ class FeaturestoreConfig:
     layer_ids: list[int] = dataclasses.field(default_factory=list)
     #: Samples per Lance commit (each commit is atomic; a killed capture resumes after the last).
     commit_every: int = 64
-    #: Samples sent to the engine at once.
+    #: Samples in the capture engine at once: a window refilled (in order) as requests finish.
     batch_size: int = 32
     #: MiB of hidden states held in memory while capturing: rows are written as a Lance fragment
-    #: each time they reach it (committed together every ``commit_every`` samples), and engine
-    #: batches are cut to it. Peak memory is about 3x this, or 3x the largest sample.
+    #: each time they reach it (committed together every ``commit_every`` samples), and the engine's
+    #: window of samples in flight is cut to it. Peak memory is about 3x this, or 3x the largest sample.
     write_buffer_mb: float = 128
     #: Table that holds this feature set (one table per feature set; its identity is in the metadata).
     table: str = "features"

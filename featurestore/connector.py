@@ -7,7 +7,11 @@ a CPU engine it dies at the first save. This subclass keeps vLLM's scheduler-sid
 files, delayed block freeing) and replaces only the copy:
 
 * CUDA: unchanged (vLLM's async device-to-host copy).
-* CPU: a plain gather out of the buffer, then the same background safetensors write.
+* CPU: one gather out of the buffer with numpy (a single copy of exactly the request's token slots;
+  no clone), then the same background safetensors write. Not torch indexing: on a CPU engine every
+  small torch op runs on the worker's OpenMP team, and vLLM's advanced-indexing gather plus a clone
+  cost ~1 ms per request on 2 cores (8 ms when the cores were shared), against ~0.02 ms for numpy's
+  single-threaded copy of the same bytes (a 71-token, 4-layer, H=128 request; bit-identical, tested).
 
 Every file is written under a temporary name and renamed, so a reader never sees half a file.
 
@@ -30,6 +34,7 @@ import logging
 import os
 from functools import partial
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -71,6 +76,22 @@ def _write_atomic(tensors: dict[str, torch.Tensor], filename: str, lock_fd: int 
             os.close(lock_fd)  # releases the writer's LOCK_EX: readers wake up
 
 
+def gather_cpu(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` slots of ``block_ids`` out of a CPU hidden-states buffer viewed as
+    ``[num_blocks, num_layers, block_size, hidden]``, as a new ``[num_tokens, num_layers, hidden]``
+    tensor: the same values as vLLM's ``extract_from_kv_cache`` (token ``t`` is slot ``t % block_size``
+    of block ``block_ids[t // block_size]``), bit for bit, in one single-threaded numpy copy. Works
+    on the raw bits (a same-size integer view), so bfloat16, which numpy lacks, is copied exactly."""
+    block_size = kv_cache.shape[2]
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[kv_cache.element_size()]
+    buf = kv_cache.view(bits).numpy()  # a view: no copy
+    slots = np.arange(num_tokens)
+    blocks = np.asarray(block_ids, dtype=np.int64)[slots // block_size]
+    # Advanced indices around a slice: numpy puts the token axis first -> [num_tokens, layers, hidden].
+    out = buf[blocks, :, slots % block_size]
+    return torch.from_numpy(out).view(kv_cache.dtype)
+
+
 class EaglenestHiddenStatesConnector(ExampleHiddenStatesConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -103,9 +124,8 @@ class EaglenestHiddenStatesConnector(ExampleHiddenStatesConnector):
         if self._kv_cache.is_cuda:
             return super()._submit_async_write(pending)
 
-        # clone: the buffer slots are reused as soon as the scheduler frees the blocks.
-        hidden = self._gather(pending).clone()
-        tensors = {"hidden_states": hidden, "token_ids": pending.token_ids.clone()}
+        # _gather copies: the buffer slots are reused as soon as the scheduler frees the blocks.
+        tensors = {"hidden_states": self._gather(pending), "token_ids": pending.token_ids.clone()}
 
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
@@ -115,16 +135,21 @@ class EaglenestHiddenStatesConnector(ExampleHiddenStatesConnector):
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
 
     def _gather(self, pending: PendingSave) -> torch.Tensor:
-        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
-        offsets = torch.arange(self._block_size, dtype=torch.long)
-        slots = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()
-        return extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device), pending.token_ids.shape[0])
+        """``[num_tokens, num_layers, hidden]`` of the request, copied out of the buffer (CPU: a
+        fresh tensor; CUDA: a device tensor the caller copies to the host)."""
+        num_tokens = pending.token_ids.shape[0]
+        if self._kv_cache.is_cuda:
+            blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+            offsets = torch.arange(self._block_size, dtype=torch.long)
+            slots = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()
+            return extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device), num_tokens)
+        return gather_cpu(self._kv_cache, pending.block_ids, num_tokens)
 
     def _publish(self, pending: PendingSave) -> None:
         # Synchronous on purpose: the send waits for a credit, so a slow consumer stalls the engine
-        # step instead of piling captures up in memory. .cpu()/.clone() copy out of the buffer,
-        # whose slots are reused as soon as the scheduler frees the blocks.
+        # step instead of piling captures up in memory. _gather (CPU) / .cpu() (CUDA) copy out of
+        # the buffer, whose slots are reused as soon as the scheduler frees the blocks.
         hidden = self._gather(pending)
-        hidden = hidden.cpu() if hidden.is_cuda else hidden.clone()
+        hidden = hidden.cpu() if hidden.is_cuda else hidden
         self._publisher.publish(getattr(pending, "tag", None), pending.token_ids, hidden)
         self._req_copy_events[pending.req_id] = _Done()

@@ -9,10 +9,11 @@ in one atomic Lance commit, so readers and resumed runs see the same commit boun
 all of a commit's rows, or none. Fragments of a commit that never happens (a killed run) are
 invisible garbage for ``featurestore gc``.
 
-:func:`engine_batches` cuts the conversations sent to the engine at once to the same byte budget,
-so captured tensors waiting to be encoded are bounded too. Peak memory is therefore about three
-times the budget (captured tensors, encoded rows, the Arrow table being written), or three times
-the largest sample when a sample alone is larger than the budget (a single sample is never split).
+Capture's engine window (``Capturer.stream``) is cut to the same byte budget, so captured tensors
+waiting to be encoded are bounded too.
+Peak memory is therefore about three times the budget (captured tensors, encoded rows, the Arrow
+table being written), or three times the largest sample when a sample alone is larger than the
+budget (a single sample is never split).
 ``bench/featurestore_write.py --rss`` measures it.
 """
 
@@ -34,22 +35,6 @@ def bytes_per_token(meta: S.FeatureMeta) -> int:
     if meta.storage == "fp8_e4m3":
         return rows * (meta.hidden_size + 4)
     return rows * meta.hidden_size * S._DTYPES[meta.dtype].itemsize
-
-
-def engine_batches(convs: list[dict], *, max_samples: int, budget: int, per_token: int) -> list[list[dict]]:
-    """Consecutive groups of ``convs``: at most ``max_samples`` each, and no more than ``budget``
-    bytes of hidden states unless one conversation alone is larger."""
-    out, part, size = [], [], 0
-    for c in convs:
-        n = (len(c["prompt_token_ids"]) + len(c["response_token_ids"])) * per_token
-        if part and (len(part) >= max_samples or size + n > budget):
-            out.append(part)
-            part, size = [], 0
-        part.append(c)
-        size += n
-    if part:
-        out.append(part)
-    return out
 
 
 class FeatureWriter:

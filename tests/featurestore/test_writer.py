@@ -3,7 +3,7 @@
 import fs_helpers as H
 
 from eaglenest.featurestore import fragments, store
-from eaglenest.featurestore.writer import FeatureWriter, bytes_per_token, engine_batches
+from eaglenest.featurestore.writer import FeatureWriter, bytes_per_token
 
 
 def test_writer_flushes_fragments_and_commits_once(tmp_path):
@@ -44,12 +44,6 @@ def test_uncommitted_fragments_stay_invisible(tmp_path):
     assert sorted(store.read(uri, "features", columns=["sample_id"]).column("sample_id").to_pylist()) == ["a", "b", "c"]
 
 
-def test_engine_batches_respect_budget_and_count():
+def test_bytes_per_token_counts_aux_and_last_layers():
     m = H.meta(dtype="bfloat16", hidden=8)
-    per = bytes_per_token(m)
-    assert per == 4 * 8 * 2
-    conv = lambda n: {"prompt_token_ids": [1] * (n // 2), "response_token_ids": [2] * (n - n // 2)}  # noqa: E731
-    convs = [conv(10), conv(10), conv(10), conv(100), conv(5)]
-    parts = engine_batches(convs, max_samples=8, budget=25 * per, per_token=per)
-    assert [len(p) for p in parts] == [2, 1, 1, 1]  # 10+10 fit; 10+100 does not; 100 alone; then 5
-    assert [len(p) for p in engine_batches(convs, max_samples=2, budget=1 << 30, per_token=per)] == [2, 2, 1]
+    assert bytes_per_token(m) == (len(m.layer_ids) + 1) * 8 * 2

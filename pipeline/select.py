@@ -1,6 +1,9 @@
 """Served-AL scoring of training snapshots: export (serve stage), then serve with vLLM and measure
 acceptance length (evaluate stage) on ``train.select_prompts_per_domain`` prompts per domain of
-``train.select_split``. No lossless check here: that is ``evaluate al``'s job on the final draft.
+``train.select_split``. No lossless check, no n-gram reference and no long-context buckets here: the
+score is the AL over those prompts, and the checks belong to ``evaluate al`` on the final draft.
+(The default buckets alone, 1K to 32K tokens, cost more than the domain prompts: 63K tokens of
+prefill per snapshot for a 32K-context target.)
 
 The trainer keeps the books (:mod:`eaglenest.train.select`); it receives the function built here.
 """
@@ -22,7 +25,7 @@ def served_al_scorer(train_cfg, evaluate_cfg=None, *, target_dir: str, store_uri
 
     base = evaluate_cfg if evaluate_cfg is not None else EvaluateConfig()
     cfg = dataclasses.replace(base, split=train_cfg.select_split, check_lossless=False, ngram_order=0,
-                              max_prompts_per_domain=train_cfg.select_prompts_per_domain)
+                              context_buckets=(), max_prompts_per_domain=train_cfg.select_prompts_per_domain)
 
     def score(snapshot: Path) -> dict[str, Any]:
         from eaglenest.evaluate.run import evaluate_al

@@ -20,12 +20,8 @@ def served_al_scorer(train_cfg, evaluate_cfg=None, *, target_dir: str, store_uri
     """A function ``snapshot_dir -> {"served_al", "prompts"}`` for :func:`eaglenest.train.loop.train`.
 
     ``evaluate_cfg``: the recipe's EvaluateConfig (engine settings, max_tokens, template kwargs);
-    split, prompt count, lossless check and n-gram reference are set for selection."""
-    from eaglenest.evaluate.config import EvaluateConfig
-
-    base = evaluate_cfg if evaluate_cfg is not None else EvaluateConfig()
-    cfg = dataclasses.replace(base, split=train_cfg.select_split, check_lossless=False, ngram_order=0,
-                              context_buckets=(), max_prompts_per_domain=train_cfg.select_prompts_per_domain)
+    the rest is set for selection (:func:`selection_config`)."""
+    cfg = selection_config(train_cfg, evaluate_cfg)
 
     def score(snapshot: Path) -> dict[str, Any]:
         from eaglenest.evaluate.run import evaluate_al
@@ -39,3 +35,15 @@ def served_al_scorer(train_cfg, evaluate_cfg=None, *, target_dir: str, store_uri
                 "prompts": report["overall"].get("prompts")}
 
     return score
+
+
+def selection_config(train_cfg, evaluate_cfg=None):
+    """The EvaluateConfig a selection round serves with: the recipe's ``evaluate`` section (engine,
+    max_tokens, template kwargs) on ``train.select_split``, ``train.select_prompts_per_domain``
+    prompts per domain, and nothing the score does not use (lossless check, n-gram reference,
+    context buckets)."""
+    from eaglenest.evaluate.config import EvaluateConfig
+
+    base = evaluate_cfg if evaluate_cfg is not None else EvaluateConfig()
+    return dataclasses.replace(base, split=train_cfg.select_split, check_lossless=False, ngram_order=0,
+                               context_buckets=(), max_prompts_per_domain=train_cfg.select_prompts_per_domain)

@@ -72,3 +72,18 @@ def test_selection_without_a_scorer_is_a_config_error(tmp_path, real_store):
     with pytest.raises(ConfigError, match="score="):
         train(cfg, store_uri=real_store, workdir=str(tmp_path), target_dir=str(ROOT_TARGET), seed=0)
     assert not (tmp_path / "train" / "checkpoint.json").exists()
+
+
+def test_selection_serves_only_what_the_score_uses():
+    """A selection round keeps the recipe's engine and decoding settings, but not the checks and the
+    long-context buckets (1K-32K by default) that only ``evaluate al`` reports."""
+    from eaglenest.pipeline.select import selection_config
+
+    ev = EvaluateConfig(max_tokens=24, engine=EngineConfig(max_model_len=512, memory_fraction=0.1))
+    assert ev.context_buckets and ev.check_lossless and ev.ngram_order > 0
+    cfg = selection_config(TrainConfig(select_prompts_per_domain=3, select_split="heldout"), ev)
+    assert cfg.context_buckets == () and not cfg.check_lossless and cfg.ngram_order == 0
+    assert cfg.split == "heldout" and cfg.max_prompts_per_domain == 3
+    assert cfg.engine == ev.engine and cfg.max_tokens == 24
+    assert selection_config(TrainConfig()).context_buckets == ()
+

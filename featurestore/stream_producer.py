@@ -74,7 +74,6 @@ def run(spec: dict) -> int:
                                      extra={stream.PUBLISH_KEY: spec["socket"]},
                                      trust_remote_code=bool(spec.get("trust_remote_code", False)))
     seqs, window = spec["sequences"], int(spec["window"])
-    done = False
     try:
         for start in range(0, len(seqs), window):
             if state.get("stopping"):
@@ -84,22 +83,15 @@ def run(spec: dict) -> int:
             params = [SamplingParams(max_tokens=1, temperature=0.0,
                                      extra_args={"kv_transfer_params": {stream.TAG_KEY: i}}) for i in idx]
             llm.generate(prompts, params, use_tqdm=False)
-        done = True
-        log.info("capture stream: %d sequences sent to the engine", len(seqs))
+        log.info("capture stream: %d sequences captured", len(seqs))
     finally:
-        if not done:  # an error: close the engine here (unless the control thread already is)
-            with state["lock"]:
-                state["finished"] = True
-                stopping = state.get("stopping")
-            if stopping:  # the control thread is closing the engine and ends the process with 0
-                threading.Event().wait(60)
-            else:
-                close_llm(llm)
-    # The engine stays up: vLLM hands a finished request's states to the connector one engine step
-    # after the step that finished it, so the last captures may still be unpublished when generate()
-    # returns, and closing the engine now could drop them. The consumer closes our stdin once it has
-    # every capture (or gives up, or dies); the control thread then closes the engine and exits 0.
-    threading.Event().wait()
+        with state["lock"]:
+            state["finished"] = True
+            stopping = state.get("stopping")
+        if stopping:  # the control thread is closing the engine and ends the process with 0
+            threading.Event().wait(60)
+        else:
+            close_llm(llm)
     return 0
 
 

@@ -18,8 +18,9 @@ Every file is written under a temporary name and renamed, so a reader never sees
 Publish mode (the streaming bypass, :mod:`eaglenest.featurestore.stream`): when eaglenest sets
 ``kv_connector_extra_config.eaglenest_publish_socket``, captures are not written at all; each one is
 sent to that socket (blocking until the consumer grants a credit, which is the backpressure), tagged
-with the request's ``kv_transfer_params.eaglenest_tag``. Like the spool directory, the socket is
-engine configuration, never something an API client can choose.
+with the request's ``kv_transfer_params.eaglenest_tag``; a request without a tag is not sent (the
+producer's flush). Like the spool directory, the socket is engine configuration, never something an
+API client can choose.
 The spool directory is set by eaglenest (``kv_connector_extra_config.shared_storage_path``); a
 client-chosen path (``allow_custom_save_path``) is refused, because it would let an API client write
 anywhere on the server.
@@ -149,7 +150,10 @@ class EaglenestHiddenStatesConnector(ExampleHiddenStatesConnector):
         # Synchronous on purpose: the send waits for a credit, so a slow consumer stalls the engine
         # step instead of piling captures up in memory. _gather (CPU) / .cpu() (CUDA) copy out of
         # the buffer, whose slots are reused as soon as the scheduler frees the blocks.
+        self._req_copy_events[pending.req_id] = _Done()
+        tag = getattr(pending, "tag", None)
+        if tag is None:  # not a stream item (the producer's flush request): nothing to send
+            return
         hidden = self._gather(pending)
         hidden = hidden.cpu() if hidden.is_cuda else hidden
-        self._publisher.publish(getattr(pending, "tag", None), pending.token_ids, hidden)
-        self._req_copy_events[pending.req_id] = _Done()
+        self._publisher.publish(tag, pending.token_ids, hidden)

@@ -6,7 +6,9 @@ JSON spec line from stdin (target, layers, engine settings, socket, sequences) a
 stdin open as the control channel: EOF there means the consumer closed the stream or died, and the
 producer shuts the engine down and exits (its engine children are ended by pid). Sequences go to
 the engine in windows of at most ``window`` requests, each tagged with its position, so the
-consumer can hand captures out in order within its credit bound. vLLM is imported only here.
+consumer can hand captures out in order within its credit bound. After the last window, one
+untagged flush request makes sure every capture has been published before the engine is closed
+(see :func:`_flush`). vLLM is imported only here.
 """
 
 from __future__ import annotations
@@ -59,6 +61,23 @@ def _watch_consumer(state: dict) -> None:
         os._exit(0)
 
 
+def _flush(llm, token_ids: list[int]) -> None:
+    """Returns once the connector has published every request that has finished so far.
+
+    vLLM's hidden-states connector receives a finished request's save in the *next* engine step
+    (the scheduler hands pending saves to the worker with the following step's metadata), so when
+    ``generate()`` returns, the last requests' captures may not be sent yet, and closing the engine
+    then would drop them. One more untagged one-token request cannot be scheduled before that
+    step, and its output comes back only after the step ran (the publish is synchronous in it), so
+    its return means every tagged capture is out. Untagged requests are never published.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], [SamplingParams(max_tokens=1, temperature=0.0)],
+                 use_tqdm=False)
+
+
 def run(spec: dict) -> int:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -83,6 +102,8 @@ def run(spec: dict) -> int:
             params = [SamplingParams(max_tokens=1, temperature=0.0,
                                      extra_args={"kv_transfer_params": {stream.TAG_KEY: i}}) for i in idx]
             llm.generate(prompts, params, use_tqdm=False)
+        if seqs and not state.get("stopping"):
+            _flush(llm, seqs[0][:1])
         log.info("capture stream: %d sequences captured", len(seqs))
     finally:
         with state["lock"]:

@@ -118,18 +118,26 @@ class Group:
             raise StoreError(f"capture stream ({self.who}): no {key!r} in the stream store at {self.addr} "
                              f"within {self.timeout_s:.0f} s: {exc}") from None
 
+    @property
+    def name(self) -> str:
+        return self.who.replace(" ", "-")  # "rank 1" -> "rank-1", the key of done/ and seen-abort/
+
     def abort(self, message: str) -> None:
         """Tell every participant (first message wins); the store may already be gone."""
         try:
             self.store.compare_set("abort", "", message)
+            self.store.set(f"seen-abort/{self.name}", "1")
         except RuntimeError:
             pass
 
     def aborted(self) -> str | None:
-        """The abort message if anyone failed; raises when the store is unreachable (rank 0 gone)."""
+        """The abort message if anyone failed (acknowledged in the store, so that rank 0 keeps it up
+        until the others have read it); a message too when the store is unreachable (rank 0 gone)."""
         try:
             if self.store.check(["abort"]):
-                return self.store.get("abort").decode()
+                message = self.store.get("abort").decode()
+                self.store.set(f"seen-abort/{self.name}", "1")
+                return message
         except RuntimeError:
             return f"the stream store at {self.addr} is gone (trainer rank 0 exited)"
         return None
@@ -150,11 +158,24 @@ class Group:
         except RuntimeError:
             pass
 
-    def wait_done(self, names: list[str], timeout_s: float, poll_s: float) -> None:
+    def wait_done(self, names: list[str], timeout_s: float, poll_s: float, *, ack_names: list[str] = (),
+                  ack_s: float = 5.0) -> None:
+        """Rank 0, before its store goes away: wait until every participant in ``names`` is done. After
+        an abort, wait instead (at most ``ack_s``: a dead participant never answers) until each of
+        ``ack_names`` is done or has read the abort, so they fail with its message, not with
+        "store gone"."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if self.store.check([f"done/{n}" for n in names]) or self.store.check(["abort"]):
+                if self.store.check([f"done/{n}" for n in names]):
+                    return
+                if self.store.check(["abort"]):
+                    deadline = min(deadline, time.monotonic() + ack_s)
+                    while time.monotonic() < deadline:
+                        if all(self.store.check([f"done/{n}"]) or self.store.check([f"seen-abort/{n}"])
+                               for n in ack_names):
+                            return
+                        time.sleep(min(poll_s, 0.05))
                     return
             except RuntimeError:
                 return
@@ -304,7 +325,11 @@ class RankStream:
         self._thread.join(timeout=30.0)
         if self.rank == 0:
             names = [f"rank-{r}" for r in range(self.world_size)] + [f"engine-{e}" for e in range(self.num_engines)]
-            self.group.wait_done(names, min(self.group.timeout_s, 120.0), self._poll_s)
+            # After an abort the other trainer ranks must read it before the store goes (engines
+            # that find the store gone fail anyway, and the dead one would only delay us).
+            self.group.wait_done(names, min(self.group.timeout_s, 120.0), self._poll_s,
+                                 ack_names=[f"rank-{r}" for r in range(1, self.world_size)],
+                                 ack_s=max(5.0, 4 * self._poll_s))
 
 
 def engine_captures(spec: dict, sequences: list[list[int]], target: str | None = None):

@@ -1,6 +1,6 @@
 """The streaming bypass with real vLLM engines: the table's batches, bounded in flight, clean shutdown.
 
-Three engine starts in all: one table capture (module fixture) and one stream per test.
+Four engine starts in all: one table capture (module fixture) and one stream per test.
 """
 
 import json
@@ -20,6 +20,9 @@ from eaglenest.featurestore import schema as S
 from eaglenest.featurestore import store
 from eaglenest.featurestore.build import capture
 from eaglenest.featurestore.config import FeaturestoreConfig
+
+# Kills engines and bounds how soon the other side fails: run alone, not beside other tests.
+pytestmark = pytest.mark.serial
 
 # max_num_seqs=1: one request per forward pass in both paths, so the fp32 numerics are the same.
 FS = FeaturestoreConfig(batch_size=8, engine=EngineConfig(max_model_len=512, memory_fraction=0.1, max_num_seqs=1))
@@ -132,6 +135,34 @@ def test_stream_batches_equal_table_bounded_and_early_close(captured, tiny_targe
         assert time.monotonic() - t0 < 40
     finally:
         src.close()
+
+
+@pytest.mark.slow
+def test_slow_consumer_gets_every_capture_to_the_end(tiny_target):
+    """The stream's tail. vLLM hands a finished request's states to the connector one engine step
+    after the step that finished it, so the last window's captures are published after
+    ``generate()`` has returned, each waiting for a credit, and vLLM gives an engine 5 s to finish
+    its step once it is asked to shut down. Here the consumer holds its second capture for longer
+    than that: a producer that closes its engine when ``generate()`` returns loses the last capture
+    ('the engine closed the connection after 3 of 4 captures'); it must wait until all are out."""
+    from eaglenest.featurestore.stream import CaptureStream
+
+    rng = np.random.default_rng(7)
+    seqs = [rng.integers(3, 2000, 12 + 5 * i).tolist() for i in range(4)]
+    engine = EngineConfig(max_model_len=256, memory_fraction=0.1, max_num_seqs=4)
+    # depth 2, window 2: captures 0 and 1 use the first credits; 2 and 3 need the credits that
+    # handing out 0 and 1 returns, and 1 is handed out only after the hold.
+    with CaptureStream(str(tiny_target), layer_ids=[1, 3, 5], num_layers=8, engine=engine, sequences=seqs,
+                       depth=2, window=2) as stream:
+        got = []
+        for ids, hidden in stream:
+            if not got:
+                time.sleep(8)
+            got.append((ids, hidden))
+        proc = stream.proc
+    assert [ids.tolist() for ids, _ in got] == seqs
+    assert all(h.shape[:2] == (len(s), 4) for (_, h), s in zip(got, seqs))
+    assert proc.returncode == 0
 
 
 @pytest.mark.slow

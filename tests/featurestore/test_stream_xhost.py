@@ -20,6 +20,9 @@ import torch
 
 from eaglenest.errors import StoreError
 
+# Kills engines and bounds how soon the other side fails: run alone, not beside other tests.
+pytestmark = pytest.mark.serial
+
 
 def free_addr() -> str:
     with socket.socket() as s:

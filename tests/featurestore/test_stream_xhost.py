@@ -112,7 +112,8 @@ HERE = __file__
 def _lockstep(out: str, rank: int, world: int, done: int, timeout_s: float = 600) -> None:
     """Wait until every other rank has read ``done`` batches or ended, as the collectives of a
     training step keep real ranks in step (without it, one rank could finish its whole share while
-    the other still waits for its engine to start)."""
+    the other still waits for its engine to start). A rank that failed says so at once through its
+    progress file, before its (slower) close: a real rank's exit ends the collective at once too."""
     from pathlib import Path
 
     base = out[:-len(f"rank{rank}.json")]
@@ -164,6 +165,8 @@ def run_rank(argv) -> int:
         report["max_in_flight"] = src._stream.max_in_flight()
     except StoreError as exc:
         report["error"], report["error_after_s"] = str(exc), time.monotonic() - t0
+        with open(out + ".progress", "w") as f:  # ended: the other ranks stop waiting in _lockstep
+            f.write(str(10**9))
     finally:
         report["t_end"] = time.time()
         src.close()

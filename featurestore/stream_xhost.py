@@ -158,12 +158,12 @@ class Group:
         except RuntimeError:
             pass
 
-    def wait_done(self, names: list[str], timeout_s: float, poll_s: float, *, ack_names: list[str] = (),
-                  ack_s: float = 5.0) -> None:
+    def wait_done(self, names: list[str], timeout_s: float, poll_s: float, *, ack_names: list[str] = ()) -> None:
         """Rank 0, before its store goes away: wait until every participant in ``names`` is done. After
-        an abort, wait instead (at most ``ack_s``: a dead participant never answers) until each of
-        ``ack_names`` is done or has read the abort, so they fail with its message, not with
+        an abort, wait instead (at most 5 s, or 4 polls: a dead participant never answers) until each
+        of ``ack_names`` is done or has read the abort, so they fail with its message, not with
         "store gone"."""
+        ack_s = max(5.0, 4 * poll_s)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -328,8 +328,7 @@ class RankStream:
             # After an abort the other trainer ranks must read it before the store goes (engines
             # that find the store gone fail anyway, and the dead one would only delay us).
             self.group.wait_done(names, min(self.group.timeout_s, 120.0), self._poll_s,
-                                 ack_names=[f"rank-{r}" for r in range(1, self.world_size)],
-                                 ack_s=max(5.0, 4 * self._poll_s))
+                                 ack_names=[f"rank-{r}" for r in range(1, self.world_size)])
 
 
 def engine_captures(spec: dict, sequences: list[list[int]], target: str | None = None):

@@ -32,8 +32,7 @@ HEAVY_FIRST = (
 
 
 def _heavy_rank(item) -> int:
-    path = item.nodeid.split("::", 1)[0]
-    path = path if path.startswith("tests/") else f"tests/{path}"
+    path = item.nodeid.split("::", 1)[0]  # relative to the project root (where pyproject.toml is)
     return HEAVY_FIRST.index(path) if path in HEAVY_FIRST else len(HEAVY_FIRST)
 
 

@@ -126,6 +126,11 @@ def _lockstep(out: str, rank: int, world: int, done: int, timeout_s: float = 600
             time.sleep(0.05)
 
 
+def _progress(out: str, batches: int) -> None:
+    with open(out + ".progress", "w") as f:
+        f.write(str(batches))
+
+
 def run_rank(argv) -> int:
     """Script role ``rank``: one trainer rank of a gloo stream; its batches against the table's."""
     import json
@@ -158,15 +163,13 @@ def run_rank(argv) -> int:
                 report["equal"] &= not got.aux.any() and not got.last_hidden.any()
             report["batches"] += 1
             report["ghosts"] += int(ghost)
-            with open(out + ".progress", "w") as f:
-                f.write(str(report["batches"]))
+            _progress(out, report["batches"])
             time.sleep(sleep_s)
             _lockstep(out, rank, world, report["batches"])
         report["max_in_flight"] = src._stream.max_in_flight()
     except StoreError as exc:
         report["error"], report["error_after_s"] = str(exc), time.monotonic() - t0
-        with open(out + ".progress", "w") as f:  # ended: the other ranks stop waiting in _lockstep
-            f.write(str(10**9))
+        _progress(out, 10**9)  # ended: the other ranks stop waiting in _lockstep
     finally:
         report["t_end"] = time.time()
         src.close()

@@ -41,6 +41,16 @@ def setup_logging(verbose: int) -> None:
         logging.getLogger("eaglenest").setLevel(logging.INFO)
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` prints every thread's Python stack to stderr (a stuck job can be asked
+    where it is without a debugger); the process goes on."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 #: Environment variables through which a user already chose how vLLM logs (then left alone).
 VLLM_LOG_ENV = ("VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING")
 
@@ -95,6 +105,7 @@ def run(prog: str, description: str, commands: dict[str, Command], argv: list[st
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     setup_logging(args.verbose)
+    dump_stacks_on_sigusr1()
     reaper.guard()  # engines and helpers end with this process, even under SIGKILL (common/reaper.py)
     cmd = commands[args.command]
     try:

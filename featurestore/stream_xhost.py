@@ -272,24 +272,27 @@ class RankStream:
                 exc = StoreError(f"capture stream: rank {self.rank} {_lost(exc, self.group)} engine "
                                  f"{self._engine(pos)} after {pos} of {self.num_items} captures: "
                                  f"{str(exc).splitlines()[0][:200]}")
-            self.group.abort(str(exc))
-            with self._cv:
+            with self._cv:  # this rank's consumer first: telling the others takes store round trips
                 self._error = exc
                 self._cv.notify_all()
+            self.group.abort(str(exc))
 
     def next(self):
         if self.handed >= self.num_items:
             raise StopIteration
-        with self._cv:
-            while self.handed not in self._pending:
+        while True:
+            with self._cv:  # never held across a store round trip: the receiver must get it at once
+                if self.handed in self._pending:
+                    ids, hidden = self._pending.pop(self.handed)
+                    break
                 if self._error is not None:
                     raise self._error
                 if self._closed:
                     raise StoreError("capture stream is closed")
                 self._cv.wait(timeout=self._poll_s)
-                if self._error is None:
-                    self.group.check(self._poll_s)
-            ids, hidden = self._pending.pop(self.handed)
+                failed = self._error is not None
+            if not failed:
+                self.group.check(self._poll_s)
         self.group.check(self._poll_s)  # a failure elsewhere ends this rank too, even while captures flow
         e = self._engine(self.handed)
         self.handed += 1
@@ -388,16 +391,17 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
 
     def wait_credit(r: int) -> bool:
         """True with a credit taken; False when rank r closed its stream. Raises when r or anyone failed."""
-        with cv:
-            while credits[r] == 0 and not closed.get(r) and r not in errors:
+        while True:
+            with cv:  # not held across a store round trip: the credit threads need it
+                if credits[r] > 0:
+                    credits[r] -= 1
+                    return True
+                if r in errors:
+                    raise StoreError(f"capture stream: {who} {errors[r]}")
+                if closed.get(r):
+                    return False
                 cv.wait(timeout=poll_s)
-                group.check(poll_s)
-            if r in errors and credits[r] == 0:
-                raise StoreError(f"capture stream: {who} {errors[r]}")
-            if credits[r] == 0:
-                return False
-            credits[r] -= 1
-            return True
+            group.check(poll_s)
 
     threads = [threading.Thread(target=take_credits, args=(r,), daemon=True) for r in ranks]
     for t in threads:
@@ -424,11 +428,14 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
                     raise StoreError(f"capture stream: {who} lost trainer rank {r} after {sent} captures: "
                                      f"{str(exc).splitlines()[0][:200]}") from None
                 sent += 1
-        with cv:  # every linked rank says it is done (or fails) before this engine leaves
-            deadline = time.monotonic() + timeout_s
-            while not all(closed.get(r) or r in errors for r in ranks) and time.monotonic() < deadline:
+        # Every linked rank says it is done (or fails) before this engine leaves.
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with cv:
+                if all(closed.get(r) or r in errors for r in ranks):
+                    break
                 cv.wait(timeout=poll_s)
-                group.check(poll_s)
+            group.check(poll_s)
         log.info("%s: %d captures sent", who, sent)
         group.mark_done(f"engine-{engine_rank}")
         return 0

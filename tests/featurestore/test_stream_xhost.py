@@ -121,14 +121,18 @@ def _lockstep(out: str, rank: int, world: int, done: int, timeout_s: float = 600
     for r in range(world):
         progress, final = Path(f"{base}rank{r}.json.progress"), Path(f"{base}rank{r}.json")
         while r != rank and not final.is_file() and time.monotonic() < deadline:
-            if progress.is_file() and progress.read_text().strip() and int(progress.read_text()) >= done:
+            text = progress.read_text().strip() if progress.is_file() else ""
+            if text.isdigit() and int(text) >= done:
                 break
             time.sleep(0.05)
 
 
 def _progress(out: str, batches: int) -> None:
-    with open(out + ".progress", "w") as f:
+    import os
+
+    with open(out + ".progress.tmp", "w") as f:
         f.write(str(batches))
+    os.replace(out + ".progress.tmp", out + ".progress")  # a reader never sees it half written
 
 
 def run_rank(argv) -> int:
@@ -139,6 +143,10 @@ def run_rank(argv) -> int:
     from eaglenest.train.stream_source import StreamShards
     from test_stream import FS
 
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks a stuck rank where it is
     uri, target, addr, rank, world, engines, out, sleep_s = argv
     rank, world, engines, sleep_s = int(rank), int(world), int(engines), float(sleep_s)
     kw = dict(split="train", pack_tokens=64, batch_rows=2, seed=3)
@@ -242,6 +250,24 @@ def _wait_progress(path, batches, timeout_s):
     return False
 
 
+def _exits(procs, logs, timeout_s):
+    """Every process's exit code within ``timeout_s`` (all together). A process still running then
+    fails the test with each one's Python stacks (SIGUSR1: faulthandler) and log tail."""
+    import signal
+    import subprocess
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        return {n: p.wait(timeout=max(0.1, deadline - time.monotonic())) for n, p in procs.items()}
+    except subprocess.TimeoutExpired:
+        stuck = [n for n, p in procs.items() if p.poll() is None]
+        for n in stuck:
+            procs[n].send_signal(signal.SIGUSR1)
+        time.sleep(2.0)
+        pytest.fail(f"{stuck} still running {timeout_s:.0f} s on:\n"
+                    + "\n".join(f"--- {n} ---\n{logs[n].read_text()[-6000:]}" for n in logs))
+
+
 def _descendants(pid):
     import psutil
 
@@ -288,7 +314,7 @@ def test_killed_rank_ends_engines_and_other_rank(tmp_path, victim=0):
         assert _wait_for(logs[f"rank{victim}"], "RANK-STARTED", 60), logs[f"rank{victim}"].read_text()
         os.kill(procs[f"rank{victim}"].pid, signal.SIGKILL)
         t0 = time.monotonic()
-        codes = {n: p.wait(timeout=30) for n, p in procs.items()}
+        codes = _exits(procs, logs, 30)
         assert time.monotonic() - t0 < 15, "a peer waited for a timeout instead of failing at once"
         other = f"rank{1 - victim}"
         assert codes == {f"rank{victim}": -9, other: 3, "engine0": 2, "engine1": 2}, \
@@ -335,7 +361,7 @@ def test_two_engines_two_ranks_equal_table_batches_clean_end(captured, tiny_targ
 
     procs, logs = _stream_job(tmp_path, captured, tiny_target, sleep_s=0.0)
     try:
-        codes = {n: p.wait(timeout=600) for n, p in procs.items()}
+        codes = _exits(procs, logs, 600)
         assert codes == dict.fromkeys(procs, 0), {n: logs[n].read_text()[-1500:] for n in logs}
         reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
         for rep in reports:
@@ -363,7 +389,7 @@ def test_killed_engine_fails_both_ranks_quickly(captured, tiny_target, tmp_path)
         assert len(pids) >= 3  # stream-serve, its producer, the vLLM engine core
         os.kill(procs["engine0"].pid, signal.SIGKILL)
         t0 = time.monotonic()
-        codes = {n: p.wait(timeout=60) for n, p in procs.items()}
+        codes = _exits(procs, logs, 60)
         assert time.monotonic() - t0 < 30
         # Engine 1 either sees the abort (exit 2) or has sent rank 1 its whole share and is released
         # by rank 1's end-of-stream (exit 0): which comes first is a race; neither may hang.

@@ -47,8 +47,14 @@ def dump_stacks_on_sigusr1() -> None:
     import faulthandler
     import signal
 
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    for stream in (sys.stderr, sys.__stderr__):  # sys.stderr may be captured in memory (an in-process call)
+        try:
+            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+            return
+        except (AttributeError, OSError, ValueError):  # no file descriptor behind it
+            continue
 
 
 #: Environment variables through which a user already chose how vLLM logs (then left alone).

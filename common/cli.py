@@ -53,7 +53,7 @@ def dump_stacks_on_sigusr1() -> None:
         try:
             faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
             return
-        except (AttributeError, OSError, ValueError):  # no file descriptor behind it
+        except (AttributeError, OSError, ValueError, RuntimeError):  # no file descriptor behind it
             continue
 
 

@@ -121,10 +121,15 @@ def _lockstep(out: str, rank: int, world: int, done: int, timeout_s: float = 600
     for r in range(world):
         progress, final = Path(f"{base}rank{r}.json.progress"), Path(f"{base}rank{r}.json")
         while r != rank and not final.is_file() and time.monotonic() < deadline:
-            text = progress.read_text().strip() if progress.is_file() else ""
-            if text.isdigit() and int(text) >= done:
+            if _read_progress(progress) >= done:
                 break
             time.sleep(0.05)
+
+
+def _read_progress(path) -> int:
+    """The batches a rank says it has read (-1 before its first report)."""
+    text = path.read_text().strip() if path.is_file() else ""
+    return int(text) if text.isdigit() else -1
 
 
 def _progress(out: str, batches: int) -> None:
@@ -139,14 +144,12 @@ def run_rank(argv) -> int:
     """Script role ``rank``: one trainer rank of a gloo stream; its batches against the table's."""
     import json
 
+    from eaglenest.cli import dump_stacks_on_sigusr1
     from eaglenest.train.data import FeatureShards, rank_rows
     from eaglenest.train.stream_source import StreamShards
     from test_stream import FS
 
-    import faulthandler
-    import signal
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks a stuck rank where it is
+    dump_stacks_on_sigusr1()  # as in every eaglenest command: the test asks a stuck rank where it is
     uri, target, addr, rank, world, engines, out, sleep_s = argv
     rank, world, engines, sleep_s = int(rank), int(world), int(engines), float(sleep_s)
     kw = dict(split="train", pack_tokens=64, batch_rows=2, seed=3)
@@ -243,8 +246,7 @@ def _wait_progress(path, batches, timeout_s):
     """Wait until a rank's progress file says it has read at least ``batches`` batches."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = path.read_text().strip() if path.is_file() else ""
-        if text.isdigit() and int(text) >= batches:
+        if _read_progress(path) >= batches:
             return True
         time.sleep(0.05)
     return False

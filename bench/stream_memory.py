@@ -1,4 +1,4 @@
-"""Memory of the streaming bypass under a slow consumer: bounded by train.stream_depth, not by N.
+"""Memory of the streaming bypass under a slow consumer: bounded by train.stream.depth, not by N.
 
 A real capture stream (tiny target, vLLM on CPU) over ``--samples`` sequences of ``--tokens``
 tokens (fp32, 4 layers x 128: 2 KiB per token, ~1 MiB per capture at 500 tokens), consumed slowly
@@ -37,7 +37,7 @@ def run_once(target: str, depth: int, seqs, sleep_s: float) -> dict:
     import psutil
 
     from eaglenest.engine import EngineConfig
-    from eaglenest.featurestore.stream import CaptureStream
+    from eaglenest.featurestore.stream.local import CaptureStream
 
     eng = EngineConfig(max_model_len=512, memory_fraction=0.1, max_num_seqs=depth)
     samples, stop = {"me": [], "engine": []}, threading.Event()

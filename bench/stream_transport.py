@@ -2,7 +2,7 @@
 
 Both paths are the project's own code, without an engine: the Unix socket is
 :class:`Publisher` -> :class:`Channel` (what the capture connector and a single-rank trainer use);
-gloo is :func:`stream_xhost.serve` -> :class:`stream_xhost.RankStream` (one engine, one rank, a gloo
+gloo is :func:`stream.xhost.serve` -> :class:`stream.xhost.RankStream` (one engine, one rank, a gloo
 group on 127.0.0.1). The publisher/engine side runs in a child process (as on a real engine host),
 the consumer here. ``--frames`` captures of ``[tokens, layers, hidden]`` per round; throughput is
 bytes of hidden states from the first capture handed out to the last (start-up excluded), so it
@@ -34,7 +34,7 @@ def _frame(args):
 
 
 def _publish(path, args) -> None:  # child process: the engine side of the Unix socket
-    from eaglenest.featurestore.stream import Publisher
+    from eaglenest.featurestore.capture.publish import Publisher
 
     ids, hidden = _frame(args)
     pub = Publisher(path)
@@ -45,7 +45,7 @@ def _publish(path, args) -> None:  # child process: the engine side of the Unix 
 def _serve(addr, args) -> None:  # child process: one engine host of the gloo stream
     import contextlib
 
-    from eaglenest.featurestore.stream_xhost import serve
+    from eaglenest.featurestore.stream.xhost import serve
 
     ids, hidden = _frame(args)
 
@@ -65,7 +65,7 @@ def _consume(next_item, n: int) -> float:
 
 
 def run_unix(args) -> float:
-    from eaglenest.featurestore.stream import Channel
+    from eaglenest.featurestore.stream.local import Channel
 
     path = os.path.join(tempfile.mkdtemp(prefix="eaglenest-bench-"), "s.sock")
     chan = Channel(path, num_items=args.frames, depth=args.depth, check=lambda: None)
@@ -79,7 +79,7 @@ def run_unix(args) -> float:
 
 
 def run_gloo(args) -> float:
-    from eaglenest.featurestore.stream_xhost import RankStream
+    from eaglenest.featurestore.stream.xhost import RankStream
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,7 +2,10 @@
 (options and overrides in any order).
 
 Each stage declares its subcommands as functions ``fn(recipe, args) -> int`` and calls
-:func:`run`. User errors (:class:`EaglenestError`) become exit code 2 and one line on stderr.
+:func:`run`. A subcommand whose module pulls in heavy libraries (torch, Lance, vLLM) is named as
+``"eaglenest.<stage>.<module>:<function>"`` instead, imported only when it runs (after the recipe
+is loaded), so ``--help`` starts fast; the string is an import edge ``tests/test_layering.py``
+reads. User errors (:class:`EaglenestError`) become exit code 2 and one line on stderr.
 Logging is configured here, once, and nowhere else. :func:`run` also starts the process guard
 (:mod:`eaglenest.reaper`): whatever the command starts (engines, servers, workers) ends with it.
 """
@@ -10,9 +13,12 @@ Logging is configured here, once, and nowhere else. :func:`run` also starts the 
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import importlib
 import json
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,13 +26,15 @@ from typing import Callable
 
 from eaglenest import reaper
 from eaglenest.errors import EaglenestError
+from eaglenest.recipe import load_recipe
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Command:
-    fn: Callable[..., int]
+    #: ``fn(recipe, args) -> int``, or ``"module:function"`` naming it (imported when the command runs).
+    fn: Callable[..., int] | str
     help: str
     #: Extra arguments: list of (flags, kwargs) passed to ``add_argument``.
     args: list[tuple[tuple[str, ...], dict]] = field(default_factory=list)
@@ -44,9 +52,6 @@ def setup_logging(verbose: int) -> None:
 def dump_stacks_on_sigusr1() -> None:
     """``kill -USR1 <pid>`` prints every thread's Python stack to stderr (a stuck job can be asked
     where it is without a debugger); the process goes on."""
-    import faulthandler
-    import signal
-
     if not hasattr(signal, "SIGUSR1"):
         return
     for stream in (sys.stderr, sys.__stderr__):  # sys.stderr may be captured in memory (an in-process call)
@@ -90,6 +95,13 @@ def quiet_vllm(log_dir: Path, verbose: int) -> Path | None:
     return log_dir / "vllm.log"
 
 
+def _resolve(fn: Callable[..., int] | str) -> Callable[..., int]:
+    if callable(fn):
+        return fn
+    module, _, name = fn.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def run(prog: str, description: str, commands: dict[str, Command], argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -116,17 +128,17 @@ def run(prog: str, description: str, commands: dict[str, Command], argv: list[st
     cmd = commands[args.command]
     try:
         if not cmd.needs_recipe:
-            return int(cmd.fn(None, args) or 0)
-        from eaglenest.recipe import load_recipe
-
+            return int(_resolve(cmd.fn)(None, args) or 0)
         recipe = load_recipe(args.recipe, args.overrides)
+        recipe.run.register_storage()  # the store's options, for this process only (runconfig.py)
         if args.dry_run:
             print(json.dumps(recipe.to_dict(), indent=2, sort_keys=True))
             return 0
         vllm_log = quiet_vllm(recipe.run.path("logs"), args.verbose)
         if vllm_log is not None:
             log.debug("vLLM's INFO log: %s (-v shows it on the console)", vllm_log)
-        return int(cmd.fn(recipe, args) or 0)
+        # Imported only now: a bad recipe costs no heavy import, and vLLM reads the logging set above.
+        return int(_resolve(cmd.fn)(recipe, args) or 0)
     except EaglenestError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

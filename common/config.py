@@ -5,7 +5,9 @@ A recipe is a mapping of sections (``run``, ``ingest``, ``featurestore``, ``trai
 that dataclass, recursing into nested dataclasses, ``dict[str, Dataclass]`` and
 ``list[Dataclass]``, and rejects unknown keys by their full dotted name. Overrides
 (``train.num_steps=50``) are parsed as YAML scalars and applied to the mapping before it is
-validated, so they are checked exactly like the file.
+validated, so they are checked exactly like the file. A recipe stops at its first bad key; a
+manifest wants every problem at once (``ingest validate``), so :func:`build` can also collect them
+(``problems=``): one walker for both.
 
 Input may be hostile, so parsing is bounded (no YAML aliases; size, value count and nesting capped
 by :data:`MAX_YAML_BYTES`, :data:`MAX_YAML_NODES`, :data:`MAX_YAML_DEPTH`) and every message that
@@ -14,15 +16,15 @@ echoes a value goes through :func:`short`: a bad key costs one short line whatev
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import reprlib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping, TypeVar, get_args, get_origin
-
-import yaml
 
 from eaglenest.errors import ConfigError
 
@@ -56,44 +58,59 @@ MAX_YAML_NODES = 10_000
 MAX_YAML_DEPTH = 64
 
 
-class _Refused(yaml.YAMLError):
+class InvalidYAML(ValueError):
+    """Text that is not one YAML document the loader accepts (PyYAML's own error, or refused)."""
+
+
+class _Refused(InvalidYAML):
     """Input the loader refuses on purpose; the message is one line that starts with the line number."""
 
 
-class _Loader(yaml.SafeLoader):
-    """The safe loader, refusing aliases (``*name``), deep nesting and too many values.
+@functools.cache
+def _yaml():
+    """(yaml, the loader class): the safe loader, refusing aliases (``*name``), deep nesting and too
+    many values. An alias lets a few hundred bytes stand for billions of nodes ("billion laughs"); no
+    recipe or manifest needs one, so refusing them is simpler than bounding their expansion.
 
-    An alias lets a few hundred bytes stand for billions of nodes ("billion laughs"); no recipe or
-    manifest needs one, so refusing them is simpler than bounding their expansion.
-    """
+    Built on first use: every CLI imports this module through the recipe, and ``--help`` parses no
+    YAML, so PyYAML (about a fifth of a ``--help``'s time) is imported only when a file is read."""
+    import yaml
 
-    _depth = 0
-    _nodes = 0
+    class Loader(yaml.SafeLoader):
+        _depth = 0
+        _nodes = 0
 
-    def compose_node(self, parent, index):
-        event = self.peek_event()
-        line = event.start_mark.line + 1
-        if isinstance(event, yaml.AliasEvent):
-            raise _Refused(f"line {line}: YAML aliases (*{short_text(event.anchor, 40)}) are not allowed; "
-                           "write the value out")
-        self._nodes += 1
-        if self._nodes > MAX_YAML_NODES:
-            raise _Refused(f"line {line}: more than {MAX_YAML_NODES} values; recipes and manifests are small")
-        self._depth += 1
-        try:
-            if self._depth > MAX_YAML_DEPTH:
-                raise _Refused(f"line {line}: nested too deeply (more than {MAX_YAML_DEPTH} levels)")
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
+        def compose_node(self, parent, index):
+            event = self.peek_event()
+            line = event.start_mark.line + 1
+            if isinstance(event, yaml.AliasEvent):
+                raise _Refused(f"line {line}: YAML aliases (*{short_text(event.anchor, 40)}) are not allowed; "
+                               "write the value out")
+            self._nodes += 1
+            if self._nodes > MAX_YAML_NODES:
+                raise _Refused(f"line {line}: more than {MAX_YAML_NODES} values; recipes and manifests are small")
+            self._depth += 1
+            try:
+                if self._depth > MAX_YAML_DEPTH:
+                    raise _Refused(f"line {line}: nested too deeply (more than {MAX_YAML_DEPTH} levels)")
+                return super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+
+    return yaml, Loader
 
 
 def parse_yaml(text: str) -> Any:
-    """Parse one YAML document with :class:`_Loader`; any failure is a ``yaml.YAMLError``."""
+    """Parse one YAML document with the bounded safe loader; any failure is an :class:`InvalidYAML`."""
+    yaml, loader = _yaml()
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+        return yaml.load(text, Loader=loader)  # noqa: S506 - a SafeLoader
+    except _Refused:
+        raise
+    except yaml.YAMLError as exc:
+        raise InvalidYAML(str(exc)) from None
     except (ValueError, RecursionError) as exc:  # e.g. an integer past Python's digit limit
-        raise yaml.YAMLError(short_text(str(exc))) from None
+        raise InvalidYAML(short_text(str(exc))) from None
 
 
 def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError) -> dict[str, Any]:
@@ -114,7 +131,7 @@ def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError) -> di
         data = parse_yaml(text)
     except _Refused as exc:
         raise error(f"{name}: {exc}") from None
-    except yaml.YAMLError as exc:
+    except InvalidYAML as exc:
         raise error(f"{name}: not valid YAML ({short_text(str(exc).splitlines()[0])})") from None
     if data is None:
         data = {}
@@ -125,8 +142,6 @@ def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError) -> di
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Return a copy of ``data`` with ``a.b.c=value`` overrides applied (values parsed as YAML)."""
-    import copy
-
     out = copy.deepcopy(data)
     for item in overrides:
         if "=" not in item:
@@ -137,7 +152,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override {short(item)} has an empty key")
         try:
             value = parse_yaml(raw) if raw != "" else ""
-        except yaml.YAMLError:  # not YAML (or refused, e.g. an alias): the plain string
+        except InvalidYAML:  # not YAML (or refused, e.g. an alias): the plain string
             value = raw
         node = out
         for k in keys[:-1]:
@@ -151,14 +166,60 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def build(cls: type[T], data: Any, *, where: str = "", error: type[ConfigError] = ConfigError) -> T:
-    """Build dataclass ``cls`` from ``data``, naming the dotted key of any problem."""
-    return _convert(cls, data, where, error)
+def build(cls: type[T], data: Any, *, where: str = "", error: type[ConfigError] = ConfigError,
+          problems: list[str] | None = None) -> T | None:
+    """Build dataclass ``cls`` from ``data``, naming the dotted key of any problem.
+
+    Raises ``error`` at the first problem; with a ``problems`` list, appends every problem to it
+    instead (one line each, key first) and returns None if there was any."""
+    if problems is None:
+        return _convert(cls, data, where, error)
+    return _collect(cls, data, where, error, problems)
 
 
 def _name(where: str, key: str) -> str:
     key = short_text(key)
     return f"{where}.{key}" if where else key
+
+
+def _unknown_key(tp: Any, where: str, key: str) -> str:
+    """The line for a key dataclass ``tp`` does not have. A key the section moved names its new
+    place (the class's ``RENAMED_KEYS``, old name -> dotted new name; e.g. ``TrainConfig``)."""
+    new = getattr(tp, "RENAMED_KEYS", {}).get(key)
+    return f"{_name(where, key)}: renamed to {_name(where, new)}" if new else f"{_name(where, key)}: unknown key"
+
+
+def _collect(tp: Any, value: Any, where: str, error: type[ConfigError], problems: list[str]) -> Any:
+    """:func:`_convert` walking on past a problem: each is appended to ``problems``, and a value
+    holding one comes back as None. Dataclasses, lists and mappings are walked here; any other value
+    (a leaf, a union) goes through :func:`_convert`, so types are checked by one implementation."""
+    n0 = len(problems)
+    origin = get_origin(tp)
+    try:
+        if dataclasses.is_dataclass(tp) and isinstance(value, Mapping | None):
+            value = {} if value is None else value
+            fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
+            hints = typing.get_type_hints(tp)
+            problems += [_unknown_key(tp, where, k) for k in sorted(map(str, set(value) - set(fields)))]
+            kwargs = {}
+            for name, f in fields.items():
+                if name in value:
+                    kwargs[name] = _collect(hints[name], value[name], _name(where, name), error, problems)
+                elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    problems.append(f"{_name(where, name)}: required key is missing")
+            return tp(**kwargs) if len(problems) == n0 else None
+        if origin is list and isinstance(value, (list, tuple)):
+            (item_tp, *_rest) = get_args(tp) or (Any,)
+            items = [_collect(item_tp, v, f"{where}[{i}]", error, problems) for i, v in enumerate(value)]
+            return items if len(problems) == n0 else None
+        if origin is dict and isinstance(value, Mapping):
+            _k, v_tp = get_args(tp) or (str, Any)
+            out = {str(k): _collect(v_tp, v, _name(where, str(k)), error, problems) for k, v in value.items()}
+            return out if len(problems) == n0 else None
+        return _convert(tp, value, where, error)
+    except error as exc:  # a leaf's type, or a dataclass's own validation
+        problems.append(str(exc))
+        return None
 
 
 def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
@@ -172,7 +233,7 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
         fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
         unknown = sorted(map(str, set(value) - set(fields)))
         if unknown:
-            raise error(f"{_name(where, unknown[0])}: unknown key")
+            raise error(_unknown_key(tp, where, unknown[0]))
         kwargs = {}
         for name, f in fields.items():
             if name in value:

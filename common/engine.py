@@ -8,9 +8,14 @@ is the share of device memory.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
+
+from eaglenest.errors import require
+from eaglenest.hf import check_remote_code, is_refusal, refusal
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +48,6 @@ def has_cuda() -> bool:
 
 def checkpoint_dtype(model: str) -> str:
     """The dtype a local checkpoint declares in config.json ("auto" if unknown or remote)."""
-    import json
-    from pathlib import Path
-
     path = Path(model) / "config.json"
     if not path.is_file():
         return "auto"
@@ -71,9 +73,6 @@ def engine_kwargs(cfg: EngineConfig, model: str = "", *, trust_remote_code: bool
 def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, **extra: Any):
     """A ``vllm.LLM`` for ``model``; ``extra`` adds e.g. ``speculative_config``. A local checkpoint
     that needs its own code is refused before the engine starts unless ``trust_remote_code``."""
-    from eaglenest.errors import require
-    from eaglenest.hf import check_remote_code
-
     check_remote_code(model, trust_remote_code=trust_remote_code)
     require("vllm", "cpu" if not has_cuda() else "cuda")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
@@ -84,8 +83,6 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
     try:
         return LLM(model=model, **kwargs)
     except ValueError as exc:  # a hub checkpoint with its own code: vLLM reads its config in process
-        from eaglenest.hf import is_refusal, refusal
-
         if trust_remote_code or not is_refusal(exc):
             raise
         raise refusal(model) from None

@@ -4,6 +4,8 @@ The CLI turns any :class:`EaglenestError` into exit code 2 and one line on stder
 a bug and keeps its traceback.
 """
 
+import importlib
+
 
 class EaglenestError(Exception):
     """A problem the user can fix (bad input, missing file, wrong version)."""
@@ -31,8 +33,6 @@ class MissingExtraError(EaglenestError, ImportError):
 
 def require(module: str, extra: str):
     """Import ``module`` lazily; raise a :class:`MissingExtraError` naming the extra if missing."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError as exc:  # pragma: no cover - depends on the environment

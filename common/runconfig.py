@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from pathlib import Path
@@ -21,37 +20,33 @@ REMOTE_SCHEMES = ("s3", "gs", "az")
 SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|access_key|account_key|sas_|private_key|"
                         r"client_secret|session", re.IGNORECASE)
 _REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-#: Child processes (Dask workers, training ranks) inherit the options here: references, no secrets.
-OPTIONS_ENV = "EAGLENEST_STORAGE_OPTIONS"
-
-
-def _registered() -> dict[str, dict[str, str]]:
-    try:
-        data = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
-    except ValueError:
-        return {}
-    return data if isinstance(data, dict) else {}
+#: This process's storage options by store URI: references, never secrets. Filled where a command
+#: resolves its recipe (:meth:`RunConfig.register_storage`, called by ``eaglenest.cli.run``), and
+#: in a process that did not (a Dask task) from the options its driver sends it explicitly
+#: (:func:`registered_storage_options`). Nothing goes through the environment: torchrun ranks and
+#: other commands a run starts resolve the same recipe themselves.
+_STORAGE_OPTIONS: dict[str, dict[str, str]] = {}
 
 
 def register_storage_options(store_uri: str, options: dict[str, str]) -> None:
-    """Remember ``options`` for every path under ``store_uri`` (this process and its children)."""
-    data = _registered()
-    key = store_uri.rstrip("/")
-    if data.get(key) == options:
-        return
-    data[key] = dict(options)
-    os.environ[OPTIONS_ENV] = json.dumps(data, sort_keys=True)
+    """Remember ``options`` for every path under ``store_uri`` (in this process)."""
+    _STORAGE_OPTIONS[store_uri.rstrip("/")] = dict(options)
+
+
+def registered_storage_options() -> dict[str, dict[str, str]]:
+    """A copy of what this process registered, to hand to a worker process explicitly."""
+    return {uri: dict(options) for uri, options in _STORAGE_OPTIONS.items()}
 
 
 def storage_options_for(uri: str) -> dict[str, str]:
     """Lance/pyarrow storage options for ``uri``: those registered for the longest store URI it is
     under, ``${VAR}`` references resolved from the environment now (never stored resolved)."""
     text = uri.rstrip("/")
-    best = max((k for k in _registered() if text == k or text.startswith(k + "/")), key=len, default=None)
+    best = max((k for k in _STORAGE_OPTIONS if text == k or text.startswith(k + "/")), key=len, default=None)
     if best is None:
         return {}
     out = {}
-    for key, value in _registered()[best].items():
+    for key, value in _STORAGE_OPTIONS[best].items():
         def env(m, key=key):
             if m.group(1) not in os.environ:
                 raise ConfigError(f"run.storage_options.{key}: environment variable {m.group(1)} is not set")
@@ -112,8 +107,13 @@ class RunConfig:
                                   "environment variable (e.g. AWS_SECRET_ACCESS_KEY) or write ${ENV_VAR}")
             opts[key] = text
         object.__setattr__(self, "storage_options", opts)
-        if kind in REMOTE_SCHEMES:
-            register_storage_options(store, opts)
+
+    def register_storage(self) -> None:
+        """Make ``storage_options`` the options of every path under an object-store ``store_uri`` in
+        this process: called once, where a command has resolved its recipe (``eaglenest.cli.run``)."""
+        store = self.store_uri
+        if "://" in store and store.split("://", 1)[0].lower() in REMOTE_SCHEMES:
+            register_storage_options(store, dict(self.storage_options))
 
     @property
     def store_uri(self) -> str:

@@ -18,14 +18,18 @@ import logging
 import random
 
 from eaglenest.errors import ConfigError
+from eaglenest.evaluate.prompts import render
 
 log = logging.getLogger(__name__)
 
 
 def _ids(tok, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
-    from eaglenest.evaluate.prompts import render
-
     return render(tok, messages, chat_template_kwargs)
+
+
+def buckets_in_order(report: dict) -> list[tuple[str, dict]]:
+    """A report's context buckets by length (report.json's keys sort as text: "16384" < "2048")."""
+    return sorted((report.get("context_buckets") or {}).items(), key=lambda kv: int(kv[0]))
 
 
 def bucket_length(bucket: int, *, max_positions: int, max_tokens: int) -> int:

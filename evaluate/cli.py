@@ -4,188 +4,31 @@
     evaluate throughput [k=v ...]         tokens/s, speed-up, TTFT and latency across a concurrency sweep
     evaluate compare --a A --b B [k=v ...]  two drafts (dirs) or two reports (report.json) side by side
     evaluate offline [--draft DIR] [k=v ...]  AL without vLLM: HF target + PyTorch draft, greedy
+
+The subcommands run :mod:`eaglenest.evaluate.commands`, imported when one runs (the feature store,
+torch); ``--help`` imports neither.
 """
 
 from __future__ import annotations
 
-import logging
-import sys
-
 from eaglenest.cli import Command, run
 
-log = logging.getLogger(__name__)
-
-
-def draft_dir(recipe) -> str:
-    """The draft evaluated: ``evaluate.draft``, else where ``serve export`` writes it."""
-    return recipe.evaluate.draft or str(recipe.run.path(recipe.serve.draft_subdir))
-
-
-def evaluate_config(recipe):
-    """``recipe.evaluate`` with ``chat_template_kwargs`` resolved: as set, or (null) what ingest
-    rendered the training prompts with: ``ingest.chat_template_kwargs`` with the manifest's
-    ``generation.reasoning`` on top (``eaglenest.ingest.reasoning.template_kwargs``)."""
-    import dataclasses
-
-    from eaglenest.errors import ManifestError
-    from eaglenest.ingest.reasoning import template_kwargs
-
-    cfg = recipe.evaluate
-    if cfg.chat_template_kwargs is not None:
-        return cfg
-    reasoning = "default"
-    try:
-        from eaglenest.ingest.manifest import load_manifest
-
-        reasoning = load_manifest(recipe.ingest.manifest).generation.reasoning
-    except ManifestError as exc:  # evaluating without the manifest at hand: the recipe's kwargs alone
-        log.warning("evaluate: manifest not read (%s); rendering with ingest.chat_template_kwargs only", exc)
-    kwargs = template_kwargs(reasoning, recipe.ingest.chat_template_kwargs) or {}
-    return dataclasses.replace(cfg, chat_template_kwargs=kwargs)
-
-
-def _check_target(recipe) -> None:
-    """A target that needs its own code is refused before anything else (run.trust_remote_code)."""
-    from eaglenest.hf import check_remote_code
-
-    check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
-
-
-def cmd_al(recipe, args) -> int:
-    from eaglenest.evaluate.report import markdown, write_report
-    from eaglenest.evaluate.run import evaluate_al
-    from eaglenest.provenance import write_provenance
-
-    _check_target(recipe)
-    cfg, draft = evaluate_config(recipe), draft_dir(recipe)
-    out = args.out or str(recipe.run.path("eval"))
-    key = _cache_key(recipe, draft, cfg)
-    cached = None if args.force else _cached_report(out, key)
-    if cached is not None:
-        print(f"evaluate: {out}/report.json already measures this draft with these settings "
-              "(--force to measure again)", file=sys.stderr)
-        print(markdown(cached))
-        return 0
-    report = evaluate_al(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri, cfg=cfg,
-                         features_table=recipe.featurestore.table, trust_remote_code=recipe.run.trust_remote_code)
-    report["cache_key"] = key
-    write_report(out, report)
-    write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
-    print(markdown(report))
-    return 0
-
-
-def _cache_key(recipe, draft: str, cfg=None) -> str:
-    """Identity of a measurement: draft and target weights, the evaluate settings (``cfg``: resolved,
-    so the chat-template kwargs count), the prompts version."""
-    import hashlib
-    import json
-    from pathlib import Path
-
-    from eaglenest.featurestore.identity import weights_hash
-
-    h = hashlib.sha256()
-    # Weights through the feature store's hash (sampled for very large targets), configs in full.
-    for d in (Path(draft), Path(recipe.run.target)):
-        h.update(weights_hash(str(d)).encode())
-        for f in sorted(d.glob("*.json")):
-            if f.name != "provenance.json":
-                h.update(f.name.encode() + f.read_bytes())
-    kwargs = getattr(cfg, "chat_template_kwargs", None)  # only when set: earlier keys stay valid
-    h.update(json.dumps({"evaluate": recipe.to_dict()["evaluate"], **_inputs(recipe, draft),
-                         **({"chat_template_kwargs": kwargs} if kwargs else {})},
-                        sort_keys=True, default=str).encode())
-    return h.hexdigest()[:16]
-
-
-def _cached_report(out: str, key: str) -> dict | None:
-    import json
-    from pathlib import Path
-
-    path = Path(out) / "report.json"
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return report if report.get("cache_key") == key else None
-
-
-def _inputs(recipe, draft: str) -> dict:
-    from eaglenest.featurestore import store
-
-    uri = recipe.run.store_uri
-    version = store.latest_version(uri, store.PROMPTS) if store.exists(uri, store.PROMPTS) else None
-    return {"target": recipe.run.target, "draft": draft, "store": uri, "prompts_version": version,
-            "prompt_path": recipe.evaluate.prompt_path or None}
-
-
-def cmd_throughput(recipe, args) -> int:
-    from eaglenest.evaluate.throughput import markdown, run_sweep
-    from eaglenest.evaluate.plots import throughput_plot
-    from eaglenest.provenance import write_json_atomic, write_provenance
-
-    _check_target(recipe)
-    draft = draft_dir(recipe)
-    result = run_sweep(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri,
-                       cfg=evaluate_config(recipe), serve_cfg=recipe.serve, log_dir=recipe.run.path("serve"),
-                       trust_remote_code=recipe.run.trust_remote_code)
-    out = recipe.run.path(args.out or "throughput")
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "throughput.json", result)
-    (out / "throughput.md").write_text(markdown(result), encoding="utf-8")
-    throughput_plot(result, out)
-    write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
-    print(markdown(result))
-    return 0
-
-
-def cmd_compare(recipe, args) -> int:
-    from eaglenest.evaluate.compare import compare
-
-    _check_target(recipe)
-    out = recipe.run.path(args.out or "compare")
-    print(compare(args.a, args.b, recipe=recipe, outdir=out))
-    return 0
-
-
-def cmd_offline(recipe, args) -> int:
-    from eaglenest.evaluate.offline import offline_al
-    from eaglenest.evaluate.prompts import load_prompt_set
-    from eaglenest.provenance import write_json_atomic, write_provenance
-
-    _check_target(recipe)
-    cfg, draft = evaluate_config(recipe), args.draft or draft_dir(recipe)
-    if cfg.temperature != 0.0:
-        from eaglenest.errors import ConfigError
-
-        raise ConfigError(f"evaluate.temperature: offline AL is greedy only (0.0), got {cfg.temperature}")
-    groups, info = load_prompt_set(cfg, recipe.run.store_uri)
-    report = offline_al(target=recipe.run.target, draft=draft, groups=groups,
-                        num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=cfg.max_tokens,
-                        trust_remote_code=recipe.run.trust_remote_code, chat_template_kwargs=cfg.chat_template_kwargs)
-    report["prompts"] = info
-    out = recipe.run.path(args.out or "eval_offline")
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "offline_report.json", report)
-    write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
-    print("| group | prompts | AL (pooled) | AL per-request |\n|---|---|---|---|")
-    for name, row in [*report["domains"].items(), ("overall", report["overall"])]:
-        print(f"| {name} | {row['prompts']} | {row['acceptance_length']} | {row['acceptance_length_per_request']} |")
-    return 0
+COMMANDS = "eaglenest.evaluate.commands"
 
 
 def main(argv: list[str] | None = None) -> int:
     out = (("--out",), dict(default=None, help="output directory"))
     return run("evaluate", "Measure a draft under vLLM speculative decoding.", {
-        "al": Command(cmd_al, "AL per domain and context bucket, from vLLM's spec-decode metrics",
+        "al": Command(f"{COMMANDS}:cmd_al", "AL per domain and context bucket, from vLLM's spec-decode metrics",
                       args=[out, (("--force",), dict(action="store_true",
                                                      help="measure again even if report.json matches"))]),
-        "throughput": Command(cmd_throughput, "throughput and latency against concurrency, with and "
-                                              "without speculation", args=[out]),
-        "compare": Command(cmd_compare, "two drafts or two report.json files side by side",
+        "throughput": Command(f"{COMMANDS}:cmd_throughput", "throughput and latency against concurrency, "
+                                                             "with and without speculation", args=[out]),
+        "compare": Command(f"{COMMANDS}:cmd_compare", "two drafts or two report.json files side by side",
                            args=[(("--a",), dict(required=True, help="draft directory or report.json")),
                                  (("--b",), dict(required=True, help="draft directory or report.json")), out]),
-        "offline": Command(cmd_offline, "AL without vLLM (HF target + PyTorch draft, greedy verification)",
+        "offline": Command(f"{COMMANDS}:cmd_offline",
+                           "AL without vLLM (HF target + PyTorch draft, greedy verification)",
                            args=[(("--draft",), dict(default=None, help="exported draft dir or train checkpoint "
                                                                         "dir (default: evaluate.draft)")), out]),
     }, argv)

@@ -8,10 +8,14 @@ on them. The table shows pooled and per-request AL per group and per context buc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from eaglenest.errors import EaglenestError
+from eaglenest.evaluate.run import evaluate_al
+from eaglenest.evaluate.settings import evaluate_config
+from eaglenest.provenance import write_json_atomic
 
 
 def _load(spec: str, recipe) -> dict:
@@ -21,11 +25,6 @@ def _load(spec: str, recipe) -> dict:
     if (p / "report.json").is_file():
         return json.loads((p / "report.json").read_text())
     if (p / "config.json").is_file():
-        import dataclasses
-
-        from eaglenest.evaluate.cli import evaluate_config
-        from eaglenest.evaluate.run import evaluate_al
-
         cfg = dataclasses.replace(evaluate_config(recipe), check_lossless=False)
         return evaluate_al(target=recipe.run.target, draft=str(p), store_uri=recipe.run.store_uri, cfg=cfg,
                            trust_remote_code=recipe.run.trust_remote_code)
@@ -56,8 +55,6 @@ def side_by_side(a: dict, b: dict, *, names: tuple[str, str] = ("A", "B")) -> st
 
 
 def compare(spec_a: str, spec_b: str, *, recipe, outdir: Path) -> str:
-    from eaglenest.provenance import write_json_atomic
-
     a, b = _load(spec_a, recipe), _load(spec_b, recipe)
     md = side_by_side(a, b)
     outdir.mkdir(parents=True, exist_ok=True)

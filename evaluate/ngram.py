@@ -29,6 +29,8 @@ from typing import Iterable
 
 import pyarrow as pa
 
+from eaglenest.featurestore.table import store
+
 #: What ``ngram_al`` is, written into every report that has it.
 MEASURE = ("AL a training-free n-gram drafter reaches on the same target outputs: a table of the "
            "most frequent next token after each context of up to {order} tokens, fitted on the "
@@ -126,8 +128,6 @@ def simulate(table: NgramTable, prompt_ids: list[int], output_ids: list[int], k:
 def fit_from_store(store_uri: str, table: str, *, order: int, max_tokens: int) -> tuple[NgramTable, int]:
     """Fit on the training split of a features table's latest version; returns (table, version).
     Reads the token columns only (hidden states are not touched)."""
-    from eaglenest.featurestore import store
-
     ds = store.dataset(store_uri, table)
     batches = ds.to_batches(columns=["input_ids", "loss_mask"], filter="split = 'train'", batch_size=256)
     return fit(batches, order=order, max_tokens=max_tokens), ds.version

@@ -34,7 +34,12 @@ import torch
 
 from eaglenest.errors import ConfigError
 from eaglenest.evaluate.al import SpecCounters, per_request_summary
-from eaglenest.train.model import chunk_doc_mask
+from eaglenest.evaluate.prompts import render
+from eaglenest.hf import load_causal_lm, load_tokenizer
+from eaglenest.serve import fp8
+from eaglenest.train.checkpoint import INFO, load_checkpoint
+from eaglenest.train.model import Eagle3Draft, chunk_doc_mask
+from eaglenest.train.target import load_target_tensors
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +59,6 @@ def load_draft(draft: str | Path, target_dir: str | Path):
     from safetensors.torch import load_file
     from transformers import LlamaConfig
 
-    from eaglenest.train.checkpoint import INFO, load_checkpoint
-    from eaglenest.train.model import Eagle3Draft
-    from eaglenest.train.target import load_target_tensors
-
     path = Path(draft)
     if (path / INFO).is_file():
         return load_checkpoint(path, target_dir=target_dir)[0].eval()
@@ -75,8 +76,6 @@ def load_draft(draft: str | Path, target_dir: str | Path):
     cfg.eagle_aux_layer_ids = [int(i) for i in ids]
     model = Eagle3Draft(cfg)
     state = load_file(str(path / "model.safetensors"))
-    from eaglenest.serve import fp8
-
     if fp8.is_fp8_state(state):  # FP8 export: weights = codes * per-channel scale
         state = fp8.dequantise_state(state)
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
@@ -94,8 +93,6 @@ def load_target(target_dir: str | Path, *, trust_remote_code: bool = False):
     """(HF causal LM in its config dtype, tokenizer, stop token ids as vLLM uses them)."""
     from transformers import GenerationConfig
 
-    from eaglenest.hf import load_causal_lm, load_tokenizer
-
     model = load_causal_lm(target_dir, trust_remote_code=trust_remote_code, dtype="auto").eval()
     tok = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
     stops = {tok.eos_token_id} if tok.eos_token_id is not None else set()
@@ -109,8 +106,6 @@ def load_target(target_dir: str | Path, *, trust_remote_code: bool = False):
 
 def prompt_ids(tok, prompt: dict, chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a prompt: ``prompt_token_ids`` as given, or the chat template (as vLLM's chat)."""
-    from eaglenest.evaluate.prompts import render
-
     if "prompt_token_ids" in prompt:
         return list(prompt["prompt_token_ids"])
     return render(tok, prompt["messages"], chat_template_kwargs)

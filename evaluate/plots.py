@@ -11,6 +11,8 @@ import logging
 import os
 from pathlib import Path
 
+from eaglenest.evaluate.buckets import buckets_in_order
+
 log = logging.getLogger(__name__)
 
 
@@ -56,8 +58,6 @@ def al_plots(report: dict, outdir: Path) -> list[Path]:
     _bars(ax, names, [report["domains"][n] for n in names])
     ax.set_title(f"AL by group (k={report['num_speculative_tokens']})")
     out.append(_save(fig, outdir / "al_by_domain.png"))
-
-    from eaglenest.evaluate.report import buckets_in_order
 
     buckets = dict(buckets_in_order(report))
     if buckets:

@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 
 from eaglenest.errors import ConfigError, StoreError
+from eaglenest.featurestore.table import store
 from eaglenest.text import content_key
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ Groups = dict[str, list[dict]]
 
 def render(tok, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a chat prompt as vLLM's ``LLM.chat`` renders it: the target's template with the
-    generation prompt and ``evaluate.chat_template_kwargs`` (resolved, see ``evaluate/cli.py``)."""
+    generation prompt and ``evaluate.chat_template_kwargs`` (resolved, see ``evaluate/settings.py``)."""
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                    **(chat_template_kwargs or {}))
     return list(tok(text, add_special_tokens=False)["input_ids"])
@@ -43,8 +44,6 @@ def _keys(messages: list[dict]) -> set[str]:
 
 
 def heldout(store_uri: str, split: str) -> Groups:
-    from eaglenest.featurestore import store
-
     if not store.exists(store_uri, store.PROMPTS):
         raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
     rows = store.read(store_uri, store.PROMPTS, columns=["sample_id", "domain", "messages_json"],
@@ -104,8 +103,6 @@ def published(path: str, *, name: str, config: str | None = None, split: str = "
 
 def training_keys(store_uri: str, heldout_split: str = "heldout") -> set[str]:
     """Content keys of every non-held-out prompt of the store (the training pool)."""
-    from eaglenest.featurestore import store
-
     if not store.exists(store_uri, store.PROMPTS):
         return set()
     rows = store.read(store_uri, store.PROMPTS, columns=["messages_json"],

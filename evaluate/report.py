@@ -8,12 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eaglenest.evaluate.buckets import buckets_in_order
+from eaglenest.evaluate.plots import al_plots
 from eaglenest.provenance import write_json_atomic
-
-
-def buckets_in_order(report: dict) -> list[tuple[str, dict]]:
-    """The report's context buckets by length (report.json's keys sort as text: "16384" < "2048")."""
-    return sorted((report.get("context_buckets") or {}).items(), key=lambda kv: int(kv[0]))
 
 
 def _fmt(x) -> str:
@@ -84,6 +81,4 @@ def write_report(outdir: str | Path, report: dict, *, plots: bool = True) -> lis
     tmp.replace(outdir / "report.md")
     if not plots:
         return []
-    from eaglenest.evaluate.plots import al_plots
-
     return al_plots(report, outdir)

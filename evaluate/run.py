@@ -12,14 +12,18 @@ longest bucket; at most one engine is alive at a time.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
 from eaglenest.engine import close_llm, make_llm
 from eaglenest.errors import EaglenestError
+from eaglenest.evaluate import ngram
 from eaglenest.evaluate.al import SpecCounters, per_request_summary, read_counters
 from eaglenest.evaluate.buckets import build_bucket_prompts, bucket_length
 from eaglenest.evaluate.prompts import heldout, load_prompt_set
+from eaglenest.featurestore.table import store
+from eaglenest.hf import check_remote_code, load_config, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +63,6 @@ def _decode(llm, prompts: list[dict], cfg, *, max_tokens: int | None = None, log
 
 
 def _max_positions(target: str, *, trust_remote_code: bool = False) -> int:
-    from eaglenest.hf import load_config
-
     cfg = load_config(target, trust_remote_code=trust_remote_code)
     return int(getattr(cfg, "max_position_embeddings", 4096))
 
@@ -82,9 +84,7 @@ def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = No
 def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table: str = "features",
                 trust_remote_code: bool = False) -> dict:
     """AL report of ``draft`` on ``target``; ``trust_remote_code`` is ``run.trust_remote_code``, and
-    chat prompts render with ``cfg.chat_template_kwargs`` (resolved by the CLI; None: none)."""
-    from eaglenest.hf import check_remote_code
-
+    chat prompts render with ``cfg.chat_template_kwargs`` (resolved by ``evaluate.settings``; None: none)."""
     check_remote_code(target, trust_remote_code=trust_remote_code)
     if not (Path(draft) / "config.json").is_file():
         raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
@@ -182,9 +182,6 @@ def ngram_predictability(report: dict, groups: dict, bucket_prompts: dict, outpu
 
     Replays the same outputs the draft was measured on, with an n-gram table fitted on the
     training pool as the drafter. Without a features table (nothing to fit on) the report says so."""
-    from eaglenest.evaluate import ngram
-    from eaglenest.featurestore import store
-
     if not store.exists(store_uri, table):
         return {"ngram": None, "ngram_skipped": f"no features table '{table}' in {store_uri} to fit on"}
     fitted, version = ngram.fit_from_store(store_uri, table, order=cfg.ngram_order, max_tokens=cfg.ngram_fit_tokens)
@@ -248,8 +245,6 @@ def _merge_per_request(rows: list[dict]) -> dict:
 
 def _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos, *, trust_remote_code=False):
     """Held-out (prompt, answer) material: reuse the held-out decode, or decode held-out prompts."""
-    from eaglenest.hf import load_tokenizer
-
     tok = load_tokenizer(target, trust_remote_code=trust_remote_code)
     if cfg.prompt_set == "heldout":
         pool = [p for ps in groups.values() for p in ps]
@@ -266,8 +261,6 @@ def _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos, *, tr
 def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, cfg, *,
                     trust_remote_code: bool = False) -> tuple[dict, dict]:
     """Decode without speculation; (lossless summary, {sample_id: probability of each output token})."""
-    import math
-
     llm = make_llm(target, engine, trust_remote_code=trust_remote_code)
     try:
         prompts = [p for ps in groups.values() for p in ps]

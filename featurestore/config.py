@@ -6,6 +6,8 @@ import dataclasses
 from typing import Literal
 
 from eaglenest.engine import EngineConfig
+from eaglenest.errors import ConfigError
+from eaglenest.featurestore.table.names import check_name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -27,10 +29,6 @@ class FeaturestoreConfig:
     engine: EngineConfig = EngineConfig()
 
     def __post_init__(self) -> None:
-        from eaglenest.errors import ConfigError
-
-        from eaglenest.featurestore.store import check_name
-
         check_name(self.table)  # a table name is one identifier, never a path
         dup = sorted({i for i in self.layer_ids if list(self.layer_ids).count(i) > 1})
         if dup:

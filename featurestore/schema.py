@@ -9,7 +9,7 @@ Two tables live in a store (a LanceDB directory):
 Hidden states are stored in ``large_binary`` columns, one value per sample, encoded as Lance blob
 columns (field metadata ``lance-encoding:blob``, schema version 2): the bytes lie contiguously in
 the data file and a read returns their ``(position, size)``, so a reader can ``pread`` a value
-straight into the tensor that will hold it (:mod:`eaglenest.featurestore.reader`); version-1 tables
+straight into the tensor that will hold it (:mod:`eaglenest.featurestore.read.reader`); version-1 tables
 (plain ``large_binary``, same bytes) are still read, through ``take``. Values: ``aux_hidden`` is
 ``[num_tokens, num_aux_layers, hidden_size]`` and ``last_hidden`` is ``[num_tokens, hidden_size]``.
 Shape, dtype and storage mode are table-level metadata (``FeatureMeta``), so the per-row overhead is
@@ -92,7 +92,7 @@ class FeatureMeta:
     feature_set_id: str = ""
     #: "raw": tensors in ``dtype``, bit-exact; "fp8_e4m3": e4m3 bytes + one fp32 scale per token row.
     storage: str = "raw"
-    #: JSON of the identity components hashed into ``feature_set_id`` (see featurestore/identity.py).
+    #: JSON of the identity components hashed into ``feature_set_id`` (see featurestore/capture/identity.py).
     identity: str = ""
 
     def to_json(self) -> str:
@@ -171,12 +171,28 @@ def decode_tensor(blob: bytes, shape: tuple[int, ...], dtype: str) -> np.ndarray
 
 def torch_from_blob(blob: bytes, shape: tuple[int, ...], dtype: str):
     """Decode a raw tensor value into a torch tensor of the stored dtype (a copy; see
-    :mod:`eaglenest.featurestore.reader` for zero-copy views of Arrow buffers)."""
+    :mod:`eaglenest.featurestore.read.reader` for zero-copy views of Arrow buffers)."""
     import torch
 
     arr = decode_tensor(blob, shape, dtype)
     t = torch.from_numpy(arr.copy())
     return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def to_numpy(t) -> np.ndarray:
+    """A numpy view of a CPU torch tensor (bfloat16 as its uint16 bit patterns), no copy."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy()
+    return t.numpy()
+
+
+def dtype_name(array: np.ndarray) -> str:
+    """The table dtype name of a capture array (uint16 bit patterns are bfloat16)."""
+    if array.dtype == np.uint16:
+        return "bfloat16"
+    return {"float32": "float32", "float16": "float16"}[str(array.dtype)]
 
 
 # --- fp8_e4m3 storage ----------------------------------------------------------------------------

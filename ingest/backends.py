@@ -35,8 +35,11 @@ import urllib.parse
 import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
+from eaglenest.engine import close_llm
 from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.hf import load_tokenizer
 from eaglenest.ingest.manifest import Generation
+from eaglenest.ingest.reasoning import template_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +62,6 @@ class Failure:
 def chat_kwargs(gen: Generation, base: dict | None = None) -> dict | None:
     """``chat_template_kwargs``: the recipe's ``base`` with the manifest's reasoning switch on top
     (None: the template's defaults). See :mod:`eaglenest.ingest.reasoning`."""
-    from eaglenest.ingest.reasoning import template_kwargs
-
     return template_kwargs(gen.reasoning, base)
 
 
@@ -137,8 +138,6 @@ class LocalBackend:
         return [self._done(o) for o in self.llm.generate(texts, self._params(gen), use_tqdm=False)]
 
     def close(self) -> None:
-        from eaglenest.engine import close_llm
-
         close_llm(self.llm)
 
 
@@ -318,8 +317,6 @@ class EndpointBackend:
 
     def _tokenizer(self):
         if self._tok is None:
-            from eaglenest.hf import load_tokenizer
-
             self._tok = load_tokenizer(self.target, trust_remote_code=self.trust_remote_code)
         return self._tok
 

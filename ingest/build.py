@@ -15,7 +15,8 @@ run. Chat answers cut off inside an open think block (``reasoning.py``) are not 
 are counted per domain and recorded in ``dropped_path`` under their ``gen_params_id``, so a re-run
 with the same generation settings skips them instead of regenerating them to the same cut-off (new
 settings, e.g. a larger ``max_tokens``, give a new id and try them again). No engine is started
-when nothing is left to do.
+when nothing is left to do. One shard's work is ``shard.py``'s, shared by both executors (in-process
+here, ``dask_executor.py``).
 """
 
 from __future__ import annotations
@@ -26,67 +27,34 @@ import logging
 import time
 from pathlib import Path
 
-import pyarrow as pa
 from tqdm import tqdm
 
 from eaglenest import faults
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.featurestore import policy, schema, store
+from eaglenest.featurestore import schema
+from eaglenest.featurestore.capture import policy
+from eaglenest.featurestore.table import lease, store
+from eaglenest.featurestore.table.fragments import commit_fragments
+from eaglenest.hf import load_tokenizer
+from eaglenest.ingest import dask_executor
+from eaglenest.ingest.backends import chat_kwargs
 from eaglenest.ingest.config import IngestConfig
-from eaglenest.ingest.manifest import Generation, Manifest
+from eaglenest.ingest.manifest import Manifest
 from eaglenest.ingest.pool import PoolEntry
-from eaglenest.ingest.regen import Dropped, gen_params_id, heldout_row, regenerate, stream
+from eaglenest.ingest.reasoning import ThinkCheck, resolve_tags
+from eaglenest.ingest.regen import Dropped, gen_params_id, heldout_row, stream
+from eaglenest.ingest.shard import make_backend, shard_result, write_rows
+from eaglenest.provenance import write_json_atomic
 
 log = logging.getLogger(__name__)
 
 
 def chat_template(target: str, *, trust_remote_code: bool = False) -> str:
-    from eaglenest.hf import load_tokenizer
-
     return load_tokenizer(target, trust_remote_code=trust_remote_code).chat_template or ""
 
 
-def make_backend(cfg: IngestConfig, target: str, *, trust_remote_code: bool = False):
-    from eaglenest.ingest import backends
-
-    if cfg.backend == "endpoints":
-        return backends.EndpointBackend(
-            cfg.endpoints, target=target, api_key_env=cfg.api_key_env, timeout_s=cfg.request_timeout_s,
-            max_retries=cfg.max_retries, backoff_s=cfg.retry_backoff_s,
-            in_flight_per_endpoint=cfg.in_flight_per_endpoint, allow_remote=cfg.allow_remote_endpoints,
-            max_in_flight=cfg.max_in_flight, allow_plaintext_key=cfg.allow_plaintext_api_key,
-            chat_template_kwargs=cfg.chat_template_kwargs, trust_remote_code=trust_remote_code)
-    from eaglenest.engine import make_llm
-
-    return backends.LocalBackend(make_llm(target, cfg.engine, trust_remote_code=trust_remote_code),
-                                 max_in_flight=cfg.max_in_flight, chat_template_kwargs=cfg.chat_template_kwargs)
-
-
-def write_rows(store_uri: str, rows: list[dict]) -> list:
-    """Fragments of ``rows`` for the prompts table (no commit; runs in any process)."""
-    from eaglenest.featurestore.fragments import write_fragment
-
-    return write_fragment(store_uri, store.PROMPTS, pa.Table.from_pylist(rows, schema=schema.PROMPTS_SCHEMA))
-
-
 def commit(store_uri: str, fragments: list, lineage: dict) -> int:
-    from eaglenest.featurestore.fragments import commit_fragments
-
     return commit_fragments(store_uri, store.PROMPTS, fragments, lineage=lineage)
-
-
-def shard_result(fragments: list, rows: list[dict], failures: list[dict], dropped: list[dict] = ()) -> dict:
-    """What an executor reports for one shard (its written, uncommitted fragments and counts)."""
-    return {"fragments": fragments, "rows": len(rows), "failures": failures, "dropped": list(dropped),
-            "tokens": sum(len(r["response_token_ids"]) for r in rows)}
-
-
-def run_shard(backend, store_uri: str, entries: list[PoolEntry], gen: Generation, gen_id: str, *,
-              think=None) -> dict:
-    """Regenerate one shard and write its fragments (not committed): the unit an executor runs."""
-    dropped: list[dict] = []
-    rows, failures = regenerate(backend, entries, gen, gen_id, think=think, dropped=dropped)
-    return shard_result(write_rows(store_uri, rows) if rows else [], rows, failures, dropped)
 
 
 def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, cfg: IngestConfig,
@@ -96,19 +64,15 @@ def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: 
 
     ``backend`` (in-process executor) or ``client`` (a ``distributed.Client``, Dask executor) reuse a
     running engine or cluster instead of starting one; the caller keeps and closes it. The run holds
-    the prompts table's writer lease throughout (``featurestore/lease.py``): what is missing is
+    the prompts table's writer lease throughout (``featurestore/table/lease.py``): what is missing is
     decided once at the start and stays true, so two ingests at once cannot both regenerate and
     append the same prompts; the second is refused, naming the first. Each commit records the
-    generating target (``featurestore/policy.py``); responses from a different target than those
+    generating target (``featurestore/capture/policy.py``); responses from a different target than those
     already stored are refused unless ``off_policy``. ``dropped_path``: the JSON file of
     conversations dropped for truncated thinking (read to skip them, then updated).
     """
-    from eaglenest.featurestore import lease
-
     own = None
     if cfg.executor == "dask" and client is None and cfg.dask_scheduler:
-        from eaglenest.ingest import dask_executor
-
         client = own = dask_executor.connect(cfg.dask_scheduler)  # a dead address fails before any write
     try:
         with lease.hold(store_uri, store.PROMPTS, purpose="ingest build", wait_s=5):
@@ -123,10 +87,6 @@ def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: 
 def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, cfg: IngestConfig,
            backend=None, client=None, off_policy: bool = False, trust_remote_code: bool = False,
            dropped_path=None) -> dict:
-    from eaglenest.hf import load_tokenizer
-    from eaglenest.ingest.backends import chat_kwargs
-    from eaglenest.ingest.reasoning import ThinkCheck, resolve_tags
-
     t0 = time.time()
     chat_kwargs(manifest.generation, cfg.chat_template_kwargs)  # a contradiction is refused before any work
     if backend is not None and getattr(backend, "chat_template_kwargs", {}) != dict(cfg.chat_template_kwargs):
@@ -219,8 +179,6 @@ def _read_dropped(path) -> dict[str, dict[str, str]]:
 
 
 def _write_dropped(path, data: dict) -> None:
-    from eaglenest.provenance import write_json_atomic
-
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(Path(path), data)
 
@@ -271,7 +229,5 @@ def _run_inprocess(shards, *, cfg, target, store_uri, gen, gen_id, on_result, ba
 
 def _run_dask(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None, think=None,
               trust_remote_code: bool = False) -> None:
-    from eaglenest.ingest import dask_executor
-
     dask_executor.run(shards, cfg=cfg, target=target, store_uri=store_uri, gen=gen, gen_id=gen_id,
                       on_result=on_result, client=client, think=think, trust_remote_code=trust_remote_code)

@@ -2,110 +2,24 @@
 
     ingest validate [--manifest M]        check a manifest, print every problem (key first), exit 2
     ingest build [--manifest M] [k=v ...] pool + contamination check + regeneration into the store
+
+The subcommands are :mod:`eaglenest.ingest.commands`, imported when one runs (the feature store,
+pyarrow); ``--help`` imports nothing but the CLI plumbing.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import sys
-
 from eaglenest.cli import Command, run
-from eaglenest.errors import EaglenestError, ManifestError
-
-log = logging.getLogger(__name__)
 
 MANIFEST_ARG = (("--manifest",), {"default": None, "help": "domain manifest YAML (default: ingest.manifest)"})
 
 
-def _manifest(recipe, args):
-    from eaglenest.ingest.manifest import load_manifest
-
-    return load_manifest(args.manifest or recipe.ingest.manifest)
-
-
-#: ``ingest validate`` prints at most this many problems (a hostile manifest can have millions).
-MAX_PROBLEMS = 50
-
-
-def cmd_validate(recipe, args) -> int:
-    from eaglenest.ingest.manifest import ManifestProblems
-
-    path = args.manifest or recipe.ingest.manifest
-    try:
-        m = _manifest(recipe, args)
-    except ManifestProblems as exc:
-        for line in exc.problems[:MAX_PROBLEMS]:
-            print(line, file=sys.stderr)
-        if len(exc.problems) > MAX_PROBLEMS:
-            print(f"... and {len(exc.problems) - MAX_PROBLEMS} more", file=sys.stderr)
-        print(f"ingest: error: {path}: {len(exc.problems)} problem(s)", file=sys.stderr)
-        return 2
-    print(f"{path}: ok ({len(m.domains)} domains, manifest hash {m.content_hash()})")
-    return 0
-
-
-def cmd_build(recipe, args) -> int:
-    from eaglenest.config import to_dict
-    from eaglenest.hf import check_remote_code
-    from eaglenest.ingest import contamination
-    from eaglenest.ingest.backends import chat_kwargs
-    from eaglenest.ingest.build import build
-    from eaglenest.ingest.pool import load_pool
-    from eaglenest.paths import ensure_writable
-    from eaglenest.provenance import write_json_atomic, write_provenance
-
-    check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)  # fail fast
-    manifest = _manifest(recipe, args)
-    chat_kwargs(manifest.generation, recipe.ingest.chat_template_kwargs)  # refuses a contradiction
-    pool_report: dict = {}
-    pool = load_pool(manifest, target=recipe.run.target, report=pool_report,  # all before anything is written
-                     trust_remote_code=recipe.run.trust_remote_code)
-    pool, report = contamination.check(pool, manifest)
-    if not pool:
-        n = {k: sum(c[k] for c in pool_report["domains"].values()) for k in ("rows", "empty", "kept")}
-        raise ManifestError(f"{args.manifest or recipe.ingest.manifest}: the prompt pool is empty ({n['rows']} "
-                            f"rows read: {n['empty']} empty, {n['kept']} kept after dedup and caps, "
-                            f"{report['contaminated']} of them contaminated)")
-    out = recipe.run.path("ingest")
-    ensure_writable(out, "run.workdir")  # before any engine starts or anything is committed
-    ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
-    stats = build(manifest, pool, target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.ingest,
-                  off_policy=recipe.run.off_policy, trust_remote_code=recipe.run.trust_remote_code,
-                  dropped_path=out / "thinking_truncated.json")
-    stats["contamination"] = report
-    stats["pool"] = pool_report
-    write_json_atomic(out / "stats.json", stats)
-    write_provenance(out, config=recipe.to_dict(), extra={"manifest": to_dict(manifest)},
-                     inputs={"manifest": args.manifest or recipe.ingest.manifest, "target": recipe.run.target})
-    failures = stats["failures"]
-    first = " ".join(failures[0]["error"].split())[:300] if failures else ""
-    if failures and not stats["regenerated"]:  # nothing was committed for them; the next run retries
-        raise EaglenestError(f"all {len(failures)} requests failed; first error: {first} "
-                             f"(every failure: {out / 'stats.json'})")
-    print(json.dumps({k: v for k, v in stats.items() if k != "failures"}, indent=2))
-    for f in failures:
-        print(f"failed: {f['sample_id']}: {f['error']}", file=sys.stderr)
-    if failures:
-        print(f"ingest: warning: {len(failures)} of {len(failures) + stats['regenerated']} requests failed "
-              f"(not stored; the next run retries them); first error: {first}", file=sys.stderr)
-    if len(stats["gen_params_ids"]) > 1:
-        print(f"ingest: warning: the prompts table holds responses of {len(stats['gen_params_ids'])} generation "
-              f"settings ({stats['gen_params_ids']}; this run: {stats['gen_params_id']}): rows regenerated with "
-              "other sampling, template or chat_template_kwargs are mixed; use a new run.store to keep them "
-              "apart", file=sys.stderr)
-    cut = stats["thinking_truncated"]
-    if cut["dropped"]:
-        print(f"ingest: warning: {cut['dropped']} answers hit generation.max_tokens inside an open think block "
-              f"({cut['per_domain']}): dropped, and not retried with these generation settings; raise "
-              f"generation.max_tokens to keep them", file=sys.stderr)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     return run("ingest", "Build the prompt pool and regenerate responses on-policy with vLLM.", {
-        "validate": Command(cmd_validate, "validate a domain manifest, listing every problem", [MANIFEST_ARG]),
-        "build": Command(cmd_build, "build the pool and regenerate responses", [MANIFEST_ARG]),
+        "validate": Command("eaglenest.ingest.commands:cmd_validate",
+                            "validate a domain manifest, listing every problem", [MANIFEST_ARG]),
+        "build": Command("eaglenest.ingest.commands:cmd_build", "build the pool and regenerate responses",
+                         [MANIFEST_ARG]),
     }, argv)
 
 

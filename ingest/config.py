@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
+from eaglenest.config import short
 from eaglenest.engine import EngineConfig
+from eaglenest.errors import ConfigError
+from eaglenest.ingest.backends import check_endpoints
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,10 +55,6 @@ class IngestConfig:
 
     def __post_init__(self) -> None:
         """Validate at config time, naming the key, so a bad value fails before any engine starts."""
-        import math
-
-        from eaglenest.errors import ConfigError
-
         for key, low in (("commit_every", 1), ("max_in_flight", 0), ("max_retries", 0),
                          ("in_flight_per_endpoint", 1), ("dask_workers", 1)):
             if getattr(self, key) < low:
@@ -65,13 +65,9 @@ class IngestConfig:
             raise ConfigError(f"ingest.retry_backoff_s: {self.retry_backoff_s} must be a finite number >= 0")
         if self.think_tags and (len(self.think_tags) != 2 or not all(self.think_tags)
                                 or self.think_tags[0] == self.think_tags[1]):
-            from eaglenest.config import short
-
             raise ConfigError(f"ingest.think_tags: two different, non-empty tags [open, close], "
                               f"got {short(self.think_tags)}")
         if self.backend == "endpoints":
-            from eaglenest.ingest.backends import check_endpoints
-
             if not self.endpoints:
                 raise ConfigError("ingest.endpoints: at least one URL is required for backend 'endpoints'")
 

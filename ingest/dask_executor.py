@@ -31,9 +31,17 @@ is the same code on a real cluster, where each worker holds a GPU and its own en
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import multiprocessing
 import os
+import socket
 import threading
+
+from eaglenest import faults, reaper
+from eaglenest.errors import ConfigError, EaglenestError, StoreError, require
+from eaglenest.ingest.shard import make_backend, run_shard
+from eaglenest.runconfig import register_storage_options, registered_storage_options
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +68,6 @@ def _worker_name() -> str:
 
 def check_worker(cfg, target: str, store_uri: str) -> None:
     """Runs on a worker before any work: what a cluster set up differently from the driver gets wrong."""
-    import multiprocessing
-
-    from eaglenest.errors import ConfigError, StoreError
-
     where = _worker_name()
     if cfg.backend == "vllm" and multiprocessing.current_process().daemon:
         raise ConfigError(f"ingest.dask_scheduler: Dask worker {where} is a daemonic process and cannot start the "
@@ -78,40 +82,29 @@ def check_worker(cfg, target: str, store_uri: str) -> None:
 
 
 def _backend(cfg, target: str, trust_remote_code: bool):
-    from eaglenest.ingest.build import make_backend
-
     key = repr((tuple(getattr(cfg, k) for k in BACKEND_KEYS), target, trust_remote_code))
     if key not in _BACKENDS:
         _close_backends()  # one engine per worker: never two warm at once
         if cfg.backend == "vllm":
-            from eaglenest import reaper
-
             reaper.guard()  # this worker's engine processes end with it, even on SIGKILL
         _BACKENDS[key] = make_backend(cfg, target, trust_remote_code=trust_remote_code)
     return _BACKENDS[key]
 
 
-def adopt_storage_options(registered: str) -> None:
+def adopt_storage_options(registered: dict[str, dict[str, str]] | None) -> None:
     """Runs on a worker: take the driver's registered store options (``${VAR}`` references, never
-    secrets; the variables must be set on the worker). A ``dask worker`` is no child of the driver,
-    so it does not inherit them through the environment as a LocalCluster worker does."""
-    import json
-
-    from eaglenest.runconfig import register_storage_options
-
-    for uri, options in json.loads(registered or "{}").items():
+    secrets; the variables must be set on the worker). A worker never resolved the recipe, so the
+    options come with every task, explicitly (nothing is passed through the environment)."""
+    for uri, options in (registered or {}).items():
         register_storage_options(uri, options)
 
 
 def _shard_task(cfg, target: str, store_uri: str, entries, gen, gen_id: str, think=None,
-                trust_remote_code: bool = False, storage_options: str = "") -> dict:
+                trust_remote_code: bool = False, storage_options: dict | None = None) -> dict:
     """Runs on a worker. Hooks for the fault tests: ``EAGLENEST_TEST_SHARD_STARTED`` names a directory
     where the task drops ``<pid>-<first sample id>`` before working, ``EAGLENEST_TEST_SHARD_WRITTEN``
     one where it drops the same name once the shard's fragments are written (then the fault point
     ``ingest.shard_written`` holds that window), so a test can kill the process in either."""
-    from eaglenest import faults
-    from eaglenest.ingest.build import run_shard
-
     name = f"{os.getpid()}-{entries[0].sample_id}"
     with _LOCK:
         _mark("EAGLENEST_TEST_SHARD_STARTED", name)
@@ -134,13 +127,9 @@ def _mark(env: str, name: str) -> None:
 
 def connect(address: str):
     """A ``distributed.Client`` of the running scheduler at ``address``, or one line naming the key."""
-    from eaglenest.errors import ConfigError, require
-
     distributed = require("distributed", "dask")
     try:
         if distributed.comm.parse_address(address)[0] == "tcp":  # refused: at once (Client would retry)
-            import socket
-
             socket.create_connection(distributed.comm.get_address_host_port(address),
                                      timeout=CONNECT_TIMEOUT_S).close()
         client = distributed.Client(address, timeout=CONNECT_TIMEOUT_S)
@@ -155,8 +144,6 @@ def connect(address: str):
 
 def client_for(cfg):
     """A connected ``distributed.Client`` (closing it also closes a LocalCluster it started)."""
-    from eaglenest.errors import require
-
     distributed = require("distributed", "dask")
     import dask
 
@@ -199,12 +186,7 @@ def _local(path: str) -> str:
 def run(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None, think=None,
         trust_remote_code: bool = False) -> None:
     """Submit every shard; call ``on_result(k, result)`` on the driver as each finishes."""
-    import dataclasses
-
     from distributed import KilledWorker, as_completed
-
-    from eaglenest.errors import EaglenestError
-    from eaglenest.runconfig import OPTIONS_ENV
 
     if "://" not in store_uri:
         os.makedirs(store_uri, exist_ok=True)  # workers check they see it
@@ -214,7 +196,7 @@ def run(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None, 
     own = client is None
     client = client or client_for(cfg)
     try:
-        options = os.environ.get(OPTIONS_ENV, "")
+        options = registered_storage_options()  # the driver's, by store URI
         futures = {client.submit(_shard_task, cfg, target, store_uri, shard, gen, gen_id, think, trust_remote_code,
                                  options, pure=False, key=f"ingest-shard-{k}-{shard[0].sample_id}"): k
                    for k, shard in enumerate(shards)}

@@ -3,9 +3,9 @@
 Parsed with the YAML safe loader (no object construction) and validated into frozen dataclasses.
 Validation collects *every* problem before reporting, each one line that starts with its dotted key
 (``domains.code.sources[0].path: file not found``), so one ``ingest validate`` run shows all that a
-manifest needs fixed. The trade-off: the structural walk below mirrors ``eaglenest.config.build``
-per field instead of stopping at the first error; leaf values still go through ``build`` so types
-are checked by one implementation. Validation happens before anything is written.
+manifest needs fixed: the structure goes through the recipes' own walker (``eaglenest.config.build``
+with a ``problems`` list, which goes on past a bad key), then :func:`check` adds the semantic
+problems. Validation happens before anything is written.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import typing
 from pathlib import Path
-from typing import Any, Literal, Mapping, get_args, get_origin
+from typing import Literal
 
-from eaglenest.config import build, load_yaml, short_text, to_dict
+from eaglenest.config import build, load_yaml, to_dict
 from eaglenest.errors import ManifestError
 
 MANIFEST_VERSION = 1
@@ -148,7 +147,7 @@ def load_manifest(path: str | Path, *, base_dir: str | Path | None = None) -> Ma
     if isinstance(gen, dict) and isinstance(gen.get("reasoning"), bool):  # YAML 1.1 reads `off` as False
         gen["reasoning"] = "on" if gen["reasoning"] else "off"
     problems: list[str] = []
-    manifest = _walk(Manifest, data, "", problems)
+    manifest = build(Manifest, data, error=ManifestError, problems=problems)
     if manifest is not None:
         problems += check(manifest, base_dir=base_dir)
     if problems:
@@ -160,48 +159,6 @@ def validate(m: Manifest, *, base_dir: str | Path | None = None) -> None:
     problems = check(m, base_dir=base_dir)
     if problems:
         raise ManifestProblems(problems)
-
-
-def _key(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
-
-
-def _walk(tp: Any, value: Any, where: str, problems: list[str]) -> Any:
-    """Like ``config.build`` but records every problem and returns None where one was found."""
-    origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if value is None:
-            value = {}
-        if not isinstance(value, Mapping):
-            problems.append(f"{where or 'manifest'}: expected a mapping, got {type(value).__name__}")
-            return None
-        hints = typing.get_type_hints(tp)
-        fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
-        n0 = len(problems)
-        problems += [f"{_key(where, short_text(str(k)))}: unknown key"
-                     for k in sorted(map(str, set(value) - set(fields)))]
-        kwargs = {}
-        for name, f in fields.items():
-            if name in value:
-                kwargs[name] = _walk(hints[name], value[name], _key(where, name), problems)
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                problems.append(f"{_key(where, name)}: required key is missing")
-        return tp(**kwargs) if len(problems) == n0 else None
-    if origin is dict and isinstance(value, Mapping):
-        _k, v_tp = get_args(tp)
-        n0 = len(problems)
-        out = {str(k): _walk(v_tp, v, _key(where, str(k)), problems) for k, v in value.items()}
-        return out if len(problems) == n0 else None
-    if origin is list and isinstance(value, (list, tuple)):
-        (item_tp,) = get_args(tp)
-        n0 = len(problems)
-        out = [_walk(item_tp, v, f"{where}[{i}]", problems) for i, v in enumerate(value)]
-        return out if len(problems) == n0 else None
-    try:
-        return build(tp, value, where=where, error=ManifestError)
-    except ManifestError as exc:
-        problems.append(str(exc))
-        return None
 
 
 def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:

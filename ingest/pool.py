@@ -21,7 +21,8 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from eaglenest.errors import ManifestError
+from eaglenest.errors import ManifestError, require
+from eaglenest.hf import load_tokenizer
 from eaglenest.text import content_key, normalise
 from eaglenest.ingest.manifest import Manifest, Source, resolve_path
 from eaglenest.ingest.neardup import NearDupIndex
@@ -85,8 +86,6 @@ def _read_rows(src: Source, where: str, base_dir) -> tuple[list, str]:
         if not isinstance(rows, list):
             raise ManifestError(f"{where}.path: {src.path} holds {_kind(rows)}, not a list of rows")
         return rows, str(src.path)
-    from eaglenest.errors import require
-
     datasets = require("datasets", "ingest")
     ds = datasets.load_dataset(src.hf_id, src.hf_config or None, split=src.hf_split)
     return list(ds), f"hf:{src.hf_id}/{src.hf_config or 'default'}/{src.hf_split}"
@@ -258,8 +257,6 @@ def _heldout_keys(manifest: Manifest, domain: str, chosen: list[str]) -> set[str
 
 
 def token_counter(target: str, *, trust_remote_code: bool = False) -> Callable[[str], int]:
-    from eaglenest.hf import load_tokenizer
-
     tok = load_tokenizer(target, trust_remote_code=trust_remote_code)
     return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
 

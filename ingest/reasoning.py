@@ -22,6 +22,7 @@ import functools
 from typing import Any, Mapping, Sequence
 
 from eaglenest.errors import ConfigError
+from eaglenest.hf import load_tokenizer
 
 #: Tags used when neither the recipe nor the target's template names any.
 DEFAULT_TAGS = ("<think>", "</think>")
@@ -89,6 +90,4 @@ class ThinkCheck:
 @functools.lru_cache(maxsize=4)
 def _tokenizer(target: str, trust_remote_code: bool):
     """One tokenizer per process and target (a Dask worker loads it once for all its shards)."""
-    from eaglenest.hf import load_tokenizer
-
     return load_tokenizer(target, trust_remote_code=trust_remote_code)

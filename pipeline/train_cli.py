@@ -7,13 +7,14 @@ the same as that torchrun line: it starts torchrun with this interpreter and wai
 line with its c10d rendezvous (docs/training.md, "Multi-node"): this module only translates and
 checks options; rendezvous, worker restarts and failure detection are torchrun's own.
 
-The command lives above the stages because ``train.select_every_steps`` scores snapshots by serving
-them (export and evaluate come after train); the trainer itself imports neither.
+The command lives above the stages because ``train.select.every_steps`` scores snapshots by serving
+them (export and evaluate come after train); the trainer itself imports neither. ``train run`` is
+:func:`eaglenest.pipeline.commands.cmd_run`, imported when it runs (torch, the trainer); ``--help``
+and ``launch`` import neither.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
@@ -25,30 +26,6 @@ from eaglenest.cli import Command, run
 from eaglenest.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-def _run(recipe, args) -> int:
-    from eaglenest.evaluate.cli import evaluate_config  # served-AL selection renders as evaluate does
-    from eaglenest.pipeline.select import served_al_scorer
-    from eaglenest.train.loop import train
-
-    main_rank = os.environ.get("RANK", "0") == "0"
-    if not main_rank:  # torchrun: one rank reports
-        logging.getLogger("eaglenest").setLevel(logging.WARNING)
-    r = recipe.run
-    score = None
-    if recipe.train.select_every_steps:
-        score = served_al_scorer(recipe.train, evaluate_config(recipe), target_dir=r.target,
-                                 store_uri=r.store_uri, trust_remote_code=r.trust_remote_code)
-    summary = train(recipe.train, store_uri=r.store_uri, workdir=r.workdir, target_dir=r.target,
-                    seed=r.seed, argv=sys.argv, recipe=recipe.to_dict(), score=score,
-                    featurestore=recipe.featurestore, target_keys=dataclasses.asdict(r.target_keys),
-                    off_policy=r.off_policy, trust_remote_code=r.trust_remote_code)
-    if main_rank:
-        print(f"draft checkpoint: {summary.outdir} (step {summary.steps}, {summary.num_parameters:,} parameters, "
-              f"features v{summary.table_version}, "
-              f"data stall {100 * summary.stall_fraction:.2f}%)")
-    return 0
 
 
 def rdzv_id(workdir: str) -> str:
@@ -109,7 +86,7 @@ LAUNCH_ARGS = [
 ]
 
 COMMANDS = {
-    "run": Command(_run, "train a draft head on the features table (TTT objective)"),
+    "run": Command("eaglenest.pipeline.commands:cmd_run", "train a draft head on the features table (TTT objective)"),
     "launch": Command(_launch, "run `train run` under torchrun (FSDP2), on one node or several",
                       args=LAUNCH_ARGS),
 }

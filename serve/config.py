@@ -20,7 +20,7 @@ class ServeConfig:
     #: "fp8": linears as float8_e4m3fn with per-output-channel fp32 scales (compressed-tensors
     #: format vLLM loads); norms, lm_head and the vocab maps stay at ``dtype``.
     quantization: Literal["none", "fp8"] = "none"
-    #: "vllm": the ``LlamaForCausalLMEagle3`` directory (vLLM, SGLang); "speculators": speculators'
+    #: "vllm": the ``LlamaForCausalLMEagle3`` directory (vLLM); "speculators": speculators'
     #: own Eagle-3 checkpoint (``speculators_config`` + ``transformer_layer_config``), which vLLM
     #: also serves directly (docs/serve.md, "Formats").
     format: Literal["vllm", "speculators"] = "vllm"

@@ -5,7 +5,7 @@ The one boundary between eaglenest's training module and the serving format. Out
 * ``config.json``: a one-layer Llama config (``architectures: ["LlamaForCausalLMEagle3"]``) with
   the target's shape, rope settings and max_position_embeddings, ``vocab_size`` = target vocab,
   ``draft_vocab_size``, ``target_hidden_size``, the aux layer ids (top-level
-  ``eagle_aux_hidden_state_layer_ids`` in vLLM's convention, ``eagle_config``'s in SGLang's: see
+  ``eagle_aux_hidden_state_layer_ids`` in vLLM's convention, ``eagle_config``'s as id - 1: see
   ``serve/formats.py``), ``use_aux_hidden_state``, the EAGLE-3.1 flags and ``torch_dtype``.
 * ``model.safetensors``: ``fc.weight`` (+ ``input_norm.weight`` / ``fc_norm.{i}.weight`` when the
   3.1 flags are on), ``midlayer.*`` in HF Llama names, ``norm.weight``, ``lm_head.weight``,
@@ -38,7 +38,9 @@ import torch
 
 from eaglenest.errors import ConfigError
 from eaglenest.provenance import write_json_atomic, write_provenance
-from eaglenest.serve import formats
+from eaglenest.serve import formats, fp8
+from eaglenest.train.checkpoint import WEIGHTS, read_info
+from eaglenest.train.target import target_config, torch_dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +99,6 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     checkpoint ``ckpt_dir``; returns out_dir."""
     from safetensors.torch import load_file, save_file
 
-    from eaglenest.train.checkpoint import WEIGHTS, read_info
-    from eaglenest.train.target import target_config, torch_dtype_name
-
     info = read_info(ckpt_dir)
     target_cfg = target_config(target_dir)
     if dtype == "auto":
@@ -130,8 +129,6 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
     if quantization == "fp8":
-        from eaglenest.serve import fp8
-
         tensors = fp8.quantise_state(tensors)
         cfg["quantization_config"] = fp8.quantization_config()
     if format == "speculators":

@@ -1,26 +1,24 @@
 """Where an exported draft travels: the aux-layer keys each reader uses, speculators' own layout, and
 what each reader cannot represent.
 
-Three readers load EAGLE-3 drafts, and they agree on the weights but not on the config:
+Two readers are checked here (vLLM's by running its code, speculators' by its layout), and they
+agree on the weights but not on the config:
 
 * vLLM 0.32 takes the aux layer ids from the top-level ``eagle_aux_hidden_state_layer_ids``
   (``v1/worker/gpu_model_runner.py`` ``_get_eagle3_aux_layers_from_config``; the nested
   ``eagle_config`` list only when the top-level one is missing, and in ``llama_eagle3.py`` only
   for its length) and gives the layer a window from ``layer_types`` + ``sliding_window``.
-* SGLang reads only ``eagle_config.eagle_aux_hidden_state_layer_ids`` and captures layer id + 1
-  (``set_eagle3_layers_to_capture``: its ids name the block whose *output* is taken, vLLM's the
-  hidden state *after* that many blocks). Its Llama EAGLE-3 head has a fixed 3-layer ``fc``, no
-  EAGLE-3.1 norms and no sliding window.
 * speculators reads its own layout (``speculators_config`` + ``transformer_layer_config``, weights
   ``layers.0.*``); ``speculators convert --algorithm eagle3`` builds that layout from a
   ``LlamaForCausalLMEagle3`` directory but takes the aux ids and ``norm_before_residual`` only from
   ``--algorithm-kwargs`` and keeps neither the window nor rope scaling.
 
 So the vLLM-format export writes the ids twice: top level in vLLM's convention (the ids the feature
-store captured), nested in SGLang's (each id minus one). The trade-off: the two lists differ by one
-on purpose, which a reader of the JSON must be told (the model card and docs/serve.md say it), in
-exchange for every reader capturing the same hidden states. What a reader cannot represent is
-returned by :func:`reader_notes` and goes to the log and the model card.
+store captured), nested in ``eagle_config`` in the "output of block k" convention (each id minus
+one; vLLM reads only that list's length, for ``fc``'s width). No other reader of the nested list
+(SGLang's, for one) is run or claimed here: SGLang's loader needs its CUDA stack, which does not
+install on the CPU machines this is tested on. What a checked reader cannot represent is returned
+by :func:`reader_notes` and goes to the log and the model card.
 """
 
 from __future__ import annotations
@@ -44,7 +42,8 @@ Format = Literal["vllm", "speculators"]
 
 
 def aux_layer_keys(layer_ids: list[int]) -> dict[str, Any]:
-    """The config keys naming the aux layers: vLLM/speculators ids at the top level, SGLang's nested."""
+    """The config keys naming the aux layers: vLLM/speculators ids at the top level, the same layers
+    as "output of block k" (id - 1) nested in ``eagle_config`` (whose length vLLM reads for ``fc``)."""
     ids = [int(i) for i in layer_ids]
     return {"eagle_aux_hidden_state_layer_ids": ids,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True}}
@@ -95,28 +94,14 @@ def convert_command(cfg: dict[str, Any], target: str) -> str:
 
 
 def reader_notes(cfg: dict[str, Any], fmt: Format, *, target_layers: int) -> list[tuple[str, str]]:
-    """(reader, what it loses) for each reader that cannot represent part of this draft."""
-    ids = list(cfg["eagle_aux_hidden_state_layer_ids"])
+    """(reader, what it loses) for each checked reader that cannot represent part of this draft
+    (``target_layers``: kept for callers; no checked reader limits which layers may be aux layers)."""
+    del target_layers
     window = "sliding_attention" in (cfg.get("layer_types") or ())
     rope = cfg.get("rope_parameters") or {}
-    flags = [f for f in FLAGS if cfg.get(f)]
     notes: list[tuple[str, str]] = []
     if fmt == "speculators":
-        notes.append(("SGLang", "does not read speculators checkpoints (its EAGLE-3 loader takes a "
-                                "LlamaForCausalLMEagle3 config.json): export with serve.format=vllm for SGLang"))
         return notes
-    if window:
-        notes.append(("SGLang", f"cannot represent the {cfg['sliding_window']}-token sliding window: its Llama "
-                                "EAGLE-3 head attends over the whole context, so acceptance at long context "
-                                "differs from vLLM's (output stays lossless)"))
-    if flags:
-        notes.append(("SGLang", f"ignores the EAGLE-3.1 flags {', '.join(flags)}: it computes a plain EAGLE-3 "
-                                "head with these weights, so acceptance drops"))
-    if len(ids) != 3:
-        notes.append(("SGLang", f"its fc takes exactly 3 aux layers; this draft has {len(ids)}"))
-    if target_layers in ids:
-        notes.append(("SGLang", f"cannot capture aux layer {target_layers} (the last layer's output): it "
-                                "captures hidden states before a layer"))
     if window:
         notes.append(("speculators convert", "drops layer_types/sliding_window: the converted draft attends "
                                              "over the whole context; export with serve.format=speculators instead"))
@@ -156,8 +141,8 @@ def readers_text(cfg: dict[str, Any], fmt: Format, notes: list[tuple[str, str]],
     else:
         lines = [f"- vLLM: top-level `eagle_aux_hidden_state_layer_ids` {ids}; `layer_types` + `sliding_window` "
                  "for the window.",
-                 f"- SGLang: `eagle_config.eagle_aux_hidden_state_layer_ids` {[i - 1 for i in ids]}, the same "
-                 "layers in its convention (it captures id + 1).",
+                 f"- `eagle_config.eagle_aux_hidden_state_layer_ids` {[i - 1 for i in ids]}: the same layers as "
+                 "\"output of block k\" (id - 1); vLLM reads only its length. Other readers (SGLang) are not tested.",
                  f"- speculators: `{convert_command(cfg, target)}` (the converter reads the aux ids and "
                  "`norm_before_residual` only from `--algorithm-kwargs`), or export with `serve.format=speculators`."]
     lines += [f"- **{reader}**: {note}." for reader, note in notes]

@@ -22,7 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+from eaglenest.engine import checkpoint_dtype
 from eaglenest.errors import EaglenestError
+from eaglenest.hf import check_remote_code
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +50,6 @@ def server_argv(target: str, *, port: int, draft: str | None, num_speculative_to
                 memory_fraction: float, max_model_len: int, dtype: str = "auto", max_num_seqs: int = 64,
                 served_name: str = "target", seed: int = 0, trust_remote_code: bool = False,
                 host: str = "127.0.0.1") -> list[str]:
-    from eaglenest.engine import checkpoint_dtype
-
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
             "--served-model-name", served_name, "--host", host, "--port", str(port),
             "--gpu-memory-utilization", str(memory_fraction), "--max-model-len", str(max_model_len),
@@ -74,8 +74,6 @@ class Server:
                  startup_timeout_s: float = 300.0, max_num_seqs: int = 64, dtype: str = "auto",
                  trust_remote_code: bool = False, host: str = "127.0.0.1", port: int = 0,
                  served_name: str = "target"):
-        from eaglenest.hf import check_remote_code
-
         if draft and not (Path(draft) / "config.json").is_file():
             raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
         check_remote_code(target, trust_remote_code=trust_remote_code)

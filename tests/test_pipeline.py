@@ -85,7 +85,7 @@ def test_vllm_features_equal_transformers_hidden_states(run, tiny_target):
     from transformers import LlamaForCausalLM
 
     from eaglenest.featurestore import schema as S
-    from eaglenest.featurestore import store
+    from eaglenest.featurestore.table import store
 
     uri = str(run["work"] / "store")
     ds = store.dataset(uri, store.FEATURES)
@@ -130,5 +130,24 @@ def test_every_output_has_provenance(run):
         for key in ("code_version", "argv", "config", "packages", "inputs"):
             assert key in prov, (sub, key)
         assert prov["config"]["run"]["workdir"] == str(run["work"])
-    train_prov = json.loads((run["work"] / "train" / "provenance.json").read_text())
-    assert json.dumps(train_prov["inputs"]).find("version") >= 0
+    # The lineage each stage records is the one the run made: ingest's prompts table version is
+    # what capture read, capture's features table version is what train trained on and what the
+    # exported draft and its model card name; evaluation names the draft and the prompts version.
+    work, store_uri = run["work"], str(run["work"] / "store")
+    prov = {sub: json.loads((work / sub / "provenance.json").read_text())["inputs"]
+            for sub in ("featurestore", "train", "draft", "eval")}
+    prompts_v = run["stats"]["ingest"]["prompts_table_version"]
+    features_v = run["stats"]["capture"]["features_table_version"]
+    assert isinstance(prompts_v, int) and isinstance(features_v, int) and prompts_v >= 1 and features_v >= 1
+    assert prov["featurestore"] == {"target": str(run["common"][1].split("=", 1)[1]), "store": store_uri,
+                                    "prompts_version": prompts_v}
+    ckpt = json.loads((work / "train" / "checkpoint.json").read_text())
+    assert ckpt["table_version"] == features_v
+    assert prov["train"] == {"store_uri": store_uri, "version": features_v, "table": "features",
+                             "target": prov["featurestore"]["target"]}
+    assert {k: prov["draft"][k] for k in ("checkpoint", "step", "store_uri", "table", "version", "target")} == \
+        {"checkpoint": str(work / "train"), "step": ckpt["step"], "store_uri": store_uri, "table": "features",
+         "version": features_v, "target": prov["featurestore"]["target"]}
+    card = (work / "draft" / "README.md").read_text()
+    assert f"`{store_uri}` table `features` version {features_v} |" in card, card
+    assert prov["eval"]["draft"] == str(work / "draft") and prov["eval"]["prompts_version"] == prompts_v

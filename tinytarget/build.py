@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
+
+from eaglenest.provenance import write_provenance
+from eaglenest.tinytarget import corpus, tokenizer, train
+from eaglenest.tinytarget.card import write_model_card
+from eaglenest.tinytarget.prompts import PROMPT_SEED, write_prompt_files
+from eaglenest.tinytarget.train import ModelShape, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +31,6 @@ EVAL_SEED_OFFSET = 7919  # held-out samples: a seed the training corpus never us
 def build(out: Path, *, shape, cfg) -> dict:
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
-
-    from eaglenest.provenance import write_provenance
-    from eaglenest.tinytarget import corpus, tokenizer, train
-    from eaglenest.tinytarget.card import write_model_card
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.num_threads)
@@ -78,17 +81,12 @@ def build(out: Path, *, shape, cfg) -> dict:
 
 def _add_legacy_dtype(path: Path) -> None:
     """transformers 5 writes ``dtype``; older readers look for ``torch_dtype``. Write both."""
-    import json
-
     config = json.loads(path.read_text())
     config["torch_dtype"] = config["dtype"]
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eaglenest.tinytarget.prompts import PROMPT_SEED, write_prompt_files
-    from eaglenest.tinytarget.train import ModelShape, TrainConfig
-
     p = argparse.ArgumentParser(prog="eaglenest-tiny-target", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("assets/tiny-target"), help="model folder")
     p.add_argument("--prompts-out", type=Path, default=Path("recipes/data"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from pathlib import Path
 
 from eaglenest.tinytarget import corpus
@@ -48,8 +49,6 @@ def prompt_records(domain: corpus.Domain, *, seed: int = PROMPT_SEED,
 def dialogue_records(*, seed: int = DIALOGUE_SEED, num_dialogues: int = NUM_DIALOGUES,
                      turns: tuple[int, int] = DIALOGUE_TURNS) -> list[dict]:
     """``num_dialogues`` conversations of ``turns[0]..turns[1]`` user turns from mixed domains."""
-    import random
-
     rng = random.Random(seed)
     streams = {d: corpus.iter_domain(d, seed=seed) for d in corpus.DOMAINS}
     out = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from dataclasses import dataclass
 
 from eaglenest.tinytarget import corpus
@@ -90,8 +91,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def train(model, rows, cfg: TrainConfig) -> dict:
     """Train ``model`` in place on packed ``rows``; returns loss history and timing."""
-    import time
-
     import torch
     from tqdm import tqdm
 

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from eaglenest.errors import StoreError
 from eaglenest.provenance import write_json_atomic
 from eaglenest.train.model import Eagle3Draft
+from eaglenest.train.target import load_target_tensors
 
 FORMAT = "eaglenest-draft/1"
 WEIGHTS = "draft.safetensors"
@@ -29,8 +31,6 @@ INFO = "checkpoint.json"
 
 def save_checkpoint(outdir: str | Path, model: Eagle3Draft, *, info: dict[str, Any]) -> Path:
     """Write weights and ``checkpoint.json`` (``info`` plus format and draft config) to ``outdir``."""
-    from safetensors.torch import save_file
-
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().clone() for k, v in model.trainable_state_dict().items()}
@@ -57,8 +57,6 @@ def read_info(ckpt_dir: str | Path) -> dict[str, Any]:
 def load_checkpoint(ckpt_dir: str | Path, *, target_dir: str | Path | None = None
                     ) -> tuple[Eagle3Draft, dict[str, Any]]:
     """Rebuild the draft from a checkpoint; embeddings from ``target_dir`` if given, else zeros."""
-    from safetensors.torch import load_file
-
     info = read_info(ckpt_dir)
     cfg = LlamaConfig.from_dict(info["draft_config"])
     model = Eagle3Draft(cfg)
@@ -69,8 +67,6 @@ def load_checkpoint(ckpt_dir: str | Path, *, target_dir: str | Path | None = Non
         raise StoreError(f"{ckpt_dir}: weights do not match the config (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
     if target_dir is not None:
-        from eaglenest.train.target import load_target_tensors
-
         with torch.no_grad():
             model.embed_tokens.weight.copy_(load_target_tensors(target_dir, keys=info.get("target_keys"),
                                                                 only=("embed",))["embed"])

@@ -1,4 +1,10 @@
-"""The ``train`` recipe section: one flat, frozen, keyword-only dataclass.
+"""The ``train`` recipe section: frozen, keyword-only dataclasses, flat for the core, nested by topic.
+
+The optimiser, schedule, batching and draft options are flat (``train.lr``, ``train.pack_tokens``);
+the keys that only matter together sit in their own section: ``train.draft`` (layer sizes),
+``train.stream`` (the capture stream of ``train.source=stream``), ``train.select`` (served-AL
+checkpoint selection) and ``train.state`` (resume and the training state). A key of the earlier flat
+layout (``train.stream_depth``) is refused with one line naming its new place (:data:`RENAMED`).
 
 Defaults make the toy recipe (tiny target, hidden 128, vocab 2048) train in a few CPU minutes.
 Every check names the key to change.
@@ -8,11 +14,36 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from eaglenest.config import short
 from eaglenest.errors import ConfigError
+from eaglenest.featurestore.stream.addr import parse_addr  # stdlib only: cheap at recipe load
 from eaglenest.runconfig import SEED_RANGE
+from eaglenest.train.spec import DraftFlags, DraftShape
+
+#: Keys of the flat layout (before the nested sections) -> their dotted place under ``train``.
+#: The recipe loader refuses the old name with one line naming the new one.
+RENAMED = {
+    "stream_depth": "stream.depth",
+    "stream_devices": "stream.devices",
+    "stream_transport": "stream.transport",
+    "stream_engines": "stream.engines",
+    "stream_addr": "stream.addr",
+    "stream_timeout_s": "stream.timeout_s",
+    "select_every_steps": "select.every_steps",
+    "select_prompts_per_domain": "select.prompts_per_domain",
+    "select_split": "select.split",
+    "resume": "state.resume",
+    "state_every_steps": "state.every_steps",
+    "keep_states": "state.keep",
+}
+
+
+def _at_least(section: str, obj, names: tuple[str, ...], low: int) -> None:
+    for name in names:
+        if getattr(obj, name) < low:
+            raise ConfigError(f"train.{section}{name}: must be >= {low}, got {short(getattr(obj, name))}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,14 +61,77 @@ class DraftShapeConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"train.draft.{f.name}: an integer >= 0 (0 = the sizing rule), got {short(v)}")
 
-    def shape(self):
-        from eaglenest.train.model import DraftShape
-
+    def shape(self) -> DraftShape:
         return DraftShape(**dataclasses.asdict(self))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamConfig:
+    """``train.stream``: the live capture engine of ``train.source=stream`` (docs/featurestore.md,
+    "Streaming bypass"); ignored by ``train.source=table``."""
+
+    #: Most captures in flight between the engine and the trainer.
+    depth: int = 8
+    #: CUDA_VISIBLE_DEVICES of the capture engine ("" = inherit the trainer's).
+    devices: str = ""
+    #: "unix": one engine child of a single-rank trainer, same host; "gloo": every torchrun rank fed
+    #: by ``engines`` engines started with `featurestore stream-serve` on any host, over a gloo group
+    #: of their own (docs/featurestore.md, "Across hosts").
+    transport: Literal["unix", "gloo"] = "unix"
+    engines: int = 1
+    #: transport=gloo: host:port of the stream's TCPStore, hosted by trainer rank 0. It has no
+    #: authentication: use an address on a private interface.
+    addr: str = ""
+    #: transport=gloo: longest wait for a peer (engine start, a paused trainer) before the job
+    #: fails; a dead peer fails it at once (its connection closes).
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        _at_least("stream.", self, ("depth", "engines"), 1)
+        if self.transport not in ("unix", "gloo"):
+            raise ConfigError(f"train.stream.transport: 'unix' or 'gloo', got {short(self.transport)}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError(f"train.stream.timeout_s: a number of seconds > 0, got {short(self.timeout_s)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SelectConfig:
+    """``train.select``: served-AL checkpoint selection. Every ``every_steps`` steps (0 = off) export
+    the draft, serve it with vLLM on ``prompts_per_domain`` prompts per domain of ``split``, keep the
+    best by served AL (docs/training.md, "Checkpoint selection by served AL")."""
+
+    every_steps: int = 0
+    prompts_per_domain: int = 4
+    split: str = "heldout"
+
+    def __post_init__(self) -> None:
+        _at_least("select.", self, ("every_steps",), 0)
+        _at_least("select.", self, ("prompts_per_domain",), 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StateConfig:
+    """``train.state``: the full training state in ``<output_subdir>/state/`` and resuming from it."""
+
+    #: "auto": continue from the latest state if it holds a state of the same recipe and table
+    #: version (refused, naming the difference, otherwise); "never": start over.
+    resume: Literal["auto", "never"] = "auto"
+    #: Write the state every this many steps (0 = only at the end); keep the last ``keep``.
+    every_steps: int = 25
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        if self.resume not in ("auto", "never"):
+            raise ConfigError(f"train.state.resume: 'auto' or 'never', got {short(self.resume)}")
+        _at_least("state.", self, ("every_steps",), 0)
+        _at_least("state.", self, ("keep",), 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
+    #: Read by the recipe loader (eaglenest.config.build): old flat keys -> their new place.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = RENAMED
+
     #: Rows of the draft lm_head: the most frequent target ids among loss tokens.
     draft_vocab_size: int = 1024
     #: Unrolled TTT steps per position (vLLM drafts this many tokens well at most).
@@ -65,46 +159,21 @@ class TrainConfig:
     fc_norm: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
+    #: "table": the features table (local or on an object store); "stream": hidden states from a
+    #: live capture engine (``train.stream``, the recipe's featurestore section), no table
+    #: (docs/featurestore.md, "Streaming bypass").
+    source: Literal["table", "stream"] = "table"
     #: Features table version (number or tag) to train on; None = latest, pinned in provenance.
     table_version: int | str | None = None
-    #: Rows of the features table with this split value are trained on.
+    #: Rows of the features table (or prompts, for the stream) with this split value are trained on.
     split: str = "train"
+    #: Batches read ahead by the loader thread (per rank).
+    prefetch_batches: int = 2
     #: Outputs go to <run.workdir>/<output_subdir>/.
     output_subdir: str = "train"
     log_every_steps: int = 10
     #: torch intra-op threads per rank (the machines running the toy have 2 cores).
     num_threads: int = 2
-    #: "auto": continue from <output_subdir>/state/ if it holds a state of the same recipe and
-    #: table version (refused, naming the difference, otherwise); "never": start over.
-    resume: Literal["auto", "never"] = "auto"
-    #: Write the full training state every this many steps (0 = only at the end); keep the last N.
-    state_every_steps: int = 25
-    keep_states: int = 2
-    #: Served-AL checkpoint selection: every N steps (0 = off) export the draft, serve it with vLLM
-    #: on select_prompts_per_domain prompts per domain of select_split, keep the best by served AL.
-    select_every_steps: int = 0
-    select_prompts_per_domain: int = 4
-    select_split: str = "heldout"
-    #: Batches read ahead by the loader thread (per rank).
-    prefetch_batches: int = 2
-    #: "table": the features table; "stream": hidden states from a live capture engine (recipe's
-    #: featurestore section), no table (docs/featurestore.md, "Streaming bypass"). One rank only.
-    source: Literal["table", "stream"] = "table"
-    #: train.source=stream: most captures in flight between the engine and the trainer.
-    stream_depth: int = 8
-    #: train.source=stream: CUDA_VISIBLE_DEVICES of the capture engine ("" = inherit the trainer's).
-    stream_devices: str = ""
-    #: train.source=stream: "unix": one engine child of a single-rank trainer, same host; "gloo":
-    #: every torchrun rank fed by stream_engines engines started with `featurestore stream-serve`
-    #: on any host, over a gloo group of their own (docs/featurestore.md, "Across hosts").
-    stream_transport: Literal["unix", "gloo"] = "unix"
-    stream_engines: int = 1
-    #: stream_transport=gloo: host:port of the stream's TCPStore, hosted by trainer rank 0. It has
-    #: no authentication: use an address on a private interface.
-    stream_addr: str = ""
-    #: stream_transport=gloo: longest wait for a peer (engine start, a paused trainer) before the
-    #: job fails; a dead peer fails it at once (its connection closes).
-    stream_timeout_s: float = 1800.0
     #: FSDP2 mixed precision on CUDA (parameters; gradients reduce in fp32). CPU runs stay fp32.
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     #: Attention is computed in query chunks of this many tokens (with recomputation in backward)
@@ -124,33 +193,27 @@ class TrainConfig:
     #: the loss (SpecForge's rule). Measured side by side in BENCHMARKS.md, "Learning curves".
     oov_positions: Literal["keep", "drop"] = "keep"
     init_norm: Literal["ones", "target"] = "target"
-    #: Draft attention/MLP sizes; 0 keeps the rule for the target's architecture (dense: the
-    #: target's own; MLA: v_head_dim heads, at most 64; MoE: MLP 1.75 x hidden). docs/targets.md.
-    draft: DraftShapeConfig = dataclasses.field(default_factory=DraftShapeConfig)
     #: Batches with more positions (rows x tokens) than this compute the target's next-token
     #: distribution and the draft's loss over its vocabulary in chunks of this many positions, so
     #: full-vocabulary logits never exist for the whole batch (152K-200K target vocabularies;
     #: docs/training.md, "Large vocabularies"). 0 = never chunk.
     target_chunk_tokens: int = 2048
+    #: Draft attention/MLP sizes; 0 keeps the rule for the target's architecture (dense: the
+    #: target's own; MLA: v_head_dim heads, at most 64; MoE: MLP 1.75 x hidden). docs/targets.md.
+    draft: DraftShapeConfig = dataclasses.field(default_factory=DraftShapeConfig)
+    stream: StreamConfig = dataclasses.field(default_factory=StreamConfig)
+    select: SelectConfig = dataclasses.field(default_factory=SelectConfig)
+    state: StateConfig = dataclasses.field(default_factory=StateConfig)
 
     def __post_init__(self) -> None:
-        if self.target_chunk_tokens < 0:
-            raise ConfigError(f"train.target_chunk_tokens: must be >= 0 (0 = off), got {short(self.target_chunk_tokens)}")
-        positive = ("draft_vocab_size", "ttt_steps", "pack_tokens", "batch_rows", "num_epochs",
-                    "log_every_steps", "num_threads", "keep_states", "select_prompts_per_domain",
-                    "prefetch_batches", "attn_chunk_tokens", "stream_depth", "stream_engines")
         for name in ("step_decay", "lr", "min_lr_ratio", "weight_decay", "grad_clip"):
             if not math.isfinite(getattr(self, name)):  # NaN would pass every comparison below
                 raise ConfigError(f"train.{name}: must be a finite number")
         if self.sliding_window != "auto" and self.sliding_window < 0:
             raise ConfigError(f"train.sliding_window: must be >= 0 or 'auto', got {short(self.sliding_window)}")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name}: must be >= 1, got {short(getattr(self, name))}")
-        for name in ("warmup_steps", "num_steps", "weight_decay", "grad_clip", "state_every_steps",
-                     "select_every_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name}: must be >= 0, got {short(getattr(self, name))}")
+        _at_least("", self, ("draft_vocab_size", "ttt_steps", "pack_tokens", "batch_rows", "num_epochs",
+                             "log_every_steps", "num_threads", "prefetch_batches", "attn_chunk_tokens"), 1)
+        _at_least("", self, ("warmup_steps", "num_steps", "weight_decay", "grad_clip", "target_chunk_tokens"), 0)
         if not self.lr > 0:
             raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
         if not 0 < self.step_decay <= 1:
@@ -164,27 +227,15 @@ class TrainConfig:
         if isinstance(self.table_version, int) and not 0 <= self.table_version < 2**63:
             raise ConfigError("train.table_version: a version number >= 0 or a tag, "
                               f"got {short(self.table_version)}")
-        if self.init_lm_head not in ("random", "target"):
-            raise ConfigError(f"train.init_lm_head: 'random' or 'target', got {short(self.init_lm_head)}")
-        if self.oov_positions not in ("keep", "drop"):
-            raise ConfigError(f"train.oov_positions: 'keep' or 'drop', got {short(self.oov_positions)}")
-        if self.init_norm not in ("ones", "target"):
-            raise ConfigError(f"train.init_norm: 'ones' or 'target', got {short(self.init_norm)}")
-        if self.source not in ("table", "stream"):
-            raise ConfigError(f"train.source: 'table' or 'stream', got {short(self.source)}")
-        if self.stream_transport not in ("unix", "gloo"):
-            raise ConfigError(f"train.stream_transport: 'unix' or 'gloo', got {short(self.stream_transport)}")
-        if not (math.isfinite(self.stream_timeout_s) and self.stream_timeout_s > 0):
-            raise ConfigError(f"train.stream_timeout_s: a number of seconds > 0, got {short(self.stream_timeout_s)}")
-        if self.source == "stream" and self.stream_transport == "gloo":
-            from eaglenest.featurestore.stream_xhost import parse_addr
-
-            parse_addr(self.stream_addr)  # names train.stream_addr
+        for name, choices in (("init_lm_head", ("random", "target")), ("oov_positions", ("keep", "drop")),
+                              ("init_norm", ("ones", "target")), ("source", ("table", "stream"))):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"train.{name}: {' or '.join(map(repr, choices))}, got {short(getattr(self, name))}")
+        if self.source == "stream" and self.stream.transport == "gloo":
+            parse_addr(self.stream.addr)  # names train.stream.addr
         if not self.output_subdir or "/" in self.output_subdir or self.output_subdir.startswith("."):
             raise ConfigError(f"train.output_subdir: a plain directory name, got {short(self.output_subdir)}")
 
-    def flags(self):
-        from eaglenest.train.model import DraftFlags
-
+    def flags(self) -> DraftFlags:
         return DraftFlags(norm_before_fc=self.norm_before_fc, fc_norm=self.fc_norm,
                           norm_before_residual=self.norm_before_residual, norm_output=self.norm_output)

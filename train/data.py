@@ -7,7 +7,7 @@ rank r gets rows ``r, r+W, ...`` of every global batch, so no rank reads another
 the split never has to fit in RAM. A background thread (:class:`Prefetcher`) reads and collates
 the next batches while the current step runs; the time the step waits for it is the data stall.
 
-Reads go through :class:`eaglenest.featurestore.reader.SampleReader`: one ``take`` of the
+Reads go through :class:`eaglenest.featurestore.read.reader.SampleReader`: one ``take`` of the
 batch's small columns and blob descriptors, then each tensor value ``pread`` into a pooled buffer,
 a few samples in flight; :meth:`FeatureShards.read` writes each sample once, converted to float
 (dequantised for fp8 tables, aux layers put in ascending id order in the same copy), straight
@@ -38,28 +38,34 @@ import torch
 
 from eaglenest.errors import StoreError
 from eaglenest.featurestore import schema as S
+from eaglenest.featurestore.read.reader import SampleReader
+from eaglenest.featurestore.table import lease, store
+from eaglenest.featurestore.table.integrity import check_version, read_error
+from eaglenest.train import vocab as V
 from eaglenest.train.ttt import Batch
 
 log = logging.getLogger(__name__)
 
 class FeatureShards:
-    """A pinned features version, its eligible rows, the global batch plan and per-rank reads."""
+    """A pinned features version, its eligible rows, the global batch plan and per-rank reads.
+
+    The table data source of the trainer (:mod:`eaglenest.train.source`), on a local disk or an
+    object store alike."""
 
     def __init__(self, uri: str, *, version: int | str | None, split: str, pack_tokens: int,
                  batch_rows: int, seed: int, read_threads: int = 2, table: str = "features"):
-        from eaglenest.featurestore import lease, store
-        from eaglenest.featurestore.integrity import check_version, read_error
-        from eaglenest.featurestore.reader import SampleReader
-
+        self.uri, self.table = uri, table
+        #: What provenance names as the run's input table.
+        self.input_table = table
         self.ds = store.dataset(uri, table, version)
         self.version = int(self.ds.version)
-        # While this run reads the version, `featurestore gc` keeps it (featurestore/lease.py).
+        # While this run reads the version, `featurestore gc` keeps it (featurestore/table/lease.py).
         self._pin = contextlib.ExitStack()
         self._pin.enter_context(lease.pin(uri, table, self.version))
         self.meta = S.feature_meta(self.ds.schema)
         self.split = split
         # Before anything is read, this scan included: every data file of the version against its
-        # CRC sidecar (one stat per file once stamped; featurestore/integrity.py).
+        # CRC sidecar (one stat per file once stamped; featurestore/table/integrity.py).
         check_version(self.ds, table=table)
         try:
             small = self.ds.to_table(columns=["split", "num_tokens", "num_loss_tokens"])
@@ -90,6 +96,15 @@ class FeatureShards:
     @property
     def num_rows(self) -> int:
         return len(self.offsets)
+
+    def loss_token_counts(self, vocab_size: int) -> np.ndarray:
+        """Per-target-id counts of loss tokens of the eligible rows: one SQL aggregate over the
+        pinned version (featurestore query), not in Python."""
+        return V.count_loss_tokens_in_store(self.uri, version=self.version, split=self.split, table=self.table,
+                                            vocab_size=vocab_size)
+
+    def start(self, schedule: list[tuple[int, list[list[int]]]], *, world_size: int = 1) -> None:
+        """Nothing to start: :meth:`read` reads any rows on demand (the stream needs its order first)."""
 
     def token_batches(self):
         """Record batches of (input_ids, loss_mask) of the eligible rows (for the vocab count)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,6 @@ class DistState:
         """
         if not self.distributed:
             return
-        import secrets
-
         token = self.broadcast_object(secrets.token_hex(8) if self.is_main else None)
         probe = Path(path) / f".shared-probe-{token}"
         if self.is_main:

@@ -1,19 +1,24 @@
 """The trainer: pinned features -> draft vocab -> TTT training with AdamW -> checkpoint.
 
+:func:`train` reads top to bottom: open the data source (:mod:`eaglenest.train.source`, chosen once
+from ``train.source``), check it against the target, build the draft (:class:`_Draft`), set up the
+optimiser, plan and resumed state (:class:`_Trainer`), run the steps, save the checkpoint.
+
 One code path for a plain process and for torchrun (FSDP2 over a gloo/nccl group, see
 :mod:`eaglenest.train.dist`). Every rank builds the same global batch plan and trains on its rows
 of each global batch; losses are normalised by GLOBAL per-step token counts, so the ranks' losses
 and gradients sum to exactly the 1-rank ones (FSDP2 averages gradients, hence ``loss * world``).
 Everything that makes a run differ is explicit: the table version (pinned in provenance and
 state), the seed (init, sample order, packing) and the config. Same seed, same thread count ->
-the same weights bit for bit, also across a SIGKILL and ``train.resume=auto``
+the same weights bit for bit, also across a SIGKILL and ``train.state.resume=auto``
 (:mod:`eaglenest.train.state`). Served-AL selection's books and the report live in
-:mod:`eaglenest.train.select`; the scorer, which serves the draft, is passed in from above the
-stages (:mod:`eaglenest.pipeline.select`).
+:mod:`eaglenest.train.selection`; the scorer, which serves the draft, is passed in from above the
+stages (the ``train run`` command, :mod:`eaglenest.pipeline`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -21,17 +26,20 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from tqdm import tqdm
 
 from eaglenest.errors import SchemaError
+from eaglenest.featurestore.capture import policy
 from eaglenest.provenance import write_provenance
-from eaglenest.train import checkpoint, select, state as S, vocab as V
+from eaglenest.train import checkpoint, selection, state as S, vocab as V
 from eaglenest.train.config import TrainConfig
-from eaglenest.train.data import FeatureShards, Prefetcher
+from eaglenest.train.data import Prefetcher
 from eaglenest.train.dist import DistState
 from eaglenest.train.model import Eagle3Draft, draft_config, init_weights, num_parameters
+from eaglenest.train.source import DataSource, open_source
 from eaglenest.train.target import load_target_tensors
 from eaglenest.train.ttt import TargetHead, TTTObjective, target_targets, valid_counts
 
@@ -97,199 +105,244 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
 
     ``target_keys``: ``run.target_keys`` (where the target's embed/norm/lm_head are); ``off_policy``:
     ``run.off_policy`` (train on features of responses another target generated).
-    ``score``: served-AL scorer for ``train.select_every_steps`` (snapshot dir -> ``{"served_al",
-    "prompts"}``; :func:`eaglenest.pipeline.select.served_al_scorer`). ``featurestore``: its
-    FeaturestoreConfig, used by ``train.source=stream`` (capture engine, layer ids). ``dist``: default
-    joins torchrun's process group when launched by torchrun (and leaves it at the end).
+    ``score``: served-AL scorer for ``train.select.every_steps`` (snapshot dir -> ``{"served_al",
+    "prompts"}``; ``served_al_scorer`` in :mod:`eaglenest.pipeline`). ``featurestore``: its
+    FeaturestoreConfig: the feature table to read (``featurestore.table``) and, for
+    ``train.source=stream``, the capture engine and layer ids. ``dist``: default joins torchrun's
+    process group when launched by torchrun (and leaves it at the end).
     """
-    select.require_scorer(cfg, score)
-    own = dist is None
-    dist = dist or DistState.from_env()
-    try:
-        return _train(cfg, store_uri=store_uri, workdir=workdir, target_dir=target_dir, seed=seed,
-                      argv=argv, recipe=recipe, score=score, dist=dist, featurestore=featurestore,
-                      target_keys=target_keys, off_policy=off_policy, trust_remote_code=trust_remote_code)
-    finally:
-        if own:
-            dist.close()
-
-
-def _train(cfg, *, store_uri, workdir, target_dir, seed, argv, recipe, score, dist,
-           featurestore=None, target_keys=None, off_policy=False, trust_remote_code=False) -> TrainSummary:
-    from tqdm import tqdm
-
+    selection.require_scorer(cfg.select, score)
     seed = cfg.seed if cfg.seed is not None else seed
-    torch.set_num_threads(cfg.num_threads)
-    torch.manual_seed(seed)
     # The feature set to train on: the table the recipe's capture writes (featurestore.table).
     table = getattr(featurestore, "table", None) or "features"
-    if cfg.source == "stream":  # hook: a live capture engine instead of the table (train/stream_source.py)
-        from eaglenest.train.stream_source import StreamShards
+    with contextlib.ExitStack() as own:
+        if dist is None:  # torchrun's process group when launched by torchrun, left at the end
+            dist = DistState.from_env()
+            own.callback(dist.close)
+        torch.set_num_threads(cfg.num_threads)
+        torch.manual_seed(seed)
+        with contextlib.closing(open_source(cfg, store_uri, table=table, seed=seed, target_dir=target_dir,
+                                            featurestore=featurestore,
+                                            trust_remote_code=trust_remote_code)) as data:
+            policy.check_features(data.meta, target_dir, off_policy=off_policy, stage="train run")
+            policy.check_prompts(store_uri, target_dir, off_policy=off_policy, stage="train run")
+            target = load_target_tensors(target_dir, keys=target_keys)
+            if data.meta.hidden_size != target["config"]["hidden_size"]:
+                raise SchemaError(f"features were captured with hidden size {data.meta.hidden_size}, "
+                                  f"run.target {target_dir} has {target['config']['hidden_size']}")
+            draft = _Draft.build(cfg, data, target, seed=seed, dist=dist)
+            base = {"table": table, "table_version": data.version, "store_uri": store_uri, "target": target_dir,
+                    "layer_ids": list(sorted(data.meta.layer_ids)), "feature_meta": json.loads(data.meta.to_json()),
+                    "train_config": dataclasses.asdict(cfg), "seed": seed, "vocab_coverage": draft.coverage,
+                    "world_size": dist.world_size, "num_parameters": draft.num_parameters,
+                    "target_keys": target["keys"]}
+            fp = S.fingerprint(cfg, table_version=data.version, store_uri=store_uri, target=target_dir,
+                               seed=seed, table=table)
+            trainer = _Trainer(cfg, draft, data, outdir=Path(workdir) / cfg.output_subdir, fp=fp, base=base,
+                               dist=dist, score=score, target_dir=target_dir)
+            trainer.run()
+        trainer.finish(recipe=recipe, argv=argv, inputs={"store_uri": store_uri, "version": data.version,
+                                                         "table": data.input_table, "target": target_dir})
+        return TrainSummary(outdir=trainer.outdir, steps=trainer.step, table_version=data.version,
+                            final=trainer.final, stall_fraction=trainer.stall_fraction,
+                            tokens_per_second=trainer.tokens_per_second, num_parameters=draft.num_parameters)
 
-        data = StreamShards(store_uri, featurestore=featurestore, target=target_dir, split=cfg.split,
-                            pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed,
-                            depth=cfg.stream_depth, devices=cfg.stream_devices, trust_remote_code=trust_remote_code)
-    else:
-        data = FeatureShards(store_uri, version=cfg.table_version, split=cfg.split, table=table,
-                             pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed)
-    meta, version = data.meta, data.version
-    from eaglenest.featurestore import policy
 
-    policy.check_features(meta, target_dir, off_policy=off_policy, stage="train run")
-    policy.check_prompts(store_uri, target_dir, off_policy=off_policy, stage="train run")
-    target = load_target_tensors(target_dir, keys=target_keys)
-    if meta.hidden_size != target["config"]["hidden_size"]:
-        raise SchemaError(f"features were captured with hidden size {meta.hidden_size}, "
-                          f"run.target {target_dir} has {target['config']['hidden_size']}")
-    # Draft vocabulary: one SQL aggregate over the pinned table version (featurestore.query).
-    if cfg.source == "stream":
+@dataclasses.dataclass
+class _Draft:
+    """The draft under training and what its loss needs of the target, on this rank's device."""
+
+    #: TTTObjective (the draft plus its loss), FSDP2-sharded under torchrun.
+    objective: torch.nn.Module
+    head: TargetHead
+    #: Target ids of the draft vocabulary; a bool per target id, True inside it.
+    draft_target_ids: torch.Tensor
+    in_draft_vocab: torch.Tensor
+    #: Share of the training loss tokens inside the draft vocabulary.
+    coverage: float
+    num_parameters: int
+    #: A freshly initialised plain draft of the same shape (the gathered weights' host).
+    fresh: Callable[[], Eagle3Draft]
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, data: DataSource, target: dict[str, Any], *, seed: int,
+              dist: DistState) -> "_Draft":
+        # Draft vocabulary: the most frequent loss tokens (the table: one SQL aggregate at the pinned version).
         counts = data.loss_token_counts(int(target["config"]["vocab_size"]))
-    else:
-        counts = V.count_loss_tokens_in_store(store_uri, version=version, split=cfg.split, table=table,
-                                              vocab_size=int(target["config"]["vocab_size"]))
-    vocab = V.select_vocab(counts, cfg.draft_vocab_size)
-    log.info("features v%d: %d rows, %d loss tokens; draft vocab %d covers %.1f%% of them",
-             version, data.num_rows, int(counts.sum()), vocab.size, 100 * V.coverage(counts, vocab))
+        vocab = V.select_vocab(counts, cfg.draft_vocab_size)
+        log.info("features v%d: %d rows, %d loss tokens; draft vocab %d covers %.1f%% of them",
+                 data.version, data.num_rows, int(counts.sum()), vocab.size, 100 * V.coverage(counts, vocab))
+        window = attention_span(cfg, data.lengths)
+        if window:
+            log.info("draft attention window: %d positions (train.sliding_window=%s)", window, cfg.sliding_window)
 
-    attn_window = attention_span(cfg, data.lengths)
-    if attn_window:
-        log.info("draft attention window: %d positions (train.sliding_window=%s)", attn_window, cfg.sliding_window)
+        def fresh() -> Eagle3Draft:
+            return build_draft(cfg, target, layer_ids=data.meta.layer_ids, vocab=vocab, seed=seed, sliding_window=window)
 
-    def fresh_draft() -> Eagle3Draft:
-        return build_draft(cfg, target, layer_ids=meta.layer_ids, vocab=vocab, seed=seed,
-                           sliding_window=attn_window)
+        first = fresh()
+        n = num_parameters(first)
+        c = first.config
+        log.info("draft: %s parameters (hidden %d, heads %d/%d x %d, MLP %d, draft vocab %d)", f"{n:,}",
+                 c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
+                 vocab.size)
+        return cls(objective=dist.shard(TTTObjective(first).to(dist.device), param_dtype=cfg.param_dtype),
+                   head=TargetHead(target["norm"], target["lm_head"], target["rms_norm_eps"]).to(dist.device),
+                   draft_target_ids=torch.from_numpy(vocab.draft_ids).to(dist.device),
+                   in_draft_vocab=vocab.t2d.to(dist.device), coverage=V.coverage(counts, vocab),
+                   num_parameters=n, fresh=fresh)
 
-    first = fresh_draft()
-    num_params = num_parameters(first)
-    log.info("draft: %s parameters (hidden %d, heads %d/%d x %d, MLP %d, draft vocab %d)",
-             f"{num_params:,}", first.config.hidden_size, first.config.num_attention_heads,
-             first.config.num_key_value_heads, first.config.head_dim, first.config.intermediate_size, vocab.size)
-    objective = dist.shard(TTTObjective(first).to(dist.device), param_dtype=cfg.param_dtype)
-    head = TargetHead(target["norm"], target["lm_head"], target["rms_norm_eps"]).to(dist.device)
-    draft_target_ids = torch.from_numpy(vocab.draft_ids).to(dist.device)
-    in_draft_vocab = vocab.t2d.to(dist.device)
-    schedule = [(e, rows) for e in range(cfg.num_epochs) for rows in data.plan(e)]
-    total = min(len(schedule), cfg.num_steps) if cfg.num_steps else len(schedule)
-    params = [p for p in objective.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(
-        s, total=total, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio))
 
-    outdir = Path(workdir) / cfg.output_subdir
-    state_dir = outdir / "state"
-    fp = S.fingerprint(cfg, table_version=version, store_uri=store_uri, target=target_dir, seed=seed,
-                       table=table)
-    dist.check_shared_dir(outdir)  # each rank writes its DCP shard there (docs/training.md, "Multi-node")
-    # Rank 0's view of the latest state decides for all (another node's cache might lag behind).
-    latest = S.read_latest(state_dir) if cfg.resume == "auto" and dist.is_main else None
-    info = S.resolve(dist.broadcast_object(latest), fp, state_dir)
-    if info is not None:
-        S.load_state(info, objective=objective, opt=opt, sched=sched, dist=dist)
-    elif dist.is_main:
-        shutil.rmtree(state_dir, ignore_errors=True)
-    step = info["step"] if info else 0
-    window = info.get("window", []) if info else []
-    dist.barrier()
-    selector = select.Selector(outdir, cfg=cfg, score=score, target_dir=target_dir, active=dist.is_main,
-                               resume_step=step)
-    metrics_path = outdir / "metrics.jsonl"
-    if dist.is_main:
-        outdir.mkdir(parents=True, exist_ok=True)
-        select.truncate_jsonl(metrics_path, step)
+class _Trainer:
+    """One run after the draft is built: the plan, AdamW and its schedule, the resumed position,
+    the metrics window and the books (metrics.jsonl, served-AL selection, training state)."""
 
-    base = {"table": table, "table_version": version, "store_uri": store_uri, "target": target_dir,
-            "layer_ids": list(sorted(meta.layer_ids)), "feature_meta": json.loads(meta.to_json()),
-            "train_config": dataclasses.asdict(cfg), "seed": seed, "vocab_coverage": V.coverage(counts, vocab),
-            "world_size": dist.world_size, "num_parameters": num_params, "target_keys": target["keys"]}
+    def __init__(self, cfg: TrainConfig, draft: _Draft, data: DataSource, *, outdir: Path, fp: dict[str, Any],
+                 base: dict[str, Any], dist: DistState, score, target_dir: str):
+        self.cfg, self.draft, self.data, self.dist, self.outdir, self.fp = cfg, draft, data, dist, outdir, fp
+        #: Run facts for checkpoint.json: table, version, config, coverage, ...
+        self.base = base
+        self.schedule = [(e, rows) for e in range(cfg.num_epochs) for rows in data.plan(e)]
+        total = min(len(self.schedule), cfg.num_steps) if cfg.num_steps else len(self.schedule)
+        self.total = total
+        self.params = [p for p in draft.objective.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(
+            s, total=total, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio))
+        self.state_dir = outdir / "state"
+        self.step, self.window = self._resume()
+        self.selector = selection.Selector(outdir, cfg=cfg.select, score=score, target_dir=target_dir,
+                                           active=dist.is_main, resume_step=self.step)
+        self.metrics_path = outdir / "metrics.jsonl"
+        if dist.is_main:
+            outdir.mkdir(parents=True, exist_ok=True)
+            selection.truncate_jsonl(self.metrics_path, self.step)
+        self.final: dict[str, Any] = {}
+        self.steps_run, self.stall_fraction, self.tokens_per_second = 0, 0.0, 0.0
 
-    def snapshot() -> Eagle3Draft | None:
+    def _resume(self) -> tuple[int, list[dict[str, Any]]]:
+        """(step, open metrics window) of the state to continue from; (0, []) to start over."""
+        dist = self.dist
+        dist.check_shared_dir(self.outdir)  # each rank writes its DCP shard there (docs/training.md, "Multi-node")
+        # Rank 0's view of the latest state decides for all (another node's cache might lag behind).
+        latest = S.read_latest(self.state_dir) if self.cfg.state.resume == "auto" and dist.is_main else None
+        info = S.resolve(dist.broadcast_object(latest), self.fp, self.state_dir)
+        if info is not None:
+            S.load_state(info, objective=self.draft.objective, opt=self.opt, sched=self.sched, dist=dist)
+        elif dist.is_main:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+        dist.barrier()
+        return (info["step"], info.get("window", [])) if info else (0, [])
+
+    def run(self) -> None:
+        """The steps left of the plan, then the loop's data stall and throughput."""
+        cfg, dist = self.cfg, self.dist
+        todo = self.schedule[self.step:self.total]
+        self.data.start(todo, world_size=dist.world_size)
+        loader = Prefetcher(self.data, todo, rank=dist.rank, world_size=dist.world_size, depth=cfg.prefetch_batches)
+        start, tokens_seen = time.monotonic(), 0.0
+        loop_t0, last_t, last_wait = time.perf_counter(), time.perf_counter(), 0.0
+        bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step",
+                   disable=None if dist.is_main else True)
+        self.draft.objective.train()
+        try:
+            for epoch, _rows, batch, ghost in loader:
+                res, denoms, local_tokens = self._step(batch, ghost)
+                self.step += 1
+                self.steps_run += 1
+                k = cfg.ttt_steps
+                g = dist.all_reduce_sum([float(res.loss.detach()), *res.step_loss, *res.step_correct, local_tokens])
+                tokens_seen += g[-1]
+                self.window.append({"loss": g[0], "step_loss": g[1:1 + k], "step_correct": g[1 + k:1 + 2 * k],
+                                    "step_count": denoms, "tokens": g[-1]})
+                if self.step % cfg.log_every_steps == 0 or self.step == self.total:
+                    now = time.perf_counter()
+                    stall = (loader.wait_seconds - last_wait) / max(now - last_t, 1e-9)
+                    self._log(epoch=epoch, seconds=time.monotonic() - start, stall=stall)
+                    last_t, last_wait = now, loader.wait_seconds
+                    bar.set_postfix(loss=f"{self.final['loss']:.3f}", acc0=f"{self.final['step_acc'][0]:.2f}")
+                bar.update(1)
+                self._checkpoints()
+        finally:
+            loader.close()
+            bar.close()
+        loop_s = time.perf_counter() - loop_t0
+        self.stall_fraction = loader.wait_seconds / loop_s if self.steps_run else 0.0
+        self.tokens_per_second = tokens_seen / loop_s if self.steps_run else 0.0
+
+    def _step(self, batch, ghost: bool):
+        """One optimizer step on this rank's batch: (TTT result, global per-step counts, local tokens)."""
+        cfg, d, dist = self.cfg, self.draft, self.dist
+        if ghost:
+            batch.loss_mask = torch.zeros_like(batch.loss_mask)
+        batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(dist.device)
+                                              for f in dataclasses.fields(batch)})
+        probs, argmax = target_targets(d.head, batch.last_hidden, d.draft_target_ids,
+                                       chunk_tokens=cfg.target_chunk_tokens)
+        if self.step == 0 and dist.is_main:
+            _check_target_agreement(batch, argmax)
+        if cfg.oov_positions == "drop":
+            batch = drop_oov_positions(batch, argmax, d.in_draft_vocab)
+        denoms = dist.all_reduce_sum(valid_counts(batch, cfg.ttt_steps))
+        res = d.objective(batch, probs, argmax, num_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
+                          denominators=denoms, chunk_tokens=cfg.target_chunk_tokens)
+        self.opt.zero_grad(set_to_none=True)
+        (res.loss * dist.world_size).backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        return res, denoms, 0 if ghost else int((batch.doc_ids >= 0).sum())
+
+    def _log(self, *, epoch: int, seconds: float, stall: float) -> None:
+        """Close the metrics window: ``self.final``, a metrics.jsonl line and a log line (rank 0)."""
+        self.final = _summarise(self.window, step=self.step, epoch=epoch, lr=self.sched.get_last_lr()[0],
+                                seconds=seconds, stall=stall)
+        self.window = []
+        if self.dist.is_main:
+            with self.metrics_path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(self.final) + "\n")
+            log.info("step %d/%d loss %.4f acc %s stall %.1f%%", self.step, self.total, self.final["loss"],
+                     " ".join(f"{a:.2f}" for a in self.final["step_acc"]), 100 * stall)
+
+    def _checkpoints(self) -> None:
+        """After a step: the served-AL evaluation and the training state, when due."""
+        cfg, step = self.cfg, self.step
+        if cfg.select.every_steps and (step % cfg.select.every_steps == 0 or step == self.total):
+            self.selector.evaluate(step, self.snapshot(), info={**self.base, "step": step, "metrics": self.final})
+            self.dist.barrier()
+        if step < self.total and cfg.state.every_steps and step % cfg.state.every_steps == 0:
+            self._save_state(finished=False)
+
+    def _save_state(self, *, finished: bool) -> None:
+        S.save_state(self.state_dir, step=self.step, objective=self.draft.objective, opt=self.opt, sched=self.sched,
+                     dist=self.dist, fp=self.fp, extra={"window": self.window, "finished": finished},
+                     keep=self.cfg.state.keep)
+
+    def snapshot(self) -> Eagle3Draft | None:
         """The current weights as a plain draft on rank 0 (a collective under FSDP2)."""
-        return _full_draft(objective, fresh_draft, dist)
+        return _full_draft(self.draft.objective, self.draft.fresh, self.dist)
 
-    if cfg.source == "stream":
-        data.start(schedule[step:total], world_size=dist.world_size)
-    loader = Prefetcher(data, schedule[step:total], rank=dist.rank, world_size=dist.world_size,
-                        depth=cfg.prefetch_batches)
-    start, final, tokens_seen, steps_run = time.monotonic(), {}, 0.0, 0
-    loop_t0, last_t, last_wait = time.perf_counter(), time.perf_counter(), 0.0
-    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=None if dist.is_main else True)
-    objective.train()
-    try:
-        for epoch, rows, batch, ghost in loader:
-            if ghost:
-                batch.loss_mask = torch.zeros_like(batch.loss_mask)
-            batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(dist.device)
-                                                  for f in dataclasses.fields(batch)})
-            probs, argmax = target_targets(head, batch.last_hidden, draft_target_ids,
-                                           chunk_tokens=cfg.target_chunk_tokens)
-            if step == 0 and dist.is_main:
-                _check_target_agreement(batch, argmax)
-            if cfg.oov_positions == "drop":
-                batch = drop_oov_positions(batch, argmax, in_draft_vocab)
-            denoms = dist.all_reduce_sum(valid_counts(batch, cfg.ttt_steps))
-            res = objective(batch, probs, argmax, num_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
-                            denominators=denoms, chunk_tokens=cfg.target_chunk_tokens)
-            opt.zero_grad(set_to_none=True)
-            (res.loss * dist.world_size).backward()
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            sched.step()
-            step += 1
-            steps_run += 1
-            k = cfg.ttt_steps
-            local_tokens = 0 if ghost else int((batch.doc_ids >= 0).sum())
-            g = dist.all_reduce_sum([float(res.loss.detach()), *res.step_loss, *res.step_correct, local_tokens])
-            tokens_seen += g[-1]
-            window.append({"loss": g[0], "step_loss": g[1:1 + k], "step_correct": g[1 + k:1 + 2 * k],
-                           "step_count": denoms, "tokens": g[-1]})
-            if step % cfg.log_every_steps == 0 or step == total:
-                now = time.perf_counter()
-                stall = (loader.wait_seconds - last_wait) / max(now - last_t, 1e-9)
-                final = _summarise(window, step=step, epoch=epoch, lr=sched.get_last_lr()[0],
-                                   seconds=time.monotonic() - start, stall=stall)
-                last_t, last_wait, window = now, loader.wait_seconds, []
-                if dist.is_main:
-                    with metrics_path.open("a", encoding="utf-8") as f:
-                        f.write(json.dumps(final) + "\n")
-                    log.info("step %d/%d loss %.4f acc %s stall %.1f%%", step, total, final["loss"],
-                             " ".join(f"{a:.2f}" for a in final["step_acc"]), 100 * stall)
-                bar.set_postfix(loss=f"{final['loss']:.3f}", acc0=f"{final['step_acc'][0]:.2f}")
-            bar.update(1)
-            if cfg.select_every_steps and (step % cfg.select_every_steps == 0 or step == total):
-                selector.evaluate(step, snapshot(), info={**base, "step": step, "metrics": final})
-                dist.barrier()
-            if step < total and cfg.state_every_steps and step % cfg.state_every_steps == 0:
-                S.save_state(state_dir, step=step, objective=objective, opt=opt, sched=sched, dist=dist,
-                             fp=fp, extra={"window": window, "finished": False}, keep=cfg.keep_states)
-    finally:
-        loader.close()
-        bar.close()
-        data.close()  # the stream's engine, or the table reader and its version pin
-    loop_s = time.perf_counter() - loop_t0
-    stall_fraction = loader.wait_seconds / loop_s if steps_run else 0.0
-    tps = tokens_seen / loop_s if steps_run else 0.0
-    if steps_run:
-        S.save_state(state_dir, step=step, objective=objective, opt=opt, sched=sched, dist=dist,
-                     fp=fp, extra={"window": window, "finished": step >= total}, keep=cfg.keep_states)
-    draft = snapshot()
-    if dist.is_main:
-        if not final and metrics_path.is_file() and metrics_path.read_text().strip():
-            final = json.loads(metrics_path.read_text().strip().splitlines()[-1])
-        info_out = {**base, "step": step, "metrics": final}
-        draft, info_out = selector.finish(draft, info_out)  # the best snapshot when selection ran
-        checkpoint.save_checkpoint(outdir, draft, info=info_out)
-        select.write_report(outdir, stall_fraction=stall_fraction, tokens_per_second=tps)
-        write_provenance(outdir, config=recipe or {"train": dataclasses.asdict(cfg)}, argv=argv,
-                         inputs={"store_uri": store_uri, "version": version,
-                                 "table": table if cfg.source == "table" else "prompts (streamed)",
-                                 "target": target_dir},
-                         extra={"world_size": dist.world_size, "num_nodes": dist.num_nodes})
-        log.info("saved draft checkpoint (step %d) to %s; data stall %.2f%% of loop time, %.0f tokens/s",
-                 info_out["step"], outdir, 100 * stall_fraction, tps)
-    dist.barrier()
-    return TrainSummary(outdir=outdir, steps=step, table_version=version, final=final,
-                        stall_fraction=stall_fraction, tokens_per_second=tps, num_parameters=num_params)
+    def finish(self, *, recipe: dict[str, Any] | None, argv: list[str] | None, inputs: dict[str, Any]) -> None:
+        """The final state, then on rank 0 the checkpoint (the best snapshot when selection ran), the
+        report and provenance."""
+        if self.steps_run:
+            self._save_state(finished=self.step >= self.total)
+        draft = self.snapshot()
+        if self.dist.is_main:
+            path = self.metrics_path
+            if not self.final and path.is_file() and path.read_text().strip():
+                self.final = json.loads(path.read_text().strip().splitlines()[-1])
+            info = {**self.base, "step": self.step, "metrics": self.final}
+            draft, info = self.selector.finish(draft, info)
+            checkpoint.save_checkpoint(self.outdir, draft, info=info)
+            selection.write_report(self.outdir, stall_fraction=self.stall_fraction,
+                                   tokens_per_second=self.tokens_per_second)
+            write_provenance(self.outdir, config=recipe or {"train": dataclasses.asdict(self.cfg)}, argv=argv,
+                             inputs=inputs, extra={"world_size": self.dist.world_size,
+                                                   "num_nodes": self.dist.num_nodes})
+            log.info("saved draft checkpoint (step %d) to %s; data stall %.2f%% of loop time, %.0f tokens/s",
+                     info["step"], self.outdir, 100 * self.stall_fraction, self.tokens_per_second)
+        self.dist.barrier()
 
 
 def _full_draft(objective, fresh_draft, dist: DistState) -> Eagle3Draft | None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -40,6 +41,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from eaglenest.errors import ConfigError
+from eaglenest.train.spec import DraftFlags, DraftShape
 
 #: Keys copied from the target's (language) config into the draft's. Attention and MLP sizes are
 #: not among them: :func:`draft_shape` sets those, and the rotary settings come from :func:`draft_rope`.
@@ -51,29 +53,6 @@ MOE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_exp
 MOE_MLP_RATIO = 1.75
 #: Most heads an MLA target's draft gets.
 MLA_MAX_HEADS = 64
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DraftShape:
-    """Explicit draft attention / MLP sizes (``train.draft.*``); 0 = :func:`draft_shape`'s rule.
-
-    The recipe's ``train.config.DraftShapeConfig`` has the same fields; it is kept apart so that this
-    module imports no YAML (bench/gpu_check.py runs it where pyyaml may be missing)."""
-
-    intermediate_size: int = 0
-    num_attention_heads: int = 0
-    num_key_value_heads: int = 0
-    head_dim: int = 0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DraftFlags:
-    """EAGLE-3.1 options, all off by default (vLLM's defaults)."""
-
-    norm_before_fc: bool = False        # one RMSNorm over the concatenated aux features
-    fc_norm: bool = False               # one RMSNorm per aux layer before fc
-    norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of hidden
-    norm_output: bool = False           # next step's hidden = normed output instead of prenorm
 
 
 def is_moe(target_cfg: dict[str, Any]) -> bool:
@@ -276,8 +255,6 @@ class DraftAttention(nn.Module):
         elif t <= self.chunk_tokens:
             out = self._attend(q, keys, vals, causal_doc_mask(mask, window=self.window))
         else:
-            from torch.utils.checkpoint import checkpoint
-
             outs = []
             for s in range(0, t, self.chunk_tokens):
                 e = min(t, s + self.chunk_tokens)

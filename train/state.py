@@ -30,22 +30,37 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from eaglenest.errors import ConfigError
 from eaglenest.provenance import write_json_atomic
+from eaglenest.train.config import RENAMED, TrainConfig
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest.json"
-#: Train keys that do not change the loss trajectory (a resume may change them).
-FREE_KEYS = frozenset({"output_subdir", "log_every_steps", "num_threads", "resume", "state_every_steps",
-                       "keep_states", "select_every_steps", "select_prompts_per_domain", "select_split",
-                       "prefetch_batches", "table_version", "stream_depth", "stream_devices"})
+#: Train keys (dotted, below ``train``) that do not change the loss trajectory (a resume may change them).
+FREE_KEYS = frozenset({"output_subdir", "log_every_steps", "num_threads", "prefetch_batches", "table_version",
+                       "state.resume", "state.every_steps", "state.keep", "select.every_steps",
+                       "select.prompts_per_domain", "select.split", "stream.depth", "stream.devices"})
+
+
+def train_keys(train: dict[str, Any]) -> dict[str, Any]:
+    """``train`` (a config as a dict) as dotted keys, nested sections flattened (``stream.depth``).
+    A fingerprint saved before the sections existed names some keys flat (``stream_transport``):
+    they are read under their new names (:data:`eaglenest.train.config.RENAMED`), so it still matches."""
+    out: dict[str, Any] = {}
+    for k, v in train.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{name}": x for name, x in train_keys(v).items()})
+        else:
+            out[RENAMED.get(k, k)] = v
+    return out
 
 
 def fingerprint(cfg, *, table_version: int, store_uri: str, target: str, seed: int,
                 table: str = "features") -> dict[str, Any]:
-    keys = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in FREE_KEYS}
+    keys = {k: v for k, v in train_keys(dataclasses.asdict(cfg)).items() if k not in FREE_KEYS}
     fp = {"features_version": int(table_version), "store_uri": str(store_uri), "target": str(target),
           "seed": int(seed), "train": keys}
     if table != "features":  # the default table stays out, so states saved before still match
@@ -61,11 +76,10 @@ def _diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         if saved.get(k) != now.get(k):
             out.append(f"{k} {saved.get(k)!r} -> {now.get(k)!r}")
     # A train key added after the state was saved counts as its default there: such states still match.
-    from eaglenest.train.config import TrainConfig
-
-    defaults = dataclasses.asdict(TrainConfig())
-    nt = now.get("train", {})
-    st = {**{k: defaults[k] for k in nt if k in defaults}, **saved.get("train", {})}
+    defaults = train_keys(dataclasses.asdict(TrainConfig()))
+    nt = train_keys(now.get("train", {}))
+    st = {**{k: defaults[k] for k in nt if k in defaults},
+          **{k: v for k, v in train_keys(saved.get("train", {})).items() if k not in FREE_KEYS}}
     out += [f"train.{k} {st.get(k)!r} -> {nt.get(k)!r}" for k in sorted(set(st) | set(nt))
             if st.get(k) != nt.get(k)]
     return out
@@ -82,7 +96,6 @@ def save_state(state_dir: Path, *, step: int, objective, opt, sched, dist, fp: d
                extra: dict[str, Any], keep: int) -> Path:
     """Write the full state at ``step`` (a collective: every rank calls it)."""
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
 
     name = f"step_{step:08d}"
     final, tmp = state_dir / name, state_dir / f"{name}.tmp"
@@ -141,13 +154,12 @@ def resolve(info: dict[str, Any] | None, fp: dict[str, Any], state_dir: Path) ->
     if diff:
         raise ConfigError(f"cannot resume from {state_dir} (step {info['step']}): it was made with a "
                           f"different recipe or table version ({'; '.join(diff[:4])}); "
-                          f"set train.resume=never to start over")
+                          f"set train.state.resume=never to start over")
 
 
 def load_state(info: dict[str, Any], *, objective, opt, sched, dist) -> None:
     """Restore weights, optimizer, scheduler and this rank's RNG from ``info['path']`` in place."""
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = Path(info["path"])

@@ -3,7 +3,7 @@
 :class:`StreamShards` stands in for :class:`eaglenest.train.data.FeatureShards` in the trainer: the
 same global plan (same eligible samples, same per-epoch shuffle and packing, so the same batches for
 the same samples), but the sample list and lengths come from the ``prompts`` table and the tensors
-from a :class:`eaglenest.featurestore.stream.CaptureStream`, started with the exact order in which
+from a :class:`eaglenest.featurestore.stream.local.CaptureStream`, started with the exact order in which
 the trainer will read (``start(schedule)``). Decoded rows are those the table path gives (ids,
 loss mask on the response, aux layers in ascending id order as fp32, last hidden as fp32) and go
 through the same :func:`collate`.
@@ -12,8 +12,8 @@ The feature set is what ``featurestore capture`` would write with the recipe's `
 section (layer ids, engine dtype): its :class:`FeatureMeta` and identity are computed the same way.
 Sample order is by ``sample_id``, which is the table order of a capture made in one run.
 
-With ``train.stream_transport=gloo`` (:mod:`eaglenest.featurestore.stream_xhost`) every torchrun
-rank is fed its own share, the rows :func:`rank_rows` gives it, by ``train.stream_engines`` engines
+With ``train.stream.transport=gloo`` (:mod:`eaglenest.featurestore.stream.xhost`) every torchrun
+rank is fed its own share, the rows :func:`rank_rows` gives it, by ``train.stream.engines`` engines
 started with ``featurestore stream-serve``; a rank left without rows in a last batch (a ghost: it
 runs the step with no loss) gets the batch's first row with zero hidden states instead of having
 it captured twice. With ``unix`` (the default) the engine is a child process and one rank is fed.
@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import numpy as np
 import torch
 
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.train.data import aux_order, collate, plan_batches
+from eaglenest.featurestore.capture import build, turns
+from eaglenest.featurestore.stream.local import CaptureStream
+from eaglenest.featurestore.stream.xhost import RankStream
+from eaglenest.featurestore.table import store
+from eaglenest.train.data import aux_order, collate, plan_batches, rank_rows
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +47,6 @@ class StreamShards:
     def __init__(self, store_uri: str, *, featurestore, target: str, split: str, pack_tokens: int,
                  batch_rows: int, seed: int, depth: int, devices: str = "", trust_remote_code: bool = False,
                  transport: str = "unix", engines: int = 1, addr: str = "", timeout_s: float = 1800.0):
-        from eaglenest.featurestore import build, store, turns
-
         if featurestore is None:
             raise ConfigError("train.source=stream needs the recipe's featurestore section (engine, layer_ids)")
         if not store.exists(store_uri, store.PROMPTS):
@@ -51,6 +54,8 @@ class StreamShards:
         ds = store.dataset(store_uri, store.PROMPTS)
         #: The prompts version the stream was planned from (pinned in provenance and state).
         self.version = int(ds.version)
+        #: What provenance names as the run's input table.
+        self.input_table = "prompts (streamed)"
         pool = ds.to_table(filter=f"split = '{split}' AND finish_reason != ''").to_pylist()
         pool = sorted(pool, key=lambda r: r["sample_id"])
         self.convs = [r for r in pool if len(r["response_token_ids"]) > 0]
@@ -98,14 +103,10 @@ class StreamShards:
 
         ``rank`` defaults to torchrun's ``RANK``. With the unix transport the engine is started
         here (one rank only); with gloo this rank joins the engines started by ``stream-serve``."""
-        import os
-
-        from eaglenest.train.data import rank_rows
-
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         if self.transport == "unix" and world_size != 1:
-            raise ConfigError("train.source=stream with train.stream_transport=unix feeds one rank: run "
-                              "`train run`, or set train.stream_transport=gloo for torchrun")
+            raise ConfigError("train.source=stream with train.stream.transport=unix feeds one rank: run "
+                              "`train run`, or set train.stream.transport=gloo for torchrun")
         self._reads, self._order, steps = [], [], []
         for step, (_, rows) in enumerate(schedule):
             mine, ghost = rank_rows(rows, rank, world_size)
@@ -117,8 +118,6 @@ class StreamShards:
         seqs = [self.convs[i]["prompt_token_ids"] + self.convs[i]["response_token_ids"] for i in self._order]
         self._pos, self._read = 0, 0
         if self.transport == "gloo":
-            from eaglenest.featurestore.stream_xhost import RankStream
-
             log.info("rank %d: %d samples from %d engines over gloo at %s (%d in flight at most)",
                      rank, len(seqs), self.num_engines, self.addr, self.depth)
             spec = {"target": str(self.target), "layer_ids": list(self.meta.layer_ids),
@@ -131,8 +130,6 @@ class StreamShards:
             return
         if not seqs:  # e.g. a resumed run that is already finished: no engine to start
             return
-        from eaglenest.featurestore.stream import CaptureStream
-
         log.info("streaming %d samples from a live %s engine (%d in flight at most)",
                  len(seqs), self.target, self.depth)
         self._stream = CaptureStream(self.target, layer_ids=self.meta.layer_ids,

@@ -22,6 +22,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
 from eaglenest.errors import ConfigError
 from eaglenest.target import language_config, read_config
 
@@ -50,8 +52,6 @@ def _weight_files(target_dir: Path) -> dict[str, Path]:
     single = target_dir / "model.safetensors"
     if not single.is_file():
         raise ConfigError(f"run.target: {target_dir} has no model.safetensors(.index.json)")
-    from safetensors import safe_open
-
     with safe_open(str(single), framework="pt") as f:
         return {name: single for name in f.keys()}
 
@@ -100,8 +100,6 @@ def load_target_tensors(target_dir: str | Path, *, keys: dict[str, str] | None =
     """{"embed", "norm", "lm_head": tensors (float32), "rms_norm_eps", "config", "keys"}.
 
     ``keys``: explicit tensor names (``run.target_keys``); ``only``: which of the three to read."""
-    from safetensors import safe_open
-
     target_dir = Path(target_dir)
     cfg = target_config(target_dir)
     if str(cfg.get("model_type", "")).startswith("gemma"):

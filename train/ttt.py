@@ -38,6 +38,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from eaglenest.train.model import Eagle3Draft, attention_window, causal_doc_mask
+from eaglenest.train.target import load_target_tensors
 
 
 @dataclasses.dataclass
@@ -78,8 +79,6 @@ class TargetHead(nn.Module):
 
     @classmethod
     def from_pretrained(cls, target_dir: str | Path, keys: dict[str, str] | None = None) -> "TargetHead":
-        from eaglenest.train.target import load_target_tensors
-
         t = load_target_tensors(target_dir, keys=keys, only=("norm", "lm_head"))
         return cls(t["norm"], t["lm_head"], t["rms_norm_eps"])
 

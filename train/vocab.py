@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import torch
 
 from eaglenest.errors import ConfigError
+from eaglenest.featurestore.read.query import loss_token_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +70,6 @@ def count_loss_tokens_in_store(store_uri: str, *, version: int | str | None, spl
                                table: str = "features") -> np.ndarray:
     """Like :func:`count_loss_tokens`, computed by one SQL aggregate over the store at ``version``
     (``featurestore.query``: unnest ids and mask, filter mask = 1, group by id), not in Python."""
-    from eaglenest.featurestore.query import loss_token_counts
-
     return loss_token_counts(store_uri, table, version=version, split=split, vocab_size=vocab_size)
 
 

@@ -31,7 +31,8 @@ def _row(sid, domain, split, text, system=""):
 @pytest.fixture(scope="session")
 def prompts_store(tmp_path_factory):
     """Held-out prompts of two domains; one held-out prompt duplicates a training one (other case)."""
-    from eaglenest.featurestore import schema as S, store
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore.table import store
 
     uri = str(tmp_path_factory.mktemp("evalstore") / "store")
     rows = [_row(f"{d}-{i}", d, "heldout", t) for d, ts in DOMAINS.items() for i, t in enumerate(ts)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from eaglenest.evaluate.buckets import build_bucket_prompts
-from eaglenest.evaluate.cli import evaluate_config
+from eaglenest.evaluate.settings import evaluate_config
 from eaglenest.evaluate.offline import prompt_ids
 from eaglenest.evaluate.prompts import render
 from eaglenest.hf import load_tokenizer

@@ -48,7 +48,8 @@ def test_fit_from_store_reads_training_split_only(tmp_path):
     sys.path.insert(0, str(Path(__file__).parents[1] / "featurestore"))
     import fs_helpers as H
 
-    from eaglenest.featurestore import schema as S, store
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore.table import store
 
     m = H.meta()
     rows = H.rows(["a", "b"], m, num_tokens=4)

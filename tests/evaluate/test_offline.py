@@ -87,7 +87,8 @@ def trained(tmp_path_factory, root, tiny_target):
 
 @pytest.fixture(scope="module")
 def eval_store(tmp_path_factory, root):
-    from eaglenest.featurestore import schema as S, store
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore.table import store
 
     uri = str(tmp_path_factory.mktemp("offstore") / "store")
     rows = [dict(sample_id=p["sample_id"], domain=p["domain"], source="test", split="heldout", mode="chat",

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pytest
 
 from eaglenest import faults
-from eaglenest.featurestore import lease, maintenance, store
+from eaglenest.featurestore.table import lease, maintenance, store
 from eaglenest.featurestore import schema as S
 
 pytestmark = pytest.mark.slow
@@ -41,9 +41,9 @@ def _prompts(n: int) -> pa.Table:
 
 def test_second_capture_and_gc_loop_during_a_capture(tmp_path, root, tiny_target):
     uri = str(tmp_path / "store")
-    # As `ingest build` writes it: the commit records the generating target (featurestore/policy.py),
+    # As `ingest build` writes it: the commit records the generating target (featurestore/capture/policy.py),
     # so the on-policy check passes without a warning and the refusal below is the only line.
-    from eaglenest.featurestore import policy
+    from eaglenest.featurestore.capture import policy
 
     store.append(uri, store.PROMPTS, _prompts(N),
                  lineage={"stage": "ingest", "shard": 0, **policy.lineage_record(str(tiny_target))})

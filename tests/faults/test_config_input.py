@@ -14,7 +14,7 @@ import pytest
 
 from eaglenest.config import MAX_YAML_BYTES, build, load_yaml, short
 from eaglenest.errors import ConfigError, ManifestError
-from eaglenest.featurestore.capture import resolve_layer_ids
+from eaglenest.featurestore.capture.engine import resolve_layer_ids
 from eaglenest.ingest.cli import main as ingest_main
 from eaglenest.pipeline.train_cli import main as train_main
 from eaglenest.train.config import TrainConfig
@@ -142,7 +142,7 @@ def test_run_seed_range(capsys, recipe):
 
 
 def test_duplicate_and_last_layer_ids_are_refused(tiny_target):
-    from eaglenest.featurestore.build import feature_meta
+    from eaglenest.featurestore.capture.build import feature_meta
 
     with pytest.raises(ConfigError, match=r"featurestore\.layer_ids: .*duplicate.*\[2\]"):
         feature_meta(str(tiny_target), [2, 2, 2], "auto")
@@ -157,7 +157,7 @@ def test_duplicate_and_last_layer_ids_are_refused(tiny_target):
 BIG = "x" * 1_000_000
 
 
-@pytest.mark.parametrize("data", [{"lr": BIG}, {BIG: 1}, {"resume": BIG}, {"sliding_window": BIG},
+@pytest.mark.parametrize("data", [{"lr": BIG}, {BIG: 1}, {"state": {"resume": BIG}}, {"sliding_window": BIG},
                                   {"seed": [BIG] * 10}, {"table_version": 10 ** 4000}])
 def test_huge_values_are_echoed_bounded(data):
     with pytest.raises(ConfigError) as exc:

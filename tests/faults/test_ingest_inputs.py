@@ -213,8 +213,8 @@ def test_unwritable_workdir_or_store_fails_before_anything_runs(root, tmp_path, 
 
 
 def test_capture_checks_its_workdir_before_the_engine(root, tmp_path, tiny_target):
-    from eaglenest.featurestore import store as fs
-    from eaglenest.featurestore.fragments import ensure_table
+    from eaglenest.featurestore.table import store as fs
+    from eaglenest.featurestore.table.fragments import ensure_table
 
     uri = str(tmp_path / "store")
     ensure_table(uri, fs.PROMPTS)
@@ -320,7 +320,7 @@ def test_second_ingest_is_refused_while_one_holds_the_prompts_table(root, tmp_pa
     uri = str(tmp_path / "work" / "store")
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys, time
-        from eaglenest.featurestore import lease
+        from eaglenest.featurestore.table import lease
         with lease.hold(sys.argv[1], "prompts", purpose="ingest build"):
             print("HELD", flush=True)
             time.sleep(120)

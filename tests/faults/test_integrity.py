@@ -27,7 +27,7 @@ if str(FS_TESTS) not in sys.path:
 import fs_helpers as H  # noqa: E402
 
 from eaglenest.errors import StoreError  # noqa: E402
-from eaglenest.featurestore import integrity, maintenance, store  # noqa: E402
+from eaglenest.featurestore.table import integrity, maintenance, store  # noqa: E402
 from eaglenest.featurestore import schema as S  # noqa: E402
 from eaglenest.train.data import FeatureShards  # noqa: E402
 
@@ -141,7 +141,7 @@ def test_truncation_after_the_check_names_the_fragment(table):
 
 def test_untouched_table_reads_identically_and_second_check_reads_nothing(table, monkeypatch):
     uri, files = table
-    from eaglenest.featurestore.reader import SampleReader
+    from eaglenest.featurestore.read.reader import SampleReader
 
     ds = store.dataset(uri, store.FEATURES)
     with SampleReader(ds, integrity="off") as plain, SampleReader(ds) as checked:
@@ -179,7 +179,7 @@ def test_sidecar_missing_warns_and_reads(table, caplog):
     uri, files = table
     _, path = files[0]
     (path.parents[1] / integrity.CRC_DIR / f"{path.name}.crc").unlink()
-    with caplog.at_level(logging.WARNING, logger="eaglenest.featurestore.integrity"):
+    with caplog.at_level(logging.WARNING, logger="eaglenest.featurestore.table.integrity"):
         assert _read_all(uri) and _read_all(uri)
     assert sum("1 of 2 data files have no checksum sidecar" in r.getMessage() for r in caplog.records) == 1
     report = integrity.check_version(store.dataset(uri, store.FEATURES))
@@ -200,7 +200,7 @@ def test_version1_table_is_checked(tmp_path):
                         str(store.table_path(uri, store.FEATURES)), schema=schema, data_storage_version="2.0")
     ds = store.dataset(uri, store.FEATURES)
     assert S.tensor_layout(ds.schema) == "inline"
-    maintenance.record_checksums(uri, store.FEATURES, ds.get_fragments())
+    integrity.record_checksums(uri, store.FEATURES, ds.get_fragments())
     assert _read_all(uri)
     (frag,) = ds.get_fragments()
     path = store.table_path(uri, store.FEATURES) / "data" / frag.data_files()[0].path

@@ -241,7 +241,7 @@ def test_sigkill_of_ingest_build_leaves_no_engine(tmp_path, root, tiny_target):
 @pytest.mark.slow
 def test_sigkill_of_featurestore_capture_leaves_no_engine(tmp_path, root, tiny_target):
     from eaglenest.featurestore import schema as S
-    from eaglenest.featurestore import store
+    from eaglenest.featurestore.table import store
 
     work = tmp_path / "w"
     rows = [{"sample_id": f"s-{i:03d}", "domain": "d", "source": "synthetic", "split": "train", "mode": "raw",

@@ -22,8 +22,9 @@ import pyarrow as pa
 import pytest
 
 from eaglenest.errors import StoreError
-from eaglenest.featurestore import cli, fragments, lease, maintenance, store, versions
-from eaglenest.featurestore.writer import FeatureWriter
+from eaglenest.featurestore import cli
+from eaglenest.featurestore.table import fragments, lease, maintenance, store, versions
+from eaglenest.featurestore.capture.writer import FeatureWriter
 
 FS_TESTS = Path(__file__).resolve().parent.parent / "featurestore"
 sys.path.insert(0, str(FS_TESTS))
@@ -58,8 +59,8 @@ def _cli(capsys, *argv: str) -> tuple[int, str]:
 HOLDING_WRITER = """
     import os, time
     from pathlib import Path
-    from eaglenest.featurestore import lease
-    from eaglenest.featurestore.writer import FeatureWriter
+    from eaglenest.featurestore.table import lease
+    from eaglenest.featurestore.capture.writer import FeatureWriter
     uri, go = sys.argv[1], Path(sys.argv[2])
     m = H.meta()
     with lease.hold(uri, "features", purpose="featurestore capture"):
@@ -131,8 +132,8 @@ def test_gc_keeps_young_uncommitted_files_of_writers_without_a_lease(tmp_path):
 RESUMING_WRITER = """
     import random, time
     from eaglenest.errors import StoreError
-    from eaglenest.featurestore import lease, store
-    from eaglenest.featurestore.writer import FeatureWriter
+    from eaglenest.featurestore.table import lease, store
+    from eaglenest.featurestore.capture.writer import FeatureWriter
     uri, worker = sys.argv[1], int(sys.argv[2])
     rng = random.Random(worker)
     m = H.meta()
@@ -162,7 +163,7 @@ MAINTENANCE_LOOP = """
     import time
     from pathlib import Path
     from eaglenest.errors import StoreError
-    from eaglenest.featurestore import lease, maintenance, store, versions
+    from eaglenest.featurestore.table import lease, maintenance, store, versions
     uri, stop = sys.argv[1], Path(sys.argv[2])
     lease.MAINTENANCE_WAIT_S = 1.0
     counts = {"gc": 0, "compact": 0, "tag": 0, "busy": 0}
@@ -240,7 +241,7 @@ def test_table_creation_race_is_atomic(tmp_path):
     uri = str(tmp_path / "store")
     code = """
         import time
-        from eaglenest.featurestore import store
+        from eaglenest.featurestore.table import store
         uri, w, t0 = sys.argv[1], sys.argv[2], float(sys.argv[3])
         time.sleep(max(0.0, t0 - time.time()))
         m = H.meta()
@@ -332,8 +333,8 @@ def test_disk_full_while_writing_commits_nothing_and_resumes(tmp_path):
     code = """
         import resource, signal
         from eaglenest.errors import StoreError
-        from eaglenest.featurestore import store
-        from eaglenest.featurestore.writer import FeatureWriter
+        from eaglenest.featurestore.table import store
+        from eaglenest.featurestore.capture.writer import FeatureWriter
         uri = sys.argv[1]
         m = H.meta(hidden=256)
         store.append(uri, "features", H.table(["first"], m), meta=m)
@@ -368,7 +369,7 @@ def test_a_killed_holder_leaves_no_stale_lease(tmp_path):
     uri = str(tmp_path)
     p = _py("""
         import time
-        from eaglenest.featurestore import lease
+        from eaglenest.featurestore.table import lease
         with lease.hold(sys.argv[1], "features", purpose="featurestore capture"):
             print("HELD", flush=True)
             time.sleep(600)

@@ -18,7 +18,7 @@ def test_connector_gather_cpu_equals_vllm_extract(dtype, block_size):
         extract_from_kv_cache,
     )
 
-    from eaglenest.featurestore.connector import gather_cpu
+    from eaglenest.featurestore.capture.connector import gather_cpu
 
     g = torch.Generator().manual_seed(0)
     # A strided view, as vLLM hands the buffer out: [blocks, layers, block_size, hidden] of a larger one.
@@ -41,7 +41,7 @@ def test_stream_window_equals_all_at_once_and_transformers(tiny_target):
     from transformers import AutoModelForCausalLM
 
     from eaglenest.engine import EngineConfig
-    from eaglenest.featurestore.capture import Capturer, resolve_layer_ids
+    from eaglenest.featurestore.capture.engine import Capturer, resolve_layer_ids
 
     rng = np.random.default_rng(0)
     seqs = [rng.integers(3, 2000, size=int(n)).tolist() for n in rng.integers(5, 90, size=12)]

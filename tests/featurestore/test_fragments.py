@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from eaglenest.errors import SchemaError
-from eaglenest.featurestore import fragments, store
+from eaglenest.featurestore.table import fragments, store
 
 import fs_helpers as H  # on sys.path via conftest
 

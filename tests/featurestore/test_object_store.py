@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.featurestore import cli, fragments, maintenance, objects, query, store, versions
-from eaglenest.featurestore.reader import SampleReader
+from eaglenest.featurestore import cli
+from eaglenest.featurestore.table import fragments, maintenance, objects, store, versions
+from eaglenest.featurestore.read import query
+from eaglenest.featurestore.read.reader import SampleReader
 
 import fs_helpers as H  # on sys.path via conftest
 import s3_helpers
@@ -35,7 +37,6 @@ def s3():
     with s3_helpers.moto_s3() as server, pytest.MonkeyPatch.context() as mp:
         for k, v in server.env.items():
             mp.setenv(k, v)
-        mp.setenv("EAGLENEST_STORAGE_OPTIONS", "{}")
         yield server
 
 
@@ -150,15 +151,22 @@ def test_trainer_reader_reads_s3_bit_exactly(s3, tmp_path):
 
 
 def test_recipe_storage_options_reach_lance_and_pyarrow(s3, monkeypatch):
-    """Without the endpoint in the environment, the recipe's options alone find the server."""
+    """Without the endpoint in the environment, the recipe's options alone find the server, once
+    registered where the command resolves its recipe; nothing goes through the environment."""
+    from eaglenest import runconfig
     from eaglenest.runconfig import RunConfig
 
     for k in ("AWS_ENDPOINT_URL", "AWS_ALLOW_HTTP"):
         monkeypatch.delenv(k)
+    monkeypatch.setattr(runconfig, "_STORAGE_OPTIONS", {})
     uri, m = s3.uri("opts"), H.meta()
     assert objects.lance_options(uri) is None  # nothing registered: Lance would go to real AWS
-    RunConfig(store=uri, storage_options={"aws_endpoint": s3.endpoint, "allow_http": True,
-                                          "aws_secret_access_key": "${AWS_SECRET_ACCESS_KEY}"})
+    env_before = dict(os.environ)
+    run = RunConfig(store=uri, storage_options={"aws_endpoint": s3.endpoint, "allow_http": True,
+                                                "aws_secret_access_key": "${AWS_SECRET_ACCESS_KEY}"})
+    assert objects.lance_options(uri) is None  # building a config registers nothing
+    run.register_storage()
+    assert dict(os.environ) == env_before
     assert objects.lance_options(uri + "/features.lance")["aws_secret_access_key"] == s3_helpers.FAKE_SECRET
     store.append(uri, store.FEATURES, H.table(["o1", "o2"], m), meta=m)
     assert store.read(uri, store.FEATURES).num_rows == 2 and store.head_version(uri, store.FEATURES) == 2
@@ -208,7 +216,7 @@ def test_demo_stages_on_s3_and_no_secret_written(s3, tmp_path, root, tiny_target
     manifest.write_text(f"name: s3test\nlicence: CC0-1.0\nheld_out_fraction: 0.25\nraw_fraction: 0.0\n"
                         f"generation:\n  max_tokens: 48\ndomains:{domains}\n")
     # Credentials only in the environment; the recipe holds the endpoint and a ${VAR} reference.
-    env = {**os.environ, **s3.env, "PYTHONUNBUFFERED": "1", "EAGLENEST_STORAGE_OPTIONS": "{}"}
+    env = {**os.environ, **s3.env, "PYTHONUNBUFFERED": "1"}
     for k in ("AWS_ENDPOINT_URL", "AWS_ALLOW_HTTP"):
         env.pop(k)
     common = [f"run.workdir={work}", f"run.target={tiny_target}", f"run.store={uri}",

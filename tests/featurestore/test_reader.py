@@ -8,8 +8,8 @@ import torch
 
 from eaglenest.errors import SchemaError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore import maintenance, store
-from eaglenest.featurestore.reader import SampleReader
+from eaglenest.featurestore.table import maintenance, store
+from eaglenest.featurestore.read.reader import SampleReader
 from eaglenest.train.data import FeatureShards, collate
 
 LAYERS = (5, 2, 4)  # not ascending: the trainer must reorder aux layers

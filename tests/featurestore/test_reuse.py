@@ -9,8 +9,8 @@ import pytest
 from eaglenest.engine import EngineConfig
 from eaglenest.errors import StoreError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore import fragments, store
-from eaglenest.featurestore.build import capture
+from eaglenest.featurestore.table import fragments, store
+from eaglenest.featurestore.capture.build import capture
 from eaglenest.featurestore.config import FeaturestoreConfig
 
 
@@ -27,7 +27,7 @@ def _prompts(n, seed=0):
 
 @pytest.mark.slow
 def test_identity_reuse_refusal_and_two_drafts_off_one_version(tmp_path, tiny_target):
-    from eaglenest.train.config import TrainConfig
+    from eaglenest.train.config import StateConfig, TrainConfig
     from eaglenest.train.loop import train
 
     uri = str(tmp_path / "store")
@@ -59,7 +59,7 @@ def test_identity_reuse_refusal_and_two_drafts_off_one_version(tmp_path, tiny_ta
     assert store.read(uri, store.FEATURES, version=pinned).equals(before)
 
     common = dict(num_steps=2, warmup_steps=1, pack_tokens=64, batch_rows=2, table_version=pinned,
-                  state_every_steps=0, log_every_steps=1, num_threads=1)
+                  state=StateConfig(every_steps=0), log_every_steps=1, num_threads=1)
     a = train(TrainConfig(draft_vocab_size=256, ttt_steps=2, output_subdir="a", **common), store_uri=uri,
               workdir=str(tmp_path), target_dir=str(tiny_target), seed=0)
     b = train(TrainConfig(draft_vocab_size=512, ttt_steps=3, output_subdir="b", **common), store_uri=uri,

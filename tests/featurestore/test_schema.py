@@ -5,7 +5,7 @@ import torch
 
 from eaglenest.errors import SchemaError, StoreError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore import store
+from eaglenest.featurestore.table import store
 
 
 def _meta(dtype="float32", hidden=8):

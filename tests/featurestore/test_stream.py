@@ -17,8 +17,8 @@ import torch
 from eaglenest.engine import EngineConfig
 from eaglenest.errors import StoreError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore import store
-from eaglenest.featurestore.build import capture
+from eaglenest.featurestore.table import store
+from eaglenest.featurestore.capture.build import capture
 from eaglenest.featurestore.config import FeaturestoreConfig
 
 # Kills engines and bounds how soon the other side fails: run alone, not beside other tests.
@@ -42,7 +42,8 @@ def _prompts(n, seed=0):
 def test_channel_frames_order_credits_and_dead_producer(tmp_path):
     """Publisher -> Channel without an engine: every dtype bit-exact, handed out in tag order, at
     most ``depth`` sent ahead of the consumer, and a failing liveness check ends a wait."""
-    from eaglenest.featurestore.stream import Channel, Publisher
+    from eaglenest.featurestore.capture.publish import Publisher
+    from eaglenest.featurestore.stream.local import Channel
 
     xs = [torch.randn(5 + i, 4, 16).to(dt) for i, dt in
           enumerate([torch.bfloat16, torch.float32, torch.float16, torch.float32, torch.bfloat16])]
@@ -145,7 +146,7 @@ def test_slow_consumer_gets_every_capture_to_the_end(tiny_target):
     its step once it is asked to shut down. Here the consumer holds its second capture for longer
     than that: a producer that closes its engine when ``generate()`` returns loses the last capture
     ('the engine closed the connection after 3 of 4 captures'); it must wait until all are out."""
-    from eaglenest.featurestore.stream import CaptureStream
+    from eaglenest.featurestore.stream.local import CaptureStream
 
     rng = np.random.default_rng(7)
     seqs = [rng.integers(3, 2000, 12 + 5 * i).tolist() for i in range(4)]
@@ -169,11 +170,12 @@ def test_slow_consumer_gets_every_capture_to_the_end(tiny_target):
 def test_train_from_stream_equals_table_then_producer_killed(captured, tiny_target, tmp_path, monkeypatch):
     import psutil
 
-    from eaglenest.train.config import TrainConfig
+    from eaglenest.train.config import StateConfig, StreamConfig, TrainConfig
     from eaglenest.train.loop import train
 
     common = dict(num_epochs=2, num_steps=10, warmup_steps=1, pack_tokens=64, batch_rows=1, draft_vocab_size=256,
-                  ttt_steps=2, state_every_steps=0, log_every_steps=1, num_threads=1, stream_depth=2)
+                  ttt_steps=2, state=StateConfig(every_steps=0), log_every_steps=1, num_threads=1,
+                  stream=StreamConfig(depth=2))
     ref = train(TrainConfig(output_subdir="table", **common), store_uri=captured, workdir=str(tmp_path),
                 target_dir=str(tiny_target), seed=0)
     ref_loss = [json.loads(x)["loss"] for x in (ref.outdir / "metrics.jsonl").read_text().splitlines()]
@@ -183,7 +185,7 @@ def test_train_from_stream_equals_table_then_producer_killed(captured, tiny_targ
     # scheduled, at most 2 (credits) + 2 (the engine's current window) more can reach it, so the
     # stream cannot end before the kill however fast the trainer or slow the killer. (A kill timed
     # by polling the metrics raced the trainer: ~2 steps after the 2nd line the engine has sent all.)
-    from eaglenest.featurestore.stream import CaptureStream
+    from eaglenest.featurestore.stream.local import CaptureStream
 
     held, release, hold_at, plain_next = threading.Event(), threading.Event(), 4, CaptureStream.next
 

@@ -58,7 +58,7 @@ def _seqs(n, seed=0):
 def test_shares_order_bit_exact_and_credit_bound(engines, world):
     """Every rank gets exactly its sequences, in its order, bit-exact; engines exit 0; at most
     ``depth`` captures per rank sent and not consumed under a slow consumer."""
-    from eaglenest.featurestore.stream_xhost import RankStream, engines_of, ranks_of, serve
+    from eaglenest.featurestore.stream.xhost import RankStream, engines_of, ranks_of, serve
 
     addr, depth = free_addr(), 2
     shares = {r: _seqs(7 + r, seed=r) for r in range(world)}
@@ -192,7 +192,7 @@ def run_rank(argv) -> int:
 
 def run_synthetic(argv) -> int:
     """Script roles ``synth-rank`` / ``synth-engine``: the transport between processes, no engine."""
-    from eaglenest.featurestore.stream_xhost import RankStream, serve
+    from eaglenest.featurestore.stream.xhost import RankStream, serve
 
     role, addr, who = argv[0], argv[1], int(argv[2])
     if role == "synth-engine":
@@ -332,8 +332,8 @@ def test_killed_rank_ends_engines_and_other_rank(tmp_path, victim=0):
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory, tiny_target):
     """A store with 12 conversations captured to the features table by the table path."""
-    from eaglenest.featurestore import store
-    from eaglenest.featurestore.build import capture
+    from eaglenest.featurestore.table import store
+    from eaglenest.featurestore.capture.build import capture
     from test_stream import FS, _prompts
 
     uri = str(tmp_path_factory.mktemp("xstream") / "store")
@@ -368,7 +368,7 @@ def test_two_engines_two_ranks_equal_table_batches_clean_end(captured, tiny_targ
         reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
         for rep in reports:
             assert rep["equal"] and rep["batches"] >= 2 and "error" not in rep, rep
-            assert 1 <= rep["max_in_flight"] <= 1  # train.stream_depth=1 per rank
+            assert 1 <= rep["max_in_flight"] <= 1  # train.stream.depth=1 per rank
         assert _all_gone([p.pid for p in procs.values()], 5)
     finally:
         for p in procs.values():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from eaglenest.featurestore.turns import assistant_spans, loss_mask
+from eaglenest.featurestore.capture.turns import assistant_spans, loss_mask
 
 CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
         {"role": "assistant", "content": "2 + 3 = 5"}, {"role": "user", "content": "And times 4?"},

@@ -3,7 +3,9 @@ import pyarrow as pa
 import pytest
 
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.featurestore import cli, maintenance, query, store, versions
+from eaglenest.featurestore import cli
+from eaglenest.featurestore.table import maintenance, store, versions
+from eaglenest.featurestore.read import query
 from eaglenest.featurestore import schema as S
 from eaglenest.train import vocab as V
 

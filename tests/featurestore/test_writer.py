@@ -2,8 +2,8 @@
 
 import fs_helpers as H
 
-from eaglenest.featurestore import fragments, store
-from eaglenest.featurestore.writer import FeatureWriter, bytes_per_token
+from eaglenest.featurestore.table import fragments, store
+from eaglenest.featurestore.capture.writer import FeatureWriter, bytes_per_token
 
 
 def test_writer_flushes_fragments_and_commits_once(tmp_path):

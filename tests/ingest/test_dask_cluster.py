@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.featurestore import store
+from eaglenest.featurestore.table import store
 from eaglenest.ingest.config import IngestConfig
 from eaglenest.ingest.dask_executor import check_worker
 from eaglenest.ingest.manifest import load_manifest
@@ -271,18 +271,17 @@ def test_worker_checks_name_what_a_cluster_gets_wrong(tmp_path, tiny_target):
 
 
 def test_worker_adopts_the_drivers_store_options(monkeypatch):
-    """A ``dask worker`` does not inherit the driver's environment: the options travel with the task."""
-    import json
-
+    """A Dask worker never resolved the recipe: the driver's options travel with the task, explicitly."""
+    from eaglenest import runconfig
     from eaglenest.ingest.dask_executor import adopt_storage_options
-    from eaglenest.runconfig import OPTIONS_ENV, storage_options_for
+    from eaglenest.runconfig import registered_storage_options, storage_options_for
 
-    monkeypatch.delenv(OPTIONS_ENV, raising=False)  # as on a worker started by `dask worker`
+    monkeypatch.setattr(runconfig, "_STORAGE_OPTIONS", {})  # as on a fresh worker
     monkeypatch.setenv("TEST_S3_SECRET", "s3cr3t")
     assert storage_options_for("s3://bucket/store/prompts.lance") == {}
-    sent = json.dumps({"s3://bucket/store": {"aws_secret_access_key": "${TEST_S3_SECRET}", "region": "x"}})
+    sent = {"s3://bucket/store": {"aws_secret_access_key": "${TEST_S3_SECRET}", "region": "x"}}
     adopt_storage_options(sent)
     assert storage_options_for("s3://bucket/store/prompts.lance") == {"aws_secret_access_key": "s3cr3t", "region": "x"}
-    assert "s3cr3t" not in os.environ[OPTIONS_ENV]  # references only, never the secret
-    adopt_storage_options("")  # nothing registered on the driver: nothing changes
-    assert json.loads(os.environ[OPTIONS_ENV]) == json.loads(sent)
+    assert registered_storage_options() == sent  # references only, never the secret
+    adopt_storage_options({})  # nothing registered on the driver: nothing changes
+    assert registered_storage_options() == sent

@@ -14,7 +14,7 @@ import pytest
 
 from eaglenest.config import build as build_cfg
 from eaglenest.errors import ConfigError
-from eaglenest.featurestore import store
+from eaglenest.featurestore.table import store
 from eaglenest.ingest import backends
 from eaglenest.ingest.build import build
 from eaglenest.ingest.config import IngestConfig

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from eaglenest import faults
-from eaglenest.featurestore import store
+from eaglenest.featurestore.table import store
 
 pytestmark = pytest.mark.slow
 

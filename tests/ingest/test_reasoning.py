@@ -16,7 +16,7 @@ import pytest
 
 from eaglenest.engine import EngineConfig, close_llm, make_llm
 from eaglenest.errors import ConfigError
-from eaglenest.featurestore import store
+from eaglenest.featurestore.table import store
 from eaglenest.hf import load_tokenizer
 from eaglenest.ingest.backends import LocalBackend
 from eaglenest.ingest.build import build
@@ -128,7 +128,7 @@ def test_regeneration_evaluation_and_loss_mask_with_thinking(tmp_path, root, thi
     from eaglenest.evaluate.config import EvaluateConfig
     from eaglenest.evaluate.prompts import render
     from eaglenest.evaluate.run import _decode
-    from eaglenest.featurestore.build import feature_meta, feature_row
+    from eaglenest.featurestore.capture.build import feature_meta, feature_row
 
     tok = load_tokenizer(thinking_target, trust_remote_code=False)
     target = str(thinking_target)

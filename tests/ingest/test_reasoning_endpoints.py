@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from eaglenest.config import build as build_cfg
-from eaglenest.featurestore import store
+from eaglenest.featurestore.table import store
 from eaglenest.hf import load_tokenizer
 from eaglenest.ingest.build import build
 from eaglenest.ingest.config import IngestConfig

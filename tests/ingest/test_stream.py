@@ -11,7 +11,7 @@ import pytest
 
 from eaglenest.config import build as build_cfg
 from eaglenest.engine import EngineConfig, close_llm, make_llm
-from eaglenest.featurestore import store, versions
+from eaglenest.featurestore.table import store, versions
 from eaglenest.ingest.backends import LocalBackend
 from eaglenest.ingest.build import build
 from eaglenest.ingest.config import IngestConfig

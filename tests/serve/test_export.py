@@ -40,7 +40,7 @@ def test_config_json(exported):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert cfg["num_hidden_layers"] == 1 and cfg["vocab_size"] == 2048 and cfg["draft_vocab_size"] == 700
-    # vLLM's ids at the top level; SGLang's (id - 1: it captures id + 1) nested (serve/formats.py).
+    # vLLM's ids at the top level; the same layers as "output of block k" (id - 1) nested (serve/formats.py).
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}
     for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",

@@ -1,5 +1,6 @@
 """What each reader finds in an export (no engine started): vLLM's own config readers are run on the
-files; SGLang's and speculators' rules are stated from their source (serve/formats.py says where).
+files; speculators' rules are stated from its source (serve/formats.py says where). No SGLang claim
+is made or tested: its loader does not run here (docs/serve.md).
 
 Aux ids (1, 3, 6) differ from vLLM's default for the 8-layer target (2, 4, 5), so a reader that fell
 back to its default would be caught.
@@ -67,7 +68,7 @@ def test_vllm_format_every_reader_finds_the_layers(drafts):
     assert len(hf.eagle_config["eagle_aux_hidden_state_layer_ids"]) == 3  # llama_eagle3: fc width
     assert (getattr(hf, "layer_types", None), getattr(hf, "sliding_window", None)) == \
         ((["sliding_attention"], 64) if on else (None, None))
-    # SGLang (set_eagle3_layers_to_capture): captures before layer id + 1 of the nested list.
+    # The nested list names the same layers as "output of block k" (id - 1); vLLM reads its length only.
     assert [i + 1 for i in raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == IDS
     # An export from before the top-level key (vLLM ids nested only) still resolves in vLLM's v1 runner.
     old = {k: v for k, v in raw.items() if k != "eagle_aux_hidden_state_layer_ids"}
@@ -112,21 +113,21 @@ def test_speculators_format_as_vllm_reads_it(drafts):
 def test_window_reader_warnings_and_card(drafts, caplog, tmp_path):
     out, target, on = drafts
     card = (out["vllm"] / "README.md").read_text()
-    assert "## Readers" in card and "[0, 2, 5]" in card  # SGLang's ids, stated
+    assert "## Readers" in card and "[0, 2, 5]" in card  # the nested ids, stated
+    assert "SGLang" not in card.replace("Other readers (SGLang) are not tested", "")  # no SGLang claim
     assert '--algorithm-kwargs \'{"eagle_aux_hidden_state_layer_ids": [1, 3, 6]' in card
     with caplog.at_level(logging.WARNING, logger="eaglenest.serve.export"):
         export_draft(out["vllm"].parent / "ckpt", tmp_path / "again", target_dir=target)
     warned = [r.getMessage() for r in caplog.records]
     window = [w for w in warned if "sliding window" in w or "sliding_window" in w]
-    if on:  # SGLang and speculators convert cannot represent the window: the log and the card say so
-        assert any(w.startswith("SGLang: cannot represent the 64-token sliding window") for w in window)
+    if on:  # speculators convert cannot represent the window: the log and the card say so
         assert any(w.startswith("speculators convert: drops layer_types/sliding_window") for w in window)
-        assert "cannot represent the 64-token sliding window" in card and "drops layer_types/sliding_window" in card
+        assert "drops layer_types/sliding_window" in card
         assert "| sliding window | 64 tokens |" in card
     else:
         assert not window and "| sliding window | none (full attention) |" in card
     spec_card = (out["speculators"] / "README.md").read_text()
-    assert 'LLM(model="<this directory>")' in spec_card and "does not read speculators checkpoints" in spec_card
+    assert 'LLM(model="<this directory>")' in spec_card and "SGLang" not in spec_card
 
 
 def test_speculators_format_errors(drafts, tmp_path, root):

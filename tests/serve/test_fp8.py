@@ -178,7 +178,8 @@ def test_fp8_offline_al_matches_unquantised(trained_exports, tiny_target):
 def _eval_store(root, tmp: Path) -> str:
     import pyarrow as pa
 
-    from eaglenest.featurestore import schema as S, store
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore.table import store
 
     off = _load("tests/evaluate/test_offline.py", "_eaglenest_test_offline_fp8_store")
     uri = str(tmp / "store")

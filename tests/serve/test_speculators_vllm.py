@@ -93,7 +93,7 @@ def _run(model: str, prompts, **extra) -> tuple[list[list[int]], dict]:
     from vllm import LLM
 
     from eaglenest.engine import close_llm
-    from eaglenest.serve.vllm_check import _generate, spec_metrics
+    from eaglenest.serve.draft_check import _generate, spec_metrics
 
     llm = LLM(model=model, dtype="float32", gpu_memory_utilization=0.15, max_model_len=512, enforce_eager=True,
               disable_log_stats=False, skip_tokenizer_init=True, seed=0, **extra)

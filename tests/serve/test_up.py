@@ -9,7 +9,7 @@ import pytest
 
 from eaglenest.errors import EaglenestError
 from eaglenest.recipe import load_recipe
-from eaglenest.serve.cli import up_server
+from eaglenest.serve.commands import up_server
 
 
 def _argv_value(argv: list[str], flag: str) -> str:

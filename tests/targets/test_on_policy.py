@@ -11,9 +11,9 @@ import pyarrow as pa
 import pytest
 
 from eaglenest.errors import ConfigError
-from eaglenest.featurestore import policy
+from eaglenest.featurestore.capture import policy
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore import store
+from eaglenest.featurestore.table import store
 
 
 def _other_target(src, dst):
@@ -67,7 +67,7 @@ def test_off_policy_override_warns_and_goes_on(tmp_path, tiny_target, other, cap
     _prompts(uri, tiny_target)
     with pytest.raises(ConfigError, match="run.off_policy"):
         policy.check_prompts(uri, str(other), off_policy=False, stage="featurestore capture")
-    with caplog.at_level(logging.WARNING, logger="eaglenest.featurestore.policy"):
+    with caplog.at_level(logging.WARNING, logger="eaglenest.featurestore.capture.policy"):
         policy.check_prompts(uri, str(other), off_policy=True, stage="featurestore capture")
     assert "run.off_policy=true" in caplog.text
 
@@ -75,7 +75,7 @@ def test_off_policy_override_warns_and_goes_on(tmp_path, tiny_target, other, cap
 def test_table_without_the_record_is_checked_with_a_warning(tmp_path, other, caplog):
     uri = str(tmp_path / "store")
     _prompts(uri, other, record=False)
-    with caplog.at_level(logging.WARNING, logger="eaglenest.featurestore.policy"):
+    with caplog.at_level(logging.WARNING, logger="eaglenest.featurestore.capture.policy"):
         policy.check_prompts(uri, str(other), off_policy=False, stage="train run")
     assert "does not record which target" in caplog.text
 

@@ -1,6 +1,6 @@
 """Tests of the tiny target: corpus determinism, the committed fixture, its template and its claims.
 
-All CPU, no vLLM (``python -m eaglenest.tinytarget.vllm_check`` is the engine check). The fixture
+All CPU, no vLLM (``python -m eaglenest.tinytarget.engine_check`` is the engine check). The fixture
 tests read ``assets/tiny-target`` as committed; they fail if it is missing or stale.
 """
 

@@ -68,7 +68,8 @@ def greedy_sequences(target_dir: Path, *, n: int, prompt_len: int, gen_len: int,
 def write_features(uri: str, target_dir: Path, samples, *, layer_ids=LAYER_IDS, split="train",
                    table: str = "features") -> int:
     """Append feature rows for ``samples`` [(ids, mask)] to ``uri``; returns the table version."""
-    from eaglenest.featurestore import schema as S, store
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore.table import store
 
     feats = compute_features(target_dir, [s for s, _ in samples], layer_ids)
     meta = S.FeatureMeta(target=str(target_dir), layer_ids=tuple(layer_ids), last_layer_id=8,

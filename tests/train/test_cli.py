@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,6 +25,27 @@ def test_dry_run_prints_train_section(capsys):
 def test_config_errors_exit_2(capsys, override, key):
     assert train_main(["run", "--recipe", RECIPE, override]) == 2
     assert key in capsys.readouterr().err
+
+
+def test_sections_and_flat_keys_refused_naming_the_new_key(capsys, tmp_path):
+    """train.stream / select / state are sections; every key of the earlier flat layout, in an
+    override or in a file, is refused with one line naming its new place (exit code 2)."""
+    from eaglenest.train.config import RENAMED, TrainConfig
+
+    assert train_main(["run", "--recipe", RECIPE, "--dry-run", "train.stream.depth=3", "train.state.keep=5",
+                       "train.select.split=test"]) == 0
+    train = json.loads(capsys.readouterr().out)["train"]
+    assert (train["stream"]["depth"], train["state"]["keep"], train["select"]["split"]) == (3, 5, "test")
+    for old, new in RENAMED.items():
+        section, key = new.split(".")
+        assert key in {f.name for f in dataclasses.fields(getattr(TrainConfig(), section))}
+        assert train_main(["run", "--recipe", RECIPE, "--dry-run", f"train.{old}=1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.endswith(f"train.{old}: renamed to train.{new}"), err
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  stream_depth: 4\n")
+    assert train_main(["run", "--recipe", str(recipe), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip().endswith("train.stream_depth: renamed to train.stream.depth")
 
 
 @pytest.mark.slow

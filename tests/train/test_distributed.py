@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from eaglenest.config import apply_overrides, build
 from eaglenest.errors import ConfigError
 from eaglenest.train.config import TrainConfig
 from eaglenest.train.loop import train
@@ -21,6 +22,12 @@ RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml")
 TRAJ = dict(draft_vocab_size=512, ttt_steps=3, pack_tokens=96, batch_rows=3, warmup_steps=5, lr=2e-3,
             num_epochs=7, num_steps=20, log_every_steps=1, num_threads=1,
             sliding_window="auto")  # as recipes/toy.yaml, which the torchrun launches read
+
+
+def config(cfg: dict) -> TrainConfig:
+    """``cfg`` (recipe keys under ``train``, dotted for a section: ``state.every_steps``) read as the
+    recipe loader reads the torchrun launches' overrides."""
+    return build(TrainConfig, apply_overrides({}, [f"{k}={v}" for k, v in cfg.items()]), where="train")
 
 
 def overrides(cfg: dict, workdir: Path, store, target) -> list[str]:
@@ -38,7 +45,7 @@ def env() -> dict[str, str]:
 
 @pytest.mark.slow
 def test_two_ranks_match_one_rank(tmp_path, feature_store, tiny_target):
-    one = train(TrainConfig(**TRAJ), store_uri=feature_store[0], workdir=str(tmp_path / "one"),
+    one = train(config(TRAJ), store_uri=feature_store[0], workdir=str(tmp_path / "one"),
                 target_dir=str(tiny_target), seed=0)
     cmd = [sys.executable, "-m", "eaglenest.pipeline.train_cli", "launch", "--nproc", "2", "--recipe", RECIPE,
            *overrides(TRAJ, tmp_path / "two", feature_store, tiny_target)]
@@ -59,8 +66,8 @@ def test_two_ranks_match_one_rank(tmp_path, feature_store, tiny_target):
 
 
 KILL = dict(draft_vocab_size=512, ttt_steps=7, pack_tokens=128, batch_rows=2, warmup_steps=5, lr=5e-3,
-            num_epochs=7, num_steps=20, log_every_steps=1, num_threads=1, state_every_steps=3,
-            sliding_window="auto")
+            num_epochs=7, num_steps=20, log_every_steps=1, num_threads=1, sliding_window="auto",
+            **{"state.every_steps": 3})
 
 
 @pytest.mark.slow
@@ -85,12 +92,12 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, feature_store, tiny_tar
     assert 3 <= killed_at < 20
     # Resuming the killed run against another table version or recipe is refused, naming the difference.
     with pytest.raises(ConfigError, match="features_version"):
-        train(TrainConfig(**{**KILL, "table_version": feature_store[1] - 1}), store_uri=feature_store[0],
+        train(config({**KILL, "table_version": feature_store[1] - 1}), store_uri=feature_store[0],
               workdir=str(work), target_dir=str(tiny_target), seed=0)
     with pytest.raises(ConfigError, match="train.lr"):
-        train(TrainConfig(**{**KILL, "lr": 1e-3}), store_uri=feature_store[0], workdir=str(work),
+        train(config({**KILL, "lr": 1e-3}), store_uri=feature_store[0], workdir=str(work),
               target_dir=str(tiny_target), seed=0)
-    cfg = TrainConfig(**KILL)
+    cfg = config(KILL)
     resumed = train(cfg, store_uri=feature_store[0], workdir=str(work), target_dir=str(tiny_target), seed=0)
     whole = train(cfg, store_uri=feature_store[0], workdir=str(tmp_path / "whole"),
                   target_dir=str(tiny_target), seed=0)
@@ -109,7 +116,7 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, feature_store, tiny_tar
     assert again.steps == 20 and metrics(work) == a
 
     # A finished run of another recipe is not resumed: auto starts over.
-    other = train(TrainConfig(**{**KILL, "lr": 1e-3, "num_steps": 2}), store_uri=feature_store[0],
+    other = train(config({**KILL, "lr": 1e-3, "num_steps": 2}), store_uri=feature_store[0],
                   workdir=str(work), target_dir=str(tiny_target), seed=0)
     assert other.steps == 2 and len(metrics(work)) == 2
 
@@ -117,5 +124,7 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, feature_store, tiny_tar
 def test_launch_validates_the_recipe_before_starting_ranks(capsys):
     from eaglenest.pipeline.train_cli import main
 
-    assert main(["launch", "--nproc", "2", "--recipe", RECIPE, "train.resume=maybe"]) == 2
-    assert "train.resume" in capsys.readouterr().err
+    assert main(["launch", "--nproc", "2", "--recipe", RECIPE, "train.state.resume=maybe"]) == 2
+    assert "train.state.resume" in capsys.readouterr().err
+    assert main(["launch", "--nproc", "2", "--recipe", RECIPE, "train.resume=never"]) == 2  # the flat key
+    assert "train.resume: renamed to train.state.resume" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eaglenest.errors import ConfigError
-from eaglenest.train.config import TrainConfig
+from eaglenest.train.config import StateConfig, TrainConfig
 from eaglenest.train.model import DraftFlags, Eagle3Draft, draft_config, init_weights
 from eaglenest.train.ttt import Batch, ChunkedSoftCE, TargetHead, shift, target_targets, ttt_loss
 
@@ -199,7 +199,7 @@ def test_trainer_chunked_matches_plain(tmp_path, feature_store, tiny_target):
     from eaglenest.train.loop import train
 
     kw = dict(draft_vocab_size=512, ttt_steps=3, pack_tokens=96, batch_rows=3, num_steps=6, warmup_steps=2,
-              log_every_steps=1, num_threads=1, state_every_steps=0)
+              log_every_steps=1, num_threads=1, state=StateConfig(every_steps=0))
     runs = []
     for chunk in (0, 40):  # 40 < 3 rows x up to 96 tokens: every batch is chunked
         train(TrainConfig(**kw, target_chunk_tokens=chunk, output_subdir=f"chunk{chunk}"), store_uri=feature_store[0],

@@ -3,7 +3,7 @@
 Two agents as separate process trees, as on two hosts (only the filesystem is shared, which the
 multi-node setup requires anyway): their 2-rank run matches one plain process; SIGKILL of a whole
 node makes the other exit non-zero within seconds instead of hanging; restarting both agents with
-``train.resume=auto`` continues bit for bit. The launch options' errors are one line, exit 2.
+``train.state.resume=auto`` continues bit for bit. The launch options' errors are one line, exit 2.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 
 from eaglenest.pipeline.train_cli import main, rdzv_id, torchrun_argv
-from eaglenest.train.config import TrainConfig
+from eaglenest.train.config import StateConfig, TrainConfig
 from eaglenest.train.loop import train
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml")
 # As test_distributed.TRAJ (uneven shards: global batches of 3, 3, 2 rows), with a state every 3 steps;
-# state_every_steps does not change the trajectory, so one config serves the match and the resume.
+# train.state.every_steps does not change the trajectory, so one config serves the match and the resume.
 CFG = dict(draft_vocab_size=512, ttt_steps=3, pack_tokens=96, batch_rows=3, warmup_steps=5, lr=0.002,
-           num_epochs=7, num_steps=20, log_every_steps=1, num_threads=1, sliding_window="auto",
-           state_every_steps=3)
+           num_epochs=7, num_steps=20, log_every_steps=1, num_threads=1, sliding_window="auto")
+STATE_EVERY_STEPS = 3
 #: Seconds the surviving node may take to notice a dead peer and exit (measured: 1-3 s).
 FAIL_WITHIN_S = 90
 
@@ -53,7 +53,8 @@ def start_nodes(workdir: Path, port: int, store, target, *extra: str) -> list[su
         cmd = [sys.executable, "-m", "eaglenest.pipeline.train_cli", "launch", "--nnodes", "2",
                "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--recipe", RECIPE, f"run.workdir={workdir}", f"run.target={target}", f"run.store={store[0]}",
-               *(f"train.{k}={v}" for k, v in CFG.items()), *extra]
+               *(f"train.{k}={v}" for k, v in CFG.items()),
+               f"train.state.every_steps={STATE_EVERY_STEPS}", *extra]
         log = open(f"{workdir}.node{node}.log", "a")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         log.close()
@@ -139,7 +140,7 @@ def kill_node_after(procs, victim: int, latest: Path, *, after_step: int, workdi
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, feature_store, tiny_target):
     work = tmp_path_factory.mktemp("one")
-    train(TrainConfig(**CFG), store_uri=feature_store[0], workdir=str(work), target_dir=str(tiny_target), seed=0)
+    train(TrainConfig(**CFG, state=StateConfig(every_steps=STATE_EVERY_STEPS)), store_uri=feature_store[0], workdir=str(work), target_dir=str(tiny_target), seed=0)
     return work
 
 
@@ -171,10 +172,10 @@ def test_node_killed_then_restart_resumes_exactly(tmp_path, two_nodes, feature_s
     first = kill_node_after(start_nodes(work, port, feature_store, tiny_target), 1, latest,
                             after_step=0, workdir=work)
     # Restarted on the same endpoint, it resumes; then node 0 dies, with the rendezvous store it hosts.
-    second = kill_node_after(start_nodes(work, port, feature_store, tiny_target, "train.resume=auto"), 0,
+    second = kill_node_after(start_nodes(work, port, feature_store, tiny_target, "train.state.resume=auto"), 0,
                              latest, after_step=first, workdir=work)
     assert 3 <= first < second < 20
-    wait_all(start_nodes(work, port, feature_store, tiny_target, "train.resume=auto"), work)
+    wait_all(start_nodes(work, port, feature_store, tiny_target, "train.state.resume=auto"), work)
     log = Path(f"{work}.node0.log").read_text() + Path(f"{work}.node1.log").read_text()
     assert sorted(int(n) for n in re.findall(r"resumed from \S+ at step (\d+)", log)) == [first, second]
     a, b = metrics(work), metrics(two_nodes)

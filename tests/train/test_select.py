@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from eaglenest.engine import EngineConfig
 from eaglenest.errors import ConfigError
 from eaglenest.evaluate.config import EvaluateConfig
-from eaglenest.pipeline.select import served_al_scorer
-from eaglenest.train.config import TrainConfig
+from eaglenest.pipeline.served_al import served_al_scorer
+from eaglenest.train.config import SelectConfig, TrainConfig
 from eaglenest.train.loop import train
 
 ROOT_TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-target"
@@ -26,7 +26,8 @@ ROOT_TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-target"
 
 @pytest.fixture(scope="module")
 def real_store(tmp_path_factory, synth):
-    from eaglenest.featurestore import schema as S, store
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore.table import store
 
     uri = str(tmp_path_factory.mktemp("selstore") / "store")
     samples = synth.greedy_sequences(ROOT_TARGET, n=16, prompt_len=8, gen_len=40)
@@ -43,7 +44,7 @@ def real_store(tmp_path_factory, synth):
 def test_served_al_selection_and_report(tmp_path, real_store):
     cfg = TrainConfig(draft_vocab_size=512, ttt_steps=3, pack_tokens=192, batch_rows=2, lr=5e-3,
                       warmup_steps=2, num_epochs=8, num_steps=8, log_every_steps=2,
-                      select_every_steps=4, select_prompts_per_domain=2)
+                      select=SelectConfig(every_steps=4, prompts_per_domain=2))
     ev = EvaluateConfig(max_tokens=24, engine=EngineConfig(max_model_len=512, memory_fraction=0.1, max_num_seqs=4))
     score = served_al_scorer(cfg, ev, target_dir=str(ROOT_TARGET), store_uri=real_store)
     s = train(cfg, store_uri=real_store, workdir=str(tmp_path), target_dir=str(ROOT_TARGET), seed=0, score=score)
@@ -68,7 +69,7 @@ def test_selection_without_a_scorer_is_a_config_error(tmp_path, real_store):
     """The trainer does not serve drafts itself (that needs later stages): a direct call asking for
     selection without ``score=`` stops before training, naming what to pass."""
     cfg = TrainConfig(draft_vocab_size=512, ttt_steps=2, pack_tokens=192, batch_rows=2, num_steps=2,
-                      select_every_steps=1)
+                      select=SelectConfig(every_steps=1))
     with pytest.raises(ConfigError, match="score="):
         train(cfg, store_uri=real_store, workdir=str(tmp_path), target_dir=str(ROOT_TARGET), seed=0)
     assert not (tmp_path / "train" / "checkpoint.json").exists()
@@ -77,11 +78,11 @@ def test_selection_without_a_scorer_is_a_config_error(tmp_path, real_store):
 def test_selection_serves_only_what_the_score_uses():
     """A selection round keeps the recipe's engine and decoding settings, but not the checks and the
     long-context buckets (1K-32K by default) that only ``evaluate al`` reports."""
-    from eaglenest.pipeline.select import selection_config
+    from eaglenest.pipeline.served_al import selection_config
 
     ev = EvaluateConfig(max_tokens=24, engine=EngineConfig(max_model_len=512, memory_fraction=0.1))
     assert ev.context_buckets and ev.check_lossless and ev.ngram_order > 0
-    cfg = selection_config(TrainConfig(select_prompts_per_domain=3, select_split="heldout"), ev)
+    cfg = selection_config(TrainConfig(select=SelectConfig(prompts_per_domain=3, split="heldout")), ev)
     assert cfg.context_buckets == () and not cfg.check_lossless and cfg.ngram_order == 0
     assert cfg.split == "heldout" and cfg.max_prompts_per_domain == 3
     assert cfg.engine == ev.engine and cfg.max_tokens == 24

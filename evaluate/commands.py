@@ -1,0 +1,127 @@
+"""What each ``evaluate`` subcommand does (the argument table is ``cli.py``'s). Imported only when a
+subcommand runs: it pulls in the feature store, vLLM's prompt plumbing and, for ``offline``, torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from eaglenest.errors import ConfigError
+from eaglenest.evaluate.compare import compare
+from eaglenest.evaluate.offline import offline_al
+from eaglenest.evaluate.plots import throughput_plot
+from eaglenest.evaluate.prompts import load_prompt_set
+from eaglenest.evaluate.report import markdown as report_markdown
+from eaglenest.evaluate.report import write_report
+from eaglenest.evaluate.run import evaluate_al
+from eaglenest.evaluate.settings import draft_dir, evaluate_config
+from eaglenest.evaluate.throughput import markdown as throughput_markdown
+from eaglenest.evaluate.throughput import run_sweep
+from eaglenest.featurestore.capture.identity import weights_hash
+from eaglenest.featurestore.table import store
+from eaglenest.hf import check_remote_code
+from eaglenest.provenance import write_json_atomic, write_provenance
+
+
+def _check_target(recipe) -> None:
+    """A target that needs its own code is refused before anything else (run.trust_remote_code)."""
+    check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
+
+
+def cmd_al(recipe, args) -> int:
+    _check_target(recipe)
+    cfg, draft = evaluate_config(recipe), draft_dir(recipe)
+    out = args.out or str(recipe.run.path("eval"))
+    key = _cache_key(recipe, draft, cfg)
+    cached = None if args.force else _cached_report(out, key)
+    if cached is not None:
+        print(f"evaluate: {out}/report.json already measures this draft with these settings "
+              "(--force to measure again)", file=sys.stderr)
+        print(report_markdown(cached))
+        return 0
+    report = evaluate_al(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri, cfg=cfg,
+                         features_table=recipe.featurestore.table, trust_remote_code=recipe.run.trust_remote_code)
+    report["cache_key"] = key
+    write_report(out, report)
+    write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
+    print(report_markdown(report))
+    return 0
+
+
+def _cache_key(recipe, draft: str, cfg=None) -> str:
+    """Identity of a measurement: draft and target weights, the evaluate settings (``cfg``: resolved,
+    so the chat-template kwargs count), the prompts version."""
+    h = hashlib.sha256()
+    # Weights through the feature store's hash (sampled for very large targets), configs in full.
+    for d in (Path(draft), Path(recipe.run.target)):
+        h.update(weights_hash(str(d)).encode())
+        for f in sorted(d.glob("*.json")):
+            if f.name != "provenance.json":
+                h.update(f.name.encode() + f.read_bytes())
+    kwargs = getattr(cfg, "chat_template_kwargs", None)  # only when set: earlier keys stay valid
+    h.update(json.dumps({"evaluate": recipe.to_dict()["evaluate"], **_inputs(recipe, draft),
+                         **({"chat_template_kwargs": kwargs} if kwargs else {})},
+                        sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def _cached_report(out: str, key: str) -> dict | None:
+    path = Path(out) / "report.json"
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return report if report.get("cache_key") == key else None
+
+
+def _inputs(recipe, draft: str) -> dict:
+    uri = recipe.run.store_uri
+    version = store.latest_version(uri, store.PROMPTS) if store.exists(uri, store.PROMPTS) else None
+    return {"target": recipe.run.target, "draft": draft, "store": uri, "prompts_version": version,
+            "prompt_path": recipe.evaluate.prompt_path or None}
+
+
+def cmd_throughput(recipe, args) -> int:
+    _check_target(recipe)
+    draft = draft_dir(recipe)
+    result = run_sweep(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri,
+                       cfg=evaluate_config(recipe), serve_cfg=recipe.serve, log_dir=recipe.run.path("serve"),
+                       trust_remote_code=recipe.run.trust_remote_code)
+    out = recipe.run.path(args.out or "throughput")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "throughput.json", result)
+    (out / "throughput.md").write_text(throughput_markdown(result), encoding="utf-8")
+    throughput_plot(result, out)
+    write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
+    print(throughput_markdown(result))
+    return 0
+
+
+def cmd_compare(recipe, args) -> int:
+    _check_target(recipe)
+    out = recipe.run.path(args.out or "compare")
+    print(compare(args.a, args.b, recipe=recipe, outdir=out))
+    return 0
+
+
+def cmd_offline(recipe, args) -> int:
+    _check_target(recipe)
+    cfg, draft = evaluate_config(recipe), args.draft or draft_dir(recipe)
+    if cfg.temperature != 0.0:
+        raise ConfigError(f"evaluate.temperature: offline AL is greedy only (0.0), got {cfg.temperature}")
+    groups, info = load_prompt_set(cfg, recipe.run.store_uri)
+    report = offline_al(target=recipe.run.target, draft=draft, groups=groups,
+                        num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=cfg.max_tokens,
+                        trust_remote_code=recipe.run.trust_remote_code, chat_template_kwargs=cfg.chat_template_kwargs)
+    report["prompts"] = info
+    out = recipe.run.path(args.out or "eval_offline")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "offline_report.json", report)
+    write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
+    print("| group | prompts | AL (pooled) | AL per-request |\n|---|---|---|---|")
+    for name, row in [*report["domains"].items(), ("overall", report["overall"])]:
+        print(f"| {name} | {row['prompts']} | {row['acceptance_length']} | {row['acceptance_length_per_request']} |")
+    return 0

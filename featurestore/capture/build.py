@@ -1,0 +1,217 @@
+"""``featurestore capture``: run the target over the on-policy conversations, store hidden states.
+
+Reads the ``prompts`` table's training rows, sends prompt + response token ids through a capture
+engine, and appends rows to ``features`` in atomic chunks. Resumable like ingest: ids already in the
+features table are skipped, and no engine starts when nothing is left to capture.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from eaglenest import faults
+from eaglenest.errors import ConfigError, StoreError
+from eaglenest.featurestore import schema as S
+from eaglenest.featurestore.capture import identity, policy, turns
+from eaglenest.featurestore.capture.engine import Capturer, resolve_layer_ids
+from eaglenest.featurestore.capture.writer import FeatureWriter, bytes_per_token
+from eaglenest.featurestore.schema import dtype_name
+from eaglenest.featurestore.table import lease, store
+from eaglenest.hf import load_config, load_tokenizer
+from eaglenest.provenance import code_version
+from eaglenest.target import language_config
+
+log = logging.getLogger(__name__)
+
+_DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+                  "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def target_facts(target: str, *, trust_remote_code: bool = False) -> dict:
+    """num_hidden_layers, hidden_size and dtype from a local target's config.json (or the hub cache)."""
+    path = Path(target) / "config.json"
+    if path.is_file():
+        cfg = language_config(json.loads(path.read_text()))  # a multimodal wrapper's text_config
+    else:
+        cfg = language_config(load_config(target, trust_remote_code=trust_remote_code).to_dict())
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    return {"num_layers": int(cfg["num_hidden_layers"]), "hidden_size": int(cfg["hidden_size"]),
+            "dtype": _DTYPE_ALIASES.get(dtype.replace("torch.", ""), "bfloat16")}
+
+
+def feature_meta(target: str, layer_ids: list[int], engine_dtype: str, *, storage: str = "raw",
+                 sample_ids=(), gen_params_ids=(), trust_remote_code: bool = False) -> S.FeatureMeta:
+    """The feature set's metadata, its identity hash over everything that shapes the tensors."""
+    facts = target_facts(target, trust_remote_code=trust_remote_code)
+    ids = resolve_layer_ids(layer_ids, facts["num_layers"])
+    dtype = facts["dtype"] if engine_dtype == "auto" else _DTYPE_ALIASES.get(engine_dtype, engine_dtype)
+    comps = identity.components(target=target, layer_ids=ids, last_layer_id=facts["num_layers"], dtype=dtype,
+                                storage=storage, sample_ids=sample_ids, gen_params_ids=gen_params_ids)
+    return S.FeatureMeta(target=str(target), layer_ids=ids, last_layer_id=facts["num_layers"],
+                         hidden_size=facts["hidden_size"], dtype=dtype, storage=storage,
+                         feature_set_id=identity.identity_hash(comps), identity=json.dumps(comps, sort_keys=True))
+
+
+def pool_conversations(store_uri: str) -> list[dict]:
+    """Training rows of the prompts table that have a response: the pool a feature set covers."""
+    rows = store.read(store_uri, store.PROMPTS, filter="split = 'train' AND finish_reason != ''").to_pylist()
+    return sorted(rows, key=lambda r: r["sample_id"])
+
+
+def pending_conversations(store_uri: str, table: str = store.FEATURES) -> list[dict]:
+    """Pool rows with no features yet in ``table``, by id."""
+    done = store.sample_ids(store_uri, table)
+    return [r for r in pool_conversations(store_uri) if r["sample_id"] not in done]
+
+
+def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta) -> S.FeatureMeta | None:
+    """The table's meta when ``table`` already holds this feature set (None: no table yet); refuses
+    a different one, naming the keys. A table of an older, still readable schema version whose
+    identity differs only in ``schema_version`` holds the same tensors: it is reused as is (read
+    only: adding rows to it is refused by ``fragments.check_identity``)."""
+    if not store.exists(store_uri, table):
+        return None
+    ds = store.dataset(store_uri, table)
+    have = S.feature_meta(ds.schema)
+    if have.feature_set_id == meta.feature_set_id:
+        return have
+    diff = identity.differences(have.identity_components, meta.identity_components) or ["feature_set_id"]
+    if [d for d in diff if not d.startswith("schema_version")] == [] and \
+            S.schema_version(ds.schema) in S.READABLE_VERSIONS:
+        log.info("table '%s' is features schema version %s (same feature set otherwise): reused",
+                 table, S.schema_version(ds.schema))
+        return have
+    raise StoreError(f"table '{table}' holds feature set {have.feature_set_id}, this capture is "
+                     f"{meta.feature_set_id}: differs in {'; '.join(diff)}. Set featurestore.table to a new "
+                     "name (or restore those keys)")
+
+
+def feature_row(conv: dict, aux, last, meta: S.FeatureMeta, spans=()) -> dict:
+    prompt, response = conv["prompt_token_ids"], conv["response_token_ids"]
+    # Loss on every token the target generated (its end-of-turn token included): the last answer and,
+    # in a multi-turn conversation, the earlier answers' ``spans`` inside the prompt (featurestore/capture/turns.py).
+    mask = turns.loss_mask(len(prompt), len(response), list(spans or ()))
+    return {
+        "sample_id": conv["sample_id"], "domain": conv["domain"], "source": conv["source"],
+        "split": conv["split"], "mode": conv["mode"], "gen_params_id": conv["gen_params_id"],
+        "num_tokens": len(prompt) + len(response), "num_loss_tokens": sum(mask),
+        "input_ids": list(prompt) + list(response),
+        "loss_mask": mask,
+        # raw: the target dtype's bytes (bit-exact); fp8_e4m3: per-row scales + e4m3 codes (schema.py).
+        "aux_hidden": S.encode_value(aux, meta), "last_hidden": S.encode_value(last, meta),
+    }
+
+
+def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None, off_policy: bool = False,
+            trust_remote_code: bool = False) -> dict:
+    """Capture every pool conversation not yet in ``cfg.table``; zero passes if the set exists.
+
+    Refuses (unless ``off_policy``) when the prompts' responses were generated by another target
+    than ``target`` (``featurestore/capture/policy.py``)."""
+    t0 = time.time()
+    name = cfg.table
+    if cfg.storage not in S.STORAGES:
+        raise ConfigError(f"featurestore.storage: {cfg.storage!r} is not one of {', '.join(S.STORAGES)}")
+    if not store.exists(store_uri, store.PROMPTS):
+        raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
+    policy.check_prompts(store_uri, target, off_policy=off_policy, stage="featurestore capture")
+    # The whole capture holds the table's writer lease: what is missing is decided once, below, and
+    # stays true until the last commit (a second capture, a gc or a restore meanwhile is refused,
+    # naming this one). Taken before any engine starts.
+    with lease.hold(store_uri, name, purpose="featurestore capture", wait_s=5):
+        return _capture(target=target, store_uri=store_uri, cfg=cfg, lineage=lineage, t0=t0,
+                        trust_remote_code=trust_remote_code)
+
+
+def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: float,
+             trust_remote_code: bool = False) -> dict:
+    name = cfg.table
+    pool = pool_conversations(store_uri)
+    if not pool:
+        raise StoreError(f"the prompts table in {store_uri} has no training conversation with a response: "
+                         "nothing to capture (run `ingest build`; check its failures)")
+    meta = feature_meta(target, cfg.layer_ids, cfg.engine.dtype, storage=cfg.storage,
+                        sample_ids=[r["sample_id"] for r in pool], gen_params_ids=[r["gen_params_id"] for r in pool],
+                        trust_remote_code=trust_remote_code)
+    have = check_reuse(store_uri, name, meta)
+    reused = have is not None
+    meta = have or meta
+    done = store.sample_ids(store_uri, name)
+    todo = [r for r in pool if r["sample_id"] not in done]
+    passes, tokens = 0, 0
+    if todo:
+        longest = max(len(c["prompt_token_ids"]) + len(c["response_token_ids"]) for c in todo)
+        if longest + 1 > cfg.engine.max_model_len:
+            raise StoreError(f"a conversation has {longest} tokens: raise featurestore.engine.max_model_len")
+        earlier_turns = _turn_spans(target, todo, trust_remote_code=trust_remote_code)
+        budget = max(1, int(cfg.write_buffer_mb * (1 << 20)))
+        writer = FeatureWriter(store_uri, name, meta, budget=budget)
+        lineage = {**(lineage or {}), "feature_set_id": meta.feature_set_id, "code_version": code_version()}
+        with Capturer(target, meta.layer_ids, meta.last_layer_id, cfg.engine,
+                      trust_remote_code=trust_remote_code) as cap, \
+                tqdm(total=len(todo), desc="featurestore: capture", unit="sample") as bar:
+            # One stream over everything missing, in order: the engine computes the next captures
+            # while this process encodes, writes and commits; the window (featurestore.batch_size
+            # samples, write_buffer_mb bytes) bounds what is in flight, as fixed batches did.
+            seqs = [c["prompt_token_ids"] + c["response_token_ids"] for c in todo]
+            results = contextlib.closing(cap.stream(seqs, max_in_flight=cfg.batch_size, budget_bytes=budget,
+                                                    bytes_per_token=bytes_per_token(meta)))
+            with results as stream:  # closed on any error: what is still queued is aborted
+                for i, (conv, (aux, last)) in enumerate(zip(todo, stream), 1):
+                    if dtype_name(aux) != meta.dtype:
+                        raise StoreError(f"engine produced {dtype_name(aux)}, table is {meta.dtype}: "
+                                         "set featurestore.engine.dtype")
+                    row = feature_row(conv, aux, last, meta, spans=earlier_turns(conv))
+                    del aux, last
+                    tokens += row["num_tokens"]
+                    writer.add(row)
+                    if i % cfg.commit_every == 0 or i == len(todo):  # the same commit boundaries as before
+                        faults.delay("featurestore.before_commit")  # tests: hold the fragments-written window
+                        writer.commit(lineage)
+                        bar.update((i - 1) % cfg.commit_every + 1)
+            passes = cap.num_forward_passes
+    table = store.read(store_uri, name, columns=["domain", "num_tokens", "num_loss_tokens"]) \
+        if store.exists(store_uri, name) else None
+    per_domain = collections.Counter(table.column("domain").to_pylist()) if table is not None else {}
+    return {
+        "feature_set_id": meta.feature_set_id, "layer_ids": list(meta.layer_ids),
+        "last_layer_id": meta.last_layer_id, "dtype": meta.dtype, "storage": meta.storage,
+        "table": name, "reused": bool(reused and not todo),
+        "captured": len(todo), "target_forward_passes": passes, "captured_tokens": tokens,
+        "samples_per_domain": dict(sorted(per_domain.items())),
+        "features_table_version": store.latest_version(store_uri, name) if table is not None else None,
+        "seconds": round(time.time() - t0, 2),
+    }
+
+
+def _turn_spans(target: str, convs: list[dict], *, trust_remote_code: bool = False):
+    """A function conv -> loss spans of its earlier assistant turns (the tokenizer is loaded only
+    when some conversation has more than one assistant turn)."""
+    def multi(c: dict) -> list[dict] | None:
+        """The conversation's messages if it has more than one assistant turn, else None."""
+        msgs = json.loads(c.get("messages_json") or "[]")
+        return msgs if sum(m.get("role") == "assistant" for m in msgs) > 1 else None
+
+    multi_turn = {c["sample_id"]: msgs for c in convs if (msgs := multi(c)) is not None}
+    if not multi_turn:
+        return lambda conv: ()
+    tok = load_tokenizer(target, trust_remote_code=trust_remote_code)
+
+    def spans(conv: dict):
+        msgs = multi_turn.get(conv["sample_id"])
+        if msgs is None:
+            return ()
+        found = turns.assistant_spans(tok, msgs, list(conv["prompt_token_ids"]))
+        if found is None:
+            log.warning("%s: the chat template does not reproduce the prompt; training on the last "
+                        "answer only", conv["sample_id"])
+        return found or ()
+
+    return spans

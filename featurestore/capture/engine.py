@@ -1,0 +1,212 @@
+"""Capture a target's hidden states with vLLM's ``extract_hidden_states`` method.
+
+The engine runs the target over fixed token sequences (prompt + on-policy response, generation of a
+single throw-away token) and our connector (:mod:`eaglenest.featurestore.capture.connector`) spools each
+request's ``[num_tokens, num_layers, hidden]`` tensor to a private directory; this module reads it
+back, checks the token ids, and deletes the spool file. Layers captured are the EAGLE-3 aux layers
+followed by the last layer (vLLM ids; id L is the last block's output before the final norm), so
+one pass yields both the draft's inputs and the target's own logits basis.
+
+:meth:`Capturer.stream` keeps the engine busy: sequences go in as a window that is refilled as
+requests finish, and captures are handed out in order, so the engine process computes while the
+caller encodes and writes. Fixed batches (the earlier design) left it idle during every batch's read-back, encode
+and commit, and each batch ended with a lone tail step. The trade-off: results come one at a time,
+and the window, not a batch, is what bounds memory (``max_in_flight`` sequences and a byte budget).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from eaglenest.config import short
+from eaglenest.engine import EngineConfig, close_llm, make_llm
+from eaglenest.errors import ConfigError, StoreError
+from eaglenest.featurestore import schema as S
+
+log = logging.getLogger(__name__)
+
+#: The connector vLLM loads into the engine, by module path and class name (it imports vLLM and
+#: torch, so this module names it instead of importing it).
+CONNECTOR_MODULE = "eaglenest.featurestore.capture.connector"
+CONNECTOR_NAME = "EaglenestHiddenStatesConnector"
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """vLLM's default EAGLE-3 aux layers, (2, L//2, L-3), in vLLM's convention."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    if len(set(ids)) != 3:
+        raise ConfigError(f"featurestore.layer_ids: the default rule gives {ids} for a {num_layers}-layer "
+                          "target; set three distinct ids explicitly")
+    return ids
+
+
+def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """The aux layer ids to capture, in the order given (it is the stored order and part of the
+    feature set's identity). Each id at most once, and never ``num_layers``: the last layer is
+    always captured as ``last_hidden`` already, so as an aux layer it would be stored twice."""
+    ids = tuple(layer_ids) or default_layer_ids(num_layers)
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ConfigError(f"featurestore.layer_ids: {short(bad)} outside 0..{num_layers} (vLLM convention)")
+    if num_layers in ids:
+        raise ConfigError(f"featurestore.layer_ids: {num_layers} is the last layer, captured separately "
+                          f"(last_hidden); use ids 0..{num_layers - 1}")
+    dups = sorted(i for i, n in Counter(ids).items() if n > 1)
+    if dups:
+        raise ConfigError(f"featurestore.layer_ids: duplicate ids {short(dups)}; give each aux layer once")
+    return ids
+
+
+def capture_llm(target: str, capture_ids: list[int], engine: EngineConfig, *, spool: str, extra: dict | None = None,
+                trust_remote_code: bool = False):
+    """A vLLM engine whose ``extract_hidden_states`` proposer hands ``capture_ids`` (aux layers +
+    the last) to the eaglenest connector, which spools them under ``spool`` (``extra``: more
+    connector settings, e.g. the stream's publish socket)."""
+    return make_llm(
+        target, engine, trust_remote_code=trust_remote_code,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(capture_ids)}},
+        },
+        kv_transfer_config={
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": spool, **(extra or {})},
+        },
+    )
+
+
+class Capturer:
+    """A live vLLM engine that returns hidden states for token sequences. Use as a context manager."""
+
+    def __init__(self, target: str, layer_ids: tuple[int, ...], num_layers: int, engine: EngineConfig, *,
+                 trust_remote_code: bool = False):
+        self.layer_ids = tuple(layer_ids)
+        self.capture_ids = [*self.layer_ids, num_layers]
+        self._spool = Path(tempfile.mkdtemp(prefix="eaglenest-capture-"))
+        self.num_forward_passes = 0
+        #: Largest window :meth:`stream` held: sequences in the engine, sequences sent and not yet
+        #: handed out, and their hidden-state bytes (what tests check the bounds against).
+        self.peak_window = {"in_engine": 0, "sequences": 0, "bytes": 0}
+        self.llm = capture_llm(target, self.capture_ids, engine, spool=str(self._spool),
+                               trust_remote_code=trust_remote_code)
+
+    def __enter__(self) -> "Capturer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        shutil.rmtree(self._spool, ignore_errors=True)
+        llm, self.llm = getattr(self, "llm", None), None
+        close_llm(llm)
+
+    def capture(self, sequences: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each token sequence, ``(aux [T, n_aux, H], last [T, H])`` as numpy (torch dtype kept),
+        all sent to the engine at once."""
+        n = len(sequences)
+        return list(self.stream(sequences, max_in_flight=max(n, 1), budget_bytes=float("inf"), bytes_per_token=0))
+
+    def stream(self, sequences: list[list[int]], *, max_in_flight: int, budget_bytes: float,
+               bytes_per_token: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`capture`'s results one by one, in the order of ``sequences``, while the engine
+        keeps going. At most ``max_in_flight`` sequences are in the engine, refilled as soon as
+        requests finish, and the window of sequences sent and not yet handed out (in the engine, or
+        finished and spooled) holds at most ``2 * max_in_flight`` sequences and ``budget_bytes`` of
+        hidden states (``bytes_per_token`` each; one sequence alone may exceed it). The engine (its
+        own process) thus computes the next captures while the caller encodes and writes this one.
+        Refilling on finish, not on hand-out, matters: vLLM's connector extracts a request's states
+        only in the engine step after the one that finished it, so a window refilled on hand-out
+        would leave that step empty. Leaving early (an error, ``close()``) aborts what is still
+        queued, so the engine can be reused."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        engine = self.llm.llm_engine
+        sizes = [len(s) * bytes_per_token for s in sequences]
+        queued: dict[str, int] = {}  # vLLM request id -> index, not finished yet
+        finished: dict[int, object] = {}  # index -> RequestOutput, finished, not handed out yet
+        state = {"sent": 0, "handed": 0, "held": 0}  # held: bytes of the window (sent, not handed out)
+
+        def fill() -> None:
+            batch, sent, handed = [], state["sent"], state["handed"]
+            while sent < len(sequences) and (sent == handed or (
+                    len(queued) + len(batch) < max_in_flight and sent - handed < 2 * max_in_flight
+                    and state["held"] + sizes[sent] <= budget_bytes)):
+                batch.append(sent)
+                state["held"] += sizes[sent]
+                sent += 1
+            state["sent"] = sent
+            for key, value in (("in_engine", len(queued) + len(batch)), ("sequences", sent - handed),
+                               ("bytes", state["held"])):
+                self.peak_window[key] = max(self.peak_window[key], value)
+            if batch:
+                prompts = [TokensPrompt(prompt_token_ids=list(map(int, sequences[i]))) for i in batch]
+                ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+                # vLLM appends "-<random>" internally; outputs carry the id before it.
+                queued.update((rid.split("-", 1)[0], i) for rid, i in zip(ids, batch))
+                self.num_forward_passes += len(batch)
+
+        try:
+            while state["handed"] < len(sequences):
+                fill()
+                while state["handed"] not in finished:
+                    for out in engine.step():
+                        if out.finished and out.request_id in queued:
+                            finished[queued.pop(out.request_id)] = out
+                    fill()
+                i = state["handed"]
+                result = self._read(sequences[i], finished.pop(i))
+                state["held"] -= sizes[i]
+                state["handed"] = i + 1
+                yield result
+        finally:
+            if queued:
+                engine.abort_request(list(queued))
+            for out in finished.values():  # read by no one: their spool files go now
+                path = (out.kv_transfer_params or {}).get("hidden_states_path")
+                if path:
+                    _cleanup(path)
+
+    def _read(self, seq: list[int], out) -> tuple[np.ndarray, np.ndarray]:
+        """The spooled capture of one finished request, checked against ``seq``; the file is removed."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            load_hidden_states,
+        )
+
+        path = (out.kv_transfer_params or {}).get("hidden_states_path")
+        if path is None:
+            raise StoreError("vLLM returned no hidden states: is the capture connector loaded?")
+        try:
+            data = load_hidden_states(path)  # waits on the file's lock until the writer is done
+        finally:
+            _cleanup(path)
+        hs, ids = data["hidden_states"], data["token_ids"]
+        if ids.tolist() != list(map(int, seq)):
+            raise StoreError("captured token ids differ from the sequence sent")
+        if hs.shape[0] != len(seq) or hs.shape[1] != len(self.capture_ids):
+            raise StoreError(f"captured shape {tuple(hs.shape)} for {len(seq)} tokens, "
+                             f"{len(self.capture_ids)} layers")
+        arr = S.to_numpy(hs)
+        # numpy copies (single-threaded): a torch .contiguous() here runs on OpenMP threads that
+        # compete with the engine's for the same cores.
+        return np.ascontiguousarray(arr[:, :-1]), np.ascontiguousarray(arr[:, -1])
+
+
+def _cleanup(path: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+    )
+
+    cleanup_hidden_states(path)

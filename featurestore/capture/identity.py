@@ -1,0 +1,142 @@
+"""Feature-set identity: a content hash of everything that determines the stored hidden states.
+
+Two captures with the same identity produce the same tensors, so the second one is pure waste:
+``featurestore capture`` (and ``ingest build``, through :func:`find`) reuse the stored table and run
+zero target forward passes. The identity covers:
+
+* ``target`` (model id or path) and ``weights_sha256``: a hash of the weight files' contents
+  (``*.safetensors``/``*.bin``; the sha256 of each file, keyed by name). Files larger than
+  ``FULL_HASH_BYTES`` in total are hashed by size plus their first and last 16 MiB, so a 140 GB
+  target is identified in seconds; a hub revision pins the rest. This is the trade-off: a
+  same-size in-place edit of the middle of a huge weight file would go unnoticed.
+* ``layer_ids`` (vLLM convention), ``last_layer_id`` and ``capture_point`` (where the tensors are
+  taken: vLLM ``extract_hidden_states``, residual stream before the final norm);
+* ``tokenizer_sha256`` and ``chat_template_sha256``;
+* ``prompt_pool``: a hash of the sorted sample ids of the training conversations (ids are content
+  hashes, so this is the pool's content) and ``gen_params_ids`` (how the responses were generated);
+* ``dtype``, ``storage`` (raw or fp8) and the schema version.
+
+Components are kept in the table metadata next to the hash, so a refused capture can say which
+component differs and which recipe key changes it (:data:`KEYS`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from eaglenest.featurestore import schema as S
+from eaglenest.featurestore.table import store
+
+log = logging.getLogger(__name__)
+
+CAPTURE_POINT = "vllm.extract_hidden_states/residual_pre_final_norm"
+FULL_HASH_BYTES = 4 << 30
+_EDGE = 16 << 20
+
+#: Identity component -> the recipe key that changes it (named in refusal messages).
+KEYS = {
+    "target": "run.target", "weights_sha256": "run.target", "tokenizer_sha256": "run.target",
+    "chat_template_sha256": "run.target", "layer_ids": "featurestore.layer_ids",
+    "last_layer_id": "run.target", "capture_point": "(code version)", "prompt_pool": "ingest.manifest",
+    "gen_params_ids": "ingest.manifest (generation)", "dtype": "featurestore.engine.dtype",
+    "storage": "featurestore.storage", "schema_version": "(code version)",
+}
+
+
+def _sha_file(path: Path, *, full: bool) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        if full:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        else:
+            size = path.stat().st_size
+            h.update(str(size).encode())
+            h.update(f.read(_EDGE))
+            f.seek(max(0, size - _EDGE))
+            h.update(f.read(_EDGE))
+    return h.hexdigest()
+
+
+def weights_hash(target: str) -> str:
+    """sha256 over the target's weight files (see the module docstring for very large targets)."""
+    root = Path(target)
+    if not root.is_dir():  # a hub id: its revision is the identity (resolved by the caller's cache)
+        return "hub:" + str(target)
+    files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    # One hash per content per process: capture and train consult it more than once (identity,
+    # on-policy checks). Keyed by each file's stat, so any write, copy or replace hashes again.
+    stats = tuple((str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                  for p in files for st in (p.stat(),))
+    if stats in _HASHED:
+        return _HASHED[stats]
+    full = sum(s[1] for s in stats) <= FULL_HASH_BYTES
+    blob = {p.name: _sha_file(p, full=full) for p in files}
+    _HASHED[stats] = digest = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+    return digest
+
+
+_HASHED: dict[tuple, str] = {}
+
+
+def tokenizer_hashes(target: str) -> tuple[str, str]:
+    """(sha256 of the tokenizer files, sha256 of the chat template)."""
+    root = Path(target)
+    tok = hashlib.sha256()
+    template = ""
+    for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
+                 "special_tokens_map.json"):
+        p = root / name
+        if p.is_file():
+            tok.update(name.encode() + p.read_bytes())
+    cfg = root / "tokenizer_config.json"
+    if cfg.is_file():
+        template = json.loads(cfg.read_text()).get("chat_template") or ""
+    jinja = root / "chat_template.jinja"
+    if jinja.is_file():
+        template = jinja.read_text()
+    if isinstance(template, list):
+        template = json.dumps(template, sort_keys=True)
+    return tok.hexdigest(), hashlib.sha256(template.encode()).hexdigest()
+
+
+def components(*, target: str, layer_ids, last_layer_id: int, dtype: str, storage: str,
+               sample_ids, gen_params_ids) -> dict:
+    tok, template = tokenizer_hashes(target)
+    pool = hashlib.sha256("\n".join(sorted(sample_ids)).encode()).hexdigest()
+    return {
+        "target": str(target), "weights_sha256": weights_hash(target), "tokenizer_sha256": tok,
+        "chat_template_sha256": template, "layer_ids": list(layer_ids), "last_layer_id": int(last_layer_id),
+        "capture_point": CAPTURE_POINT, "prompt_pool": pool, "gen_params_ids": sorted(set(gen_params_ids)),
+        "dtype": dtype, "storage": storage, "schema_version": S.SCHEMA_VERSION,
+    }
+
+
+def identity_hash(comps: dict) -> str:
+    # The target path is a name, not content: moving a model directory keeps its identity.
+    keyed = {k: v for k, v in comps.items() if k != "target"}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def differences(have: dict, want: dict) -> list[str]:
+    """Human-readable list of differing components with the recipe key to change."""
+    out = []
+    for k in sorted(set(have) | set(want)):
+        if k != "target" and have.get(k) != want.get(k):
+            out.append(f"{k} (key {KEYS.get(k, '?')})")
+    return out
+
+
+def find(store_uri: str, feature_set_id: str, *, tables: list[str] | None = None) -> tuple[str, int] | None:
+    """(table, latest version) of the table in the store that holds ``feature_set_id``, else None."""
+    names = tables if tables is not None else store.table_names(store_uri)
+    for name in names:
+        if name == store.PROMPTS or not store.exists(store_uri, name):
+            continue
+        ds = store.dataset(store_uri, name)
+        if S.feature_meta(ds.schema).feature_set_id == feature_set_id:
+            return name, int(ds.version)
+    return None

@@ -1,0 +1,143 @@
+"""The bodies of the ``featurestore`` subcommands (:mod:`eaglenest.featurestore.cli` names them).
+
+The top of the feature store: it may use every room (table, read, capture, stream). Kept apart
+from the CLI's argument table so that ``featurestore --help`` imports none of it (pyarrow, Lance,
+the capture stack); :func:`eaglenest.featurestore.cli.main` imports this module only to run a
+command. Each function is ``fn(recipe, args) -> int``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+from eaglenest.errors import ConfigError
+from eaglenest.featurestore import schema
+from eaglenest.featurestore.capture import build
+from eaglenest.featurestore.read import query
+from eaglenest.featurestore.stream import xhost
+from eaglenest.featurestore.table import maintenance, store, versions
+from eaglenest.hf import check_remote_code
+from eaglenest.paths import ensure_writable
+from eaglenest.provenance import write_json_atomic, write_provenance
+
+
+def cmd_capture(recipe, args) -> int:
+    check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)  # fail fast
+    ensure_writable(recipe.run.path("featurestore"), "run.workdir")  # before the engine starts
+    ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
+    ingest_stats = recipe.run.path("ingest") / "stats.json"
+    manifest_hash = json.loads(ingest_stats.read_text()).get("manifest_hash") if ingest_stats.is_file() else None
+    lineage = {"manifest_hash": manifest_hash, "prompts_version": _version(recipe.run.store_uri, "prompts")}
+    stats = build.capture(target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.featurestore,
+                          lineage=lineage, off_policy=recipe.run.off_policy, trust_remote_code=recipe.run.trust_remote_code)
+    out = recipe.run.path("featurestore")
+    write_json_atomic(out / "stats.json", stats)
+    write_provenance(out, config=recipe.to_dict(), inputs={
+        "target": recipe.run.target, "store": recipe.run.store_uri,
+        "prompts_version": _version(recipe.run.store_uri, "prompts")})
+    print(json.dumps(stats, indent=2))
+    return 0
+
+
+def _version(uri: str, name: str):
+    return store.latest_version(uri, name) if store.exists(uri, name) else None
+
+
+def cmd_show(recipe, args) -> int:
+    uri = recipe.run.store_uri
+    report = {"store": uri, "tables": {}}
+    for name in (store.PROMPTS, store.FEATURES):
+        if not store.exists(uri, name):
+            continue
+        ds = store.dataset(uri, name)
+        cols = ["domain", "split"]
+        t = ds.to_table(columns=cols)
+        counts = collections.Counter(zip(t.column("domain").to_pylist(), t.column("split").to_pylist()))
+        info = {"version": ds.version, "rows": ds.count_rows(),
+                "versions": [v["version"] for v in ds.versions()], "tags": sorted(ds.tags.list()),
+                "counts": {f"{d}/{s}": n for (d, s), n in sorted(counts.items())}}
+        if name == store.FEATURES:
+            info["meta"] = json.loads(schema.feature_meta(ds.schema).to_json())
+        report["tables"][name] = info
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _print(obj) -> int:
+    print(json.dumps(obj, indent=2, default=str))
+    return 0
+
+
+def _ver(text):
+    return None if text is None else int(text) if str(text).isdigit() else text
+
+
+def _t(recipe):
+    return recipe.run.store_uri, recipe.featurestore.table
+
+
+def cmd_versions(recipe, args) -> int:
+    return _print(versions.list_versions(*_t(recipe)))
+
+
+def cmd_tags(recipe, args) -> int:
+    if args.create:
+        versions.set_tag(*_t(recipe), args.create, _ver(args.version))
+    if args.delete:
+        versions.delete_tag(*_t(recipe), args.delete)
+    return _print({k: v["version"] for k, v in store.dataset(*_t(recipe)).tags.list().items()})
+
+
+def cmd_diff(recipe, args) -> int:
+    return _print(versions.diff(*_t(recipe), _ver(args.a), _ver(args.b)))
+
+
+def cmd_checkout(recipe, args) -> int:
+    return _print(versions.summary(*_t(recipe), _ver(args.v)))
+
+
+def cmd_restore(recipe, args) -> int:
+    return _print({"restored": _ver(args.v), "new_version": versions.restore(*_t(recipe), _ver(args.v))})
+
+
+def cmd_verify(recipe, args) -> int:
+    report = maintenance.verify(*_t(recipe), version=_ver(args.version))
+    _print(report)
+    maintenance.require_ok(report)
+    return 0
+
+
+def cmd_compact(recipe, args) -> int:
+    return _print(maintenance.compact(*_t(recipe)))
+
+
+def cmd_gc(recipe, args) -> int:
+    return _print(maintenance.gc(*_t(recipe), older_than_hours=args.older_than_hours,
+                                 grace_hours=args.grace_hours))
+
+
+def cmd_query(recipe, args) -> int:
+    attach = dict(a.split("=", 1) for a in args.attach or [])
+    pinned = {recipe.featurestore.table: _ver(args.version)} if args.version else None
+    table = query.run_query(recipe.run.store_uri, args.sql, versions=pinned, with_tensors=args.with_tensors,
+                            attach=attach)
+    if args.out:
+        if args.out.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, args.out)
+        elif args.out.endswith(".csv"):
+            import pyarrow.csv as pcsv
+
+            pcsv.write_csv(table, args.out)
+        else:
+            raise ConfigError(f"--out {args.out}: use a .csv or .parquet file name")
+        print(f"{table.num_rows} rows -> {args.out}")
+    else:
+        print(table.to_pandas().to_string(index=False, max_rows=args.max_rows))
+    return 0
+
+
+def cmd_stream_serve(recipe, args) -> int:
+    return xhost.serve(args.addr, args.engine_rank, target=args.target, timeout_s=args.timeout_s)

@@ -1,0 +1,57 @@
+"""Bodies of ``featurestore export`` and ``featurestore import`` (wired in featurestore/cli.py).
+
+    featurestore export --format speculators|specforge|hf --out DIR [--version V] [--draft-vocab-size N]
+                        [--with-tensors]                  a table version out to a peer trainer or datasets
+    featurestore import --format speculators|specforge --src DIR [featurestore.table=NAME]
+                                                          a peer's hidden-state dump in, as one new version
+
+Both print a JSON summary. The target whose vocabulary size and final norm an export needs is
+the table's recorded target when it is a local directory, else ``run.target``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eaglenest.errors import ConfigError
+from eaglenest.featurestore.interop import hf, source, specforge, speculators
+
+EXPORTS = {"speculators": speculators, "specforge": specforge, "hf": hf}
+IMPORTS = {"speculators": speculators, "specforge": specforge}
+
+
+def _version(text):
+    return None if text is None else int(text) if str(text).isdigit() else text
+
+
+def _target(recipe, src: source.Source) -> str:
+    return src.meta.target if Path(src.meta.target).is_dir() else recipe.run.target
+
+
+def cmd_export(recipe, args) -> int:
+    src = source.open_source(recipe.run.store_uri, recipe.featurestore.table, _version(args.version))
+    config = recipe.to_dict()
+    if args.format == "hf":
+        record = hf.export(src, args.out, with_tensors=args.with_tensors, config=config)
+    else:
+        vocab = recipe.train.draft_vocab_size if args.draft_vocab_size is None else args.draft_vocab_size
+        kw = {"norm_key": recipe.run.target_keys.norm} if args.format == "specforge" else {}
+        record = EXPORTS[args.format].export(src, args.out, draft_vocab_size=vocab or None,
+                                             target=_target(recipe, src), config=config, **kw)
+    print(json.dumps({"out": str(args.out), **{k: record[k] for k in (
+        "format", "table", "table_version", "rows", "feature_set_id", "layer_ids_vllm")}}, indent=2))
+    return 0
+
+
+def cmd_import(recipe, args) -> int:
+    if args.format not in IMPORTS:
+        raise ConfigError(f"--format {args.format}: import reads {', '.join(IMPORTS)}")
+    kw = {"norm_key": recipe.run.target_keys.norm} if args.format == "specforge" else {}
+    summary = IMPORTS[args.format].import_dump(
+        args.src, recipe.run.store_uri, recipe.featurestore.table, target=recipe.run.target,
+        layer_ids=recipe.featurestore.layer_ids, domain=args.domain, off_policy=recipe.run.off_policy,
+        budget_bytes=int(recipe.featurestore.write_buffer_mb * (1 << 20)),
+        trust_remote_code=recipe.run.trust_remote_code, **kw)
+    print(json.dumps(summary, indent=2))
+    return 0

@@ -1,0 +1,17 @@
+"""The cross-host stream's address: ``host:port`` of the TCPStore that trainer rank 0 hosts.
+
+Apart from :mod:`eaglenest.featurestore.stream.xhost` so that a config module can check
+``train.stream.addr`` when a recipe loads, without importing the stream stack (numpy, pyarrow).
+"""
+
+from __future__ import annotations
+
+from eaglenest.errors import ConfigError
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """``(host, port)`` of ``addr``; a :class:`ConfigError` naming ``train.stream.addr`` otherwise."""
+    host, _, port = str(addr).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"train.stream.addr: host:port of the stream's store, got {addr!r}")
+    return host, int(port)

@@ -1,0 +1,185 @@
+"""The bottom of the table room: locating and opening a store's tables, and the head record.
+
+A store is a LanceDB directory, local or on an object store (``s3://bucket/prefix``; reached
+through :mod:`eaglenest.featurestore.table.objects`, docs/storage.md); each table is a Lance dataset
+``<uri>/<name>.lance``. This module maps table names (checked by
+:mod:`~eaglenest.featurestore.table.names`) to paths, opens a table at a version (validating its
+schema, refusing a rolled-back latest), keeps the head record that detects a rollback, and reads
+whole versions as Arrow. Everything above it in ``table/`` (lease,
+integrity, fragments, versions, maintenance) builds on these; :mod:`~eaglenest.featurestore.table.store`
+is the facade the stages use. Trade-off: one module holds all the low-level pieces so that the
+modules above share them without importing each other (or the facade).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+
+from eaglenest.errors import SchemaError, StoreError, require
+from eaglenest.featurestore import schema as S
+from eaglenest.featurestore.table import objects
+from eaglenest.featurestore.table.names import FEATURES, NAME, PROMPTS, check_name, check_tag, is_features
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BYTES", "FEATURES", "HEAD_FILE", "PROMPTS", "check_name", "check_tag", "dataset", "exists",
+           "expected_schema", "head_version", "is_features", "iter_batches", "latest_version", "read",
+           "record_head", "require_lance", "rolled_back", "sample_ids", "table_names", "table_path", "table_uri",
+           "unreadable"]
+
+
+def require_lance():
+    """The ``lance`` module (an ImportError naming the extra when it is missing)."""
+    return require("lance", "featurestore")
+
+
+def table_path(uri: str, name: str) -> Path:
+    """The table's directory in a local store (object stores: :func:`table_uri`)."""
+    if objects.is_remote(uri):
+        raise StoreError(f"table '{name}' in {uri}: not a local directory (internal: use table_uri)")
+    return Path(objects.local(uri)) / f"{check_name(name)}.lance"
+
+
+def table_uri(uri: str, name: str) -> str:
+    """The table's location as Lance and pyarrow take it (a local path or an object-store URI)."""
+    return objects.join(uri, f"{check_name(name)}.lance")
+
+
+def exists(uri: str, name: str) -> bool:
+    return objects.exists(objects.join(table_uri(uri, name), "_versions"), directory=True)
+
+
+def table_names(uri: str) -> list[str]:
+    """Names of the tables in the store (directories ``<name>.lance`` holding a version)."""
+    names = sorted(e.name[:-len(".lance")] for e in objects.listdir(uri)
+                   if not e.is_file and e.name.endswith(".lance") and NAME.fullmatch(e.name[:-len(".lance")]))
+    return [n for n in names if exists(uri, n)]
+
+
+def expected_schema(name: str, meta: S.FeatureMeta | None = None) -> pa.Schema:
+    check_name(name)
+    if name == PROMPTS:
+        return S.PROMPTS_SCHEMA
+    if meta is None:
+        raise SchemaError(f"writing features table '{name}' needs its FeatureMeta")
+    return S.features_schema(meta)
+
+
+def dataset(uri: str, name: str, version: int | str | None = None, *, allow_rolled_back: bool = False):
+    """Open a table at ``version`` (a number or a tag; latest when None), validating its schema.
+
+    The latest version of a table that has been rolled back (a committed version's manifest is
+    gone; see :func:`rolled_back`) is refused: reading it would silently lose that version's rows.
+    """
+    if not exists(uri, name):
+        raise StoreError(f"no table '{name}' in store {uri}")
+    try:
+        ds = objects.dataset(table_uri(uri, name), version)
+    except (ValueError, OSError) as exc:
+        raise StoreError(f"table '{name}' in {uri}: cannot open version {version!r} "
+                         f"({str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__})") from None
+    base = S.PROMPTS_SCHEMA if name == PROMPTS else S.FEATURES_SCHEMA
+    # A version number past the latest, or an unknown tag, is a user error, not a traceback.
+    S.validate(ds.schema, base, what=f"table '{name}'")
+    if version is None and not allow_rolled_back:
+        problem = rolled_back(uri, name, ds.version)
+        if problem:
+            raise StoreError(problem)
+    return ds
+
+
+# -- the head record: the newest version eaglenest committed, to detect a table rolled back ------
+#
+# Lance finds a table's latest version by listing ``_versions/``. Delete the newest manifest and
+# the table silently opens at the one before, its rows gone. So every commit eaglenest makes (under
+# the table's writer lease) also records its version in ``<table>.lance/_eaglenest_head.json``;
+# a latest version older than that record (or than Lance's own ``latest_version_hint.json``) means
+# a committed version was lost. ``featurestore restore --v N`` accepts such a rollback explicitly.
+# On an object store the record is one PUT (atomic); without leases there, two writers may write
+# it in either order, so it can lag (a missed detection), never run ahead (a false alarm).
+
+HEAD_FILE = "_eaglenest_head.json"
+
+
+def head_version(uri: str, name: str) -> int | None:
+    """The newest version eaglenest recorded committing (None: no record)."""
+    text = objects.read_text(objects.join(table_uri(uri, name), HEAD_FILE))
+    try:
+        return int(json.loads(text)["version"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def record_head(uri: str, name: str, version: int, *, force: bool = False) -> None:
+    """Record ``version`` as committed (the larger of it and the record, unless ``force``)."""
+    have = head_version(uri, name)
+    if have is not None and have >= version and not force:
+        return
+    objects.write_text(objects.join(table_uri(uri, name), HEAD_FILE), json.dumps({"version": int(version)}))
+
+
+def rolled_back(uri: str, name: str, latest: int) -> str | None:
+    """A message if a version newer than ``latest`` was committed and its manifest is gone."""
+    recorded = head_version(uri, name)
+    hint = None
+    try:
+        hint = int(json.loads(objects.read_text(objects.join(table_uri(uri, name), "_versions",
+                                                             "latest_version_hint.json")))["version"])
+    except (ValueError, KeyError, TypeError):
+        pass
+    newest = max(v for v in (recorded, hint, latest) if v is not None)
+    if newest <= latest:
+        return None
+    return (f"table '{name}' in {uri} is rolled back: version {newest} was committed but the newest "
+            f"manifest is version {latest} (a file under {name}.lance/_versions was deleted?). Its rows "
+            f"are not readable; restore the manifest from a backup, or accept the loss with "
+            f"`featurestore restore --v {latest}`")
+
+
+def latest_version(uri: str, name: str) -> int:
+    return dataset(uri, name).version
+
+
+#: Scanner option that returns the bytes of blob columns (features schema 2), not (position, size).
+BYTES = {"blob_handling": "all_binary"}
+
+
+def read(uri: str, name: str, *, version: int | str | None = None, columns: list[str] | None = None,
+         filter: str | None = None) -> pa.Table:
+    """A table version as Arrow (tensor columns as bytes; training reads use featurestore.read.reader)."""
+    ds = dataset(uri, name, version)
+    with unreadable(uri, name, ds.version):
+        return ds.to_table(columns=columns, filter=filter, **BYTES)
+
+
+def iter_batches(uri: str, name: str, *, version: int | str | None = None,
+                 columns: list[str] | None = None, filter: str | None = None,
+                 batch_size: int = 64) -> Iterator[pa.RecordBatch]:
+    ds = dataset(uri, name, version)
+    with unreadable(uri, name, ds.version):
+        yield from ds.to_batches(columns=columns, filter=filter, batch_size=batch_size, **BYTES)
+
+
+@contextlib.contextmanager
+def unreadable(uri: str, name: str, version: int):
+    """A Lance read failure (a missing, truncated or corrupt data file) as one line naming the
+    table and version, pointing at ``featurestore verify`` (which names the fragment and file)."""
+    try:
+        yield
+    except (OSError, pa.ArrowException) as exc:
+        first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        raise StoreError(f"table '{name}' in {uri}, version {version}: cannot read it ({first}); "
+                         "`featurestore verify` names the damaged fragment and file") from None
+
+
+def sample_ids(uri: str, name: str, *, filter: str | None = None) -> set[str]:
+    """Ids already in a table (empty if the table does not exist yet): what a resumed run skips."""
+    if not exists(uri, name):
+        return set()
+    return set(read(uri, name, columns=["sample_id"], filter=filter).column("sample_id").to_pylist())

@@ -1,0 +1,293 @@
+"""Many writers, one commit: write Lance fragments anywhere, append them in one atomic commit.
+
+The pattern Lance documents for distributed writes: each worker (a process, a Dask task) calls
+:func:`write_fragment`, which validates its rows against the declared schema and writes data files
+under the table directory **without** committing; it returns small picklable
+``FragmentMetadata``. One driver gathers them and calls :func:`commit_fragments`: one
+``LanceOperation.Append`` commit, so readers see all of the fragments or none of them.
+
+Trade-offs:
+
+* Fragments written but never committed are invisible garbage; ``featurestore gc`` removes them
+  once they are older than its grace period, and never while a writer holds the table's lease.
+* The table is created empty (schema and feature metadata only) on first use, atomically: on local
+  disk written aside and renamed into place under a per-table create lock; on an object store
+  written in place, Lance's conditional PUT of the first manifest letting one creator win.
+* Every commit is made under the table's writer lease (``featurestore/table/lease.py``) and refused if
+  it would store a ``sample_id`` twice. Two Appends never conflict in Lance (it rebases them);
+  anything that does conflict (a writer outside eaglenest) is retried with jittered backoff.
+* Lineage (manifest hash, code version, parent version, counts per domain) is written into the
+  commit's Lance transaction properties under ``eaglenest.lineage``, so it is atomic with the data
+  and read back per version by :mod:`eaglenest.featurestore.table.versions`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+
+from eaglenest import faults
+from eaglenest.errors import SchemaError, StoreError, require
+from eaglenest.featurestore import schema as S
+from eaglenest.featurestore.table import base, integrity, lease, objects
+
+log = logging.getLogger(__name__)
+
+LINEAGE_KEY = "eaglenest.lineage"
+
+
+def _checked(uri: str, name: str, table: pa.Table, meta: S.FeatureMeta | None) -> tuple[pa.Table, pa.Schema]:
+    want = base.expected_schema(name, meta)
+    S.validate(table.schema, want, what=f"write to '{name}'")
+    return table.select(want.names).cast(want), want
+
+
+def check_identity(ds, name: str, meta: S.FeatureMeta | None) -> None:
+    """Refuse to mix feature sets in one table, naming what differs and the key to change."""
+    if not base.is_features(name):
+        return
+    version = S.schema_version(ds.schema)
+    if version != S.SCHEMA_VERSION:
+        raise SchemaError(
+            f"table '{name}' is features schema version {version} ({S.tensor_layout(ds.schema)} tensor columns); "
+            f"this eaglenest writes version {S.SCHEMA_VERSION} and does not mix the two in one table. "
+            "It can still be read and trained on; to add rows, capture into a new table "
+            "(featurestore.table) or a new store (run.store)")
+    if name != base.FEATURES:
+        return
+    have = S.feature_meta(ds.schema)
+    if have == meta:
+        return
+    diff = [f for f in ("target", "layer_ids", "last_layer_id", "hidden_size", "dtype", "storage", "feature_set_id")
+            if getattr(have, f) != getattr(meta, f)]
+    raise SchemaError(
+        f"table '{name}' holds another feature set (differs in {', '.join(diff)}: "
+        f"{ {f: getattr(have, f) for f in diff} } vs { {f: getattr(meta, f) for f in diff} }); "
+        "set featurestore.table to a new table name or run.store to a new store")
+
+
+def write_fragment(uri: str, name: str, table: pa.Table, *, meta: S.FeatureMeta | None = None) -> list:
+    """Validate ``table`` and write it as data files of table ``name``; no commit.
+
+    Safe in another process or a Dask worker. Returns ``FragmentMetadata`` objects (picklable, a few
+    hundred bytes each) for :func:`commit_fragments`.
+    """
+    fragment = require("lance.fragment", "featurestore")
+    table, want = _checked(uri, name, table, meta)
+    if table.num_rows == 0:
+        return []
+    ensure_table(uri, name, meta=meta)  # refuses another feature set before any byte is written
+    path = base.table_uri(uri, name)
+    frags = fragment.write_fragments(table, path, schema=want, storage_options=objects.lance_options(uri))
+    log.debug("wrote %d fragment(s), %d rows, for %s", len(frags), table.num_rows, path)
+    return list(frags)
+
+
+def ensure_table(uri: str, name: str, *, meta: S.FeatureMeta | None = None) -> int:
+    """Create ``name`` empty (schema + metadata) if missing; returns its latest version.
+
+    Creation is atomic: under a short per-table lock, the empty table is written to a temporary
+    directory inside the store and renamed into place, so no reader or writer ever sees a table
+    directory without its first manifest (two writers creating a table at once both succeed, and
+    the table has one empty first version).
+    """
+    want = base.expected_schema(name, meta)
+    if not base.exists(uri, name):
+        with lease.create_lock(uri, name):
+            if not base.exists(uri, name):
+                _create(uri, name, want)
+    ds = base.dataset(uri, name, allow_rolled_back=True)
+    check_identity(ds, name, meta)
+    return ds.version
+
+
+def _create(uri: str, name: str, want: pa.Schema) -> None:
+    lance = base.require_lance()
+    if objects.is_remote(uri):
+        _create_remote(lance, uri, name, want)
+        return
+    path = base.table_path(uri, name)
+    if path.exists():
+        if any(path.iterdir()):
+            raise StoreError(f"table '{name}' in {uri}: {path} exists but holds no table version "
+                             "(an interrupted create by an older eaglenest?); move it away and re-run")
+        path.rmdir()
+    tmp = Path(objects.local(uri)) / ".eaglenest" / "tmp" / f"{name}.{uuid.uuid4().hex}.lance"
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        # File format 2.0: Lance's default (2.2 in pylance 14) wrote the large_binary tensor columns
+        # ~10x slower (bench/featurestore_write.py); later fragments inherit the table's format.
+        lance.write_dataset(want.empty_table(), str(tmp), schema=want, mode="create", data_storage_version="2.0")
+        os.rename(tmp, path)
+    except OSError as exc:
+        raise StoreError(f"run.store: cannot create table '{name}' in {uri} "
+                         f"({str(exc).splitlines()[0][:300]})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    base.record_head(uri, name, 1)
+    log.debug("created %s", path)
+
+
+def _create_remote(lance, uri: str, name: str, want: pa.Schema) -> None:
+    """Create the table in place on an object store: no rename there, but Lance writes the first
+    manifest with a conditional PUT (``If-None-Match``), so of two creators one wins and the other
+    finds the table (docs/storage.md)."""
+    path = base.table_uri(uri, name)
+    try:
+        lance.write_dataset(want.empty_table(), path, schema=want, mode="create", data_storage_version="2.0",
+                            storage_options=objects.lance_options(uri))
+    except (OSError, ValueError) as exc:
+        if not base.exists(uri, name):
+            raise StoreError(f"run.store: cannot create table '{name}' in {uri} "
+                             f"({str(exc).splitlines()[0][:300]})") from None
+        log.debug("table %s was created by another writer meanwhile", path)
+        return
+    base.record_head(uri, name, 1)
+    log.debug("created %s", path)
+
+
+def _is_conflict(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return "conflict" in text or "retry" in text or "concurrent" in text
+
+
+def fragment_sample_ids(uri: str, name: str, fragments: list, ds) -> list[str]:
+    """``sample_id`` of every row of (uncommitted) ``fragments`` of table ``ds``, read from their data files."""
+    from lance.file import LanceFileReader
+
+    table_dir = base.table_uri(uri, name)
+    field = ds.lance_schema.field("sample_id").id()
+    ids: list[str] = []
+    for frag in fragments:
+        files = [f for f in frag.files if field in f.fields]
+        if len(files) != 1:
+            raise StoreError(f"fragment of table '{name}': no single data file holds sample_id")
+        path = objects.join(table_dir, "data", files[0].path)
+        try:
+            t = LanceFileReader(path, storage_options=objects.lance_options(uri),
+                                columns=["sample_id"]).read_all().to_table()
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"table '{name}': cannot read the uncommitted data file {path} "
+                             f"({str(exc).splitlines()[0][:200]}); was it deleted?") from None
+        ids += t.column("sample_id").to_pylist()
+    return ids
+
+
+def duplicates(ids: list[str], existing: set[str]) -> list[str]:
+    """Ids of ``ids`` already in ``existing`` or repeated within ``ids`` (sorted, unique)."""
+    seen, dup = set(), set()
+    for i in ids:
+        if i in existing or i in seen:
+            dup.add(i)
+        seen.add(i)
+    return sorted(dup)
+
+
+def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMeta | None = None,
+                     max_retries: int = 5, lineage: dict | None = None) -> int:
+    """One Lance Append commit of ``fragments`` (creating the table if needed); returns the version.
+
+    Made under the table's writer lease (``featurestore/table/lease.py``; re-entered when the caller
+    already holds it, as capture and ingest do): the commit is refused, with nothing changed, when
+    the table was rolled back or when a ``sample_id`` of the new rows is already in the table or
+    repeated among them. So no sample is ever stored twice, whatever the writers do. Commit
+    conflicts with writers outside eaglenest are retried up to ``max_retries`` times with jittered
+    exponential backoff. ``lineage`` (JSON-able) is stored in the commit's transaction properties;
+    ``parent_version`` is filled in with the version the commit was made on top of.
+
+    On an object store there is no lease: the check runs against the version the commit is made on
+    top of, and a concurrent writer's commit landing in between is caught after the fact
+    (:func:`_undo_concurrent_duplicates`; docs/storage.md says what that does and does not cover).
+    """
+    lance = base.require_lance()
+    if name == base.FEATURES and meta is None:
+        raise SchemaError("committing features needs its FeatureMeta")
+    ensure_table(uri, name, meta=meta)
+    path = base.table_uri(uri, name)
+    with lease.hold(uri, name, purpose="commit", wait_s=lease.WAIT_S):
+        new_ids = None
+        for attempt in range(max_retries + 1):
+            ds = base.dataset(uri, name)  # refuses a rolled-back table
+            if new_ids is None:
+                new_ids = fragment_sample_ids(uri, name, fragments, ds)
+            existing = set(ds.to_table(columns=["sample_id"]).column("sample_id").to_pylist())
+            dup = duplicates(new_ids, existing)
+            if dup:
+                raise StoreError(f"commit to table '{name}' refused: {len(dup)} sample id(s) would be stored "
+                                 f"twice (e.g. {', '.join(dup[:3])}); nothing was committed "
+                                 f"(latest version {ds.version} unchanged)")
+            props = {}
+            if lineage is not None:
+                props[LINEAGE_KEY] = json.dumps({**lineage, "parent_version": ds.version}, sort_keys=True,
+                                                default=str)
+            tx = lance.Transaction(read_version=ds.version, operation=lance.LanceOperation.Append(list(fragments)),
+                                   transaction_properties=props)
+            faults.delay("featurestore.commit_after_check")  # tests: two unleased writers in this window
+            try:
+                new = lance.LanceDataset.commit(path, tx, storage_options=objects.lance_options(uri))
+            except OSError as exc:
+                if not _is_conflict(exc) or attempt == max_retries:
+                    raise StoreError(f"commit to table '{name}' failed after {attempt + 1} attempt(s): "
+                                     f"{str(exc).splitlines()[0][:300]}") from None
+                delay = min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random())
+                log.info("commit conflict on %s (attempt %d), retrying in %.2fs", path, attempt + 1, delay)
+                time.sleep(delay)
+                continue
+            if new.version > ds.version + 1:  # other commits landed since the check (no lease: object stores)
+                new = _undo_concurrent_duplicates(uri, name, new, new_ids, fragments)
+            try:
+                base.record_head(uri, name, new.version)
+                integrity.record_checksums(uri, name, fragments)
+            except OSError as exc:
+                raise StoreError(f"table '{name}': version {new.version} was committed, but its head record or "
+                                 f"checksums could not be written ({exc.strerror or exc}); fix the store, "
+                                 "then run `featurestore verify`") from None
+            log.debug("committed %d fragment(s) to %s as version %d", len(fragments), path, new.version)
+            return new.version
+    raise AssertionError("unreachable")
+
+
+def _undo_concurrent_duplicates(uri: str, name: str, new, new_ids: list[str], fragments: list):
+    """After a commit that other commits overtook (possible without a lease, on an object store):
+    rows of this commit whose ``sample_id`` one of those commits stored first are deleted again,
+    in one Delete commit. Only the later of two racing writers sees the other's rows in between,
+    so exactly one copy stays. Returns the dataset at the version that holds no duplicate."""
+    lance = base.require_lance()
+    path = base.table_uri(uri, name)
+    before = set(objects.dataset(path, new.version - 1).to_table(columns=["sample_id"])
+                 .column("sample_id").to_pylist())
+    dup = sorted(set(new_ids) & before)
+    if not dup:
+        return new
+    ours = {df.path for f in fragments for df in f.files}
+    pred = "sample_id IN (" + ", ".join("'" + i.replace("'", "''") + "'" for i in dup) + ")"
+    updated, removed = [], []
+    for frag in objects.dataset(path, new.version).get_fragments():
+        if {df.path for df in frag.data_files()} & ours:
+            left = frag.delete(pred)
+            (removed.append(frag.fragment_id) if left is None else updated.append(left))
+    try:
+        fixed = lance.LanceDataset.commit(path, lance.LanceOperation.Delete(updated, removed, pred),
+                                          read_version=new.version, storage_options=objects.lance_options(uri))
+    except OSError as exc:
+        raise StoreError(f"table '{name}': version {new.version} stored {len(dup)} sample id(s) that a concurrent "
+                         f"writer committed first (e.g. {dup[0]}), and removing them failed "
+                         f"({str(exc).splitlines()[0][:200]}); run `featurestore verify`") from None
+    log.warning("table '%s': a concurrent writer committed %d of this commit's sample ids first (e.g. %s); "
+                "removed them from version %d (now version %d)", name, len(dup), dup[0], new.version, fixed.version)
+    return fixed
+
+
+def lineage_of(ds, version: int) -> dict | None:
+    """The lineage recorded with ``version`` (None for versions written without one)."""
+    tx = ds.read_transaction(version)
+    raw = (tx.transaction_properties or {}).get(LINEAGE_KEY) if tx is not None else None
+    return json.loads(raw) if raw else None

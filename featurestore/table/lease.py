@@ -1,0 +1,287 @@
+"""Writer leases: at most one process writes a table at a time, and a busy table names its writer.
+
+Why a lease and not only Lance's optimistic commits: Lance rebases two ``Append`` commits onto each
+other without complaint, so two captures that each decided at start which samples were missing
+would both append them (every sample twice). And ``gc`` must never delete data files that a live
+writer has written but not yet committed. Both need to know whether a writer is live, which Lance
+does not track. So every process that changes a table holds its lease for as long as its view of
+the table must stay true:
+
+* ``featurestore capture`` and ``ingest build`` for the whole run (they decide what is missing at
+  the start, then append it);
+* ``commit_fragments`` (``store.append``) for one commit, re-checking ``sample_id`` uniqueness under it;
+* ``compact``, ``gc``, ``restore`` and tag changes for the operation.
+
+Mechanism: a POSIX record lock (``fcntl.lockf``) on ``<store>/.eaglenest/leases/<table>.lease``,
+whose content says who holds it (pid, host, start time, what for). The kernel drops the lock when
+the holder dies, however it dies (SIGKILL included), so a stale lease needs no clean-up: the next
+writer takes it and logs whose it was. Record locks, unlike ``flock``, belong to the process and
+are not inherited across ``fork``, so an engine process a killed CLI leaves behind does not keep
+the table locked. They also work on NFS (through its lock manager). Not on object storage: a store
+there has no lease, and relies on Lance's conflict handling (conditional PUTs of manifests), the
+commit-time ``sample_id`` check and its after-the-fact repair (``fragments.commit_fragments``;
+docs/storage.md says what that guarantees).
+
+A process re-entering a lease it holds gets it at once (capture holds it and commits under it).
+Caveat of record locks: closing *any* descriptor of the lease file in the holding process drops
+the lock, so this module never opens a lease file it holds a second time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import errno
+import fcntl
+import json
+import logging
+import os
+import random
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from eaglenest.errors import StoreError
+from eaglenest.featurestore.table.names import check_name
+from eaglenest.featurestore.table.objects import is_remote
+
+log = logging.getLogger(__name__)
+
+#: How long a single commit (``store.append``, a library writer) waits for a busy lease.
+WAIT_S = 30.0
+#: How long ``compact``, ``gc``, ``restore`` and tag changes wait before saying who holds it.
+MAINTENANCE_WAIT_S = 5.0
+
+_held: dict[str, list] = {}  # lease path -> [fd, depth] for leases this process holds
+_pins: dict[str, int] = {}   # pin file -> version, for pins this process holds
+_mutex = threading.RLock()
+
+
+def _remote(uri: str) -> bool:
+    return is_remote(uri)
+
+
+def lease_path(uri: str, name: str, kind: str = "lease") -> Path:
+    """The lock file of table ``name``: ``kind`` "lease" (writers), "tags" (tag changes vs gc)."""
+    # Resolved: one file, one key, however the store is spelled ("runs/s", "./runs/s", a symlink).
+    # Opening and closing the same file under a second spelling would drop this process's lock.
+    return Path(uri).resolve() / ".eaglenest" / "leases" / f"{check_name(name)}.{kind}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_info(fd: int) -> dict | None:
+    try:
+        raw = os.pread(fd, 4096, 0)
+        return json.loads(raw.decode()) if raw.strip() else None
+    except (OSError, ValueError):
+        return None
+
+
+def describe(info: dict | None) -> str:
+    if not info:
+        return "another process (no holder recorded)"
+    text = (f"pid {info.get('pid')} on host {info.get('host')} since {info.get('since')} "
+            f"({info.get('purpose', '?')})")
+    if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int) and not _alive(info["pid"]):
+        text += "; that pid has exited, so a process it started still holds the lock"
+    return text
+
+
+def holder(uri: str, name: str) -> dict | None:
+    """Who holds the lease now (None: free). Never call it for a lease this process holds."""
+    path = lease_path(uri, name)
+    if str(path) in _held:
+        return json.loads(_info_text("(this process)"))
+    if not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDWR)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return _read_info(fd) or {}
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _info_text(purpose: str) -> str:
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                       "since": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                       "purpose": purpose, "argv": " ".join(sys.argv)[:300]})
+
+
+@contextlib.contextmanager
+def hold(uri: str, name: str, *, purpose: str, wait_s: float = 0.0, kind: str = "lease") -> Iterator[None]:
+    """Hold table ``name``'s writer lease for the block. Busy for longer than ``wait_s``: a
+    :class:`StoreError` naming the holder (pid, host, since when, what it is doing).
+
+    ``kind="tags"`` is a second, separate lock that tag changes and ``gc`` take: a tag may be set
+    while a capture writes (tags touch no data), but never while ``gc`` decides what to remove."""
+    if _remote(uri):  # object storage: no lease (module docstring)
+        yield
+        return
+    path = lease_path(uri, name, kind)
+    key = str(path)
+    with _mutex:
+        if key in _held:
+            _held[key][1] += 1
+            reentered = True
+        else:
+            reentered = False
+    if reentered:
+        try:
+            yield
+        finally:
+            with _mutex:
+                _held[key][1] -= 1
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StoreError(f"run.store: cannot create the writer lease {path} ({exc.strerror or exc}); "
+                         "is the store writable?") from None
+    deadline = time.monotonic() + max(0.0, wait_s)
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                raise StoreError(f"run.store: cannot lock {path} ({exc.strerror})") from None
+            if time.monotonic() >= deadline:
+                info = _read_info(fd)
+                os.close(fd)
+                raise StoreError(f"table '{name}' in {uri} is being written by {describe(info)}: "
+                                 f"this {purpose} waited {wait_s:.0f} s; run it when that one has "
+                                 "finished (nothing was changed)")
+            time.sleep(0.05 + 0.1 * random.random())
+    previous = _read_info(fd)
+    if previous and previous.get("pid") != os.getpid():
+        log.info("took over the lease of table '%s' last held by %s (it ended without releasing it)",
+                 name, describe(previous))
+    text = _info_text(purpose).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, text, 0)
+    with _mutex:
+        _held[key] = [fd, 1]
+    try:
+        yield
+    finally:
+        with _mutex:
+            del _held[key]
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def held_here(uri: str, name: str) -> bool:
+    """Whether this process holds table ``name``'s lease."""
+    return str(lease_path(uri, name)) in _held
+
+
+@contextlib.contextmanager
+def create_lock(uri: str, name: str) -> Iterator[None]:
+    """A short lock around creating table ``name`` (blocking; creation takes milliseconds). Separate
+    from the writer lease: Dask workers write fragments while their driver holds the lease."""
+    if _remote(uri):
+        yield
+        return
+    path = lease_path(uri, name).with_suffix(".create")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StoreError(f"run.store: cannot create {path} ({exc.strerror or exc}); is the store writable?") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor drops the record lock
+
+
+# -- reader pins: a version a live reader (a training run) is reading is never removed by gc -----
+
+def _pins_dir(uri: str, name: str) -> Path:
+    return Path(uri).resolve() / ".eaglenest" / "pins" / check_name(name)
+
+
+@contextlib.contextmanager
+def pin(uri: str, name: str, version: int, *, purpose: str = "train") -> Iterator[None]:
+    """Mark ``version`` of ``name`` as being read for the block: ``gc`` keeps it (and everything
+    newer). The pin is a file this process holds a record lock on, so a reader that dies unpins at
+    once. A store that cannot be written (a read-only copy) is read without a pin."""
+    if _remote(uri):
+        yield
+        return
+    path = _pins_dir(uri, name) / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        log.warning("cannot pin version %s of table '%s' (%s): a gc meanwhile could remove it",
+                    version, name, exc.strerror or exc)
+        yield
+        return
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        info = json.loads(_info_text(purpose))
+        os.pwrite(fd, json.dumps({**info, "version": int(version)}).encode(), 0)
+        with _mutex:
+            _pins[str(path)] = int(version)
+        yield
+    finally:
+        with _mutex:
+            _pins.pop(str(path), None)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        os.close(fd)
+
+
+def pinned_versions(uri: str, name: str) -> set[int]:
+    """Versions of ``name`` that live readers hold pinned; stale pin files are removed."""
+    out: set[int] = set()
+    folder = _pins_dir(uri, name)
+    if not folder.is_dir():
+        return out
+    for path in folder.glob("*.json"):
+        with _mutex:
+            mine = _pins.get(str(path))
+        if mine is not None:  # this process's own pin: never reopened (closing it would unlock it)
+            out.add(mine)
+            continue
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: a live reader
+                info = _read_info(fd)
+                if info and "version" in info:
+                    out.add(int(info["version"]))
+                continue
+            path.unlink()  # its reader is gone
+        finally:
+            os.close(fd)
+    return out

@@ -1,0 +1,186 @@
+"""Keeping a table healthy: per-file checksums, ``verify``, ``compact`` and ``gc``.
+
+Checksums (written by :func:`eaglenest.featurestore.table.integrity.record_checksums`): Lance data
+files carry no content checksum, so a flipped bit in a tensor column reads back silently. Each
+committed data file gets a CRC-32 sidecar, ``<table>.lance/_eaglenest_crc/
+<file>.crc``, written (atomically) when its fragment is committed or produced by compaction. CRC-32
+rather than sha256: it is there to catch disk/transfer corruption, not tampering, and it runs at
+several GB/s on data still in the page cache, so writes stay at disk speed. Data files are
+immutable in Lance, so a sidecar never goes stale; ``gc`` removes those of deleted files.
+
+``verify`` checks, at one version: the schema, row counts (manifest vs what each fragment reads),
+every data file's CRC against its sidecar (a file without one is reported as unchecked), that every
+fragment decodes, and a NaN/inf scan of the tensor columns. Problems name the fragment and file.
+
+Object stores (docs/storage.md): no CRC sidecars are written there (computing one would download
+every data file just uploaded; the store checks its own uploads and holds objects redundantly), so
+``verify`` lists their data files as unchecked by CRC and checks everything else.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eaglenest.errors import StoreError
+from eaglenest.featurestore import schema as S
+from eaglenest.featurestore.table import base, integrity, lease, objects
+from eaglenest.featurestore.table.integrity import CRC_DIR, data_path, record_checksums
+
+log = logging.getLogger(__name__)
+
+
+def crc_file(path: Path) -> str:
+    """CRC-32 of a file as 8 hex digits (one reused 8 MiB buffer: ``integrity.crc_and_stat``)."""
+    return integrity.crc_and_stat(path)[0]
+
+
+def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
+    """Check a table version; returns a report whose ``problems`` list is empty when healthy."""
+    problems, unchecked = [], []
+    try:
+        ds = base.dataset(uri, name, version, allow_rolled_back=True)
+    except Exception as exc:  # a corrupt manifest or schema is a finding, not a crash
+        return {"table": name, "ok": False, "problems": [f"cannot open: {str(exc).splitlines()[0][:300]}"]}
+    if version is None and (rolled := base.rolled_back(uri, name, ds.version)):
+        problems.append(rolled)
+    remote = objects.is_remote(uri)
+    meta = S.feature_meta(ds.schema) if base.is_features(name) else None
+    rows = 0
+    for frag in ds.get_fragments():
+        fid = frag.fragment_id
+        for df in frag.data_files():
+            if remote:
+                if not objects.exists(objects.join(base.table_uri(uri, name), "data", df.path)):
+                    problems.append(f"fragment {fid}: data file {df.path} is missing")
+                else:
+                    unchecked.append(df.path)
+                continue
+            table_dir = base.table_path(uri, name)
+            path = data_path(table_dir, df.path)
+            side = table_dir / CRC_DIR / f"{Path(df.path).name}.crc"
+            if not path.is_file():
+                problems.append(f"fragment {fid}: data file {df.path} is missing")
+            elif not side.is_file():
+                unchecked.append(df.path)
+            elif crc_file(path) != side.read_text().strip():
+                problems.append(f"fragment {fid}: data file {df.path} fails its checksum (corrupt)")
+        try:
+            tbl = frag.to_table(**base.BYTES)  # blob columns as bytes
+        except Exception as exc:
+            problems.append(f"fragment {fid}: unreadable ({str(exc).splitlines()[0][:200]})")
+            continue
+        if tbl.num_rows != frag.metadata.physical_rows - (frag.metadata.num_deletions or 0):
+            problems.append(f"fragment {fid}: {tbl.num_rows} rows read, manifest says "
+                            f"{frag.metadata.physical_rows}")
+        rows += tbl.num_rows
+        if meta is not None:
+            for col in S.TENSOR_COLUMNS:
+                bad = np.array([S.value_nonfinite(b, meta) for b in tbl.column(col).to_pylist()], dtype=bool)
+                if bad.any():
+                    ids = tbl.column("sample_id").filter(bad).to_pylist()[:5]
+                    problems.append(f"fragment {fid}: {int(bad.sum())} row(s) with NaN/inf in {col} "
+                                    f"(e.g. {ids})")
+    if rows != ds.count_rows():
+        problems.append(f"row count: fragments read {rows}, table reports {ds.count_rows()}")
+    try:
+        ids = ds.to_table(columns=["sample_id"]).column("sample_id").to_pylist()
+    except (OSError, ValueError) as exc:  # a fragment that does not read is reported above
+        ids = []
+        problems.append(f"sample_id: not checked for duplicates ({str(exc).splitlines()[0][:200]})")
+    dup = sorted({i for i, n in collections.Counter(ids).items() if n > 1})
+    if dup:
+        problems.append(f"sample_id: {len(dup)} id(s) stored more than once, {len(ids) - len(set(ids))} extra "
+                        f"row(s) (e.g. {', '.join(dup[:3])})")
+    return {"table": name, "version": ds.version, "rows": rows, "fragments": len(ds.get_fragments()),
+            "unchecked_files": unchecked, "problems": problems, "ok": not problems}
+
+
+def compact(uri: str, name: str, *, target_rows_per_fragment: int = 1 << 20) -> dict:
+    """Rewrite small fragments into larger ones (a new version; old versions still read), under
+    the table's writer lease."""
+    with lease.hold(uri, name, purpose="featurestore compact", wait_s=lease.MAINTENANCE_WAIT_S):
+        ds = base.dataset(uri, name)
+        before = len(ds.get_fragments())
+        metrics = ds.optimize.compact_files(target_rows_per_fragment=target_rows_per_fragment)
+        ds = base.dataset(uri, name, allow_rolled_back=True)
+        base.record_head(uri, name, ds.version)
+        record_checksums(uri, name, ds.get_fragments())
+    return {"table": name, "version": ds.version, "fragments_before": before,
+            "fragments_after": len(ds.get_fragments()), "fragments_removed": metrics.fragments_removed,
+            "fragments_added": metrics.fragments_added}
+
+
+#: Uncommitted data files younger than this are never deleted by ``gc`` (hours).
+GRACE_HOURS = 1.0
+
+
+def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRACE_HOURS) -> dict:
+    """Drop untagged versions older than ``older_than_hours`` (tagged ones and the latest stay),
+    their unreferenced data files, uncommitted data files older than ``grace_hours``, and stale
+    CRC sidecars. Runs under the table's writer lease, so never while a capture or ingest that may
+    still commit its written fragments is live; the grace period also protects fragments that a
+    writer outside eaglenest's leases (a bare ``write_fragment`` caller) has not committed yet.
+    A rolled-back table is refused: its lost version's files are the only copy left."""
+    if not (older_than_hours >= 0 and grace_hours >= 0) or older_than_hours == float("inf"):
+        raise StoreError("featurestore gc: --older-than-hours and --grace-hours must be finite and >= 0")
+    with lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S), \
+            lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
+        ds = base.dataset(uri, name)  # refuses a rolled-back table
+        listed = ds.versions()
+        before = [v["version"] for v in listed]
+        # A version a live training run reads (lease.pin) stays, and so does every newer one:
+        # Lance removes versions by age, so the cut-off moves back to the oldest pinned version.
+        pinned = lease.pinned_versions(uri, name)
+        older_than = dt.timedelta(hours=older_than_hours)
+        stamps = {int(v["version"]): v["timestamp"] for v in listed}
+        if pinned & set(stamps):
+            oldest = min(stamps[p] for p in pinned if p in stamps)
+            now = dt.datetime.now(oldest.tzinfo) if oldest.tzinfo else dt.datetime.now()
+            older_than = max(older_than, now - oldest + dt.timedelta(seconds=1))
+        # delete_unverified=False: Lance deletes only files some removed version referenced. It
+        # would delete files of no version (uncommitted) at any age with True: swept below instead.
+        stats = ds.cleanup_old_versions(older_than=older_than,
+                                        delete_unverified=False, error_if_tagged_old_versions=False)
+        ds = base.dataset(uri, name)
+        live = referenced_files(uri, name, ds)
+        data_dir = objects.join(base.table_uri(uri, name), "data")
+        cutoff = time.time() - grace_hours * 3600
+        swept, swept_bytes = 0, 0
+        for e in objects.listdir(data_dir):  # local directory or object-store prefix alike
+            if e.is_file and e.name not in live and e.mtime_s is not None and e.mtime_s < cutoff:
+                try:
+                    objects.delete(objects.join(data_dir, e.name))
+                except FileNotFoundError:
+                    continue
+                swept += 1
+                swept_bytes += e.size
+        crc_dir = None if objects.is_remote(uri) else base.table_path(uri, name) / CRC_DIR
+        stale = [p for p in crc_dir.glob("*") if p.name.split(".lance")[0] + ".lance" not in live] \
+            if crc_dir is not None and crc_dir.is_dir() else []
+        for p in stale:
+            p.unlink()
+        after = [v["version"] for v in ds.versions()]
+    return {"table": name, "versions_before": before, "versions_after": after,
+            "bytes_removed": stats.bytes_removed + swept_bytes, "old_versions_removed": stats.old_versions,
+            "uncommitted_files_removed": swept, "checksums_removed": len(stale),
+            "pinned_versions_kept": sorted(pinned)}
+
+
+def referenced_files(uri: str, name: str, ds=None) -> set[str]:
+    """Names of the data files some remaining version of the table references."""
+    ds = ds or base.dataset(uri, name, allow_rolled_back=True)
+    return {Path(df.path).name for v in ds.versions()
+            for f in base.dataset(uri, name, v["version"]).get_fragments() for df in f.data_files()}
+
+
+def require_ok(report: dict) -> None:
+    if not report["ok"]:
+        problems = report["problems"]
+        more = f"; and {len(problems) - 5} more (the JSON report above lists them all)" if len(problems) > 5 else ""
+        raise StoreError(f"verify '{report['table']}': " + "; ".join(problems[:5]) + more)

@@ -1,0 +1,45 @@
+"""Table and tag names of a store, checked before they become paths.
+
+The lowest module of the table room: no I/O, no Lance, nothing heavy, so a config module can check
+``featurestore.table`` at load time without pulling in the storage stack. A table name becomes a
+directory inside the store and a tag a file inside the table, so both are plain identifiers.
+"""
+
+from __future__ import annotations
+
+import re
+
+from eaglenest.config import short
+from eaglenest.errors import StoreError
+
+PROMPTS = "prompts"
+FEATURES = "features"
+
+#: A table name is one plain identifier: it becomes a directory name inside the store, so nothing
+#: that could climb out of it (``..``, ``/``) or hide (a leading dot) is accepted.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+#: A tag is a file name inside the table (Lance ``_refs/tags``): the same rule, dots allowed inside.
+TAG = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,127}")
+
+
+def _identifier(value, pattern: re.Pattern, what: str) -> str:
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise StoreError(f"{what} {short(value)}: use 1-128 letters, digits, '_' or '-'"
+                         f"{', or inner dots' if pattern is TAG else ''}, starting with a letter"
+                         f"{'' if pattern is TAG else ' or digit'}")
+    return value
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a valid table name, else a :class:`StoreError` naming the key."""
+    return _identifier(name, NAME, "featurestore.table: bad table name")
+
+
+def check_tag(tag: str) -> str:
+    """``tag`` if it is a valid tag name, else a :class:`StoreError`."""
+    return _identifier(tag, TAG, "bad tag name")
+
+
+def is_features(name: str) -> bool:
+    """Every table but ``prompts`` holds one feature set (``featurestore.table``, default features)."""
+    return name != PROMPTS

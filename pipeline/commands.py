@@ -1,0 +1,35 @@
+"""What ``train run`` does (the argument table is ``train_cli.py``'s). Imported only when the command
+runs: it pulls in torch, the trainer and, for served-AL selection, export and evaluate."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+
+from eaglenest.evaluate.settings import evaluate_config
+from eaglenest.pipeline.served_al import served_al_scorer
+from eaglenest.train.loop import train
+
+
+def cmd_run(recipe, args) -> int:
+    """``train run``: train a draft on the features table; with ``train.select.every_steps``, each
+    snapshot is scored by serving it (rendered as ``evaluate`` renders: ``evaluate_config``)."""
+    main_rank = os.environ.get("RANK", "0") == "0"
+    if not main_rank:  # torchrun: one rank reports
+        logging.getLogger("eaglenest").setLevel(logging.WARNING)
+    r = recipe.run
+    score = None
+    if recipe.train.select.every_steps:
+        score = served_al_scorer(recipe.train, evaluate_config(recipe), target_dir=r.target,
+                                 store_uri=r.store_uri, trust_remote_code=r.trust_remote_code)
+    summary = train(recipe.train, store_uri=r.store_uri, workdir=r.workdir, target_dir=r.target,
+                    seed=r.seed, argv=sys.argv, recipe=recipe.to_dict(), score=score,
+                    featurestore=recipe.featurestore, target_keys=dataclasses.asdict(r.target_keys),
+                    off_policy=r.off_policy, trust_remote_code=r.trust_remote_code)
+    if main_rank:
+        print(f"draft checkpoint: {summary.outdir} (step {summary.steps}, {summary.num_parameters:,} parameters, "
+              f"features v{summary.table_version}, "
+              f"data stall {100 * summary.stall_fraction:.2f}%)")
+    return 0

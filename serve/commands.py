@@ -1,0 +1,65 @@
+"""What ``serve up`` and ``serve push`` do (the argument table is ``cli.py``'s; ``export`` is
+``export_command.py``). Imported only when a subcommand runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from eaglenest.errors import ConfigError, ManifestError
+from eaglenest.ingest.manifest import load_manifest
+from eaglenest.serve.push import check_repo_id, plan_push, push_draft, resolve_token
+from eaglenest.serve.server import Server
+
+
+def up_server(recipe, *, no_spec: bool = False):
+    """The (not yet started) server ``serve up`` runs: serve.host:serve.port, the target's name."""
+    r, s = recipe.run, recipe.serve
+    draft = None if no_spec else str(r.path(s.draft_subdir))
+    return Server(r.target, draft=draft, num_speculative_tokens=s.num_speculative_tokens,
+                  memory_fraction=s.gpu_memory_utilization, max_model_len=s.max_model_len,
+                  log_dir=r.path("serve"), trust_remote_code=r.trust_remote_code, host=s.host, port=s.port,
+                  served_name=s.served_model_name or r.target)
+
+
+def cmd_up(recipe, args) -> int:
+    r = recipe.run
+    server = up_server(recipe, no_spec=args.no_spec)
+    draft = None if args.no_spec else str(r.path(recipe.serve.draft_subdir))
+    with server:
+        print(f"serving {r.target}" + (f" with draft {draft}" if draft else " without speculation")
+              + f" at {server.url}/v1 (model name '{server.served_name}'; log {server.log_path}); Ctrl-C stops it",
+              flush=True)
+        deadline = time.monotonic() + args.for_seconds if args.for_seconds else None
+        while server.proc.poll() is None and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.5)
+        code = server.proc.poll()
+    if code not in (None, 0) and not args.for_seconds:
+        print(f"serve: error: server exited with code {code} (log {server.log_path})", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_push(recipe, args) -> int:
+    r, s = recipe.run, recipe.serve
+    check_repo_id(s.hub_repo_id)
+    draft = r.path(s.draft_subdir)
+    report_path = r.path("eval", "report.json")  # where `evaluate al` writes it
+    report = json.loads(report_path.read_text()) if report_path.is_file() else None
+    name, licences = _licences(recipe.ingest.manifest)
+    plan = plan_push(draft, repo_id=s.hub_repo_id, revision=s.hub_revision, visibility=s.hub_visibility,
+                     licences=licences, manifest_name=name, report=report)  # no draft: exit 2 here
+    url = push_draft(plan, token=resolve_token())
+    print(f"pushed {draft} ({len(plan.files)} files) to {s.hub_repo_id}@{s.hub_revision}: {url}")
+    return 0
+
+
+def _licences(manifest_path: str) -> tuple[str, dict[str, str]]:
+    """(manifest name, {source: licence}): each source's licence, or the manifest's default."""
+    try:
+        m = load_manifest(manifest_path)
+    except ManifestError as exc:
+        raise ConfigError(f"ingest.manifest: serve push takes the data licence from it: {exc}") from None
+    return m.name, {f"{d}: {src.path or src.hf_id}": src.licence or m.licence or "unspecified"
+                    for d, dom in m.domains.items() for src in dom.sources}

@@ -1,0 +1,107 @@
+"""Load-check an exported draft in real vLLM: it loads, greedy output is unchanged, and AL.
+
+    python -m eaglenest.serve.draft_check TARGET_DIR DRAFT_DIR --prompts-from STORE_URI
+
+Runs the target alone, then with the EAGLE-3 draft, on the same token-id prompts (the tokenizer is
+not needed: ``skip_tokenizer_init``), compares greedy token ids and reads acceptance length
+AL = 1 + accepted / drafts from ``llm.get_metrics()``. vLLM spawns an engine process, hence the
+``__main__`` guard. This is a smoke check for the train/serve boundary; the evaluate stage owns
+the real lossless and AL measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+
+from eaglenest.errors import EaglenestError
+from eaglenest.featurestore.table import store
+from eaglenest.hf import check_remote_code
+
+
+def _engine(target: str, *, draft: str | None, num_spec: int, mem: float, max_len: int,
+            trust_remote_code: bool = False):
+    from vllm import LLM
+
+    check_remote_code(target, trust_remote_code=trust_remote_code)
+    kw = dict(model=target, dtype="float32", gpu_memory_utilization=mem, max_model_len=max_len,
+              enforce_eager=True, disable_log_stats=False, skip_tokenizer_init=True, seed=0,
+              trust_remote_code=trust_remote_code)
+    if draft:
+        kw["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": num_spec}
+    return LLM(**kw)
+
+
+def _generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def spec_metrics(llm) -> dict[str, float]:
+    vals: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                      "vllm:spec_decode_num_accepted_tokens"):
+            vals[m.name.split(":")[1]] = float(getattr(m, "value", 0.0))
+    drafts = vals.get("spec_decode_num_drafts", 0.0)
+    vals["acceptance_length"] = 1 + vals.get("spec_decode_num_accepted_tokens", 0.0) / drafts if drafts else 1.0
+    return vals
+
+
+def check(target: str, draft: str, prompts: list[list[int]], *, max_tokens: int = 64, num_spec: int = 3,
+          mem: float = 0.15, max_len: int = 2048, trust_remote_code: bool = False) -> dict:
+    llm = _engine(target, draft=None, num_spec=num_spec, mem=mem, max_len=max_len,
+                  trust_remote_code=trust_remote_code)
+    base = _generate(llm, prompts, max_tokens)
+    del llm
+    gc.collect()
+    llm = _engine(target, draft=draft, num_spec=num_spec, mem=mem, max_len=max_len,
+                  trust_remote_code=trust_remote_code)
+    spec = _generate(llm, prompts, max_tokens)
+    metrics = spec_metrics(llm)
+    del llm
+    gc.collect()
+    same = sum(a == b for a, b in zip(base, spec))
+    return {"prompts": len(prompts), "identical_outputs": same, "lossless": same == len(prompts), **metrics}
+
+
+def prompts_from_store(uri: str, *, n: int, split: str = "heldout") -> list[list[int]]:
+    """Prompt parts (tokens before the first loss token) of ``n`` rows of the features table."""
+    rows = store.read(uri, store.FEATURES, columns=["input_ids", "loss_mask", "split"]).to_pylist()
+    rows = [r for r in rows if r["split"] == split] or rows
+    out = []
+    for r in rows[:n]:
+        first = r["loss_mask"].index(1) if 1 in r["loss_mask"] else len(r["input_ids"])
+        out.append(r["input_ids"][:max(first, 1)])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("target")
+    p.add_argument("draft")
+    p.add_argument("--prompts-from", required=True, help="features store URI")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--num-spec", type=int, default=3)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the target's own Python code (as run.trust_remote_code)")
+    a = p.parse_args(argv)
+    try:
+        result = check(a.target, a.draft, prompts_from_store(a.prompts_from, n=a.num_prompts),
+                       max_tokens=a.max_tokens, num_spec=a.num_spec, trust_remote_code=a.trust_remote_code)
+    except EaglenestError as exc:
+        print(f"draft_check: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    return 0 if result["lossless"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""What ``serve export`` does (the argument table is ``cli.py``'s). Imported only when the command
+runs: exporting pulls in torch and the trainer's checkpoint format."""
+
+from __future__ import annotations
+
+import sys
+
+from eaglenest.serve.export import export_draft
+
+
+def cmd_export(recipe, args) -> int:
+    """``serve export``: the checkpoint in ``serve.checkpoint_subdir`` as a draft in ``--out``."""
+    r, s = recipe.run, recipe.serve
+    out = args.out or str(r.path(s.draft_subdir))
+    path = export_draft(r.path(s.checkpoint_subdir), out, target_dir=r.target, dtype=s.dtype,
+                        quantization=s.quantization, format=s.format,
+                        num_speculative_tokens=s.num_speculative_tokens, argv=sys.argv, recipe=recipe.to_dict())
+    print(f"draft: {path}")
+    return 0

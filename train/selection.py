@@ -1,0 +1,150 @@
+"""Checkpoint selection by served acceptance length, and the run report (JSON + PNG).
+
+Every ``train.select.every_steps`` steps (and at the last step) rank 0 saves the current draft as
+a snapshot and hands it to ``score``, a function from a snapshot directory to
+``{"served_al", "prompts"}``, and appends the result to ``selection.jsonl``. Scoring serves the
+draft, so it needs the stages after this one (export, evaluate): the scorer is built above the
+stages, in the ``train run`` command (:mod:`eaglenest.pipeline`), and passed in; this module keeps the books. The best
+snapshot by served AL is kept in ``<outdir>/best/``; at the end it becomes the run's checkpoint
+(``checkpoint.json`` gains a ``selection`` record).
+
+Trade-off: each evaluation starts a vLLM engine (~25 s on 2 CPU cores) while the other ranks
+wait at a barrier, so selection is off by default and meant for sparse intervals. The held-out
+slice is small, so served AL differences of a few hundredths are noise; ties keep the earlier step.
+
+``report.json`` / ``report.png``: loss, per-step accuracy and served AL against the step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from eaglenest.errors import ConfigError
+from eaglenest.provenance import write_json_atomic
+from eaglenest.train import checkpoint
+from eaglenest.train.config import SelectConfig
+
+log = logging.getLogger(__name__)
+
+SELECTION = "selection.jsonl"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Keep the records with ``step <= step`` (all gone for a fresh run), atomically."""
+    keep = [r for r in read_jsonl(path) if r["step"] <= step] if step else []
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+    tmp.replace(path)
+
+
+def require_scorer(cfg: SelectConfig, score) -> None:
+    if cfg.every_steps and score is None:
+        raise ConfigError("train.select.every_steps needs a served-AL scorer; the `train run` command "
+                          "passes one (served_al_scorer in eaglenest.pipeline), a direct call of "
+                          "eaglenest.train.loop.train must pass score=")
+
+
+class Selector:
+    """Served-AL evaluations and the best snapshot; inert unless ``active`` and selection is on."""
+
+    def __init__(self, outdir: Path, *, cfg: SelectConfig, score: Callable[[Path], dict[str, Any]] | None, target_dir: str,
+                 active: bool, resume_step: int):
+        require_scorer(cfg, score)
+        self.outdir, self.cfg, self.score, self.target_dir = outdir, cfg, score, target_dir
+        self.on = bool(cfg.every_steps) and active
+        self.path = outdir / SELECTION
+        if not self.on:
+            return
+        outdir.mkdir(parents=True, exist_ok=True)
+        truncate_jsonl(self.path, resume_step)
+        if not resume_step:
+            shutil.rmtree(outdir / "best", ignore_errors=True)
+
+    def best(self) -> dict[str, Any] | None:
+        recs = read_jsonl(self.path)
+        return max(recs, key=lambda r: (r["served_al"], -r["step"])) if recs else None
+
+    def evaluate(self, step: int, draft, *, info: dict[str, Any]) -> float | None:
+        if not self.on or draft is None:
+            return None
+        if any(r["step"] == step for r in read_jsonl(self.path)):
+            return None  # already evaluated before a resume
+        work = self.outdir / "select"
+        snap = checkpoint.save_checkpoint(work / "snapshot", draft, info=info)
+        scored = self.score(snap)
+        rec = {"step": step, "served_al": float(scored.get("served_al") or 0.0), "prompts": scored.get("prompts"),
+               "loss": (info.get("metrics") or {}).get("loss")}
+        prev = self.best()
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+        if prev is None or rec["served_al"] > prev["served_al"]:
+            best = self.outdir / "best"
+            tmp = self.outdir / ".best.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(snap, tmp)
+            shutil.rmtree(best, ignore_errors=True)
+            tmp.replace(best)
+        log.info("step %d: served AL %.3f (best %.3f)", step, rec["served_al"], self.best()["served_al"])
+        return rec["served_al"]
+
+    def finish(self, draft, info: dict[str, Any]):
+        """(draft, info) to save as the run's checkpoint: the best snapshot's when selection ran."""
+        best = self.best() if self.on else None
+        if best is None or not (self.outdir / "best" / checkpoint.INFO).is_file():
+            return draft, info
+        model, binfo = checkpoint.load_checkpoint(self.outdir / "best", target_dir=self.target_dir)
+        binfo = {k: v for k, v in binfo.items() if k not in ("format", "draft_config")}
+        binfo["selection"] = {"criterion": "served_al", "best_step": best["step"],
+                              "best_served_al": best["served_al"], "last_step": info["step"],
+                              "evaluations": len(read_jsonl(self.path))}
+        return model, binfo
+
+
+def write_report(outdir: Path, *, stall_fraction: float, tokens_per_second: float) -> Path:
+    """``report.json`` and ``report.png``: loss, per-step accuracy, served AL over steps."""
+    metrics = read_jsonl(outdir / "metrics.jsonl")
+    served = read_jsonl(outdir / SELECTION)
+    report = {"metrics": metrics, "served_al": served, "stall_fraction": stall_fraction,
+              "tokens_per_second": tokens_per_second,
+              "best": max(served, key=lambda r: (r["served_al"], -r["step"])) if served else None}
+    write_json_atomic(outdir / "report.json", report)
+    _plot(outdir / "report.png", metrics, served)
+    return outdir / "report.json"
+
+
+def _plot(path: Path, metrics: list[dict], served: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    steps = [m["step"] for m in metrics]
+    axes[0].plot(steps, [m["loss"] for m in metrics], marker=".")
+    axes[0].set(title="TTT loss", xlabel="step")
+    k = len(metrics[0]["step_acc"]) if metrics else 0
+    for i in range(k):
+        axes[1].plot(steps, [m["step_acc"][i] for m in metrics], label=f"k={i}")
+    axes[1].set(title="top-1 accuracy per TTT step", xlabel="step", ylim=(0, 1))
+    if k:
+        axes[1].legend(fontsize=7, ncol=2)
+    if served:
+        axes[2].plot([r["step"] for r in served], [r["served_al"] for r in served], marker="o")
+    else:
+        axes[2].text(0.5, 0.5, "selection off\n(train.select.every_steps=0)", ha="center", va="center")
+    axes[2].set(title="served acceptance length (vLLM)", xlabel="step")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(path)

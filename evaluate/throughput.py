@@ -11,18 +11,26 @@ with a fixed ``max_tokens``, so both modes produce the same number of tokens and
 Reported per point: output tokens/s (all tokens / wall time), median TTFT and median end-to-end
 latency, as mean, min and max over seeds (the spread). Speed-up = speculative / baseline tokens/s,
 as the ratio of the means and, per seed (each pair measured back to back), median [min, max].
-The idle server only waits on its socket; both hold their KV cache for the whole run.
+The idle server only waits on its socket; both hold their KV cache for the whole run. After the
+sweep each server's own counters (``/metrics``) are read: the baseline must have drafted nothing and
+the speculative one must have drafted (else the run fails), and whether both arms produced the same
+text for every prompt is reported (``arms``).
 On a 2-core CPU the numbers show the method, not the speed a GPU gets.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
 import statistics
 import time
+
+from eaglenest.errors import EaglenestError
+from eaglenest.evaluate.prompts import load_prompt_set
+from eaglenest.serve.server import Server
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +42,21 @@ async def _one(client, url: str, messages: list[dict], max_tokens: int, seed: in
     if chat_template_kwargs:
         body["chat_template_kwargs"] = chat_template_kwargs
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, tokens, text = None, 0, []
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                ttft = time.perf_counter() - t0
+            content = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
+            if content:
+                ttft = time.perf_counter() - t0 if ttft is None else ttft
+                text.append(content)
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     e2e = time.perf_counter() - t0
-    return {"ttft_s": ttft if ttft is not None else e2e, "e2e_s": e2e, "output_tokens": tokens}
+    return {"ttft_s": ttft if ttft is not None else e2e, "e2e_s": e2e, "output_tokens": tokens, "text": "".join(text)}
 
 
 async def _point(url: str, prompts: list[dict], *, concurrency: int, max_tokens: int, seed: int,
@@ -54,21 +64,23 @@ async def _point(url: str, prompts: list[dict], *, concurrency: int, max_tokens:
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
-    order = list(prompts)
+    order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
 
-    async def run(p):
+    async def run(i):
         async with sem:
-            return await _one(client, url, p["messages"], max_tokens, seed, chat_template_kwargs)
+            return i, await _one(client, url, prompts[i]["messages"], max_tokens, seed, chat_template_kwargs)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         t0 = time.perf_counter()
-        rows = await asyncio.gather(*(run(p) for p in order))
+        done = dict(await asyncio.gather(*(run(i) for i in order)))
         wall = time.perf_counter() - t0
+    rows = [done[i] for i in range(len(prompts))]
     toks = sum(r["output_tokens"] for r in rows)
     return {"output_tokens": toks, "wall_s": wall, "output_tokens_per_s": toks / wall,
             "median_ttft_s": statistics.median(r["ttft_s"] for r in rows),
-            "median_e2e_s": statistics.median(r["e2e_s"] for r in rows)}
+            "median_e2e_s": statistics.median(r["e2e_s"] for r in rows),
+            "outputs": [r["text"] for r in rows]}  # in the order of ``prompts``, not of sending
 
 
 def _spread(values: list[float]) -> dict:
@@ -123,13 +135,54 @@ def sweep(urls: dict[str, str], prompts: list[dict], *, concurrency: tuple[int, 
     return points
 
 
+#: vLLM's Prometheus counters read from each server's ``/metrics`` after the sweep (warm-up included).
+COUNTERS = {"generation_tokens": "vllm:generation_tokens_total", "drafts": "vllm:spec_decode_num_drafts_total",
+            "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+            "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """The :data:`COUNTERS` of the server at ``url``, summed over label sets (0 where absent: a server
+    without speculation exports no ``spec_decode`` series)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30.0).text
+    out = dict.fromkeys(COUNTERS, 0.0)
+    names = {v: k for k, v in COUNTERS.items()}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            out[names[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def check_arms(points: dict[str, dict[int, list[dict]]], counters: dict[str, dict[str, float]]) -> dict:
+    """What makes the speed-up a speed-up: the baseline server drafted nothing, the speculative one
+    drafted and had tokens accepted, and both produced the same text for every prompt at every
+    point (greedy; reported, not enforced: batched kernels may flip a near tie). Raises
+    :class:`EaglenestError` when an arm did not run in its mode (then the ratio compares nothing)."""
+    base, spec = counters["baseline"], counters["speculative"]
+    if base["draft_tokens"] or base["drafts"]:
+        raise EaglenestError(f"evaluate throughput: the baseline server drafted {base['draft_tokens']:.0f} tokens: "
+                             "it must run the target alone, or the speed-up compares speculation with itself")
+    if not spec["drafts"]:
+        raise EaglenestError("evaluate throughput: the speculative server drafted nothing: the speed-up would "
+                             "compare the target with itself")
+    compared = identical = 0
+    for c, runs in points["baseline"].items():
+        for b, s in zip(runs, points["speculative"][c]):
+            compared += len(b["outputs"])
+            identical += sum(x == y for x, y in zip(b["outputs"], s["outputs"]))
+    rounds = spec["drafts"]
+    return {"counters": counters, "outputs_compared": compared, "outputs_identical": identical,
+            "all_identical": identical == compared,
+            "acceptance_length": round(1 + spec["accepted_tokens"] / rounds, 4)}
+
+
 def run_sweep(*, target: str, draft: str, store_uri: str, cfg, serve_cfg, log_dir,
               trust_remote_code: bool = False) -> dict:
-    import contextlib
-
-    from eaglenest.evaluate.prompts import load_prompt_set
-    from eaglenest.serve.server import Server
-
     groups, info = load_prompt_set(cfg, store_uri)
     prompts = [p for ps in groups.values() for p in ps]
     with contextlib.ExitStack() as stack:
@@ -143,10 +196,11 @@ def run_sweep(*, target: str, draft: str, store_uri: str, cfg, serve_cfg, log_di
         points = sweep(urls, prompts, concurrency=tuple(cfg.concurrency), seeds=tuple(cfg.throughput_seeds),
                        max_tokens=cfg.throughput_max_tokens, num_requests=cfg.throughput_prompts,
                        chat_template_kwargs=cfg.chat_template_kwargs)
+        arms = check_arms(points, {mode: server_counters(url) for mode, url in urls.items()})
     modes, speedup = summarise(points)
     return {"target": target, "draft": draft, "num_speculative_tokens": cfg.num_speculative_tokens,
             "max_tokens": cfg.throughput_max_tokens, "seeds": list(cfg.throughput_seeds),
-            "prompts": info, "modes": modes, "speedup": speedup,
+            "prompts": info, "modes": modes, "speedup": speedup, "arms": arms,
             "spread": "mean, min and max over seeds; TTFT and latency are per-run medians; speed-up per seed "
                       "pairs the two modes measured back to back"}
 
@@ -159,6 +213,11 @@ def markdown(result: dict) -> str:
              "| concurrency | mode | tok/s mean | tok/s min | tok/s max | median TTFT s | median e2e s | "
              "speed-up (means) | speed-up per seed: median [min, max] |",
              "|---|---|---|---|---|---|---|---|---|"]
+    if result.get("arms"):
+        a = result["arms"]
+        lines[3:3] = [f"Servers' own counters: baseline drafted {a['counters']['baseline']['draft_tokens']:.0f} "
+                      f"tokens; speculative AL {a['acceptance_length']}; identical outputs "
+                      f"{a['outputs_identical']}/{a['outputs_compared']}.", ""]
     speed = {r["concurrency"]: r for r in result["speedup"]}
     for mode, rows in result["modes"].items():
         for r in rows:

@@ -30,22 +30,32 @@ RECIPE = {
     "featurestore": {"engine": dict(ENGINE)},
     # A few steps only: these tests prove the stages run on the architecture, not draft quality.
     "train": {"num_steps": 3, "batch_rows": 2, "warmup_steps": 1, "draft_vocab_size": 256, "ttt_steps": 3,
-              "state_every_steps": 0},
+              "state": {"every_steps": 0}},
     "evaluate": {"max_tokens": 32, "max_prompts_per_domain": NUM_HELDOUT_PER_DOMAIN, "context_buckets": [],
                  "ngram_order": 0, "engine": dict(ENGINE)},
 }
 
 
+#: Served architectures train on the random target's own greedy answers (``on_policy``) for this
+#: many steps: enough for the draft to learn the target's (repetitive) continuations, so a correct
+#: export accepts far more than a garbage one and served AL can be held to the offline estimate.
+SERVED_TRAIN = {"num_steps": 60, "num_epochs": 1000, "warmup_steps": 2, "lr": 1e-2, "pack_tokens": 128}
+
+
 class Run:
     """One architecture's run directory: target, recipe, store, and the stage commands."""
 
-    def __init__(self, arch: str, work: Path):
+    def __init__(self, arch: str, work: Path, *, train: dict | None = None, target: Path | None = None,
+                 store: str | None = None):
+        """``target``: an existing target directory instead of building ``arch``'s; ``store``: a
+        store shared with other runs (``run.store``) instead of ``<work>/store``."""
         self.arch, self.work = arch, work
-        self.target = archs.build(arch, work / "target")
-        self.store = str(work / "store")
+        self.target = Path(target) if target else archs.build(arch, work / "target")
+        self.store = store or str(work / "store")
         self.recipe = work / "recipe.yaml"
-        self.recipe.write_text(yaml.safe_dump({"run": {"workdir": str(work), "target": str(self.target), "seed": 0},
-                                               **RECIPE}))
+        recipe = {**RECIPE, "train": {**RECIPE["train"], **(train or {})}}
+        run = {"workdir": str(work), "target": str(self.target), "seed": 0, **({"store": store} if store else {})}
+        self.recipe.write_text(yaml.safe_dump({"run": run, **recipe}))
 
     def cli(self, stage: str, command: str, *overrides: str) -> int:
         """``<stage> <command> --recipe R overrides...`` in this process (the installed console
@@ -59,15 +69,35 @@ class Run:
         return json.loads((self.target / "config.json").read_text())
 
 
-def write_prompts(uri: str, target: Path, *, seed: int = 0) -> list[dict]:
+def served_and_offline(run: Run, *overrides: str, draft: Path | None = None, out: str = "eval") -> tuple[dict, dict]:
+    """``evaluate al`` (vLLM serving the exported draft, or ``draft``) and ``evaluate offline`` with the
+    *train checkpoint* (not the export) on the same held-out prompts: (report, offline report).
+
+    The offline estimator replays vLLM's EAGLE-3 proposer with the trained weights as training left
+    them, so the two ALs agree only if the export carries those weights, aux-layer order and flags
+    to vLLM as they were trained (tests/evaluate/test_offline.py: exact with fp32 target and draft)."""
+    extra = [f"evaluate.draft={draft}"] if draft else []
+    assert run.cli("evaluate", "al", "--out", str(run.work / out), *extra, *overrides) == 0
+    assert run.cli("evaluate", "offline", "--draft", str(run.work / "train"), "--out",
+                   str(run.work / "eval_offline"), *overrides) == 0
+    return (json.loads((run.work / out / "report.json").read_text()),
+            json.loads((run.work / "eval_offline" / "offline_report.json").read_text()))
+
+
+def write_prompts(uri: str, target: Path, *, seed: int = 0, on_policy: bool = False) -> list[dict]:
     """A prompts table with NUM_TRAIN answered training conversations (toy-corpus prompts and answers,
-    rendered with the target's chat template) and unanswered held-out prompts, one per domain."""
+    rendered with the target's chat template) and unanswered held-out prompts, one per domain.
+    ``on_policy``: the answers are the target's own greedy continuations (transformers, 48 tokens)
+    instead of the corpus', so a draft can learn what the random target will say."""
     from transformers import AutoTokenizer
 
-    from eaglenest.featurestore import schema as S, store
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore.table import store
     from eaglenest.tinytarget import corpus
 
     tok = AutoTokenizer.from_pretrained(str(target))
+    model = hf_model(target, json.loads((Path(target) / "config.json").read_text())["torch_dtype"]) \
+        if on_policy else None
     rows = []
     samples = corpus.generate(NUM_TRAIN + 4 * NUM_HELDOUT_PER_DOMAIN * 3, seed=seed)
     heldout = {d: [s for s in samples[NUM_TRAIN:] if s["domain"] == d][:NUM_HELDOUT_PER_DOMAIN] for d in corpus.DOMAINS}
@@ -82,7 +112,12 @@ def write_prompts(uri: str, target: Path, *, seed: int = 0) -> list[dict]:
                                  finish_reason="", gen_params_id="g"))
                 continue
             prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
-            response = tok(s["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            if model is not None:
+                with torch.no_grad():
+                    out = model.generate(torch.tensor([prompt["input_ids"]]), max_new_tokens=48, do_sample=False)
+                response = out[0, len(prompt["input_ids"]):].tolist()
+            else:
+                response = tok(s["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             rows.append(dict(sample_id=sid, domain=s["domain"], source="test", split=split, mode="chat",
                              messages_json=json.dumps(msgs + [{"role": "assistant", "content": s["response"]}]),
                              prompt_token_ids=list(prompt["input_ids"]), response_token_ids=response,
@@ -114,7 +149,8 @@ def feature_differences(uri: str, target: Path) -> dict:
     ("neighbour"), which a tolerance must stay well below to tell layers apart. vLLM's id L is the
     last block's output before the final norm, so the last layer is compared with the final norm's
     input in transformers (a hook), not with its last ``hidden_states`` entry (norm applied)."""
-    from eaglenest.featurestore import schema as S, store
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore.table import store
 
     ds = store.dataset(uri, store.FEATURES)
     meta = S.feature_meta(ds.schema)
@@ -172,8 +208,9 @@ def forward(model, ids: list[int]):
 def hf_features(uri: str, target: Path, *, layer_ids: tuple[int, ...] | None = None) -> dict:
     """Write the features table from a transformers forward, through the store's FeatureWriter,
     for targets whose vLLM capture cannot run: the same rows capture would write."""
-    from eaglenest.featurestore import build, store
-    from eaglenest.featurestore.writer import FeatureWriter
+    from eaglenest.featurestore.capture import build
+    from eaglenest.featurestore.table import store
+    from eaglenest.featurestore.capture.writer import FeatureWriter
 
     convs = build.pool_conversations(uri)
     meta = build.feature_meta(str(target), list(layer_ids or ()), "auto",

@@ -1,5 +1,6 @@
-"""Real vLLM on CPU: ``evaluate_al`` (groups, context buckets, both averages, lossless) and a
-managed server driven by the throughput client. One engine at a time; a random-init draft."""
+"""Real vLLM on CPU: ``evaluate_al`` (groups, context buckets, both averages, lossless) and
+``evaluate throughput``'s sweep over its two managed servers (target alone, target + draft), checked
+against the servers' own counters. One test at a time; a random-init draft."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from eaglenest.engine import EngineConfig
 from eaglenest.evaluate.config import EvaluateConfig
 from eaglenest.evaluate.report import write_report
 from eaglenest.evaluate.run import evaluate_al
-from eaglenest.evaluate.throughput import summarise, sweep
 from eaglenest.serve.server import Server
 
 pytestmark = pytest.mark.slow
@@ -52,27 +52,56 @@ def test_evaluate_al_buckets_and_averages(tmp_path, tiny_target, random_draft, p
     assert json.loads((tmp_path / "report.json").read_text())["overall"]["acceptance_length"] > 0
 
 
-def test_managed_server_and_sweep(tmp_path, tiny_target, random_draft):
-    server = Server(str(tiny_target), draft=str(random_draft), memory_fraction=0.1, max_model_len=512,
-                    log_dir=tmp_path)
-    with server:
-        body = {"model": "target", "messages": [{"role": "user", "content": "What is 2 + 2?"}],
-                "max_tokens": 8, "temperature": 0.0}
-        resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
-        assert resp["usage"]["completion_tokens"] == 8 or resp["choices"][0]["finish_reason"] == "stop"
-        spec = (resp.get("metrics") or {}).get("speculative_decoding")
-        assert spec and spec["num_spec_tokens"] == 3  # per-request metrics are on
-        prompts = [{"messages": [{"role": "user", "content": f"Count to {i}."}]} for i in range(4)]
-        # Both modes on the one server keep the test cheap; run_sweep starts two servers.
-        points = sweep({"baseline": server.url, "speculative": server.url}, prompts, concurrency=(1, 2),
-                       seeds=(0,), max_tokens=8, num_requests=4)
-        pid = server.proc.pid
-    modes, speedup = summarise(points)
-    rows = modes["speculative"]
-    assert [r["concurrency"] for r in rows] == [1, 2] == [s["concurrency"] for s in speedup]
-    assert all(s["speedup"] > 0 for s in speedup)
-    assert all(r["output_tokens"] == 32 and r["output_tokens_per_s"]["mean"] > 0 for r in rows)
-    assert all(0 < r["median_ttft_s"]["mean"] <= r["median_e2e_s"]["mean"] for r in rows)
-    assert server.proc.returncode is not None and server.log_path.stat().st_size > 0
-    with pytest.raises(ProcessLookupError):  # the whole process group (engine included) is gone
-        os.killpg(pid, 0)
+def test_throughput_sweep_baseline_is_a_separate_target_only_server(tmp_path, tiny_target, random_draft,
+                                                                     prompts_store, monkeypatch):
+    """``run_sweep`` as ``evaluate throughput`` runs it: two managed servers. The baseline's own
+    counters must show no drafting and the speculative one's must, both arms must produce the same
+    text, the tokens the client counted must be the tokens each server generated, and the speed-up
+    must be the ratio of the measured rates. The old one-server arrangement fails check_arms."""
+    from eaglenest.errors import EaglenestError
+    from eaglenest.evaluate.throughput import check_arms, run_sweep
+
+    started, first = [], {}
+    enter = Server.__enter__
+
+    def recording_enter(self):  # the managed servers, and one plain request to the speculative one
+        server = enter(self)
+        started.append(server)
+        if "--speculative-config" in server.argv:
+            body = {"model": "target", "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+                    "max_tokens": 8, "temperature": 0.0}
+            first.update(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json())
+        return server
+
+    monkeypatch.setattr(Server, "__enter__", recording_enter)
+    cfg = EvaluateConfig(concurrency=(1, 2), throughput_seeds=(0,), throughput_max_tokens=8, throughput_prompts=4,
+                         max_prompts_per_domain=2, engine=EngineConfig(max_model_len=512, memory_fraction=0.1))
+    r = run_sweep(target=str(tiny_target), draft=str(random_draft), store_uri=prompts_store, cfg=cfg,
+                  serve_cfg=None, log_dir=tmp_path)
+    # Two servers, the baseline without any speculative config; both gone, engines included.
+    assert len(started) == 2 and ["--speculative-config" in s.argv for s in started] == [False, True]
+    for server in started:
+        assert server.proc.returncode is not None and server.log_path.stat().st_size > 0
+        with pytest.raises(ProcessLookupError):  # the whole process group (engine included) is gone
+            os.killpg(server.proc.pid, 0)
+    spec = (first.get("metrics") or {}).get("speculative_decoding")
+    assert spec and spec["num_spec_tokens"] == 3  # per-request metrics are on
+    arms, base_c, spec_c = r["arms"], r["arms"]["counters"]["baseline"], r["arms"]["counters"]["speculative"]
+    assert base_c["drafts"] == base_c["draft_tokens"] == base_c["accepted_tokens"] == 0, base_c
+    assert spec_c["drafts"] > 0 and spec_c["draft_tokens"] == 3 * spec_c["drafts"], spec_c
+    assert arms["acceptance_length"] == pytest.approx(1 + spec_c["accepted_tokens"] / spec_c["drafts"], abs=1e-4)
+    assert arms["all_identical"] and arms["outputs_compared"] == arms["outputs_identical"] == 8  # 2 points x 4
+    # The client's token counts against each server's own: warm-up (4 tokens) + every point.
+    for mode, counters in arms["counters"].items():
+        rows = r["modes"][mode]
+        assert all(row["output_tokens"] == 4 * 8 for row in rows)  # ignore_eos: requests x max_tokens
+        extra = first["usage"]["completion_tokens"] if mode == "speculative" else 0  # the plain request above
+        assert counters["generation_tokens"] == 4 + sum(row["output_tokens"] for row in rows) + extra, (mode, counters)
+    for sp, b, s in zip(r["speedup"], r["modes"]["baseline"], r["modes"]["speculative"]):
+        assert sp["concurrency"] == b["concurrency"] == s["concurrency"]
+        ratio = s["per_seed_output_tokens_per_s"][0] / b["per_seed_output_tokens_per_s"][0]
+        assert sp["speedup"] == pytest.approx(ratio, rel=2e-3) and sp["speedup_per_seed"]["median"] == pytest.approx(ratio, rel=2e-3)
+        assert 0 < s["median_ttft_s"]["mean"] <= s["median_e2e_s"]["mean"]
+    # The arrangement the old test used, one speculating server behind both arms, is refused.
+    with pytest.raises(EaglenestError, match="baseline server drafted"):
+        check_arms({}, {"baseline": spec_c, "speculative": spec_c})

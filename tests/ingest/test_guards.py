@@ -16,7 +16,28 @@ from eaglenest.ingest import contamination
 from eaglenest.ingest.manifest import Manifest
 from eaglenest.ingest.pool import build_pool
 
-MT_BENCH = "/work/shared/benchmarks/mt_bench/question.jsonl"
+#: MT-Bench questions in the published ``question.jsonl`` format (question_id, category, turns), written
+#: by the test: the real file is not part of a clone.
+MT_BENCH_QUESTIONS = [
+    {"question_id": 81, "category": "writing",
+     "turns": ["Compose an engaging travel blog post about a recent trip to Hawaii.", "Rewrite it in one line."]},
+    {"question_id": 101, "category": "reasoning",
+     "turns": ["You overtake the second person in a race. What is your position now?", "And the last one?"]},
+    {"question_id": 111, "category": "math",
+     "turns": ["The vertices of a triangle are at (0, 0), (-1, 1) and (3, 3). What is its area?",
+               "What is the area of the circle around it?"]},
+    {"question_id": 121, "category": "coding",
+     "turns": ["Write a program that finds the five most common words in a set of text files.",
+               "Can you parallelise it with threads?"]},
+]
+
+
+@pytest.fixture
+def mt_bench(tmp_path) -> str:
+    path = tmp_path / "mt_bench" / "question.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(q) + "\n" for q in MT_BENCH_QUESTIONS))
+    return str(path)
 
 
 def _manifest(tmp_path, **contam):
@@ -25,8 +46,8 @@ def _manifest(tmp_path, **contam):
                             "domains": {"a": {"cap_prompts": 100, "sources": [{"path": "x", "provenance": "p"}]}}})
 
 
-def test_mt_bench_and_speed_bench_prompts_are_dropped_from_training(tmp_path):
-    mt = [json.loads(line) for line in open(MT_BENCH)]
+def test_mt_bench_and_speed_bench_prompts_are_dropped_from_training(tmp_path, mt_bench):
+    mt = [json.loads(line) for line in open(mt_bench)]
     speed = tmp_path / "speed.jsonl"
     speed.write_text(json.dumps({"prompt": "Summarise the speed bench passage about rivers."}) + "\n")
     rows = [{"prompt": f"ordinary prompt number {i} about nothing in particular", "system": "", "source": "s"}
@@ -34,7 +55,7 @@ def test_mt_bench_and_speed_bench_prompts_are_dropped_from_training(tmp_path):
     rows.append({"prompt": "  " + mt[0]["turns"][0].upper() + " ", "system": "", "source": "s"})  # same, reformatted
     rows.append({"prompt": "x", "later_turns": [mt[3]["turns"][1]], "system": "", "source": "s"})  # a later turn
     rows.append({"prompt": "summarise the SPEED bench passage about rivers.", "system": "", "source": "s"})
-    m = _manifest(tmp_path, mt_bench=[MT_BENCH], speed_bench=[str(speed)])
+    m = _manifest(tmp_path, mt_bench=[mt_bench], speed_bench=[str(speed)])
     pool = build_pool(m, {"a": rows})
     n_train = sum(e.split == "train" for e in pool)
     kept, report = contamination.check(pool, m)
@@ -44,7 +65,7 @@ def test_mt_bench_and_speed_bench_prompts_are_dropped_from_training(tmp_path):
     assert report["contaminated"] == len(bad) == 3 - held_bad
     assert len(kept) == len(pool) - len(bad) and n_train - len(bad) == sum(e.split == "train" for e in kept)
     with pytest.raises(ManifestError, match="^contamination: "):
-        contamination.check(pool, _manifest(tmp_path, mt_bench=[MT_BENCH], speed_bench=[str(speed)],
+        contamination.check(pool, _manifest(tmp_path, mt_bench=[mt_bench], speed_bench=[str(speed)],
                                             action="error"))
 
 
@@ -64,8 +85,8 @@ DISK_FULL = textwrap.dedent("""
     import random, resource, signal, sys
     from eaglenest.config import build as b
     from eaglenest.errors import StoreError
-    from eaglenest.featurestore import store
-    from eaglenest.featurestore.fragments import ensure_table
+    from eaglenest.featurestore.table import store
+    from eaglenest.featurestore.table.fragments import ensure_table
     from eaglenest.ingest.build import build
     from eaglenest.ingest.config import IngestConfig
     from eaglenest.ingest.manifest import Manifest

@@ -1,0 +1,70 @@
+"""No path that exists only on this project's own machines in tests, docs, recipes or benches.
+
+A test that opens ``/work/shared/benchmarks/...`` passes here and fails in every other clone; a doc
+that names it sends a user to a folder they do not have. Tests build the files they need (as the
+rest of the suite does); docs name paths relative to the repository, or a placeholder. This scan
+finds absolute paths into machine folders (``/work/``, ``/root/``, ``/home/<user>/``,
+``/Users/<user>/``, ``/mnt/``, ``/scratch/``) and the build machines' sibling folder of the repo
+(``../shared/``), in every text file of those trees. No engine, well under a second.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The trees and files a user gets with a clone and reads or runs.
+SCANNED = ("tests", "docs", "recipes", "bench", "README.md", "BENCHMARKS.md", "Makefile", "pyproject.toml")
+SUFFIXES = {".py", ".md", ".yaml", ".yml", ".json", ".jsonl", ".toml", ".sh", ".txt", ".cfg", ".ini", ""}
+#: A path segment that starts a machine folder: not preceded by a word character, a dot, a colon or
+#: a slash (so URLs such as ``https://host/home/x`` and ``s3://bucket/work/`` do not count).
+MACHINE = re.compile(r"(?<![\w.:/~$}-])/(?:work|root|home/[\w.-]+|Users/[\w.-]+|mnt|scratch)/"
+                     r"|(?<![\w.])\.\./shared/")
+
+
+def machine_paths(text: str) -> list[str]:
+    """The machine-folder paths in ``text`` (each as far as the next blank or quote)."""
+    return [re.match(r"[^\s'\"`)\]>,]*", text[m.start():]).group(0) for m in MACHINE.finditer(text)]
+
+
+def _files():
+    for name in SCANNED:
+        path = ROOT / name
+        if path.is_file():
+            yield path
+        elif path.is_dir():
+            yield from (p for p in sorted(path.rglob("*")) if p.is_file() and p.suffix in SUFFIXES
+                        and "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("text, found", [
+    ('MT_BENCH = "/work/shared/benchmarks/mt_bench/question.jsonl"', ["/work/shared/benchmarks/mt_bench/question.jsonl"]),
+    ("mt_bench: [/work/shared/benchmarks/mt_bench/question.jsonl]", ["/work/shared/benchmarks/mt_bench/question.jsonl"]),
+    ("see `/root/models/x` and /home/alice/data.jsonl", ["/root/models/x", "/home/alice/data.jsonl"]),
+    ("evaluate.prompt_path=../shared/benchmarks/q.jsonl", ["../shared/benchmarks/q.jsonl"]),
+    ("open('/Users/bob/q.jsonl')", ["/Users/bob/q.jsonl"]),
+    ("run.store=s3://bucket/work/x and https://example.org/home/page", []),
+    ("runs/toy/work/ and data/mt_bench/question.jsonl and tmp_path / 'work'", []),
+    ("<dir>/<config>/*.parquet, /models/my-target, /tmp/x", []),
+])
+def test_the_scan_finds_machine_paths(text, found):
+    assert machine_paths(text) == found
+
+
+def test_no_machine_paths_in_tests_docs_recipes_and_benches():
+    this = Path(__file__).resolve()
+    hits = []
+    for path in _files():
+        if path == this:  # its own examples above
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for lineno, line in enumerate(text.splitlines(), 1):
+            hits += [f"{path.relative_to(ROOT)}:{lineno}: {p}" for p in machine_paths(line)]
+    assert not hits, "paths that exist only on this project's machines (build the file in the test, or " \
+                     "name a path relative to the repository or a placeholder):\n" + "\n".join(hits)

@@ -22,7 +22,7 @@ than torch.save (median), or the size ratio exceeds 1.05.
     python bench/featurestore_write.py --rounds 0 --rss --rss-gb 2 --commit-every 64 [--rss-legacy]
 
 Peak memory (``--rss``): a fresh process writes ``--rss-gb`` GB of features the way capture does
-(each sample made on the fly, ``build.feature_row``, then ``featurestore.writer.FeatureWriter``
+(each sample made on the fly, ``build.feature_row``, then ``featurestore.capture.writer.FeatureWriter``
 with capture's default budget (``--rss-budget-mb``), one commit per ``--commit-every`` samples), and
 prints its peak RSS (``VmHWM``) beside its RSS before the first write. ``--rss-legacy`` also runs
 the route capture used before the writer (a commit's rows held, ``from_pylist``, ``store.append``).

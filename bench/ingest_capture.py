@@ -7,7 +7,7 @@ capture engine (``extract_hidden_states`` + eaglenest's connector, as ``features
 it). Arms, order rotated every round, each into a fresh store:
 
 * ``regen``: ``ingest.build.build`` (pool -> streamed regeneration -> prompts table).
-* ``regen+capture``: the same, then ``featurestore.build.capture`` over that store (prompt + response
+* ``regen+capture``: the same, then ``featurestore.capture.build.capture`` over that store (prompt + response
   token ids through the capture engine, features table written), i.e. the pipeline's two passes.
 * ``regen+prefill`` (``--floor``, a reference, not a pipeline path): regeneration, then the same
   prompt + response sequences through the *regeneration* engine with ``max_tokens=1`` (no capture

@@ -4,7 +4,7 @@ One features table (``--samples`` samples of ``--tokens`` tokens, aux ``[T, 3, H
 ``[T, H]`` bf16, random bits) is written with ``store.append`` twice: into a local store under
 ``--dir`` and into ``s3://<bucket>/bench`` on a moto server started on 127.0.0.1
 (``tests/featurestore/s3_helpers.py``). Each round reads every sample of both, in one seeded
-shuffled order, through the trainer's reader (``featurestore.reader.SampleReader``, ``--threads``
+shuffled order, through the trainer's reader (``featurestore.read.reader.SampleReader``, ``--threads``
 samples in flight, pooled buffers, integrity check off on both: it is a local-disk feature). On
 local disk the values are ``pread`` from the data files; on S3 the reader has no file to ``pread``
 and fills the same buffers through Lance's blob reader (ranged GETs).

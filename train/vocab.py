@@ -69,7 +69,7 @@ def count_loss_tokens(batches: Iterable[pa.RecordBatch], vocab_size: int) -> np.
 def count_loss_tokens_in_store(store_uri: str, *, version: int | str | None, split: str, vocab_size: int,
                                table: str = "features") -> np.ndarray:
     """Like :func:`count_loss_tokens`, computed by one SQL aggregate over the store at ``version``
-    (``featurestore.query``: unnest ids and mask, filter mask = 1, group by id), not in Python."""
+    (``featurestore.read.query``: unnest ids and mask, filter mask = 1, group by id), not in Python."""
     return loss_token_counts(store_uri, table, version=version, split=split, vocab_size=vocab_size)
 
 

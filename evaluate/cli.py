@@ -1,7 +1,7 @@
 """``evaluate``: measure a draft under vLLM speculative decoding.
 
-    evaluate al [k=v ...]                 AL per domain/category and per context bucket, both averages
-    evaluate throughput [k=v ...]         tokens/s, speed-up, TTFT and latency across a concurrency sweep
+    evaluate al [--manifest M] [k=v ...]  AL per domain/category and per context bucket, both averages
+    evaluate throughput [--manifest M] [k=v ...]  tokens/s, speed-up, TTFT and latency across a sweep
     evaluate compare --a A --b B [k=v ...]  two drafts (dirs) or two reports (report.json) side by side
     evaluate offline [--draft DIR] [k=v ...]  AL without vLLM: HF target + PyTorch draft, greedy
 
@@ -18,19 +18,24 @@ COMMANDS = "eaglenest.evaluate.commands"
 
 def main(argv: list[str] | None = None) -> int:
     out = (("--out",), dict(default=None, help="output directory"))
+    # The same meaning as on `ingest build`: the domain manifest to use instead of ingest.manifest
+    # (here: its generation.reasoning decides the chat mode instead of the store's record).
+    manifest = (("--manifest",), dict(default=None, help="domain manifest whose chat mode prompts are rendered "
+                                                        "in (default: as the store's prompts were)"))
     return run("evaluate", "Measure a draft under vLLM speculative decoding.", {
         "al": Command(f"{COMMANDS}:cmd_al", "AL per domain and context bucket, from vLLM's spec-decode metrics",
-                      args=[out, (("--force",), dict(action="store_true",
-                                                     help="measure again even if report.json matches"))]),
+                      args=[out, manifest, (("--force",), dict(action="store_true",
+                                                               help="measure again even if report.json matches"))]),
         "throughput": Command(f"{COMMANDS}:cmd_throughput", "throughput and latency against concurrency, "
-                                                             "with and without speculation", args=[out]),
+                                                             "with and without speculation", args=[out, manifest]),
         "compare": Command(f"{COMMANDS}:cmd_compare", "two drafts or two report.json files side by side",
                            args=[(("--a",), dict(required=True, help="draft directory or report.json")),
                                  (("--b",), dict(required=True, help="draft directory or report.json")), out]),
         "offline": Command(f"{COMMANDS}:cmd_offline",
                            "AL without vLLM (HF target + PyTorch draft, greedy verification)",
                            args=[(("--draft",), dict(default=None, help="exported draft dir or train checkpoint "
-                                                                        "dir (default: evaluate.draft)")), out]),
+                                                                        "dir (default: evaluate.draft)")), out,
+                                 manifest]),
     }, argv)
 
 

@@ -33,7 +33,7 @@ def _check_target(recipe) -> None:
 
 def cmd_al(recipe, args) -> int:
     _check_target(recipe)
-    cfg, draft = evaluate_config(recipe), draft_dir(recipe)
+    cfg, draft = evaluate_config(recipe, manifest=args.manifest), draft_dir(recipe)
     out = args.out or str(recipe.run.path("eval"))
     key = _cache_key(recipe, draft, cfg)
     cached = None if args.force else _cached_report(out, key)
@@ -88,7 +88,8 @@ def cmd_throughput(recipe, args) -> int:
     _check_target(recipe)
     draft = draft_dir(recipe)
     result = run_sweep(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri,
-                       cfg=evaluate_config(recipe), serve_cfg=recipe.serve, log_dir=recipe.run.path("serve"),
+                       cfg=evaluate_config(recipe, manifest=args.manifest), serve_cfg=recipe.serve,
+                       log_dir=recipe.run.path("serve"),
                        trust_remote_code=recipe.run.trust_remote_code)
     out = recipe.run.path(args.out or "throughput")
     out.mkdir(parents=True, exist_ok=True)
@@ -109,7 +110,7 @@ def cmd_compare(recipe, args) -> int:
 
 def cmd_offline(recipe, args) -> int:
     _check_target(recipe)
-    cfg, draft = evaluate_config(recipe), args.draft or draft_dir(recipe)
+    cfg, draft = evaluate_config(recipe, manifest=args.manifest), args.draft or draft_dir(recipe)
     if cfg.temperature != 0.0:
         raise ConfigError(f"evaluate.temperature: offline AL is greedy only (0.0), got {cfg.temperature}")
     groups, info = load_prompt_set(cfg, recipe.run.store_uri)

@@ -1,10 +1,23 @@
-"""What ``evaluate`` measures with, resolved against the rest of the recipe.
+"""What ``evaluate`` measures with, resolved against the rest of the recipe and the store.
 
 ``recipe.evaluate`` alone leaves two things open: which draft (``evaluate.draft``, else where
-``serve export`` writes it) and the chat-template kwargs (null: those ingest rendered the training
-prompts with). Every command that serves a draft for AL resolves them here, ``evaluate`` itself and
-the served-AL checkpoint selection during training (``eaglenest.pipeline``), so both render prompts
-the same way.
+``serve export`` writes it) and the chat-template kwargs. Every command that serves a draft for AL
+resolves them here, ``evaluate`` itself and the served-AL checkpoint selection during training
+(``eaglenest.pipeline``), so both render prompts the same way.
+
+The kwargs (``evaluate.chat_template_kwargs``, null by default) resolve, first match wins, to:
+
+1. the recipe's ``evaluate.chat_template_kwargs`` when set (``{}``: the template's defaults);
+2. with ``--manifest M``: the kwargs ingest would render with under ``M`` (``ingest.chat_template_kwargs``
+   with ``M``'s ``generation.reasoning`` on top), as ``ingest build --manifest M`` did;
+3. what the store records: every ``ingest build`` commit to the prompts table stores the kwargs it
+   rendered with in its lineage (:func:`rendered_with`), so a pool built with another manifest than
+   the recipe's is evaluated in its own mode;
+4. a store from before that record: the recipe's manifest (``ingest.manifest``), as in (2).
+
+When (2) or (3) decides and the other source (the store, or the recipe's manifest) says something
+else, one warning line names both. Trade-off: the recipe's manifest is still read to say so, so a
+recipe whose manifest is not at hand logs that it was not read.
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ import logging
 
 from eaglenest.errors import ManifestError
 from eaglenest.evaluate.config import EvaluateConfig
+from eaglenest.featurestore.table import store, versions
 from eaglenest.ingest.manifest import load_manifest
 from eaglenest.ingest.reasoning import template_kwargs
 
@@ -25,17 +39,60 @@ def draft_dir(recipe) -> str:
     return recipe.evaluate.draft or str(recipe.run.path(recipe.serve.draft_subdir))
 
 
-def evaluate_config(recipe) -> EvaluateConfig:
-    """``recipe.evaluate`` with ``chat_template_kwargs`` resolved: as set, or (null) what ingest
-    rendered the training prompts with: ``ingest.chat_template_kwargs`` with the manifest's
-    ``generation.reasoning`` on top (``eaglenest.ingest.reasoning.template_kwargs``)."""
+def rendered_with(store_uri: str) -> dict | None:
+    """The ``chat_template_kwargs`` the store's prompts were rendered with, from the lineage of the
+    prompts table's commits (None: no commit records them, or there is no prompts table). Commits
+    made with different kwargs (a pool extended under another manifest): the latest, with a warning."""
+    if not store.exists(store_uri, store.PROMPTS):
+        return None
+    seen: list[dict] = []
+    for v in versions.list_versions(store_uri, store.PROMPTS):
+        kwargs = (v["lineage"] or {}).get("chat_template_kwargs")
+        if isinstance(kwargs, dict):
+            seen = [k for k in seen if k != kwargs] + [kwargs]
+    if len(seen) > 1:
+        log.warning("evaluate: the prompts table holds prompts rendered with %d different chat_template_kwargs "
+                    "(%s); rendering with the latest", len(seen), "; ".join(map(_show, seen)))
+    return seen[-1] if seen else None
+
+
+def _from_manifest(recipe, path: str, *, quiet: bool) -> dict | None:
+    """The kwargs ingest renders with under manifest ``path`` (None: the manifest cannot be read)."""
+    try:
+        reasoning = load_manifest(path).generation.reasoning
+    except ManifestError as exc:
+        if not quiet:
+            log.warning("evaluate: manifest not read (%s); rendering with ingest.chat_template_kwargs only", exc)
+        return None
+    return template_kwargs(reasoning, recipe.ingest.chat_template_kwargs) or {}
+
+
+def _show(kwargs: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in sorted(kwargs.items())) + "}"
+
+
+def evaluate_config(recipe, *, manifest: str | None = None) -> EvaluateConfig:
+    """``recipe.evaluate`` with ``chat_template_kwargs`` resolved (module docstring); ``manifest``:
+    the command's ``--manifest``."""
     cfg = recipe.evaluate
     if cfg.chat_template_kwargs is not None:
         return cfg
-    reasoning = "default"
-    try:
-        reasoning = load_manifest(recipe.ingest.manifest).generation.reasoning
-    except ManifestError as exc:  # evaluating without the manifest at hand: the recipe's kwargs alone
-        log.warning("evaluate: manifest not read (%s); rendering with ingest.chat_template_kwargs only", exc)
-    kwargs = template_kwargs(reasoning, recipe.ingest.chat_template_kwargs) or {}
+    stored = rendered_with(recipe.run.store_uri)
+    if manifest:
+        # Named on the command line: a manifest that cannot be read is refused (ManifestError, exit 2).
+        kwargs = template_kwargs(load_manifest(manifest).generation.reasoning, recipe.ingest.chat_template_kwargs) or {}
+        if stored is not None and stored != kwargs:
+            log.warning("evaluate: rendering prompts with chat_template_kwargs %s from --manifest %s; the store's "
+                        "prompts were rendered with %s", _show(kwargs), manifest, _show(stored))
+    elif stored is not None:
+        kwargs = stored
+        recipe_says = _from_manifest(recipe, recipe.ingest.manifest, quiet=True)
+        if recipe_says is not None and recipe_says != stored:
+            log.warning("evaluate: rendering prompts with chat_template_kwargs %s, as the store's prompts were "
+                        "rendered; the recipe's manifest %s would give %s (set evaluate.chat_template_kwargs or "
+                        "pass --manifest to choose)", _show(stored), recipe.ingest.manifest, _show(recipe_says))
+    else:
+        kwargs = _from_manifest(recipe, recipe.ingest.manifest, quiet=False)
+        if kwargs is None:
+            kwargs = dict(recipe.ingest.chat_template_kwargs or {})
     return dataclasses.replace(cfg, chat_template_kwargs=kwargs)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import json
 
-from eaglenest.errors import ConfigError
 from eaglenest.featurestore import schema
 from eaglenest.featurestore.capture import build
 from eaglenest.featurestore.read import query
@@ -120,22 +119,13 @@ def cmd_gc(recipe, args) -> int:
 def cmd_query(recipe, args) -> int:
     attach = dict(a.split("=", 1) for a in args.attach or [])
     pinned = {recipe.featurestore.table: _ver(args.version)} if args.version else None
-    table = query.run_query(recipe.run.store_uri, args.sql, versions=pinned, with_tensors=args.with_tensors,
-                            attach=attach)
-    if args.out:
-        if args.out.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
-            pq.write_table(table, args.out)
-        elif args.out.endswith(".csv"):
-            import pyarrow.csv as pcsv
-
-            pcsv.write_csv(table, args.out)
-        else:
-            raise ConfigError(f"--out {args.out}: use a .csv or .parquet file name")
-        print(f"{table.num_rows} rows -> {args.out}")
-    else:
-        print(table.to_pandas().to_string(index=False, max_rows=args.max_rows))
+    kw = {"versions": pinned, "with_tensors": args.with_tensors, "attach": attach}
+    if args.out:  # streamed into the file batch by batch (bounded memory, whatever the table's size)
+        rows = query.write_query(recipe.run.store_uri, args.sql, args.out, **kw)
+        print(f"{rows} rows -> {args.out}")
+        return 0
+    table = query.run_query(recipe.run.store_uri, args.sql, **kw)
+    print(table.to_pandas().to_string(index=False, max_rows=args.max_rows))
     return 0
 
 

@@ -88,7 +88,7 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
            backend=None, client=None, off_policy: bool = False, trust_remote_code: bool = False,
            dropped_path=None) -> dict:
     t0 = time.time()
-    chat_kwargs(manifest.generation, cfg.chat_template_kwargs)  # a contradiction is refused before any work
+    rendered = chat_kwargs(manifest.generation, cfg.chat_template_kwargs) or {}  # a contradiction: refused here
     if backend is not None and getattr(backend, "chat_template_kwargs", {}) != dict(cfg.chat_template_kwargs):
         raise ConfigError("ingest.chat_template_kwargs: the backend given renders with other kwargs "
                           "(build it with make_backend, or with the same chat_template_kwargs)")
@@ -106,8 +106,11 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
     train = [e for e in todo if e.split == "train"]
     if train:  # responses are about to be added: they must come from the same target as those stored
         policy.check_prompts(store_uri, target, off_policy=off_policy, stage="ingest build")
+    # How the prompts were rendered, readable (gen_params_id is only a hash of it): evaluation renders
+    # its prompts the same way unless told otherwise (evaluate/settings.py).
     lineage = {"stage": "ingest", "manifest": manifest.name, "manifest_hash": manifest.content_hash(),
-               "gen_params_id": gen_id, **policy.lineage_record(target)}
+               "gen_params_id": gen_id, "reasoning": manifest.generation.reasoning,
+               "chat_template_kwargs": rendered, **policy.lineage_record(target)}
     if heldout:
         _guarded(lambda: commit(store_uri, write_rows(store_uri, [heldout_row(e, gen_id) for e in heldout]),
                                 {**lineage, "shard": "heldout"}), store_uri)
@@ -148,6 +151,7 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
                 if f]
     return {
         "manifest": manifest.name, "manifest_hash": manifest.content_hash(), "gen_params_id": gen_id,
+        "chat_template_kwargs": rendered,
         "backend": cfg.backend, "executor": cfg.executor, "shards": len(shards),
         "pool_size": len(pool), "skipped_existing": len(pool) - len(todo),
         "regenerated": totals["rows"], "heldout_written": len(heldout), "generated_tokens": totals["tokens"],

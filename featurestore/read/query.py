@@ -11,22 +11,33 @@ connection is in-memory and, once the tables are registered, external file acces
 so a SELECT cannot read or write other files either.
 
 Trade-off: the non-tensor columns of each table are materialised in memory as Arrow (ids, masks,
-lengths: a few bytes per token), which keeps joins and self-joins simple; the tensor columns are
-streamed from Lance only when requested.
+lengths: a few bytes per token), which keeps joins and self-joins simple. The tensor columns are
+never materialised: with ``with_tensors`` a table that has them is registered as a view of its
+Lance dataset (:func:`_tensor_view`) that DuckDB scans batch by batch (about :data:`BATCH_BYTES`
+of tensors each, tensor values as bytes), once per reference in the query. :func:`write_query`
+streams the result into the output file batch by batch, so ``featurestore query --with-tensors
+--out f.parquet`` holds a few batches, whatever the table's size (``bench/featurestore_query_memory.py``).
+A query with a blocking operator over tensor columns (``ORDER BY`` of the rows, an aggregate that
+keeps them) still needs DuckDB to hold what that operator holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from pathlib import Path
 
 import pyarrow as pa
 
-from eaglenest.errors import ConfigError, StoreError
+from eaglenest.errors import ConfigError, StoreError, require
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.table import store
+from eaglenest.featurestore.table import objects, store
 
 log = logging.getLogger(__name__)
+
+#: About how many bytes of tensor columns one batch of a streamed query holds (rows are never split).
+BATCH_BYTES = 8 * 2**20
 
 
 def check_read_only(sql: str) -> None:
@@ -50,13 +61,25 @@ def tables_in(uri: str) -> list[str]:
 def connect(uri: str, *, versions: dict[str, int | str] | None = None, with_tensors: bool = False,
             attach: dict[str, str] | None = None):
     """An in-memory DuckDB connection with the store's tables (and ``attach`` files) registered."""
+    return _connect(uri, versions=versions, with_tensors=with_tensors, attach=attach)[0]
+
+
+def _connect(uri: str, *, versions: dict[str, int | str] | None = None, with_tensors: bool = False,
+             attach: dict[str, str] | None = None):
+    """:func:`connect`, and how many rows of the tensor tables make a batch (None: no tensors)."""
     import duckdb
 
     con = duckdb.connect(":memory:")
+    batch_rows = None
     for name in tables_in(uri):
         ds = store.dataset(uri, name, (versions or {}).get(name))
-        cols = [c for c in ds.schema.names if with_tensors or c not in S.TENSOR_COLUMNS]
-        con.register(name, ds.to_table(columns=cols, **store.BYTES))  # blob columns as bytes
+        if with_tensors and any(c in S.TENSOR_COLUMNS for c in ds.schema.names):
+            view = _tensor_view(uri, ds)  # scanned batch by batch, never materialised
+            batch_rows = min(batch_rows or view.batch_rows, view.batch_rows)
+            con.register(name, view)
+            continue
+        cols = [c for c in ds.schema.names if c not in S.TENSOR_COLUMNS]
+        con.register(name, ds.to_table(columns=cols, **store.BYTES))
     for name, path in (attach or {}).items():
         p = Path(path)
         if not p.is_file():
@@ -66,7 +89,60 @@ def connect(uri: str, *, versions: dict[str, int | str] | None = None, with_tens
             raise ConfigError(f"query: attached table name '{name}' must be an identifier")
         con.execute(f"CREATE TEMP TABLE {name} AS SELECT * FROM {fn}('{_q(str(p))}')")
     con.execute("SET enable_external_access = false")
-    return con
+    return con, batch_rows
+
+
+def _rows_per_batch(ds) -> int:
+    """Rows of ``ds`` holding about :data:`BATCH_BYTES` of tensors, judged by its first row."""
+    cols = [c for c in ds.schema.names if c in S.TENSOR_COLUMNS]
+    first = ds.scanner(columns=cols, limit=1, **store.BYTES).to_table()
+    return max(1, BATCH_BYTES // max(1, first.nbytes)) if first.num_rows else 1
+
+
+def _tensor_view(uri: str, ds):
+    """Table ``ds`` (a Lance dataset at a fixed version) as a source DuckDB scans batch by batch.
+
+    DuckDB scans a ``pyarrow.dataset.Dataset`` by calling its ``scanner(columns=, filter=)`` once
+    per reference in the query and reading ``to_reader()`` of what it returns. Lance's own scanner
+    would hand it the tensor columns' blob descriptors (not the bytes) and cannot run every filter
+    DuckDB pushes down, and pyarrow's ``Scanner.from_batches`` reads ahead without bound (measured:
+    peak memory grew with the table). So the view reads the requested and the small columns from
+    Lance, bytes and a bounded batch at a time, and applies DuckDB's filter and projection to each
+    batch itself (:class:`_Batches`).
+    """
+    lance = require("lance", "featurestore")
+    rows = _rows_per_batch(ds)
+
+    class TensorView(lance.LanceDataset):
+        batch_rows = rows
+
+        def scanner(self, columns=None, filter=None, **_):
+            want = list(columns) if columns is not None else self.schema.names
+            # A pushed-down filter may name a tensor column the projection leaves out (IS NOT NULL).
+            named = str(filter) if filter is not None else ""
+            read = [c for c in self.schema.names if c in want or c not in S.TENSOR_COLUMNS or c in named]
+            inner = lance.LanceDataset.scanner(self, columns=read, batch_size=rows, batch_readahead=1,
+                                               fragment_readahead=1, io_buffer_size=2 * BATCH_BYTES, **store.BYTES)
+            return _Batches(inner.to_reader(), want, filter)
+
+    return TensorView(ds.uri, version=ds.version, storage_options=objects.lance_options(uri))
+
+
+class _Batches:
+    """What :func:`_tensor_view`'s ``scanner`` returns: Lance's batches, filtered and projected."""
+
+    def __init__(self, reader: pa.RecordBatchReader, columns: list[str], filter):
+        self._reader, self._filter = reader, filter
+        self.projected_schema = pa.schema([reader.schema.field(c) for c in columns])
+
+    def to_reader(self) -> pa.RecordBatchReader:
+        def batches():
+            for batch in self._reader:
+                if self._filter is not None:
+                    batch = batch.filter(self._filter)
+                yield batch.select(self.projected_schema.names)
+
+        return pa.RecordBatchReader.from_batches(self.projected_schema, batches())
 
 
 def _q(text: str) -> str:
@@ -84,6 +160,60 @@ def run_query(uri: str, sql: str, **kw) -> pa.Table:
         raise StoreError(f"query failed: {str(exc).splitlines()[0]}") from None
     finally:
         con.close()
+
+
+def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
+    """Run one read-only statement and stream its result into ``out`` (``.parquet`` or ``.csv``)
+    batch by batch; returns the number of rows. The file appears whole or not at all: it is
+    written beside ``out`` under a temporary name and renamed into place; a refused or failed
+    query leaves nothing."""
+    out = Path(out)
+    if out.suffix not in (".parquet", ".csv"):
+        raise ConfigError(f"--out {out}: use a .csv or .parquet file name")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
+    check_read_only(sql)
+    con, batch_rows = _connect(uri, **kw)
+    if batch_rows is not None:
+        con.execute("SET threads = 2")  # each DuckDB thread holds a batch in flight
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    rows = 0
+    try:
+        try:
+            reader = con.sql(sql).to_arrow_reader(batch_rows or 100_000)
+            with _writer(tmp, out.suffix, reader.schema) as write:
+                for batch in reader:
+                    write(batch)
+                    rows += batch.num_rows
+        except OSError as exc:
+            raise StoreError(f"--out {out}: cannot write ({exc.strerror or str(exc).splitlines()[0]})") from None
+        except Exception as exc:  # DuckDB's errors (binder, conversion) as one line
+            raise StoreError(f"query failed: {str(exc).splitlines()[0]}") from None
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+        con.close()
+    return rows
+
+
+@contextlib.contextmanager
+def _writer(path: Path, suffix: str, schema: pa.Schema):
+    """``write(batch)`` into a Parquet file (one row group per batch, flushed as it goes) or a CSV."""
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        # No min/max statistics nor dictionary for binary columns (tensors): pyarrow would keep a copy
+        # of each row group's largest and smallest value in the footer, held in memory until close.
+        small = [f.name for f in schema if not pa.types.is_binary(f.type) and not pa.types.is_large_binary(f.type)]
+        w = pq.ParquetWriter(str(path), schema, write_statistics=small, use_dictionary=small)
+    else:
+        import pyarrow.csv as pcsv
+
+        w = pcsv.CSVWriter(str(path), schema)
+    try:
+        yield w.write_batch
+    finally:
+        w.close()
 
 
 def loss_token_counts(uri: str, name: str, *, version: int | str | None, split: str, vocab_size: int):

@@ -13,9 +13,13 @@ Trade-offs:
 * The table is created empty (schema and feature metadata only) on first use, atomically: on local
   disk written aside and renamed into place under a per-table create lock; on an object store
   written in place, Lance's conditional PUT of the first manifest letting one creator win.
-* Every commit is made under the table's writer lease (``featurestore/table/lease.py``) and refused if
-  it would store a ``sample_id`` twice. Two Appends never conflict in Lance (it rebases them);
-  anything that does conflict (a writer outside eaglenest) is retried with jittered backoff.
+* Every commit is refused if it would store a ``sample_id`` twice, and the check and the commit are
+  one step: on local disk under the table's writer lease (``featurestore/table/lease.py``); on an
+  object store, where there is no lease, through Lance's commit protocol (:func:`_serial_append`):
+  the commit is a Lance operation that Lance does not rebase over another writer's commit, so if
+  anything landed after the version the check read, Lance refuses the commit (its manifest is
+  written with a conditional PUT) and it is re-checked against the new version and retried.
+  Conflicts are retried with jittered backoff.
 * Lineage (manifest hash, code version, parent version, counts per domain) is written into the
   commit's Lance transaction properties under ``eaglenest.lineage``, so it is atomic with the data
   and read back per version by :mod:`eaglenest.featurestore.table.versions`.
@@ -203,15 +207,17 @@ def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMet
     exponential backoff. ``lineage`` (JSON-able) is stored in the commit's transaction properties;
     ``parent_version`` is filled in with the version the commit was made on top of.
 
-    On an object store there is no lease: the check runs against the version the commit is made on
-    top of, and a concurrent writer's commit landing in between is caught after the fact
-    (:func:`_undo_concurrent_duplicates`; docs/storage.md says what that does and does not cover).
+    On an object store there is no lease: the commit is made with :func:`_serial_append`, which Lance
+    refuses when another commit landed after the version the check read; the loop then re-reads the
+    table and checks again, so the loser of two racing writers is refused (its ids are stored) or
+    commits after the winner (they are not). No version ever holds a ``sample_id`` twice.
     """
     lance = base.require_lance()
     if name == base.FEATURES and meta is None:
         raise SchemaError("committing features needs its FeatureMeta")
     ensure_table(uri, name, meta=meta)
     path = base.table_uri(uri, name)
+    remote = objects.is_remote(uri)
     with lease.hold(uri, name, purpose="commit", wait_s=lease.WAIT_S):
         new_ids = None
         for attempt in range(max_retries + 1):
@@ -221,15 +227,16 @@ def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMet
             existing = set(ds.to_table(columns=["sample_id"]).column("sample_id").to_pylist())
             dup = duplicates(new_ids, existing)
             if dup:
+                raced = "; a concurrent writer committed them first" if attempt else ""
                 raise StoreError(f"commit to table '{name}' refused: {len(dup)} sample id(s) would be stored "
                                  f"twice (e.g. {', '.join(dup[:3])}); nothing was committed "
-                                 f"(latest version {ds.version} unchanged)")
+                                 f"(latest version {ds.version} unchanged){raced}")
             props = {}
             if lineage is not None:
                 props[LINEAGE_KEY] = json.dumps({**lineage, "parent_version": ds.version}, sort_keys=True,
                                                 default=str)
-            tx = lance.Transaction(read_version=ds.version, operation=lance.LanceOperation.Append(list(fragments)),
-                                   transaction_properties=props)
+            op = _serial_append(ds, fragments) if remote else lance.LanceOperation.Append(list(fragments))
+            tx = lance.Transaction(read_version=ds.version, operation=op, transaction_properties=props)
             faults.delay("featurestore.commit_after_check")  # tests: two unleased writers in this window
             try:
                 new = lance.LanceDataset.commit(path, tx, storage_options=objects.lance_options(uri))
@@ -241,8 +248,6 @@ def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMet
                 log.info("commit conflict on %s (attempt %d), retrying in %.2fs", path, attempt + 1, delay)
                 time.sleep(delay)
                 continue
-            if new.version > ds.version + 1:  # other commits landed since the check (no lease: object stores)
-                new = _undo_concurrent_duplicates(uri, name, new, new_ids, fragments)
             try:
                 base.record_head(uri, name, new.version)
                 integrity.record_checksums(uri, name, fragments)
@@ -255,35 +260,19 @@ def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMet
     raise AssertionError("unreachable")
 
 
-def _undo_concurrent_duplicates(uri: str, name: str, new, new_ids: list[str], fragments: list):
-    """After a commit that other commits overtook (possible without a lease, on an object store):
-    rows of this commit whose ``sample_id`` one of those commits stored first are deleted again,
-    in one Delete commit. Only the later of two racing writers sees the other's rows in between,
-    so exactly one copy stays. Returns the dataset at the version that holds no duplicate."""
+def _serial_append(ds, fragments: list):
+    """An append that Lance serializes with every other commit: for object stores, which have no lease.
+
+    Lance rebases an ``Append`` over any number of concurrent Appends, so a duplicate check made on
+    version N would not hold for the version the rows land in. A ``Merge`` whose fragment list is
+    version N's fragments plus the new ones adds the same rows with the same schema (new fragments
+    get fresh ids from Lance, as an Append's do), but Lance does not rebase it over a concurrent
+    Append, Delete, Rewrite or Merge: the commit fails with a retryable conflict instead, and the
+    caller re-checks against the newer version. The conflict is decided by Lance's commit protocol
+    (a conditional PUT of the next manifest on S3), so nothing of ours can be left behind."""
     lance = base.require_lance()
-    path = base.table_uri(uri, name)
-    before = set(objects.dataset(path, new.version - 1).to_table(columns=["sample_id"])
-                 .column("sample_id").to_pylist())
-    dup = sorted(set(new_ids) & before)
-    if not dup:
-        return new
-    ours = {df.path for f in fragments for df in f.files}
-    pred = "sample_id IN (" + ", ".join("'" + i.replace("'", "''") + "'" for i in dup) + ")"
-    updated, removed = [], []
-    for frag in objects.dataset(path, new.version).get_fragments():
-        if {df.path for df in frag.data_files()} & ours:
-            left = frag.delete(pred)
-            (removed.append(frag.fragment_id) if left is None else updated.append(left))
-    try:
-        fixed = lance.LanceDataset.commit(path, lance.LanceOperation.Delete(updated, removed, pred),
-                                          read_version=new.version, storage_options=objects.lance_options(uri))
-    except OSError as exc:
-        raise StoreError(f"table '{name}': version {new.version} stored {len(dup)} sample id(s) that a concurrent "
-                         f"writer committed first (e.g. {dup[0]}), and removing them failed "
-                         f"({str(exc).splitlines()[0][:200]}); run `featurestore verify`") from None
-    log.warning("table '%s': a concurrent writer committed %d of this commit's sample ids first (e.g. %s); "
-                "removed them from version %d (now version %d)", name, len(dup), dup[0], new.version, fixed.version)
-    return fixed
+    existing = [f.metadata for f in ds.get_fragments()]
+    return lance.LanceOperation.Merge(existing + list(fragments), ds.lance_schema)
 
 
 def lineage_of(ds, version: int) -> dict | None:

@@ -18,9 +18,11 @@ the holder dies, however it dies (SIGKILL included), so a stale lease needs no c
 writer takes it and logs whose it was. Record locks, unlike ``flock``, belong to the process and
 are not inherited across ``fork``, so an engine process a killed CLI leaves behind does not keep
 the table locked. They also work on NFS (through its lock manager). Not on object storage: a store
-there has no lease, and relies on Lance's conflict handling (conditional PUTs of manifests), the
-commit-time ``sample_id`` check and its after-the-fact repair (``fragments.commit_fragments``;
-docs/storage.md says what that guarantees).
+there has no lease (a lock object of our own could outlive a killed holder); instead each commit's
+``sample_id`` check and the commit itself are made one step by Lance's commit protocol (a commit
+Lance refuses, by the conditional PUT of the next manifest, when another landed after the checked
+version; ``fragments._serial_append``), so racing writers are serialized or refused there too
+(docs/storage.md says what that guarantees).
 
 A process re-entering a lease it holds gets it at once (capture holds it and commits under it).
 Caveat of record locks: closing *any* descriptor of the lease file in the holding process drops

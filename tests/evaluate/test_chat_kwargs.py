@@ -48,3 +48,56 @@ def test_evaluate_uses_the_ingest_kwargs_unless_set(tmp_path, root, caplog):
                                                                       "ingest.chat_template_kwargs={custom: 1}"]))
     assert cfg.chat_template_kwargs == {"custom": 1} and "manifest not read" in caplog.text
     assert evaluate_config(load_recipe(root / "recipes/toy.yaml")).chat_template_kwargs == {}
+
+
+def _manifest_file(tmp_path, root, reasoning: str):
+    path = tmp_path / f"manifest-{reasoning}.yaml"
+    path.write_text(f"name: m-{reasoning}\nlicence: CC0-1.0\ngeneration:\n  reasoning: '{reasoning}'\ndomains:\n"
+                    f"  arithmetic:\n    cap_prompts: 4\n    held_out_count: 2\n    sources:\n"
+                    f"      - path: {root}/recipes/data/arithmetic.jsonl\n        provenance: test\n")
+    return path
+
+
+def test_evaluation_renders_in_the_mode_the_store_was_built_in(tmp_path, root, thinking_target, caplog):
+    """`ingest build --manifest mine.yaml` (reasoning on) records how it rendered the prompts; `evaluate`
+    through a recipe whose manifest says off renders as the store says, and says so in one warning
+    line. No engine: a pool of held-out prompts only is written without generation."""
+    from eaglenest.ingest.build import build
+    from eaglenest.ingest.config import IngestConfig
+    from eaglenest.ingest.manifest import load_manifest
+    from eaglenest.ingest.pool import load_pool
+
+    mine, other = _manifest_file(tmp_path, root, "on"), _manifest_file(tmp_path, root, "off")
+    recipe = load_recipe(root / "recipes/toy.yaml", [f"run.workdir={tmp_path}/run", f"run.target={thinking_target}",
+                                                     f"ingest.manifest={other}"])
+    m = load_manifest(mine)
+    heldout = [e for e in load_pool(m, target=str(thinking_target)) if e.split == "heldout"]
+    assert heldout
+    stats = build(m, heldout, target=str(thinking_target), store_uri=recipe.run.store_uri, cfg=IngestConfig())
+    assert stats["chat_template_kwargs"] == {"enable_thinking": True}
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eaglenest.evaluate.settings"):
+        cfg = evaluate_config(recipe)
+    assert cfg.chat_template_kwargs == {"enable_thinking": True}  # the store's mode, not the recipe's
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert "as the store's prompts were rendered" in warnings[0] and str(other) in warnings[0]
+    assert "enable_thinking: False" in warnings[0]
+
+    # Told otherwise: --manifest (the same meaning as on ingest build) or evaluate.chat_template_kwargs.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eaglenest.evaluate.settings"):
+        assert evaluate_config(recipe, manifest=str(other)).chat_template_kwargs == {"enable_thinking": False}
+    assert "from --manifest" in caplog.text
+    assert evaluate_config(recipe, manifest=str(mine)).chat_template_kwargs == {"enable_thinking": True}
+    explicit = load_recipe(root / "recipes/toy.yaml", [f"run.workdir={tmp_path}/run", f"ingest.manifest={other}",
+                                                       "evaluate.chat_template_kwargs={}"])
+    assert evaluate_config(explicit).chat_template_kwargs == {}
+
+    # The recipe agreeing with the store: no warning.
+    caplog.clear()
+    agree = load_recipe(root / "recipes/toy.yaml", [f"run.workdir={tmp_path}/run", f"ingest.manifest={mine}"])
+    with caplog.at_level(logging.WARNING, logger="eaglenest.evaluate.settings"):
+        assert evaluate_config(agree).chat_template_kwargs == {"enable_thinking": True}
+    assert not caplog.records

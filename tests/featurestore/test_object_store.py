@@ -106,20 +106,22 @@ def test_rollback_detected_and_accepted(s3):
     assert store.read(uri, store.FEATURES).num_rows == 1
 
 
-def test_duplicates_refused_and_concurrent_writers_keep_one_copy(s3, monkeypatch, caplog):
-    uri, m = s3.uri("dups"), H.meta()
-    store.append(uri, store.FEATURES, H.table(["a", "b"], m), meta=m)
-    with pytest.raises(StoreError, match="would be stored twice"):
-        store.append(uri, store.FEATURES, H.table(["b", "c"], m), meta=m)
-    # No lease on S3: two writers both pass the check before either commits (held in that window).
+def _ids_per_version(uri: str) -> dict[int, list[str]]:
+    ds = objects.dataset(objects.join(uri, f"{store.FEATURES}.lance"))
+    return {v["version"]: objects.dataset(ds.uri, v["version"]).to_table(columns=["sample_id"])
+            .column("sample_id").to_pylist() for v in ds.versions()}
+
+
+def _race(uri, m, id_sets, monkeypatch):
+    """Commit one fragment set per thread, both past the duplicate check before either commits."""
     monkeypatch.setenv("EAGLENEST_FAULT_DELAY", "featurestore.commit_after_check=1.0")
     frags = [fragments.write_fragment(uri, store.FEATURES, H.table(ids, m, seed=k), meta=m)
-             for k, ids in enumerate((["x", "y", "z"], ["y", "z", "w"]))]
-    errors = []
+             for k, ids in enumerate(id_sets)]
+    errors, versions_ = [], []
 
     def commit(f):
         try:
-            fragments.commit_fragments(uri, store.FEATURES, f, meta=m)
+            versions_.append(fragments.commit_fragments(uri, store.FEATURES, f, meta=m))
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -128,10 +130,41 @@ def test_duplicates_refused_and_concurrent_writers_keep_one_copy(s3, monkeypatch
         t.start()
     for t in threads:
         t.join()
-    assert not errors
-    assert "a concurrent writer committed 2 of this commit's sample ids first" in caplog.text  # the race happened
+    return errors, versions_
+
+
+def test_duplicates_refused_and_racing_writers_store_each_id_once(s3, monkeypatch):
+    """No lease on S3: the check and the commit are one step through Lance's commit protocol, so of
+    two writers that both passed the check, the loser is re-checked and refused, and no version of
+    the table, not even for a moment, holds a sample id twice."""
+    uri, m = s3.uri("dups"), H.meta()
+    store.append(uri, store.FEATURES, H.table(["a", "b"], m), meta=m)
+    with pytest.raises(StoreError, match="would be stored twice"):
+        store.append(uri, store.FEATURES, H.table(["b", "c"], m), meta=m)
+    errors, committed = _race(uri, m, (["x", "y", "z"], ["y", "z", "w"]), monkeypatch)
+    assert len(committed) == 1 and len(errors) == 1, (committed, errors)
+    assert isinstance(errors[0], StoreError) and "would be stored twice" in str(errors[0])
+    assert "\n" not in str(errors[0])  # one line for the CLI
     ids = store.read(uri, store.FEATURES, columns=["sample_id"]).column("sample_id").to_pylist()
-    assert sorted(ids) == ["a", "b", "w", "x", "y", "z"]
+    assert sorted(ids) in (["a", "b", "w", "y", "z"], ["a", "b", "x", "y", "z"])
+    for version, vids in _ids_per_version(uri).items():
+        assert len(vids) == len(set(vids)), f"version {version} holds a sample id twice: {sorted(vids)}"
+    assert maintenance.verify(uri, store.FEATURES)["ok"]
+
+
+def test_racing_writers_with_disjoint_rows_are_serialized(s3, monkeypatch):
+    """Two writers with different samples both pass the check on the same version: the loser's
+    commit is refused by Lance, re-checked on the winner's version and made after it."""
+    uri, m = s3.uri("serial"), H.meta()
+    store.append(uri, store.FEATURES, H.table(["a"], m), meta=m)
+    errors, committed = _race(uri, m, (["p", "q"], ["r", "s", "t"]), monkeypatch)
+    assert not errors and sorted(committed) == [3, 4]
+    ids = store.read(uri, store.FEATURES, columns=["sample_id"]).column("sample_id").to_pylist()
+    assert sorted(ids) == ["a", "p", "q", "r", "s", "t"]
+    ds = store.dataset(uri, store.FEATURES)
+    frag_ids = [f.fragment_id for f in ds.get_fragments()]
+    assert len(frag_ids) == len(set(frag_ids))
+    assert len(_ids_per_version(uri)[3]) in (3, 4)  # the winner alone, then both
     assert maintenance.verify(uri, store.FEATURES)["ok"]
 
 

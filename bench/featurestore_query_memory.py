@@ -1,0 +1,114 @@
+"""Peak memory of ``featurestore query --with-tensors --out f.parquet`` at two table sizes.
+
+Builds two feature tables of synthetic EAGLE-3 rows (random fp32 hidden states, ``--row-mib`` MiB
+of tensors per sample) holding ``--sizes`` MiB of tensor columns each, then runs, in a fresh
+process per table, the query command as a user would (``featurestore query --with-tensors --sql
+"SELECT * FROM features" --out x.parquet``, through ``featurestore.cli.main``) and prints that
+process's peak RSS growth: ``VmHWM`` at the end minus ``VmRSS`` before the command (after importing
+Lance, DuckDB and pyarrow, so the libraries' own footprint is not counted). The output files are
+checked to hold every row.
+
+Printed side by side for the sizes, with the ratio large/small. A query streamed to the file in
+batches (``featurestore/read/query.py``) grows by about the same at both sizes (ratio ~1);
+materialising the table grows with it (ratio ~ the size ratio). ``--check`` exits 1 when the
+ratio exceeds 1.5.
+
+    python bench/featurestore_query_memory.py                    # 64 and 256 MiB, < 60 s here
+    python bench/featurestore_query_memory.py --sizes 64,512 --rounds 3 --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+#: Run in the child: peak RSS growth (MiB) of one query command, printed as JSON.
+CHILD = r"""
+import json, sys
+import duckdb, lance, pyarrow.parquet  # noqa: F401 - imported before the baseline
+from eaglenest.featurestore import cli
+
+def kib(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1])
+
+before = kib("VmRSS:")
+rc = cli.main(["query", "--with-tensors", "--sql", "SELECT * FROM features", "--out", sys.argv[2],
+               f"run.store={sys.argv[1]}"])
+print(json.dumps({"rc": rc, "growth_mib": (kib("VmHWM:") - before) / 1024}))
+"""
+
+
+def build(uri: str, *, mib: int, row_mib: int, hidden: int = 1024, seed: int = 0) -> int:
+    """A features table with ``mib`` MiB of tensor columns (fp32, ``row_mib`` MiB per sample)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore.table import store
+
+    meta = S.FeatureMeta(target="bench", layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=hidden,
+                         dtype="float32", feature_set_id="bench-query-memory")
+    tokens = row_mib * 2**20 // (4 * hidden * 4)  # aux [T, 3, H] + last [T, H], fp32
+    n = mib // row_mib
+    rng = np.random.default_rng(seed)
+    for start in range(0, n, 8):  # one commit per 8 samples (bounded memory while building)
+        rows = []
+        for k in range(start, min(n, start + 8)):
+            aux = rng.standard_normal((tokens, 3, hidden), dtype=np.float32)
+            last = rng.standard_normal((tokens, hidden), dtype=np.float32)
+            rows.append({"sample_id": f"s{k:06d}", "domain": "d", "source": "bench", "split": "train",
+                         "mode": "chat", "gen_params_id": "g", "num_tokens": tokens, "num_loss_tokens": tokens - 1,
+                         "input_ids": list(range(tokens)), "loss_mask": [0] + [1] * (tokens - 1),
+                         "aux_hidden": S.encode_tensor(aux, "float32"), "last_hidden": S.encode_tensor(last, "float32")})
+        table = pa.Table.from_pylist(rows, schema=S.features_schema(meta))
+        store.append(uri, store.FEATURES, table, meta=meta)
+    return n
+
+
+def peak_growth(uri: str, out: Path) -> float:
+    proc = subprocess.run([sys.executable, "-c", CHILD, uri, str(out)], capture_output=True, text=True, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines or json.loads(lines[-1])["rc"] != 0:
+        raise SystemExit(f"query failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+    return json.loads(lines[-1])["growth_mib"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="64,256", help="two table sizes in MiB of tensor columns")
+    ap.add_argument("--row-mib", type=int, default=4, help="MiB of tensors per sample")
+    ap.add_argument("--rounds", type=int, default=2, help="query runs per size (median reported)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if large/small growth > 1.5")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if len(sizes) != 2:
+        ap.error("--sizes takes two sizes")
+    import pyarrow.parquet as pq
+
+    growth = {}
+    with tempfile.TemporaryDirectory(prefix="eaglenest-bench-query-") as tmp:
+        for mib in sizes:
+            uri = str(Path(tmp) / f"store{mib}")
+            n = build(uri, mib=mib, row_mib=args.row_mib)
+            out = Path(tmp) / f"out{mib}.parquet"
+            runs = [peak_growth(uri, out) for _ in range(args.rounds)]
+            assert pq.read_metadata(out).num_rows == n, "the output file lost rows"
+            growth[mib] = statistics.median(runs)
+            out.unlink()
+    small, large = sizes
+    ratio = growth[large] / growth[small]
+    print(f"{'table (MiB of tensors)':>24} {small:>10} {large:>10}   ratio")
+    print(f"{'peak RSS growth (MiB)':>24} {growth[small]:>10.0f} {growth[large]:>10.0f}   {ratio:.2f} "
+          f"(table ratio {large / small:.1f})")
+    return 1 if args.check and ratio > 1.5 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,7 +27,7 @@ import logging
 
 from eaglenest.errors import ManifestError
 from eaglenest.evaluate.config import EvaluateConfig
-from eaglenest.featurestore.table import store, versions
+from eaglenest.featurestore.capture import policy
 from eaglenest.ingest.manifest import load_manifest
 from eaglenest.ingest.reasoning import template_kwargs
 
@@ -43,13 +43,7 @@ def rendered_with(store_uri: str) -> dict | None:
     """The ``chat_template_kwargs`` the store's prompts were rendered with, from the lineage of the
     prompts table's commits (None: no commit records them, or there is no prompts table). Commits
     made with different kwargs (a pool extended under another manifest): the latest, with a warning."""
-    if not store.exists(store_uri, store.PROMPTS):
-        return None
-    seen: list[dict] = []
-    for v in versions.list_versions(store_uri, store.PROMPTS):
-        kwargs = (v["lineage"] or {}).get("chat_template_kwargs")
-        if isinstance(kwargs, dict):
-            seen = [k for k in seen if k != kwargs] + [kwargs]
+    seen = policy.rendered_kwargs(store_uri)
     if len(seen) > 1:
         log.warning("evaluate: the prompts table holds prompts rendered with %d different chat_template_kwargs "
                     "(%s); rendering with the latest", len(seen), "; ".join(map(_show, seen)))

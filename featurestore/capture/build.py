@@ -150,7 +150,7 @@ def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: floa
         longest = max(len(c["prompt_token_ids"]) + len(c["response_token_ids"]) for c in todo)
         if longest + 1 > cfg.engine.max_model_len:
             raise StoreError(f"a conversation has {longest} tokens: raise featurestore.engine.max_model_len")
-        earlier_turns = _turn_spans(target, todo, trust_remote_code=trust_remote_code)
+        earlier_turns = _turn_spans(target, todo, policy.rendered_kwargs(store_uri), trust_remote_code=trust_remote_code)
         budget = max(1, int(cfg.write_buffer_mb * (1 << 20)))
         writer = FeatureWriter(store_uri, name, meta, budget=budget)
         lineage = {**(lineage or {}), "feature_set_id": meta.feature_set_id, "code_version": code_version()}
@@ -191,9 +191,12 @@ def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: floa
     }
 
 
-def _turn_spans(target: str, convs: list[dict], *, trust_remote_code: bool = False):
+def _turn_spans(target: str, convs: list[dict], rendered: list[dict], *, trust_remote_code: bool = False):
     """A function conv -> loss spans of its earlier assistant turns (the tokenizer is loaded only
-    when some conversation has more than one assistant turn)."""
+    when some conversation has more than one assistant turn). The template is rendered with the
+    kwargs ingest recorded (``rendered``, latest first; a reasoning mode changes the tokens), the
+    first that reproduces the stored prompt wins; no record: the template's defaults."""
+    options = [*reversed(rendered)] + ([{}] if {} not in rendered else [])
     def multi(c: dict) -> list[dict] | None:
         """The conversation's messages if it has more than one assistant turn, else None."""
         msgs = json.loads(c.get("messages_json") or "[]")
@@ -208,7 +211,8 @@ def _turn_spans(target: str, convs: list[dict], *, trust_remote_code: bool = Fal
         msgs = multi_turn.get(conv["sample_id"])
         if msgs is None:
             return ()
-        found = turns.assistant_spans(tok, msgs, list(conv["prompt_token_ids"]))
+        prompt = list(conv["prompt_token_ids"])
+        found = next((f for kw in options if (f := turns.assistant_spans(tok, msgs, prompt, kw)) is not None), None)
         if found is None:
             log.warning("%s: the chat template does not reproduce the prompt; training on the last "
                         "answer only", conv["sample_id"])

@@ -16,7 +16,7 @@ import logging
 
 from eaglenest.errors import ConfigError
 from eaglenest.featurestore.capture.identity import weights_hash
-from eaglenest.featurestore.table import fragments, store
+from eaglenest.featurestore.table import fragments, store, versions
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,19 @@ def target_id(target: str) -> str:
 def lineage_record(target: str) -> dict[str, str]:
     """What ``ingest build`` writes into each commit's lineage."""
     return {"target": str(target), "target_id": target_id(str(target))}
+
+
+def rendered_kwargs(store_uri: str) -> list[dict]:
+    """The distinct ``chat_template_kwargs`` the prompts table's ingest commits rendered with, in
+    commit order (the latest last; empty: no prompts table, or none records them)."""
+    if not store.exists(store_uri, store.PROMPTS):
+        return []
+    seen: list[dict] = []
+    for v in versions.list_versions(store_uri, store.PROMPTS):
+        kwargs = (v["lineage"] or {}).get("chat_template_kwargs")
+        if isinstance(kwargs, dict):
+            seen = [k for k in seen if k != kwargs] + [kwargs]
+    return seen
 
 
 def generating_targets(store_uri: str) -> dict[str, str] | None:

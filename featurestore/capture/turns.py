@@ -13,15 +13,18 @@ Pure functions of (tokenizer, messages, prompt ids): no I/O.
 from __future__ import annotations
 
 
-def _ids(tokenizer, messages: list[dict], *, open_turn: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=open_turn, tokenize=True)
+def _ids(tokenizer, messages: list[dict], *, open_turn: bool, kwargs: dict) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=open_turn, tokenize=True, **kwargs)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def assistant_spans(tokenizer, messages: list[dict], prompt_ids: list[int]) -> list[tuple[int, int]] | None:
+def assistant_spans(tokenizer, messages: list[dict], prompt_ids: list[int],
+                    chat_template_kwargs: dict | None = None) -> list[tuple[int, int]] | None:
     """``[(start, end), ...]`` token spans of the assistant turns before the last message, or None
-    when the template does not reproduce ``prompt_ids`` as a prefix (the caller then trains on the
-    last answer only)."""
+    when the template, rendered with ``chat_template_kwargs`` (those ingest rendered the prompt
+    with, e.g. a reasoning mode), does not reproduce ``prompt_ids`` as a prefix (the caller then
+    trains on the last answer only)."""
+    kw = dict(chat_template_kwargs or {})
     if sum(m.get("role") == "assistant" for m in messages) < 2:
         return []
     eos = {t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|end|>")) if isinstance(t, int)}
@@ -29,8 +32,8 @@ def assistant_spans(tokenizer, messages: list[dict], prompt_ids: list[int]) -> l
     for i, m in enumerate(messages[:-1]):
         if m.get("role") != "assistant":
             continue
-        start = _ids(tokenizer, messages[:i], open_turn=True)
-        end = _ids(tokenizer, messages[:i + 1], open_turn=False)
+        start = _ids(tokenizer, messages[:i], open_turn=True, kwargs=kw)
+        end = _ids(tokenizer, messages[:i + 1], open_turn=False, kwargs=kw)
         if end[:len(start)] != start or prompt_ids[:len(end)] != end or len(end) <= len(start):
             return None
         stop = len(end)

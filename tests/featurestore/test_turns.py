@@ -31,3 +31,15 @@ def test_single_turn_has_no_spans_and_a_mismatch_is_reported(tiny_target):
     assert assistant_spans(tok, CONV[:3], _prompt(tok, CONV[:2])) == []
     other = _prompt(tok, [*CONV[:2], {"role": "assistant", "content": "something else"}, CONV[3]])
     assert assistant_spans(tok, CONV[:5], other) is None
+
+
+def test_spans_are_found_under_the_kwargs_the_prompt_was_rendered_with(tiny_target):
+    """A reasoning mode changes the rendered tokens: the spans come out only when the template is
+    rendered as ingest rendered the prompt (the kwargs the prompts table records)."""
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    tok.chat_template = "{% if enable_thinking %}[thinking on]{% endif %}" + tok.chat_template
+    prompt = list(tok.apply_chat_template(CONV[:-1], add_generation_prompt=True, tokenize=True,
+                                          enable_thinking=True)["input_ids"])
+    assert assistant_spans(tok, CONV, prompt) is None  # the template's defaults give other tokens
+    spans = assistant_spans(tok, CONV, prompt, {"enable_thinking": True})
+    assert [tok.decode(prompt[a:b]) for a, b in spans] == ["2 + 3 = 5<|end|>", "5 x 4 = 20<|end|>"]

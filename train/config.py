@@ -3,7 +3,8 @@
 The optimiser, schedule, batching and draft options are flat (``train.lr``, ``train.pack_tokens``);
 the keys that only matter together sit in their own section: ``train.draft`` (layer sizes),
 ``train.stream`` (the capture stream of ``train.source=stream``), ``train.select`` (served-AL
-checkpoint selection) and ``train.state`` (resume and the training state). A key of the earlier flat
+checkpoint selection), ``train.state`` (resume and the training state) and ``train.track`` (where
+the training curves go: TensorBoard, W&B, trackio). A key of the earlier flat
 layout (``train.stream_depth``) is refused with one line naming its new place (:data:`RENAMED`).
 
 Defaults make the toy recipe (tiny target, hidden 128, vocab 2048) train in a few CPU minutes.
@@ -127,6 +128,68 @@ class StateConfig:
         _at_least("state.", self, ("keep",), 1)
 
 
+TRACKERS = ("none", "wandb", "trackio")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrackConfig:
+    """``train.track``: where the training curves go (docs/trackers.md). Rank 0 reports each
+    metrics.jsonl record (every ``train.log_every_steps`` steps) and each served AL at the global step.
+    Whether a named tracker is installed is checked when ``train run`` starts (eaglenest.train.track)."""
+
+    #: TensorBoard event files in ``dir``.
+    tensorboard: bool = True
+    #: Their folder: relative to the run's output folder (``<run.workdir>/<train.output_subdir>/``) or
+    #: absolute. It belongs to the run: a fresh start empties it of event files, a resume cuts them
+    #: back to the resumed step.
+    dir: str = "tensorboard"
+    #: Also report to Weights & Biases ("wandb") or trackio ("trackio"); each is an optional package.
+    tracker: Literal["none", "wandb", "trackio"] = "none"
+    #: The tracker's project; the run's name ("" = the name of run.workdir's folder).
+    project: str = "eaglenest"
+    run_name: str = ""
+    #: wandb only: "online" syncs as it trains; "offline" keeps the run in ``<outdir>/wandb/``
+    #: (``wandb sync`` uploads it later). trackio always writes its local store.
+    mode: Literal["online", "offline"] = "online"
+
+    def __post_init__(self) -> None:
+        if self.tracker not in TRACKERS:
+            raise ConfigError(f"train.track.tracker: {', '.join(map(repr, TRACKERS))}, got {short(self.tracker)}")
+        if self.mode not in ("online", "offline"):
+            raise ConfigError(f"train.track.mode: 'online' or 'offline', got {short(self.mode)}")
+        if self.tensorboard and not self.dir:
+            raise ConfigError("train.track.dir: a folder for the event files (or train.track.tensorboard=false)")
+        if self.tracker != "none" and not self.project:
+            raise ConfigError("train.track.project: the tracker's project name, got ''")
+
+
+#: ``train.family`` values: the draft trained from the features table.
+FAMILIES = ("eagle3", "peagle", "dflash")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PEagleConfig:
+    """``train.peagle``: the parallel-drafting objective of ``train.family=peagle`` (P-EAGLE: vLLM
+    drafts every token of a round in one forward; eaglenest.train.peagle, docs/training.md "Draft
+    families"). Ignored by the other families."""
+
+    #: Tokens a round drafts, depth 0 included: the largest num_speculative_tokens it is trained for.
+    num_slots: int = 4
+    #: Positions per packed row that get the depth >= 1 slots (drawn per row and step; depth 0 is
+    #: trained at every position, as EAGLE-3's first step). Memory grows with anchors x (num_slots - 1).
+    anchors_per_row: int = 64
+    #: The token id vLLM feeds at depth >= 1 (exported as ``mask_token_id``); null = the target's
+    #: pad_token_id, else its (first) eos_token_id. Any id of the target's vocabulary works: its
+    #: embedding is the target's, frozen, and the learned ``mask_hidden`` carries the slot.
+    mask_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        _at_least("peagle.", self, ("num_slots",), 2)
+        _at_least("peagle.", self, ("anchors_per_row",), 1)
+        if self.mask_token_id is not None and (isinstance(self.mask_token_id, bool) or self.mask_token_id < 0):
+            raise ConfigError(f"train.peagle.mask_token_id: a token id >= 0 or null, got {short(self.mask_token_id)}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     #: Read by the recipe loader (eaglenest.config.build): old flat keys -> their new place.
@@ -204,6 +267,12 @@ class TrainConfig:
     stream: StreamConfig = dataclasses.field(default_factory=StreamConfig)
     select: SelectConfig = dataclasses.field(default_factory=SelectConfig)
     state: StateConfig = dataclasses.field(default_factory=StateConfig)
+    #: The draft to train from the same features table: "eagle3" (TTT, one draft forward per
+    #: token), "peagle" (parallel drafting: all tokens of a round in one forward, ``train.peagle``);
+    #: "dflash" is not available yet. docs/training.md, "Draft families".
+    family: Literal["eagle3", "peagle", "dflash"] = "eagle3"
+    peagle: PEagleConfig = dataclasses.field(default_factory=PEagleConfig)
+    track: TrackConfig = dataclasses.field(default_factory=TrackConfig)
 
     def __post_init__(self) -> None:
         for name in ("step_decay", "lr", "min_lr_ratio", "weight_decay", "grad_clip"):
@@ -231,6 +300,14 @@ class TrainConfig:
                               ("init_norm", ("ones", "target")), ("source", ("table", "stream"))):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"train.{name}: {' or '.join(map(repr, choices))}, got {short(getattr(self, name))}")
+        if self.family not in FAMILIES:
+            raise ConfigError(f"train.family: {', '.join(map(repr, FAMILIES))}, got {short(self.family)}")
+        if self.family == "dflash":
+            raise ConfigError("train.family: dflash is not available yet; use eagle3 or peagle")
+        if self.family == "peagle" and self.pack_tokens > self.attn_chunk_tokens:
+            raise ConfigError(f"train.family=peagle: rows of pack_tokens={self.pack_tokens} exceed "
+                              f"attn_chunk_tokens={self.attn_chunk_tokens}; the P-EAGLE objective has no "
+                              "query chunking yet: lower train.pack_tokens")
         if self.source == "stream" and self.stream.transport == "gloo":
             parse_addr(self.stream.addr)  # names train.stream.addr
         if not self.output_subdir or "/" in self.output_subdir or self.output_subdir.startswith("."):

@@ -32,16 +32,18 @@ import torch
 from tqdm import tqdm
 
 from eaglenest.errors import SchemaError
+from eaglenest.paths import make_dir
 from eaglenest.featurestore.capture import policy
 from eaglenest.provenance import write_provenance
-from eaglenest.train import checkpoint, selection, state as S, vocab as V
+from eaglenest.train import checkpoint, selection, state as S, track, vocab as V
 from eaglenest.train.config import TrainConfig
 from eaglenest.train.data import Prefetcher
 from eaglenest.train.dist import DistState
 from eaglenest.train.model import Eagle3Draft, draft_config, init_weights, num_parameters
+from eaglenest.train import peagle
 from eaglenest.train.source import DataSource, open_source
 from eaglenest.train.target import load_target_tensors
-from eaglenest.train.ttt import TargetHead, TTTObjective, target_targets, valid_counts
+from eaglenest.train.ttt import TargetHead, target_targets
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,8 @@ def build_draft(cfg: TrainConfig, target: dict[str, Any], *, layer_ids: tuple[in
                         layer_ids=tuple(sorted(layer_ids)), flags=cfg.flags(),
                         sliding_window=sliding_window, shape=cfg.draft.shape())
     dcfg.attn_chunk_tokens = int(cfg.attn_chunk_tokens)
+    if cfg.family == "peagle":  # train.family: the draft gets mask_hidden and its mask token id
+        peagle.configure(dcfg, cfg.peagle, target["config"])
     model = Eagle3Draft(dcfg)
     init_weights(model, seed=seed)
     with torch.no_grad():
@@ -112,6 +116,7 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
     process group when launched by torchrun (and leaves it at the end).
     """
     selection.require_scorer(cfg.select, score)
+    track.require(cfg.track)  # a tracker named but not installed: one line, before any work
     seed = cfg.seed if cfg.seed is not None else seed
     # The feature set to train on: the table the recipe's capture writes (featurestore.table).
     table = getattr(featurestore, "table", None) or "features"
@@ -139,7 +144,8 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
             fp = S.fingerprint(cfg, table_version=data.version, store_uri=store_uri, target=target_dir,
                                seed=seed, table=table)
             trainer = _Trainer(cfg, draft, data, outdir=Path(workdir) / cfg.output_subdir, fp=fp, base=base,
-                               dist=dist, score=score, target_dir=target_dir)
+                               dist=dist, score=score, target_dir=target_dir, recipe=recipe)
+            own.callback(trainer.tracking.close)
             trainer.run()
         trainer.finish(recipe=recipe, argv=argv, inputs={"store_uri": store_uri, "version": data.version,
                                                          "table": data.input_table, "target": target_dir})
@@ -152,7 +158,7 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
 class _Draft:
     """The draft under training and what its loss needs of the target, on this rank's device."""
 
-    #: TTTObjective (the draft plus its loss), FSDP2-sharded under torchrun.
+    #: TTTObjective or PEagleObjective (train.family: the draft plus its loss), FSDP2-sharded under torchrun.
     objective: torch.nn.Module
     head: TargetHead
     #: Target ids of the draft vocabulary; a bool per target id, True inside it.
@@ -185,7 +191,7 @@ class _Draft:
         log.info("draft: %s parameters (hidden %d, heads %d/%d x %d, MLP %d, draft vocab %d)", f"{n:,}",
                  c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
                  vocab.size)
-        return cls(objective=dist.shard(TTTObjective(first).to(dist.device), param_dtype=cfg.param_dtype),
+        return cls(objective=dist.shard(peagle.build_objective(cfg, first, seed=seed).to(dist.device), param_dtype=cfg.param_dtype),
                    head=TargetHead(target["norm"], target["lm_head"], target["rms_norm_eps"]).to(dist.device),
                    draft_target_ids=torch.from_numpy(vocab.draft_ids).to(dist.device),
                    in_draft_vocab=vocab.t2d.to(dist.device), coverage=V.coverage(counts, vocab),
@@ -197,7 +203,8 @@ class _Trainer:
     the metrics window and the books (metrics.jsonl, served-AL selection, training state)."""
 
     def __init__(self, cfg: TrainConfig, draft: _Draft, data: DataSource, *, outdir: Path, fp: dict[str, Any],
-                 base: dict[str, Any], dist: DistState, score, target_dir: str):
+                 base: dict[str, Any], dist: DistState, score, target_dir: str,
+                 recipe: dict[str, Any] | None = None):
         self.cfg, self.draft, self.data, self.dist, self.outdir, self.fp = cfg, draft, data, dist, outdir, fp
         #: Run facts for checkpoint.json: table, version, config, coverage, ...
         self.base = base
@@ -214,8 +221,14 @@ class _Trainer:
                                            active=dist.is_main, resume_step=self.step)
         self.metrics_path = outdir / "metrics.jsonl"
         if dist.is_main:
-            outdir.mkdir(parents=True, exist_ok=True)
+            make_dir(outdir, "run.workdir")  # a read-only or full disk: one line, exit 2
             selection.truncate_jsonl(self.metrics_path, self.step)
+        # TensorBoard and the recipe's tracker (rank 0), cut back to the resumed step like metrics.jsonl;
+        # none for a finished run (a re-run with nothing left to do starts no tracker run).
+        self.tracking = track.Tracking.open(cfg.track, outdir, resume_step=self.step,
+                                            active=dist.is_main and self.step < total,
+                                            workdir=str(outdir.parent),
+                                            config=recipe or {"train": dataclasses.asdict(cfg)})
         self.final: dict[str, Any] = {}
         self.steps_run, self.stall_fraction, self.tokens_per_second = 0, 0.0, 0.0
 
@@ -240,7 +253,7 @@ class _Trainer:
         self.data.start(todo, world_size=dist.world_size)
         loader = Prefetcher(self.data, todo, rank=dist.rank, world_size=dist.world_size, depth=cfg.prefetch_batches)
         start, tokens_seen = time.monotonic(), 0.0
-        loop_t0, last_t, last_wait = time.perf_counter(), time.perf_counter(), 0.0
+        loop_t0, last_t, last_wait, last_tokens = time.perf_counter(), time.perf_counter(), 0.0, 0.0
         bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step",
                    disable=None if dist.is_main else True)
         self.draft.objective.train()
@@ -249,7 +262,7 @@ class _Trainer:
                 res, denoms, local_tokens = self._step(batch, ghost)
                 self.step += 1
                 self.steps_run += 1
-                k = cfg.ttt_steps
+                k = len(denoms)
                 g = dist.all_reduce_sum([float(res.loss.detach()), *res.step_loss, *res.step_correct, local_tokens])
                 tokens_seen += g[-1]
                 self.window.append({"loss": g[0], "step_loss": g[1:1 + k], "step_correct": g[1 + k:1 + 2 * k],
@@ -257,8 +270,11 @@ class _Trainer:
                 if self.step % cfg.log_every_steps == 0 or self.step == self.total:
                     now = time.perf_counter()
                     stall = (loader.wait_seconds - last_wait) / max(now - last_t, 1e-9)
-                    self._log(epoch=epoch, seconds=time.monotonic() - start, stall=stall)
-                    last_t, last_wait = now, loader.wait_seconds
+                    # This process's tokens and wall time since the last record (a window restored
+                    # from a state holds steps of the run before, not timed here).
+                    speed = (tokens_seen - last_tokens) / max(now - last_t, 1e-9)
+                    self._log(epoch=epoch, seconds=time.monotonic() - start, stall=stall, tokens_per_second=speed)
+                    last_t, last_wait, last_tokens = now, loader.wait_seconds, tokens_seen
                     bar.set_postfix(loss=f"{self.final['loss']:.3f}", acc0=f"{self.final['step_acc'][0]:.2f}")
                 bar.update(1)
                 self._checkpoints()
@@ -282,8 +298,11 @@ class _Trainer:
             _check_target_agreement(batch, argmax)
         if cfg.oov_positions == "drop":
             batch = drop_oov_positions(batch, argmax, d.in_draft_vocab)
-        denoms = dist.all_reduce_sum(valid_counts(batch, cfg.ttt_steps))
-        res = d.objective(batch, probs, argmax, num_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
+        # train.family's objective: P-EAGLE draws its anchors here (a pure function of seed, step, rows).
+        batch = d.objective.prepare(batch, step=self.step)
+        k = peagle.num_steps(cfg)
+        denoms = dist.all_reduce_sum(d.objective.counts(batch, k))
+        res = d.objective(batch, probs, argmax, num_steps=k, step_decay=cfg.step_decay,
                           denominators=denoms, chunk_tokens=cfg.target_chunk_tokens)
         self.opt.zero_grad(set_to_none=True)
         (res.loss * dist.world_size).backward()
@@ -293,14 +312,16 @@ class _Trainer:
         self.sched.step()
         return res, denoms, 0 if ghost else int((batch.doc_ids >= 0).sum())
 
-    def _log(self, *, epoch: int, seconds: float, stall: float) -> None:
-        """Close the metrics window: ``self.final``, a metrics.jsonl line and a log line (rank 0)."""
+    def _log(self, *, epoch: int, seconds: float, stall: float, tokens_per_second: float) -> None:
+        """Close the metrics window: ``self.final``, a metrics.jsonl line, the trackers' scalars and a
+        log line (rank 0)."""
         self.final = _summarise(self.window, step=self.step, epoch=epoch, lr=self.sched.get_last_lr()[0],
-                                seconds=seconds, stall=stall)
+                                seconds=seconds, stall=stall, tokens_per_second=tokens_per_second)
         self.window = []
         if self.dist.is_main:
             with self.metrics_path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(self.final) + "\n")
+            self.tracking.log(track.scalars(self.final), self.step)
             log.info("step %d/%d loss %.4f acc %s stall %.1f%%", self.step, self.total, self.final["loss"],
                      " ".join(f"{a:.2f}" for a in self.final["step_acc"]), 100 * stall)
 
@@ -308,7 +329,10 @@ class _Trainer:
         """After a step: the served-AL evaluation and the training state, when due."""
         cfg, step = self.cfg, self.step
         if cfg.select.every_steps and (step % cfg.select.every_steps == 0 or step == self.total):
-            self.selector.evaluate(step, self.snapshot(), info={**self.base, "step": step, "metrics": self.final})
+            served = self.selector.evaluate(step, self.snapshot(), info={**self.base, "step": step,
+                                                                         "metrics": self.final})
+            if served is not None:
+                self.tracking.log({"select/served_al": served}, step)
             self.dist.barrier()
         if step < self.total and cfg.state.every_steps and step % cfg.state.every_steps == 0:
             self._save_state(finished=False)
@@ -385,7 +409,8 @@ def _check_target_agreement(batch, argmax: torch.Tensor) -> None:
             "" if rate >= 0.5 else " (is last_hidden taken BEFORE the target's final norm?)")
 
 
-def _summarise(window, *, step: int, epoch: int, lr: float, seconds: float, stall: float) -> dict[str, Any]:
+def _summarise(window, *, step: int, epoch: int, lr: float, seconds: float, stall: float,
+               tokens_per_second: float) -> dict[str, Any]:
     k = len(window[0]["step_count"])
     count = [sum(r["step_count"][i] for r in window) for i in range(k)]
     correct = [sum(r["step_correct"][i] for r in window) for i in range(k)]
@@ -396,4 +421,6 @@ def _summarise(window, *, step: int, epoch: int, lr: float, seconds: float, stal
         "step_acc": [c / n if n else 0.0 for c, n in zip(correct, count)],
         "step_count": [int(c) for c in count], "tokens": int(sum(r["tokens"] for r in window)),
         "stall_fraction": round(stall, 4),
+        # Global training tokens per second of wall time since the last record (data waits included).
+        "tokens_per_second": round(tokens_per_second, 1),
     }

@@ -42,7 +42,9 @@ LATEST = "latest.json"
 #: Train keys (dotted, below ``train``) that do not change the loss trajectory (a resume may change them).
 FREE_KEYS = frozenset({"output_subdir", "log_every_steps", "num_threads", "prefetch_batches", "table_version",
                        "state.resume", "state.every_steps", "state.keep", "select.every_steps",
-                       "select.prompts_per_domain", "select.split", "stream.depth", "stream.devices"})
+                       "select.prompts_per_domain", "select.split", "stream.depth", "stream.devices",
+                       "track.tensorboard", "track.dir", "track.tracker", "track.project", "track.run_name",
+                       "track.mode"})
 
 
 def train_keys(train: dict[str, Any]) -> dict[str, Any]:

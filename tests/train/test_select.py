@@ -63,6 +63,13 @@ def test_served_al_selection_and_report(tmp_path, real_store):
     assert [r["step"] for r in report["served_al"]] == [4, 8] and len(report["metrics"]) == 4
     assert len(report["metrics"][0]["step_acc"]) == 3 and 0 <= report["stall_fraction"] < 1
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The served ALs are in the TensorBoard event files too (docs/trackers.md), at their steps.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("select/served_al")] == \
+        [(r["step"], pytest.approx(r["served_al"], rel=1e-6)) for r in sel]
 
 
 def test_selection_without_a_scorer_is_a_config_error(tmp_path, real_store):

@@ -7,15 +7,19 @@ and float16 tables keep their dtype bit for bit; bfloat16 (which Arrow has no ty
 to float32, exactly (every bf16 value is a float32; narrowing back gives the same bits);
 ``fp8_e4m3`` tables are dequantized to float32. ``eaglenest_export.json`` records which.
 
-Streaming: ``Dataset.from_generator`` over Lance batches of a few rows, written by datasets in
-batches of ``writer_batch_size`` rows to Arrow files in a scratch cache inside the export, then
-``save_to_disk`` (shards of ``max_shard_size``) and the cache removed. Memory stays at a few rows;
-the price is a second copy on disk while the export runs.
+Streaming: rows come from Lance a few at a time and go straight into the directory's Arrow shards
+through datasets' own ``ArrowWriter`` (``writer_batch_size`` rows per record batch: 1 with tensors),
+a new shard past ``max_shard_size``; then the two small files ``load_from_disk`` reads
+(``dataset_info.json``, from datasets' ``DatasetInfo``, and ``state.json``, the shard list). Memory
+stays at a few rows whatever the table's size, and the export is written once. (The obvious route,
+``Dataset.from_generator`` then ``save_to_disk``, holds ~100 MB batches in memory while it copies
+its cache into the shards, and needs the table twice on disk: measured, and refused.)
 """
 
 from __future__ import annotations
 
-import shutil
+import hashlib
+import json
 from pathlib import Path
 
 from tqdm import tqdm
@@ -62,20 +66,62 @@ def _rows(src: Source, with_tensors: bool):
         yield out
 
 
+def _shard_bytes(max_shard_size: str | int) -> int:
+    from datasets.utils.py_utils import convert_file_size_to_int
+
+    return convert_file_size_to_int(max_shard_size)
+
+
+def _row_bytes(row: dict) -> int:
+    """About what ``row`` takes in Arrow (arrays by their bytes, lists at 4 bytes an item)."""
+    return sum(v.nbytes if hasattr(v, "nbytes") else 4 * len(v) if isinstance(v, (list, tuple)) else
+               len(str(v)) for v in row.values())
+
+
+def write_dataset_dir(rows, feats, out: Path, *, max_shard_size: str | int, writer_batch_size: int,
+                      fingerprint: str) -> int:
+    """Write ``rows`` (dicts matching ``feats``) as a ``datasets.load_from_disk`` directory at ``out``;
+    returns the number of rows."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
+    limit, parts, writer, total, size = _shard_bytes(max_shard_size), [], None, 0, 0
+
+    def close() -> None:
+        if writer is not None:
+            writer.finalize()
+            writer.close()
+
+    for row in rows:
+        if writer is None or size >= limit:
+            close()
+            parts.append(out / f"part-{len(parts):05d}.arrow")
+            writer, size = ArrowWriter(features=feats, path=str(parts[-1]), writer_batch_size=writer_batch_size), 0
+        writer.write(row)
+        total += 1
+        size += _row_bytes(row)
+    if writer is None:  # an empty table still gives a loadable (empty) dataset
+        parts.append(out / "part-00000.arrow")
+        writer = ArrowWriter(features=feats, path=str(parts[-1]), writer_batch_size=writer_batch_size)
+    close()
+    names = [f"data-{i:05d}-of-{len(parts):05d}.arrow" for i in range(len(parts))]
+    for part, name in zip(parts, names):
+        part.rename(out / name)
+    datasets.DatasetInfo(features=feats).write_to_directory(str(out))
+    state = {"_data_files": [{"filename": n} for n in names], "_fingerprint": fingerprint, "_format_columns": None,
+             "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}
+    (out / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+    return total
+
+
 def export(src: Source, out: str | Path, *, with_tensors: bool = False, max_shard_size: str = "500MB",
            config: dict | None = None) -> dict:
     """Write ``src`` as a ``datasets`` directory at ``out``; returns the export record."""
-    import datasets
-
     with staged_export(src, out, purpose="featurestore export") as tmp:
-        cache = tmp / ".hf_cache"
-        ds = datasets.Dataset.from_generator(
-            _rows, features=features(src, with_tensors=with_tensors), cache_dir=str(cache),
-            gen_kwargs={"src": src, "with_tensors": with_tensors}, writer_batch_size=8 if with_tensors else 1000,
-            fingerprint=f"eaglenest-{src.meta.feature_set_id}-{src.version}-{int(with_tensors)}")
-        ds.save_to_disk(str(tmp), max_shard_size=max_shard_size)
-        del ds
-        shutil.rmtree(cache, ignore_errors=True)
+        key = f"eaglenest-{src.meta.feature_set_id}-{src.version}-{int(with_tensors)}"
+        write_dataset_dir(_rows(src, with_tensors), features(src, with_tensors=with_tensors), tmp,
+                          max_shard_size=max_shard_size, writer_batch_size=1 if with_tensors else 1000,
+                          fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16])
         record = export_record(src, FORMAT, with_tensors=with_tensors,
                                tensor_dtype=_tensor_dtype(src) if with_tensors else None)
         finish_export(tmp, src, record, config=config)

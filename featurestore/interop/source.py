@@ -38,8 +38,10 @@ EXPORT_RECORD = "eaglenest_export.json"
 SAMPLES = "eaglenest_samples.jsonl"
 STRING_COLUMNS = ("sample_id", "domain", "source", "split", "mode", "gen_params_id")
 TOKEN_COLUMNS = ("num_tokens", "num_loss_tokens", "input_ids", "loss_mask")
-#: Lance rows per batch: a few samples in memory at a time.
-BATCH_ROWS = 4
+#: Lance rows per batch: with tensor columns one sample at a time (one read ahead), so memory is a
+#: few samples whatever the table's size; token columns only, many.
+BATCH_ROWS = 1
+TOKEN_BATCH_ROWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +81,8 @@ def iter_samples(src: Source, *, tensors: bool = True) -> Iterator[dict]:
     ``loss_mask`` (uint8 numpy), counts, and (``tensors``) ``aux`` [T, n, H] / ``last`` [T, H]."""
     cols = list(STRING_COLUMNS + TOKEN_COLUMNS) + (list(S.TENSOR_COLUMNS) if tensors else [])
     n_aux, hidden = len(src.meta.layer_ids), src.meta.hidden_size
-    for batch in store.iter_batches(src.uri, src.name, version=src.version, columns=cols, batch_size=BATCH_ROWS):
+    for batch in store.iter_batches(src.uri, src.name, version=src.version, columns=cols,
+                                    batch_size=BATCH_ROWS if tensors else TOKEN_BATCH_ROWS, bounded=tensors):
         c = {name: batch.column(name) for name in cols}
         for i in range(batch.num_rows):
             row = {k: c[k][i].as_py() for k in STRING_COLUMNS + ("num_tokens", "num_loss_tokens")}

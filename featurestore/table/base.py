@@ -160,10 +160,13 @@ def read(uri: str, name: str, *, version: int | str | None = None, columns: list
 
 def iter_batches(uri: str, name: str, *, version: int | str | None = None,
                  columns: list[str] | None = None, filter: str | None = None,
-                 batch_size: int = 64) -> Iterator[pa.RecordBatch]:
+                 batch_size: int = 64, bounded: bool = False) -> Iterator[pa.RecordBatch]:
+    """The rows in batches of ``batch_size``. ``bounded``: one batch read ahead, not Lance's default
+    of many (tensor rows: Lance would otherwise hold tens of batches in memory ahead of the reader)."""
     ds = dataset(uri, name, version)
+    ahead = {"batch_readahead": 1, "fragment_readahead": 1, "io_buffer_size": 32 << 20} if bounded else {}
     with unreadable(uri, name, ds.version):
-        yield from ds.to_batches(columns=columns, filter=filter, batch_size=batch_size, **BYTES)
+        yield from ds.to_batches(columns=columns, filter=filter, batch_size=batch_size, **ahead, **BYTES)
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ import numpy as np
 import pyarrow as pa
 
 from eaglenest.featurestore import schema as S
+from eaglenest.featurestore.table import store
 
 
 def meta(dtype="float32", hidden=8, layer_ids=(2, 4, 5), target="t"):
@@ -27,3 +28,22 @@ def rows(ids, m, *, num_tokens=4, domain="d", seed=0):
 
 def table(ids, m, **kw):
     return pa.Table.from_pylist(rows(ids, m, **kw), schema=S.features_schema(m))
+
+
+def big_table(uri: str, *, rows: int, row_mib: int) -> None:
+    """A features table of ``rows`` samples of ``row_mib`` MiB of fp32 tensors each (H=1024), written
+    8 rows per commit (for the memory-bound tests)."""
+    hidden = 1024
+    m = meta(hidden=hidden)
+    tokens = row_mib * 2**20 // (4 * hidden * 4)
+    rng = np.random.default_rng(0)
+    for start in range(0, rows, 8):
+        batch = []
+        for k in range(start, min(rows, start + 8)):
+            aux = rng.standard_normal((tokens, 3, hidden), dtype=np.float32)
+            last = rng.standard_normal((tokens, hidden), dtype=np.float32)
+            batch.append({"sample_id": f"b{k}", "domain": "d", "source": "s", "split": "train", "mode": "chat",
+                          "gen_params_id": "g", "num_tokens": tokens, "num_loss_tokens": tokens - 1,
+                          "input_ids": [0] * tokens, "loss_mask": [1] * tokens,
+                          "aux_hidden": S.encode_tensor(aux, m.dtype), "last_hidden": S.encode_tensor(last, m.dtype)})
+        store.append(uri, store.FEATURES, pa.Table.from_pylist(batch, schema=S.features_schema(m)), meta=m)

@@ -13,14 +13,11 @@ import json
 import subprocess
 import sys
 
-import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import cli
-from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.read import query
 from eaglenest.featurestore.table import store
 
@@ -92,30 +89,13 @@ print(json.dumps({"growth_mib": (kib("VmHWM:") - before) / 1024}))
 """
 
 
-def _big_table(uri: str, *, rows: int, row_mib: int) -> None:
-    hidden = 1024
-    m = H.meta(hidden=hidden)
-    tokens = row_mib * 2**20 // (4 * hidden * 4)
-    rng = np.random.default_rng(0)
-    for start in range(0, rows, 8):
-        batch = []
-        for k in range(start, min(rows, start + 8)):
-            aux = rng.standard_normal((tokens, 3, hidden), dtype=np.float32)
-            last = rng.standard_normal((tokens, hidden), dtype=np.float32)
-            batch.append({"sample_id": f"b{k}", "domain": "d", "source": "s", "split": "train", "mode": "chat",
-                          "gen_params_id": "g", "num_tokens": tokens, "num_loss_tokens": tokens - 1,
-                          "input_ids": [0] * tokens, "loss_mask": [1] * tokens,
-                          "aux_hidden": S.encode_tensor(aux, m.dtype), "last_hidden": S.encode_tensor(last, m.dtype)})
-        store.append(uri, store.FEATURES, pa.Table.from_pylist(batch, schema=S.features_schema(m)), meta=m)
-
-
 def test_query_out_with_tensors_peak_memory_is_bounded_by_the_batch(small, tmp_path):
     """128 MiB of tensors, 8 MiB batches (query.BATCH_BYTES): the command's peak RSS growth stays
     below the table's size (measured ~90 MiB here, the same as for 64 or 256 MiB: Lance's I/O
     buffer, a few batches in flight); the old code, which materialised the table and the result,
     grew ~290 MiB."""
     big = str(tmp_path / "big")
-    _big_table(big, rows=32, row_mib=4)
+    H.big_table(big, rows=32, row_mib=4)
     out = tmp_path / "big.parquet"
     proc = subprocess.run([sys.executable, "-c", CHILD, small, big, str(out)], capture_output=True, text=True,
                           timeout=120, check=False)

@@ -208,6 +208,9 @@ def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[
         raise ConfigError(f"evaluate.max_tokens: must be >= 1, got {max_tokens}")
     model, tok, stops = load_target(target, trust_remote_code=trust_remote_code)
     dmodel = load_draft(draft, target).to(next(model.parameters()).dtype)
+    if getattr(dmodel.config, "parallel_drafting", False):  # train.family=peagle
+        raise ConfigError(f"evaluate.draft: {draft} is a P-EAGLE draft (parallel drafting); evaluate offline "
+                          "replays EAGLE-3's sequential proposer only: use evaluate al")
     if dmodel.config.vocab_size != model.config.vocab_size:
         raise ConfigError(f"evaluate.draft: vocab {dmodel.config.vocab_size} differs from the target's "
                           f"{model.config.vocab_size}")

@@ -16,7 +16,7 @@ import math
 import time
 from pathlib import Path
 
-from eaglenest.engine import close_llm, make_llm
+from eaglenest.engine import close_llm, make_llm, speculative_config
 from eaglenest.errors import EaglenestError
 from eaglenest.evaluate import ngram
 from eaglenest.evaluate.al import SpecCounters, per_request_summary, read_counters
@@ -95,7 +95,7 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
     max_len = max(cfg.engine.max_model_len, min(max_pos, longest + cfg.bucket_max_tokens))
     engine = cfg.engine.__class__(**{**cfg.engine.__dict__, "max_model_len": max_len})
     t0 = time.time()
-    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": cfg.num_speculative_tokens}
+    spec = speculative_config(draft, cfg.num_speculative_tokens)  # + parallel_drafting for a P-EAGLE draft
     llm = make_llm(target, engine, trust_remote_code=trust_remote_code, speculative_config=spec,
                    disable_log_stats=False,
                    per_request_spec_decode_metrics="summary")

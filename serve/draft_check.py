@@ -16,6 +16,7 @@ import gc
 import json
 import sys
 
+from eaglenest.engine import speculative_config
 from eaglenest.errors import EaglenestError
 from eaglenest.featurestore.table import store
 from eaglenest.hf import check_remote_code
@@ -30,7 +31,7 @@ def _engine(target: str, *, draft: str | None, num_spec: int, mem: float, max_le
               enforce_eager=True, disable_log_stats=False, skip_tokenizer_init=True, seed=0,
               trust_remote_code=trust_remote_code)
     if draft:
-        kw["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": num_spec}
+        kw["speculative_config"] = speculative_config(draft, num_spec)
     return LLM(**kw)
 
 

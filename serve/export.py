@@ -13,6 +13,11 @@ The one boundary between eaglenest's training module and the serving format. Out
   ``embed_tokens``: vLLM shares the target's.
 * ``README.md`` (model card) and ``provenance.json``.
 
+A P-EAGLE draft (``train.family=peagle``, eaglenest.train.peagle) is the same format plus
+``mask_token_id`` and ``parallel_drafting: true`` in config.json and the ``mask_hidden`` tensor
+[n_aux*H] in the weights; vLLM loads ``mask_hidden`` only when served with ``parallel_drafting``,
+which :func:`eaglenest.engine.speculative_config` adds from that config key.
+
 With ``serve.format=speculators`` the same weights are written in speculators' own Eagle-3 layout
 (``speculators_config`` + ``transformer_layer_config``, ``layers.0.*``; ``serve/formats.py``), which
 vLLM also serves directly. With ``serve.quantization=fp8`` the draft's linears (``fc``, midlayer
@@ -86,6 +91,9 @@ def draft_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype: 
     if "sliding_attention" in (d.get("layer_types") or ()):  # train.sliding_window (vLLM's Llama reads both)
         cfg["layer_types"] = ["sliding_attention"]
         cfg["sliding_window"] = int(d["sliding_window"])
+    if d.get("parallel_drafting"):  # train.family=peagle: vLLM feeds mask_token_id + mask_hidden at depth >= 1
+        cfg["parallel_drafting"] = True  # read by eaglenest.engine.speculative_config (vLLM ignores it)
+        cfg["mask_token_id"] = int(d["mask_token_id"])
     if cfg["hidden_size"] != target_cfg["hidden_size"]:
         raise ConfigError("draft hidden size differs from the target's: vLLM shares the target embeddings")
     return cfg
@@ -110,6 +118,9 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     if format not in ("vllm", "speculators") or (format == "speculators" and quantization != "none"):
         raise ConfigError(f"serve.format: vllm, or speculators without quantization; got {format!r}")
     cfg = draft_hf_config(info, target_cfg, dtype=dtype)
+    if cfg.get("parallel_drafting") and format != "vllm":
+        raise ConfigError("serve.format: a P-EAGLE draft (train.family=peagle) exports as serve.format=vllm only "
+                          "for now; speculators' peagle layout is not written yet")
     written = cfg
     if format == "speculators":
         written = formats.speculators_config(cfg, verifier=str(target_dir),
@@ -163,9 +174,13 @@ def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]
     m = info.get("metrics") or {}
     acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc", [])) or "n/a"
     window = f"{cfg['sliding_window']} tokens" if "sliding_window" in cfg else "none (full attention)"
-    return f"""# EAGLE-3 draft head (eaglenest)
+    family = "P-EAGLE (parallel drafting)" if cfg.get("parallel_drafting") else "EAGLE-3"
+    steps = (f"P-EAGLE slots {info.get('train_config', {}).get('peagle', {}).get('num_slots')}, mask token "
+             f"{cfg.get('mask_token_id')}" if cfg.get("parallel_drafting")
+             else f"TTT steps {info.get('train_config', {}).get('ttt_steps')}")
+    return f"""# {family} draft head (eaglenest)
 
-{formats.usage_text(format, inputs['target'], ARCHITECTURE)}
+{formats.usage_text(format, inputs['target'], ARCHITECTURE, parallel=bool(cfg.get('parallel_drafting')))}
 
 | | |
 |---|---|
@@ -176,7 +191,7 @@ def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]
 | rotary | {_rope_text(cfg['rope_parameters'])} |
 | EAGLE-3.1 flags | {', '.join(f for f in FLAGS if cfg[f]) or 'none'} |
 | dtype | {cfg['torch_dtype']}{' (linears: FP8 e4m3, per-channel scales, compressed-tensors)' if 'quantization_config' in cfg else ''} |
-| trained steps | {info.get('step')} (TTT steps {info.get('train_config', {}).get('ttt_steps')}) |
+| trained steps | {info.get('step')} ({steps}) |
 | sliding window | {window} |
 | features | `{inputs['store_uri']}` table `{inputs['table']}` version {inputs['version']} |
 | last logged loss | {m.get('loss', float('nan')):.4f} |

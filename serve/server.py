@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from eaglenest.engine import checkpoint_dtype
+from eaglenest.engine import checkpoint_dtype, quiet_vllm, speculative_config
 from eaglenest.errors import EaglenestError
 from eaglenest.hf import check_remote_code
 
@@ -58,7 +58,7 @@ def server_argv(target: str, *, port: int, draft: str | None, num_speculative_to
     if trust_remote_code:  # run.trust_remote_code: the target's own Python code (eaglenest.hf)
         argv.append("--trust-remote-code")
     if draft:
-        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": num_speculative_tokens}
+        spec = speculative_config(draft, num_speculative_tokens)  # + parallel_drafting for a P-EAGLE draft
         argv += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
     return argv
 
@@ -94,6 +94,7 @@ class Server:
 
     def start(self) -> "Server":
         log.info("starting vLLM server on port %d (log %s)", self.port, self.log_path)
+        quiet_vllm()  # the run's vLLM logging, written now that a server starts (common/engine.py)
         fh = open(self.log_path, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # Own process group: stop() signals the server and every engine process it spawned.

@@ -6,6 +6,7 @@ the keys that only matter together sit in their own section: ``train.draft`` (la
 checkpoint selection), ``train.state`` (resume and the training state) and ``train.track`` (where
 the training curves go: TensorBoard, W&B, trackio). A key of the earlier flat
 layout (``train.stream_depth``) is refused with one line naming its new place (:data:`RENAMED`).
+``train.family`` picks the draft trained from the table (EAGLE-3, or P-EAGLE with ``train.peagle``).
 
 Defaults make the toy recipe (tiny target, hidden 128, vocab 2048) train in a few CPU minutes.
 Every check names the key to change.

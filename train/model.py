@@ -334,6 +334,9 @@ class Eagle3Draft(nn.Module):
         # Vocabulary maps (see eaglenest.train.vocab); buffers so they travel with state_dict.
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        # P-EAGLE (eaglenest.train.peagle): the learned aux features of a depth >= 1 slot; vLLM feeds
+        # combine(mask_hidden) as the hidden state of every mask-token slot.
+        self.mask_hidden = nn.Parameter(torch.zeros(n_aux * th)) if parallel_drafting(cfg) else None
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """[..., n_aux*H_target] (aux layers concatenated in ascending id order) -> [..., H]."""
@@ -365,6 +368,11 @@ class Eagle3Draft(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen target embeddings (what a checkpoint stores)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def parallel_drafting(cfg) -> bool:
+    """A P-EAGLE draft (``train.family=peagle``): vLLM drafts all its tokens in one forward."""
+    return bool(getattr(cfg, "parallel_drafting", False))
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int):
@@ -405,11 +413,13 @@ def init_weights(model: Eagle3Draft, *, seed: int, std: float = 0.02) -> None:
         for name, p in model.named_parameters():
             if name.startswith("embed_tokens."):
                 continue
-            if p.ndim == 1:
+            if name == "mask_hidden":  # P-EAGLE: random like the linears (zeros would give fc(0) = 0)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            elif p.ndim == 1:
                 p.fill_(1.0) if "norm" in name else p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-__all__ = ["DraftFlags", "DraftShape", "apply_rotary", "draft_rope", "draft_shape", "num_parameters", "Eagle3Draft", "attention_window", "causal_doc_mask", "chunk_doc_mask", "draft_config",
+__all__ = ["DraftFlags", "DraftShape", "apply_rotary", "draft_rope", "draft_shape", "num_parameters", "Eagle3Draft", "parallel_drafting", "attention_window", "causal_doc_mask", "chunk_doc_mask", "draft_config",
            "init_weights"]

@@ -247,6 +247,15 @@ class TTTObjective(nn.Module):
     def blocks(self) -> list[nn.Module]:
         return [self.draft.midlayer]
 
+    def prepare(self, batch: Batch, *, step: int) -> Batch:
+        """The batch as :meth:`forward` takes it (the P-EAGLE objective adds its anchors here)."""
+        del step
+        return batch
+
+    def counts(self, batch: Batch, num_steps: int) -> list[int]:
+        """Valid predictions per step of a prepared batch: this rank's share of the denominators."""
+        return valid_counts(batch, num_steps)
+
     def forward(self, batch: Batch, target_probs: torch.Tensor, target_argmax: torch.Tensor, *,
                 num_steps: int, step_decay: float, denominators: list[float] | None = None,
                 chunk_tokens: int = 0) -> TTTResult:

@@ -4,42 +4,58 @@ Side by side in one run, on the same EAGLE-3 features (see featurestore_write.py
 + last ``[T, H]`` bf16, 32 KiB/token at H=4096), written once to the same disk:
 
 * store: the store opened with ``store.dataset`` (schema validated), samples in a seeded shuffled
-  order in batches of ``--batch-samples``, read with ``featurestore.reader.SampleReader``
-  (per sample one ``dataset.take`` of the small columns and blob descriptors, the tensor values
-  ``pread`` into pooled buffers, ``--threads`` samples in flight), delivered as torch tensors of
+  order in batches of ``--batch-samples``, read with ``featurestore.read.reader.SampleReader`` with
+  the trainer's **integrity check on** (``integrity="check"``: each data file's CRC stamp, one
+  ``stat``; its own time is printed as a share of the read), a group's small columns and blob
+  descriptors in one take, the tensor values ``pread`` into pooled buffers, the samples in flight
+  chosen by the reader (adaptive window; ``--threads N`` fixes it), delivered as torch tensors of
   the stored dtype (bf16) viewing those buffers; the consumer releases a batch's buffers when it
   is done with it (they are reused, so their pages are already mapped).
-* store-serial, store-fresh, store-readahead (``--serial``): the same with one sample in flight,
-  with a fresh buffer per value instead of the reader's pool, and with the kernel asked to read
-  each group's values ahead (``readahead=True``; see featurestore/read/reader.py).
-* trainer (``--trainer``): ``train.data.FeatureShards.read`` as shipped: its shuffled plan, then
-  per batch the same per-sample reads, each sample converted once (bf16 -> fp32, aux layer order)
-  straight into the packed, padded ``Batch``, against torch.load files turned into the same
-  ``Batch`` with ``collate`` ("torch.load->Batch").
-* store-checked, store-checked-first (``--integrity``): the store read with the trainer's
-  integrity check on (``SampleReader(integrity="check")``, featurestore/table/integrity.py): with the
-  data files' stamps present (one ``stat`` per file), and with them deleted before the round
-  (uncached: a full CRC-32 pass over the cold files, stamps rewritten, then the read). The plain
-  ``store`` arm reads with the check off; ratios are printed against it, and so is the check's
-  own time as a share of the checked read's (robust to the noise between arms).
+* trainer: ``train.data.FeatureShards.read`` as the trainer runs it (``batch_dtype="stored"``, what
+  ``train.source`` asks for): its shuffled plan, then per batch each sample's values ``pread``
+  straight into the packed, padded bf16 ``Batch`` (aux layers reordered by the read), the float
+  conversion left to the device.
 * raw: the same bytes read sequentially from one file, one fresh buffer per sample (no decode).
 * disk: the same file read into one reused 8 MiB buffer: the disk alone, no memory to fill (on
   this VM first-touch page faults cost as much as the disk; printed, not a threshold).
 * torch.load: one file per sample (the SpecForge layout), the same shuffled batches, each sample
   ``torch.load``-ed (bf16 tensors, as the store's).
+* ``--serial``: store-serial (one sample in flight), store-2 (two, fixed: the old default),
+  store-fresh (fresh buffers instead of pooled), store-readahead (``POSIX_FADV_WILLNEED``),
+  store-direct (``direct=True``: ``O_DIRECT`` reads into the pooled buffers, the page cache tried
+  first with ``RWF_NOWAIT``).
+* ``--trainer``: trainer-fp32 (``batch_dtype="float32"``: the conversion on the CPU, on the
+  reader's threads), trainer-direct (``direct=True``: ``O_DIRECT`` into a pooled buffer + one
+  copy into the batch, instead of ``pread`` through the page cache straight into it) and torch.load->Batch (torch.load files turned into the same fp32 ``Batch``
+  with ``collate``).
+* ``--integrity``: store-unchecked (the check off) and store-checked-first (stamps deleted before
+  the round: a full CRC-32 pass over the cold files, stamps rewritten, then the read).
+
+H=7168 (``--h7168-samples``, default 6, 0 skips): the same trainer and raw arms on samples of a
+Kimi-K2-sized target, printed as the tokens/s one rank can be fed against ``--rank-tokens-per-s``
+(20K, what a GPU rank consumes; docs/scale.md).
+
+Where the time goes (``--profile``): after the timed rounds, one cold read each of the store and
+the trainer with a ``ReadProfile`` (featurestore/read/reader.py): seconds per step (take,
+descriptor lookup, buffer, ``pread`` into mapped / fresh / batch pages, conversion, packing, the
+consumer's wait), ms per sample, share of the wall time, bytes per call; also the sizes the
+adaptive window went through.
 
 Peak memory (``--rss``, after the timed rounds): a fresh process reads the store through the
 same reader, epoch after epoch until ``--rss-gb`` GB of features were delivered, and prints its
-peak RSS (``VmHWM``) next to its RSS before the first read (imports, dataset open).
+peak RSS (``VmHWM``) next to its RSS before the first read (imports, dataset open); with
+``--rss-samples`` a second, larger table is read the same way (the bound must not grow with it).
 
 Cold reads for every contender: before each timed read, its files are fsync'ed and their pages
 evicted from the page cache with ``posix_fadvise(DONTNEED)`` (no root needed; ``drop_caches``
 would need it). ``--warm`` skips the eviction (all from page cache). Contenders alternate order
-each round; each ratio is median [min, max] over rounds. ``--check`` exits 1 if store/raw < 0.6
-or store/torch.load < 3 (medians).
+each round; each ratio is median [min, max] over rounds. ``--check`` exits 1 if a median misses
+store/raw >= 0.9, store/torch.load >= 2, trainer/raw >= 0.8 or the integrity check's share
+<= 2%: meant for a quiet machine (load < 1; under load the arms' ratios scatter).
 
-    python bench/featurestore_read.py                      # ~1 GiB, 3 rounds, < 90 s here
-    python bench/featurestore_read.py --samples 48 --rounds 5 --check
+    python bench/featurestore_read.py                      # ~1.2 GiB + the H=7168 line, 3 rounds, < 2 min
+    python bench/featurestore_read.py --full --check       # 48 samples, 5 rounds
+    python bench/featurestore_read.py --profile --rounds 1 # where each sample's time goes
     python bench/featurestore_read.py --integrity --samples 12 --rounds 5   # the integrity check's cost
 """
 
@@ -47,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shutil
 import statistics
 import sys
@@ -67,18 +84,20 @@ def _write_module():
 W = _write_module()
 #: Seconds of each integrity check made by read_store(integrity="check"), in call order.
 CHECK_SECS: list[float] = []
+#: Sizes the adaptive window went through in the last read_store / read_trainer call.
+WINDOW: list[int] = []
 
 
-def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int, recycle: bool = True,
-               readahead: bool = False, integrity: str = "off") -> int:
+def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int | None, recycle: bool = True,
+               readahead: bool = False, integrity: str = "check", profile=None, direct: bool = False) -> int:
     """Shuffled batches of whole samples as torch tensors of the stored dtype (bf16), straight from
-    the store: ``SampleReader`` (one take per sample, ``threads`` in flight), tensors viewing the
-    Arrow buffers. Returns tokens."""
+    the store: ``SampleReader`` (one take per group, the window adaptive unless ``threads``),
+    tensors viewing pooled buffers. Returns tokens."""
     import numpy as np
 
+    from eaglenest.featurestore.read.reader import SampleReader
     from eaglenest.featurestore.table import store
     from eaglenest.featurestore.table.integrity import check_version
-    from eaglenest.featurestore.read.reader import SampleReader
 
     ds = store.dataset(str(uri), store.FEATURES)
     if integrity == "check":  # what SampleReader(integrity="check") runs first, timed on its own
@@ -88,7 +107,8 @@ def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int, recycl
     lengths = ds.to_table(columns=["num_tokens"]).column("num_tokens").to_numpy()
     order = np.random.default_rng(seed).permutation(len(lengths)).tolist()
     tokens = 0
-    with SampleReader(ds, threads=threads, recycle=recycle, readahead=readahead, integrity="off") as reader:
+    with SampleReader(ds, threads=threads, recycle=recycle, readahead=readahead, integrity="off",
+                      profile=profile, direct=direct) as reader:
         samples = reader.iter_samples(order)
         for j in range(0, len(order), batch_samples):
             batch, held = [], []
@@ -102,6 +122,7 @@ def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int, recycl
             del batch  # the consumer is done with this batch: its buffers go back to the pool
             for s in held:
                 s.release()
+        WINDOW[:] = [w for w, _ in reader.window.history] + [reader.window.current()]
     return tokens
 
 
@@ -113,19 +134,22 @@ def drop_stamps(uri: Path) -> None:
         p.unlink()
 
 
-def read_trainer(uri: Path, *, pack_tokens: int, batch_rows: int, seed: int, threads: int = 4) -> int:
+def read_trainer(uri: Path, *, pack_tokens: int, batch_rows: int, seed: int, threads: int | None = None,
+                 batch_dtype: str = "stored", profile=None, direct: bool = False) -> int:
     """All of one epoch through the trainer's reader; returns the tokens delivered."""
     from eaglenest.train.data import FeatureShards
 
-    shards = FeatureShards(str(uri), version=None, split="train", pack_tokens=pack_tokens,
-                           batch_rows=batch_rows, seed=seed, read_threads=threads)
+    shards = FeatureShards(str(uri), version=None, split="train", pack_tokens=pack_tokens, batch_rows=batch_rows,
+                           seed=seed, read_threads=threads, batch_dtype=batch_dtype, profile=profile, direct=direct)
     tokens = 0
     try:
         for rows in shards.plan(0):
             batch = shards.read(rows)
             tokens += int((batch.doc_ids >= 0).sum())
+        w = shards.reader.window
+        WINDOW[:] = [x for x, _ in w.history] + [w.current()]
     finally:
-        shards.reader.close()
+        shards.close()
     return tokens
 
 
@@ -163,7 +187,8 @@ def read_torch(folder: Path, *, num: int, batch_samples: int, seed: int) -> int:
 
 
 def read_torch_trainer(folder: Path, uri: Path, *, pack_tokens: int, batch_rows: int, seed: int, **_) -> int:
-    """The same plan and the same Batch as :func:`read_trainer`, from per-sample torch.save files."""
+    """The same plan and the same fp32 Batch as :func:`read_trainer` (float32), from per-sample
+    torch.save files."""
     import torch
 
     from eaglenest.train.data import FeatureShards, collate
@@ -179,13 +204,16 @@ def read_torch_trainer(folder: Path, uri: Path, *, pack_tokens: int, batch_rows:
                 d["aux_hidden_states"][:n, order].float().reshape(n, -1), d["hidden_states"][:n].float())
 
     tokens = 0
-    for rows in shards.plan(0):
-        batch = collate([[decode(i) for i in row] for row in rows])
-        tokens += int((batch.doc_ids >= 0).sum())
+    try:
+        for rows in shards.plan(0):
+            batch = collate([[decode(i) for i in row] for row in rows])
+            tokens += int((batch.doc_ids >= 0).sum())
+    finally:
+        shards.close()
     return tokens
 
 
-def rss_child(uri: Path, *, batch_samples: int, threads: int, gb: float) -> None:
+def rss_child(uri: Path, *, batch_samples: int, threads: int | None, gb: float) -> None:
     """Run in a fresh process: read the store with :func:`read_store` until ``gb`` GB of features
     were delivered; print RSS before the first read and the peak, in MiB."""
     from eaglenest.featurestore.table import store
@@ -205,14 +233,60 @@ def rss_child(uri: Path, *, batch_samples: int, threads: int, gb: float) -> None
     print(f"RSS {base:.0f} {peak:.0f} {done / 1e9:.2f} {epoch}")
 
 
-def measure_rss(uri: Path, *, batch_samples: int, threads: int, gb: float) -> tuple[float, float, float, int]:
+def measure_rss(uri: Path, *, batch_samples: int, threads: int | None, gb: float) -> tuple[float, float, float, int]:
     import subprocess
 
-    out = subprocess.run([sys.executable, __file__, "--rss-child", str(uri), "--batch-samples", str(batch_samples),
-                          "--threads", str(threads), "--rss-gb", str(gb)], check=True, capture_output=True, text=True)
+    cmd = [sys.executable, __file__, "--rss-child", str(uri), "--batch-samples", str(batch_samples),
+           "--rss-gb", str(gb)] + (["--threads", str(threads)] if threads else [])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     line = next(l for l in out.stdout.splitlines() if l.startswith("RSS "))
     base, peak, done, epochs = line.split()[1:]
     return float(base), float(peak), float(done), int(epochs)
+
+
+def run_rounds(readers: dict, *, rounds: int, nbytes: int, warm: bool, label: str = "") -> dict[str, list[float]]:
+    """Each reader once per round, cold unless ``warm``, the order rotated per round: seconds."""
+    names = list(readers)
+    secs: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            path, fn, *prepare = readers[name]
+            for step in prepare:
+                step()
+            W.sync_tree(path, drop_cache=not warm)
+            CHECK_SECS.clear()
+            t0 = time.perf_counter()
+            fn(r)
+            secs[name].append(time.perf_counter() - t0)
+            if CHECK_SECS:
+                secs.setdefault(f"{name}:check", []).append(sum(CHECK_SECS))
+        print(f"{label}round {r}: " + ", ".join(f"{n} {nbytes / secs[n][-1] / 1e9:.2f} GB/s" for n in order),
+              flush=True)
+    return secs
+
+
+def ratio(secs: dict, a: str, b: str) -> list[float]:
+    """Speed of ``a`` over speed of ``b``, per round."""
+    return [tb / ta for ta, tb in zip(secs[a], secs[b])]
+
+
+def profile_reads(uri: Path, *, nsamples: int, batch_samples: int, topts: dict, warm: bool, store_threads) -> None:
+    """One cold read of the store and one of the trainer, each with a ReadProfile: the breakdown."""
+    from eaglenest.featurestore.read.reader import ReadProfile
+
+    for name, fn in (("store", lambda p: read_store(uri, batch_samples=batch_samples, seed=7, threads=store_threads,
+                                                    profile=p)),
+                     ("trainer", lambda p: read_trainer(uri, seed=7, profile=p, **topts))):
+        prof = ReadProfile()
+        W.sync_tree(uri, drop_cache=not warm)
+        t0 = time.perf_counter()
+        fn(prof)
+        wall = time.perf_counter() - t0
+        print(f"\nwhere the time goes, {name} ({nsamples} samples, {wall:.2f} s wall, {'warm' if warm else 'cold'}; "
+              f"threads overlap, so shares add up past 100%; window sizes {WINDOW}):")
+        for line in prof.lines(samples=nsamples, wall_s=wall):
+            print("  " + line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,33 +296,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--batch-samples", type=int, default=4, help="samples per shuffled batch")
-    ap.add_argument("--threads", type=int, default=2, help="samples in flight (SampleReader)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="fix the samples in flight (default: the reader's adaptive window)")
     ap.add_argument("--serial", action="store_true",
-                    help="also time the store with one sample in flight, and with fresh (not pooled) buffers")
+                    help="also time the store with 1 and 2 samples in flight, fresh buffers, kernel readahead")
     ap.add_argument("--integrity", action="store_true",
-                    help="also time the store with the trainer's integrity check, stamps present and absent")
+                    help="also time the store with the check off, and with the stamps deleted (a full CRC pass)")
     ap.add_argument("--rss", action="store_true", help="measure the reader's peak RSS in a fresh process")
     ap.add_argument("--rss-gb", type=float, default=2.0, help="GB of features the --rss process reads")
+    ap.add_argument("--rss-samples", type=int, default=0,
+                    help="with --rss: also measure on a table of this many samples (the bound must not grow)")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
     ap.add_argument("--trainer", action="store_true",
-                    help="also time train.data.FeatureShards (packed fp32 Batch) and torch.load into the same Batch")
-    ap.add_argument("--pack-tokens", type=int, default=4096, help="train.pack_tokens for --trainer")
-    ap.add_argument("--batch-rows", type=int, default=2, help="train.batch_rows for --trainer")
+                    help="also time the trainer's reader into an fp32 Batch, and torch.load into the same Batch")
+    ap.add_argument("--pack-tokens", type=int, default=4096, help="train.pack_tokens for the trainer arms")
+    ap.add_argument("--batch-rows", type=int, default=2, help="train.batch_rows for the trainer arms")
+    ap.add_argument("--h7168-samples", type=int, default=6, help="samples of the H=7168 line (0: skip it)")
+    ap.add_argument("--rank-tokens-per-s", type=float, default=20_000, help="what one GPU rank consumes")
+    ap.add_argument("--profile", action="store_true", help="print where each sample's time goes")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--full", action="store_true", help="the full size: 48 samples, 5 rounds, H=7168 with 12")
     ap.add_argument("--warm", action="store_true", help="read from the page cache (no eviction)")
     ap.add_argument("--dir", default="/tmp", help="parent of the temporary directory (same disk for all)")
-    ap.add_argument("--check", action="store_true", help="exit 1 if a threshold is missed")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a threshold is missed (on a quiet machine)")
     args = ap.parse_args(argv)
     if args.rss_child:
         rss_child(Path(args.rss_child), batch_samples=args.batch_samples, threads=args.threads, gb=args.rss_gb)
         return 0
+    if args.full:
+        args.samples, args.rounds, args.h7168_samples = max(args.samples, 48), max(args.rounds, 5), \
+            max(args.h7168_samples, 12)
 
     samples = W.make_samples(args.samples, args.min_tokens, args.max_tokens, args.hidden)
     nbytes = W.feature_bytes(samples)
     tokens = sum(len(s["ids"]) for s in samples)
-    print(f"{args.samples} samples, {tokens} tokens, {nbytes / 2**30:.2f} GiB, {args.rounds} rounds, "
-          f"{'warm (page cache)' if args.warm else 'cold (pages evicted before each read)'}")
+    print(f"{args.samples} samples, {tokens} tokens, {nbytes / 2**30:.2f} GiB, H={args.hidden}, {args.rounds} rounds, "
+          f"{'warm (page cache)' if args.warm else 'cold (pages evicted before each read)'}, "
+          f"load {os.getloadavg()[0]:.1f}")
     root = Path(tempfile.mkdtemp(prefix="fs_read_bench_", dir=args.dir))
+    rss = rss_big = big = None
     try:
         uri, raw, pt = root / "store", root / "plain.bin", root / "pt"
         W.write_store(samples, uri, commit_every=8)
@@ -259,81 +345,124 @@ def main(argv: list[str] | None = None) -> int:
         bopts = dict(batch_samples=args.batch_samples)
         topts = dict(pack_tokens=args.pack_tokens, batch_rows=args.batch_rows, threads=args.threads)
         readers = {"store": (uri, lambda r: read_store(uri, seed=r, threads=args.threads, **bopts)),
+                   "trainer": (uri, lambda r: read_trainer(uri, seed=r, **topts)),
                    "raw": (raw, lambda r: read_raw(raw, sizes)),
                    "disk": (raw, lambda r: read_disk(raw)),
                    "torch.load": (pt, lambda r: read_torch(pt, num=args.samples, seed=r, **bopts))}
-        if args.serial:  # the design's parts: one sample in flight; fresh buffers instead of pooled
+        if args.serial:  # the design's parts
             readers["store-serial"] = (uri, lambda r: read_store(uri, seed=r, threads=1, **bopts))
+            readers["store-2"] = (uri, lambda r: read_store(uri, seed=r, threads=2, **bopts))
             readers["store-fresh"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads, recycle=False,
                                                                 **bopts))
             readers["store-readahead"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads,
                                                                     readahead=True, **bopts))
+            readers["store-direct"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads, direct=True,
+                                                                 **bopts))
         if args.integrity:  # (path, read, prepare): prepare runs before the pages are evicted, off the clock
-            readers["store-checked"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads,
-                                                                  integrity="check", **bopts))
-            readers["store-checked-first"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads,
-                                                                        integrity="check", **bopts),
+            readers["store-unchecked"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads,
+                                                                    integrity="off", **bopts))
+            readers["store-checked-first"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads, **bopts),
                                               lambda: drop_stamps(uri))
         if args.trainer:
-            readers["trainer"] = (uri, lambda r: read_trainer(uri, seed=r, **topts))
+            readers["trainer-fp32"] = (uri, lambda r: read_trainer(uri, seed=r, batch_dtype="float32", **topts))
+            readers["trainer-direct"] = (uri, lambda r: read_trainer(uri, seed=r, direct=True, **topts))
             readers["torch.load->Batch"] = (pt, lambda r: read_torch_trainer(pt, uri, seed=r, **topts))
         # Warm-up (imports, first calls) and a check that every reader delivers every token.
         assert read_store(uri, seed=99, threads=args.threads, **bopts) == tokens == read_torch(pt, num=args.samples, seed=99, **bopts)
         assert read_raw(raw, sizes) == nbytes == read_disk(raw)
+        small = dict(topts, pack_tokens=max(args.pack_tokens, args.max_tokens))
+        assert read_trainer(uri, seed=99, **small) == tokens
         if args.trainer:
-            small = dict(topts, pack_tokens=max(args.pack_tokens, args.max_tokens))
-            assert read_trainer(uri, seed=99, **small) == tokens == read_torch_trainer(pt, uri, seed=99, **small)
-        names = list(readers)
-        secs: dict[str, list[float]] = {n: [] for n in names}
-        check_share: dict[str, list[float]] = {}  # the check's seconds / the checked read's seconds
-        for r in range(args.rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for name in order:
-                path, fn, *prepare = readers[name]
-                for step in prepare:
-                    step()
-                W.sync_tree(path, drop_cache=not args.warm)
-                CHECK_SECS.clear()
-                t0 = time.perf_counter()
-                fn(r)
-                secs[name].append(time.perf_counter() - t0)
-                if name.startswith("store-checked"):
-                    check_share.setdefault(name, []).append(sum(CHECK_SECS) / secs[name][-1])
-            print(f"round {r}: " + ", ".join(f"{n} {nbytes / secs[n][-1] / 1e9:.2f} GB/s" for n in order),
-                  flush=True)
-        rss = measure_rss(uri, batch_samples=args.batch_samples, threads=args.threads, gb=args.rss_gb) \
-            if args.rss else None
+            assert read_trainer(uri, seed=99, batch_dtype="float32", **small) == tokens == \
+                read_torch_trainer(pt, uri, seed=99, **small)
+        secs = run_rounds(readers, rounds=args.rounds, nbytes=nbytes, warm=args.warm)
+        if args.profile:
+            profile_reads(uri, nsamples=args.samples, batch_samples=args.batch_samples, topts=topts, warm=args.warm,
+                          store_threads=args.threads)
+        if args.h7168_samples:
+            big = h7168_line(root, args, topts)
+        if args.rss:
+            rss = measure_rss(uri, batch_samples=args.batch_samples, threads=args.threads, gb=args.rss_gb)
+            if args.rss_samples:
+                more = W.make_samples(args.rss_samples, args.min_tokens, args.max_tokens, args.hidden, seed=1)
+                W.write_store(more, root / "big", commit_every=8)
+                del more
+                rss_big = measure_rss(root / "big", batch_samples=args.batch_samples, threads=args.threads,
+                                      gb=args.rss_gb)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    vs_raw = [w / s for s, w in zip(secs["store"], secs["raw"])]
-    vs_torch = [t / s for s, t in zip(secs["store"], secs["torch.load"])]
+    names = [n for n in readers]
+    print()
     for n in names:
-        print(f"{n:>10}: {W.spread([nbytes / s / 1e9 for s in secs[n]])} GB/s of stored features")
-    print(f"store / raw sequential read:  {W.spread(vs_raw)}  (target >= 0.6)")
-    print(f"store / disk-only read (reused 8 MiB buffer): "
-          f"{W.spread([w / s for s, w in zip(secs['store'], secs['disk'])])}")
-    print(f"store / torch.load per sample: {W.spread(vs_torch)}  (target >= 3)")
+        print(f"{n:>19}: {W.spread([nbytes / s / 1e9 for s in secs[n]])} GB/s of stored features")
+    vs_raw, vs_torch, tr_raw = ratio(secs, "store", "raw"), ratio(secs, "store", "torch.load"), \
+        ratio(secs, "trainer", "raw")
+    share = [100 * c / s for c, s in zip(secs["store:check"], secs["store"])]
+    print(f"store / raw sequential read:  {W.spread(vs_raw)}  (target >= 0.9)")
+    print(f"store / torch.load per sample: {W.spread(vs_torch)}  (target >= 2)")
+    print(f"trainer Batch (bf16) / raw sequential read: {W.spread(tr_raw)}  (target >= 0.8)")
+    print(f"integrity check (stamps present) in the store arm: {W.spread(share)} % of the read  (target <= 2)")
+    print(f"store / disk-only read (reused 8 MiB buffer): {W.spread(ratio(secs, 'store', 'disk'))}")
     if args.serial:
-        for n in ("store-serial", "store-fresh", "store-readahead"):
-            print(f"{n} / raw sequential read: {W.spread([w / s for s, w in zip(secs[n], secs['raw'])])}")
+        for n in ("store-serial", "store-2", "store-fresh", "store-readahead", "store-direct"):
+            print(f"{n} / raw sequential read: {W.spread(ratio(secs, n, 'raw'))}; / store: "
+                  f"{W.spread(ratio(secs, n, 'store'))}")
     if args.integrity:
-        for n in ("store-checked", "store-checked-first"):
-            print(f"{n} / store (check off): {W.spread([u / c for c, u in zip(secs[n], secs['store'])])}"
-                  f"; the check itself: {W.spread([100 * x for x in check_share[n]])} % of the read's time"
-                  + ("  (aim <= 5)" if n == "store-checked" else ""))
-    if rss is not None:
-        print(f"peak RSS reading {rss[2]:.2f} GB of features ({rss[3]} epochs, fresh process): {rss[1]:.0f} MiB "
-              f"(before the first read: {rss[0]:.0f} MiB)  (target < 1024)")
+        print(f"store (checked) / store-unchecked: {W.spread(ratio(secs, 'store', 'store-unchecked'))}")
+        first = [100 * c / s for c, s in zip(secs["store-checked-first:check"], secs["store-checked-first"])]
+        print(f"store-checked-first / store-unchecked: {W.spread(ratio(secs, 'store-checked-first', 'store-unchecked'))}"
+              f"; the first check (a CRC pass): {W.spread(first)} % of the read's time")
     if args.trainer:
-        print(f"trainer Batch / raw sequential read:        "
-              f"{W.spread([w / s for s, w in zip(secs['trainer'], secs['raw'])])}")
-        print(f"trainer Batch / torch.load into same Batch: "
-              f"{W.spread([t / s for s, t in zip(secs['trainer'], secs['torch.load->Batch'])])}")
-    ok = statistics.median(vs_raw) >= 0.6 and statistics.median(vs_torch) >= 3.0
-    if args.check and not ok:
-        print("FAIL: a read threshold was missed", file=sys.stderr)
+        print(f"trainer-fp32 / raw sequential read: {W.spread(ratio(secs, 'trainer-fp32', 'raw'))}")
+        print(f"trainer-direct / raw sequential read: {W.spread(ratio(secs, 'trainer-direct', 'raw'))}; "
+              f"trainer-direct / trainer: {W.spread(ratio(secs, 'trainer-direct', 'trainer'))}")
+        print(f"trainer (bf16) / torch.load into the fp32 Batch: {W.spread(ratio(secs, 'trainer', 'torch.load->Batch'))}")
+        print(f"trainer-fp32 / torch.load into the same Batch: "
+              f"{W.spread(ratio(secs, 'trainer-fp32', 'torch.load->Batch'))}")
+    if big is not None:
+        print(big)
+    if rss is not None:
+        print(f"peak RSS reading {rss[2]:.2f} GB of features ({rss[3]} epochs of {args.samples} samples, fresh process):"
+              f" {rss[1]:.0f} MiB (before the first read: {rss[0]:.0f} MiB)")
+    if rss_big is not None:
+        print(f"peak RSS, table of {args.rss_samples} samples, {rss_big[2]:.2f} GB read: {rss_big[1]:.0f} MiB "
+              f"(before the first read: {rss_big[0]:.0f} MiB)")
+    med = statistics.median
+    missed = [name for name, ok in (("store/raw >= 0.9", med(vs_raw) >= 0.9), ("store/torch.load >= 2", med(vs_torch) >= 2),
+                                    ("trainer/raw >= 0.8", med(tr_raw) >= 0.8), ("check <= 2%", med(share) <= 2))
+              if not ok]
+    if args.check and missed:
+        print(f"FAIL: missed {', '.join(missed)} (load {os.getloadavg()[0]:.1f}; meant for a quiet machine)",
+              file=sys.stderr)
         return 1
     return 0
+
+
+def h7168_line(root: Path, args, topts: dict) -> str:
+    """The trainer's read and a raw read of H=7168 samples side by side (cold): tokens/s fed."""
+    samples = W.make_samples(args.h7168_samples, args.min_tokens, args.max_tokens, 7168, seed=2)
+    nbytes, tokens = W.feature_bytes(samples), sum(len(s["ids"]) for s in samples)
+    sizes = [s["aux"].nbytes + s["last"].nbytes + s["ids"].nbytes + s["mask"].nbytes for s in samples]
+    uri, raw = root / "store7168", root / "plain7168.bin"
+    W.write_store(samples, uri, commit_every=8)
+    W.write_plain(samples, raw)
+    del samples
+    assert read_trainer(uri, seed=99, **dict(topts, pack_tokens=max(args.pack_tokens, args.max_tokens))) == tokens
+    secs = run_rounds({"trainer": (uri, lambda r: read_trainer(uri, seed=r, **topts)),
+                       "raw": (raw, lambda r: read_raw(raw, sizes))},
+                      rounds=args.rounds, nbytes=nbytes, warm=args.warm, label="H=7168 ")
+    # Tokens delivered: all of them (pack_tokens >= max_tokens by default; else the truncated count).
+    fed = [min(tokens, _packed_tokens(uri, topts)) / s for s in secs["trainer"]]
+    return (f"H=7168 ({args.h7168_samples} samples, {nbytes / 2**30:.2f} GiB): trainer Batch {W.spread(fed)} tokens/s "
+            f"= {W.spread([x / args.rank_tokens_per_s for x in fed])} x the {args.rank_tokens_per_s / 1e3:.0f}K "
+            f"tokens/s of one GPU rank; trainer / raw {W.spread(ratio(secs, 'trainer', 'raw'))}")
+
+
+def _packed_tokens(uri: Path, topts: dict) -> int:
+    from eaglenest.featurestore.table import store
+
+    lengths = store.dataset(str(uri), store.FEATURES).to_table(columns=["num_tokens"]).column("num_tokens").to_numpy()
+    return int(sum(min(int(n), topts["pack_tokens"]) for n in lengths))
 
 
 if __name__ == "__main__":

@@ -7,12 +7,18 @@ rank r gets rows ``r, r+W, ...`` of every global batch, so no rank reads another
 the split never has to fit in RAM. A background thread (:class:`Prefetcher`) reads and collates
 the next batches while the current step runs; the time the step waits for it is the data stall.
 
-Reads go through :class:`eaglenest.featurestore.read.reader.SampleReader`: one ``take`` of the
-batch's small columns and blob descriptors, then each tensor value ``pread`` into a pooled buffer,
-a few samples in flight; :meth:`FeatureShards.read` writes each sample once, converted to float
-(dequantised for fp8 tables, aux layers put in ascending id order in the same copy), straight
-into the preallocated batch tensors: no Python lists of the tensor columns, no intermediate
-copies. The result equals :func:`collate` of the decoded samples (tested).
+Reads go through :class:`eaglenest.featurestore.read.reader.SampleReader`: one ``take`` of a
+group's small columns and blob descriptors, then each sample's tensor values written straight into
+the preallocated batch tensors by the reader's threads (samples in flight chosen by the reader from
+the rate it measures). With ``batch_dtype="stored"`` (what the trainer asks for, ``train.source``)
+a bf16 table gives a bf16 batch: each value is ``pread`` into its place in the batch, truncated to
+the tokens packed, the aux layers put in ascending id order by the same read (a scatter
+``preadv``): no buffer, no conversion on the CPU; the trainer's step converts on the device (the
+draft's ``fc`` input and the target head's input are cast there anyway, so the numbers are the
+same). With ``batch_dtype="float32"`` (the default here) or an fp8 table each value is read into
+a pooled buffer and converted once into the batch (dequantised for fp8, layers reordered in the
+same copy) on the reader's threads. No Python lists of the tensor columns, no intermediate copies.
+The result equals :func:`collate` of the decoded samples (tested), in the batch's dtype.
 
 Trade-off: random access per sample (~ms on local disk) instead of a sequential scan; it keeps the
 global plan identical for any world size, which is what makes a 2-rank trajectory equal to a
@@ -30,6 +36,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from typing import Iterator
 
 import numpy as np
@@ -38,7 +45,7 @@ import torch
 
 from eaglenest.errors import StoreError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.read.reader import SampleReader
+from eaglenest.featurestore.read.reader import Into, ReadProfile, SampleReader, stored_torch_dtype
 from eaglenest.featurestore.table import lease, store
 from eaglenest.featurestore.table.integrity import check_version, read_error
 from eaglenest.train import vocab as V
@@ -53,7 +60,8 @@ class FeatureShards:
     object store alike."""
 
     def __init__(self, uri: str, *, version: int | str | None, split: str, pack_tokens: int,
-                 batch_rows: int, seed: int, read_threads: int = 2, table: str = "features"):
+                 batch_rows: int, seed: int, read_threads: int | None = None, table: str = "features",
+                 batch_dtype: str = "float32", profile: ReadProfile | None = None, direct: bool = False):
         self.uri, self.table = uri, table
         #: What provenance names as the run's input table.
         self.input_table = table
@@ -82,8 +90,17 @@ class FeatureShards:
         self.pack_tokens, self.batch_rows, self.seed = pack_tokens, batch_rows, seed
         # vLLM concatenates aux states in ascending layer order; reorder if the table does not.
         self.aux_order = aux_order(self.meta.layer_ids)
-        # Pooled read buffers: each sample is converted into the batch, then its buffers are reused.
-        self.reader = SampleReader(self.ds, threads=read_threads, recycle=True, integrity="off")  # checked above
+        if batch_dtype not in ("float32", "stored"):
+            raise ValueError(f"batch_dtype must be 'float32' or 'stored', not {batch_dtype!r}")
+        #: dtype of the batch's aux/last: the stored one for raw tables ("stored"), else float32.
+        self.batch_dtype = stored_torch_dtype(self.meta) if batch_dtype == "stored" and self.meta.storage == "raw" \
+            else torch.float32
+        self.profile = profile
+        #: Reused memory of the batches' aux/last tensors (its pages mapped once, not every batch).
+        self._arenas = BatchArenas()
+        # Samples in flight: adaptive (None) or fixed; values read into the batch (see the module docstring).
+        self.reader = SampleReader(self.ds, threads=read_threads, recycle=True, integrity="off",  # checked above
+                                   profile=profile, direct=direct)
         if int((self.lengths > pack_tokens).sum()):
             log.warning("%d samples longer than train.pack_tokens=%d are truncated",
                         int((self.lengths > pack_tokens).sum()), pack_tokens)
@@ -118,41 +135,93 @@ class FeatureShards:
     def read(self, rows: list[list[int]]) -> Batch:
         """Read and collate ``rows`` (eligible-row indices): pack each row, pad to the longest.
 
-        Equal to ``collate([[decode(i) for i in row] for row in rows])``; each sample's tensors are
-        converted once, straight into the batch (see the module docstring)."""
-        flat = sorted({i for row in rows for i in row})
-        samples = dict(zip(flat, self.reader.read(int(self.offsets[i]) for i in flat)))
-        m = self.meta
-        n_of = {i: min(int(self.lengths[i]), self.pack_tokens) for i in flat}
-        width = max(sum(n_of[i] for i in row) for row in rows)
+        Equal to ``collate([[decode(i) for i in row] for row in rows])`` in :attr:`batch_dtype`;
+        each sample's tensors are written once, straight into the batch (see the module docstring)."""
+        m, prof = self.meta, self.profile
         B, L, H = len(rows), len(m.layer_ids), m.hidden_size
-        input_ids = torch.zeros(B, width, dtype=torch.long)
-        loss_mask = torch.zeros(B, width, dtype=torch.bool)
-        doc_ids = torch.full((B, width), -1, dtype=torch.long)
-        position_ids = torch.zeros(B, width, dtype=torch.long)
-        aux = torch.empty(B, width, L * H)
-        last = torch.empty(B, width, H)
+        n_of = [[min(int(self.lengths[i]), self.pack_tokens) for i in row] for row in rows]
+        width = max(sum(ns) for ns in n_of)
+        with (prof.section("batch tensors (allocate)") if prof else contextlib.nullcontext()):
+            input_ids = torch.zeros(B, width, dtype=torch.long)
+            loss_mask = torch.zeros(B, width, dtype=torch.bool)
+            doc_ids = torch.full((B, width), -1, dtype=torch.long)
+            position_ids = torch.zeros(B, width, dtype=torch.long)
+            aux, last = self._arenas.tensors([(B, width, L * H), (B, width, H)], self.batch_dtype)
         order = self.aux_order.tolist()
+        # Every placement (row b, token at, n tokens), read in dataset order (locality on disk).
+        places = []
         for b, row in enumerate(rows):
             at = 0
-            for d, i in enumerate(row):
-                s, n = samples[i], n_of[i]
-                if s.num_tokens != int(self.lengths[i]):
-                    raise StoreError(f"features row {s.index}: {s.num_tokens} token ids, num_tokens says "
-                                     f"{int(self.lengths[i])}")
+            for d, (i, n) in enumerate(zip(row, n_of[b])):
+                places.append((int(self.offsets[i]), i, b, d, at, n))
+                at += n
+            aux[b, at:].zero_()
+            last[b, at:].zero_()
+        places.sort()
+        into = [Into(aux=aux[b, at:at + n].view(n, L, H), last=last[b, at:at + n], order=order)
+                for _, _, b, _, at, n in places]
+        samples = self.reader.iter_samples([p[0] for p in places], into=into)
+        for s, (_, i, b, d, at, n) in zip(samples, places):
+            if s.num_tokens != int(self.lengths[i]):
+                raise StoreError(f"features row {s.index}: {s.num_tokens} token ids, num_tokens says "
+                                 f"{int(self.lengths[i])}")
+            with (prof.section("ids, mask, positions into batch") if prof else contextlib.nullcontext()):
                 input_ids[b, at:at + n] = torch.from_numpy(s.input_ids[:n].astype(np.int64))
                 loss_mask[b, at:at + n] = torch.from_numpy(s.loss_mask[:n] != 0)
                 doc_ids[b, at:at + n] = d
                 position_ids[b, at:at + n] = torch.arange(n)
-                s.aux_into(aux[b, at:at + n].view(n, L, H), order=order)
-                s.last_into(last[b, at:at + n])
-                at += n
-            for i in row:
-                samples[i].release()
-            aux[b, at:].zero_()
-            last[b, at:].zero_()
         return Batch(input_ids=input_ids, loss_mask=loss_mask, aux=aux, last_hidden=last,
                      doc_ids=doc_ids, position_ids=position_ids)
+
+class BatchArenas:
+    """Memory for the batches' feature tensors, reused once nothing holds a batch made from it.
+
+    A fresh batch's pages are faulted in while the reads fill them, and on the 2-core VM that
+    first touch cost more than the disk (the trainer arm of ``bench/featurestore_read.py
+    --profile``). So each batch's aux and last tensors are views of an arena (a numpy buffer)
+    that is handed out again when no tensor made from it is alive: every torch tensor made with
+    ``torch.from_numpy`` keeps the numpy view it was made from alive (views of it included), so a
+    weak reference to that numpy view says whether any batch, or a view of one, still uses the
+    memory. At most ``keep`` idle arenas are kept; the live ones are the batches the trainer and
+    the prefetcher hold.
+    """
+
+    def __init__(self, keep: int = 3):
+        self.keep = keep
+        #: [arena, weak references to the numpy views handed out from it]
+        self._arenas: list[tuple[np.ndarray, list]] = []
+        #: Arenas allocated (a steady run stops allocating after the first few batches).
+        self.allocated = 0
+
+    def _idle(self) -> list[int]:
+        return [k for k, (_, refs) in enumerate(self._arenas) if all(r() is None for r in refs)]
+
+    def tensors(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Uninitialised tensors of ``shapes`` and ``dtype``, laid out one after another in an idle
+        arena (a new one if none is big enough)."""
+        esize = torch.empty((), dtype=dtype).element_size()
+        sizes = [int(np.prod(s)) * esize for s in shapes]
+        need = sum(-(-n // 64) * 64 for n in sizes)
+        idle = self._idle()
+        fits = [k for k in idle if self._arenas[k][0].size >= need]
+        if fits:
+            arena, refs = self._arenas[min(fits, key=lambda k: self._arenas[k][0].size)]
+        else:
+            for k in sorted(sorted(idle, key=lambda k: self._arenas[k][0].size)[:max(0, len(idle) + 1 - self.keep)],
+                            reverse=True):
+                del self._arenas[k]  # the smallest idle ones make room
+            arena, refs = np.empty(need + (need >> 3), np.uint8), []  # some slack for a wider next batch
+            self._arenas.append((arena, refs))
+            self.allocated += 1
+        refs.clear()
+        out, at = [], 0
+        for shape, n in zip(shapes, sizes):
+            view = arena[at:at + n]
+            refs.append(weakref.ref(view))
+            out.append(torch.from_numpy(view).view(dtype).view(shape))
+            at += -(-n // 64) * 64
+        return out
+
 
 def plan_batches(lengths, *, pack_tokens: int, batch_rows: int, seed: int, epoch: int) -> list[list[list[int]]]:
     """One epoch's plan over samples of ``lengths``: a seeded shuffle, samples packed greedily into

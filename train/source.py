@@ -5,7 +5,9 @@ set's meta and pinned version, the eligible samples' lengths, one epoch's global
 loss-token counts that pick the draft vocabulary, and the batches of a schedule. Two implement it:
 
 * ``table`` (:class:`eaglenest.train.data.FeatureShards`): a pinned version of the features table,
-  on local disk or on an object store (``run.store``), read by row on demand;
+  on local disk or on an object store (``run.store``), read by row on demand, its batches in the
+  stored dtype (bf16 for a bf16 table: read straight into the batch, converted on the device by
+  the step, which casts them anyway; fp8 tables are dequantised to fp32 on the reader's threads);
 * ``stream`` (:class:`eaglenest.train.stream_source.StreamShards`): no table; the plan comes from
   the ``prompts`` table and the hidden states from a capture engine (``train.stream``), which must
   know the reading order before the first batch (:meth:`DataSource.start`).
@@ -70,4 +72,4 @@ def open_source(cfg: TrainConfig, store_uri: str, *, table: str, seed: int, targ
                             devices=s.devices, transport=s.transport, engines=s.engines, addr=s.addr,
                             timeout_s=s.timeout_s, trust_remote_code=trust_remote_code)
     return FeatureShards(store_uri, version=cfg.table_version, split=cfg.split, table=table,
-                         pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed)
+                         pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed, batch_dtype="stored")

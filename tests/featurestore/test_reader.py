@@ -1,6 +1,8 @@
 """The fast read path (featurestore.reader, train.data.FeatureShards.read) against plain reference
 decodes, schema versions 1 and 2, and fp8_e4m3 storage (round-trip error, bytes per token)."""
 
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -34,6 +36,8 @@ def _arrays(n, hidden, seed=0):
 
 
 def _stored(x, dtype):
+    if dtype == "float16":  # float16 holds up to 65504: keep the test's row scales inside it
+        return np.clip(x, -6e4, 6e4).astype("f2")
     t = torch.from_numpy(x).to({"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype])
     return t.view(torch.uint16).numpy() if dtype == "bfloat16" else t.numpy()
 
@@ -175,3 +179,190 @@ def test_fp8_nonfinite_is_found_by_verify(tmp_path):
     store.append(str(tmp_path), store.FEATURES, pa.Table.from_pylist(rows, schema=S.features_schema(m)), meta=m)
     report = maintenance.verify(str(tmp_path), store.FEATURES)
     assert not report["ok"] and "NaN/inf in aux_hidden" in report["problems"][0] and "s01" in report["problems"][0]
+
+
+# --- the read path at disk speed: straight into the batch, the adaptive window, bounded memory ---
+
+def _profiled_shards(uri, *, pack_tokens, batch_dtype, read_threads=None, direct=True):
+    from eaglenest.featurestore.read.reader import ReadProfile
+
+    prof = ReadProfile()
+    return FeatureShards(uri, version=None, split="train", pack_tokens=pack_tokens, batch_rows=2, seed=3,
+                         read_threads=read_threads, batch_dtype=batch_dtype, profile=prof, direct=direct), prof
+
+
+@pytest.mark.parametrize("dtype,layers,direct", [("bfloat16", LAYERS, False), ("bfloat16", (2, 4, 5), False),
+                                                 ("float16", LAYERS, False), ("float32", LAYERS, False),
+                                                 ("bfloat16", LAYERS, True), ("bfloat16", (2, 4, 5), True)])
+def test_stored_dtype_batch_is_bit_exact_and_read_straight_into_it(tmp_path, dtype, layers, direct):
+    """batch_dtype="stored", truncated to pack_tokens, bit for bit. Through the page cache
+    (direct=False) the values land in the batch by pread (aux layers reordered by a scatter preadv
+    when the table's layer ids are not ascending); with O_DIRECT (where the file system has it)
+    the disk fills a pooled buffer and one copy (a gather for the reorder) places it."""
+    m = S.FeatureMeta(target="t", layer_ids=layers, last_layer_id=8, hidden_size=16, dtype=dtype, storage="raw",
+                      feature_set_id=f"fs-{dtype}-{layers}")
+    uri = str(tmp_path)
+    _write(uri, _arrays(9, m.hidden_size, seed=6), m)
+    want_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    order = np.argsort(np.asarray(layers), kind="stable")
+    ref = []
+    for r in store.read(uri, store.FEATURES).to_pylist():
+        T, n = r["num_tokens"], min(r["num_tokens"], 10)
+        aux = S.torch_from_blob(r["aux_hidden"], (T, 3, m.hidden_size), dtype)
+        last = S.torch_from_blob(r["last_hidden"], (T, m.hidden_size), dtype)
+        ref.append((torch.tensor(r["input_ids"][:n]), torch.tensor(r["loss_mask"][:n]).bool(),
+                    aux[:n, order].reshape(n, -1), last[:n]))
+    shards, prof = _profiled_shards(uri, pack_tokens=10, batch_dtype="stored", direct=direct)
+    o_direct = any(fd is not None for fd in shards.reader._dfds.values())  # this file system has it
+    try:
+        assert shards.batch_dtype == want_dtype
+        for rows in shards.plan(0):
+            got = shards.read(rows)
+            assert got.aux.dtype == want_dtype and got.last_hidden.dtype == want_dtype
+            _assert_batches_equal(got, collate([[ref[i] for i in row] for row in rows]))
+    finally:
+        shards.close()
+    if o_direct:  # the disk (or the page cache, while warm) fills a pooled buffer, one copy places it
+        assert prof.calls["convert into destination"] == 9 and "pread into destination" not in prof.calls
+        return
+    into = "pread into destination" if list(order) == [0, 1, 2] else "preadv scatter into destination"
+    assert prof.calls[into] > 0 and "convert into destination" not in prof.calls
+    assert not any(k.startswith("pread into fresh") or k.startswith("pread into mapped") for k in prof.calls)
+
+
+def test_fp8_and_float32_batches_convert_on_the_reader_threads(tmp_path):
+    """An fp8 table gives a float32 batch whatever batch_dtype asks (dequantised into it), and a bf16
+    table read into float32 goes through a pooled buffer and one converting copy."""
+    for dtype, storage, batch_dtype in (("float32", "fp8_e4m3", "stored"), ("bfloat16", "raw", "float32")):
+        m = _meta(dtype, storage=storage)
+        uri = str(tmp_path / f"{storage}-{batch_dtype}")
+        _write(uri, _arrays(7, m.hidden_size, seed=8), m)
+        ref = _reference(uri, m, pack_tokens=10)
+        shards, prof = _profiled_shards(uri, pack_tokens=10, batch_dtype=batch_dtype)
+        try:
+            assert shards.batch_dtype == torch.float32
+            for rows in shards.plan(0):
+                _assert_batches_equal(shards.read(rows), collate([[ref[i] for i in row] for row in rows]))
+        finally:
+            shards.close()
+        assert prof.calls["convert into destination"] == 7 and "pread into destination" not in prof.calls
+
+
+def test_scatter_read_past_iov_max_and_short_destination(tmp_path):
+    """A sample of 700 tokens with reordered layers needs 1400 iovecs (more than one preadv call)."""
+    from eaglenest.featurestore.read.reader import IOV_MAX, Into
+
+    m = _meta("bfloat16", hidden=8)
+    rng = np.random.default_rng(3)
+    T = 700
+    aux = rng.standard_normal((T, 3, 8)).astype("f4")
+    last = rng.standard_normal((T, 8)).astype("f4")
+    _write(str(tmp_path), [("long", rng.integers(0, 50, T).astype("i4"), aux, last)], m, commits=1)
+    order = [1, 2, 0]
+    assert 2 * T > IOV_MAX
+    want_aux = torch.from_numpy(aux).bfloat16()[:, order]
+    for n in (T, 333):
+        out_aux, out_last = torch.empty(n, 3, 8, dtype=torch.bfloat16), torch.empty(n, 8, dtype=torch.bfloat16)
+        with SampleReader(store.dataset(str(tmp_path), store.FEATURES), integrity="off", direct=False) as reader:
+            (s,) = reader.read([0], into=[Into(aux=out_aux, last=out_last, order=order)])
+        assert s.num_tokens == T and torch.equal(out_aux, want_aux[:n])
+        assert torch.equal(out_last, torch.from_numpy(last).bfloat16()[:n])
+        with pytest.raises(SchemaError, match="read into a destination"):
+            s.aux_stored()
+
+
+def test_adaptive_window_climbs_while_it_pays_and_stays_in_bounds():
+    from eaglenest.featurestore.read.reader import AdaptiveWindow
+
+    def drive(w, rate_of, periods=60, nbytes=1 << 20):
+        now, sizes = 0.0, []
+        for _ in range(periods * 40):
+            size = w.current()
+            sizes.append(size)
+            now += nbytes / rate_of(size)
+            w.record(nbytes, now=now)
+        return sizes
+
+    # Throughput grows up to 5 in flight, then flat: the window reaches 5 and stays near it.
+    w = AdaptiveWindow(start=2, lo=1, hi=12, budget=1 << 40)
+    sizes = drive(w, lambda k: min(k, 5) * 1e8)
+    assert max(sizes) <= 12 and min(sizes) >= 1
+    assert {5} <= set(sizes[len(sizes) // 2:]) <= {4, 5, 6}
+    # Flat from the start (a saturated disk): the window settles at 1-2, never climbs far.
+    w = AdaptiveWindow(start=2, lo=1, hi=12, budget=1 << 40)
+    assert set(drive(w, lambda k: 1e8)[len(sizes) // 4:]) <= {1, 2, 3}
+    # Always better with more (an object store's latency): capped by the memory budget, then hi.
+    w = AdaptiveWindow(start=2, lo=1, hi=12, budget=7 << 20)
+    sizes = drive(w, lambda k: k * 1e8)
+    assert max(sizes) == 7 and sizes[-1] == 7
+    w = AdaptiveWindow(start=2, lo=1, hi=12, budget=1 << 40)
+    assert max(drive(w, lambda k: k * 1e8)) == 12
+    # Fixed: never moves.
+    w = AdaptiveWindow(start=3, lo=3, hi=3, fixed=True)
+    assert set(drive(w, lambda k: k * 1e8, periods=5)) == {3}
+
+
+def test_reader_in_flight_and_memory_bounded_by_the_budget_not_the_table(tmp_path):
+    """Samples in flight never exceed what the memory budget allows, and the buffers the reader
+    allocates (its memory) stay within the bound whether the table has 6 or 30 samples."""
+    m = _meta("bfloat16", hidden=512)
+    peak = {}
+    for n in (6, 30):
+        uri = str(tmp_path / str(n))
+        _write(uri, _arrays(n, m.hidden_size, seed=n), m, commits=3)
+        ds = store.dataset(uri, store.FEATURES)
+        biggest = max(r["num_tokens"] for r in store.read(uri, store.FEATURES).to_pylist()) * 4 * 512 * 2
+        budget = 3 * biggest
+        with SampleReader(ds, recycle=True, memory_budget=budget, integrity="off") as reader:
+            running, most, lock = [0], [0], threading.Lock()
+            inner = reader._from_row
+
+            def counted(*a, **kw):  # observes the product's own calls; reads as usual
+                with lock:
+                    running[0] += 1
+                    most[0] = max(most[0], running[0])
+                try:
+                    return inner(*a, **kw)
+                finally:
+                    with lock:
+                        running[0] -= 1
+
+            reader._from_row = counted
+            for epoch in range(3):
+                order = np.random.default_rng(epoch).permutation(n).tolist()
+                for s in reader.iter_samples(order):
+                    s.release()
+            assert most[0] <= reader.window.limit() <= 3
+            assert all(1 <= w <= 3 for w, _ in reader.window.history)
+            assert reader.pool.free_bytes <= budget
+            # idle (<= budget) + in flight + the one the consumer holds, 2 values each, each
+            # buffer at most twice its value (the pool's rounding)
+            bound = budget + (reader.window.limit() + 1) * 2 * 2 * biggest
+            assert 0 < reader.pool.peak_live <= bound
+            peak[n] = reader.pool.peak_live
+    assert peak[30] <= bound  # five times the table, the same bound
+
+
+def test_batch_memory_is_reused_only_when_no_tensor_holds_it(tmp_path):
+    """Batches come from reused arenas (their pages mapped once); a batch the caller still holds,
+    or a view of it, is never overwritten by a later read."""
+    m = _meta("bfloat16")
+    uri = str(tmp_path)
+    _write(uri, _arrays(9, m.hidden_size, seed=11), m)
+    shards = FeatureShards(uri, version=None, split="train", pack_tokens=10, batch_rows=1, seed=3,
+                           batch_dtype="stored")
+    try:
+        plan = shards.plan(0)
+        assert len(plan) >= 4
+        held = shards.read(plan[0])
+        kept = held.aux[:, 1:].clone(), held.last_hidden.clone()
+        view = held.aux[:, 1:]  # a view alone keeps the memory
+        last = held.last_hidden
+        del held
+        for _ in range(2):
+            for rows in plan[1:]:
+                shards.read(rows)  # dropped at once: their arenas are reused
+        assert torch.equal(view, kept[0]) and torch.equal(last, kept[1])
+        assert shards._arenas.allocated <= 3
+    finally:
+        shards.close()

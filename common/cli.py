@@ -17,14 +17,13 @@ import faulthandler
 import importlib
 import json
 import logging
-import os
 import signal
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from eaglenest import reaper
+from eaglenest.engine import defer_quiet_vllm
 from eaglenest.errors import EaglenestError
 from eaglenest.recipe import load_recipe
 
@@ -60,39 +59,6 @@ def dump_stacks_on_sigusr1() -> None:
             return
         except (AttributeError, OSError, ValueError, RuntimeError):  # no file descriptor behind it
             continue
-
-
-#: Environment variables through which a user already chose how vLLM logs (then left alone).
-VLLM_LOG_ENV = ("VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING")
-
-
-def quiet_vllm(log_dir: Path, verbose: int) -> Path | None:
-    """Without ``-v``, vLLM's INFO lines (its own and its engine processes') go to
-    ``<log_dir>/vllm.log`` and only its warnings reach the console, so eaglenest's progress bars and
-    summaries are what a user sees. Through vLLM's own ``VLLM_LOGGING_CONFIG_PATH`` (inherited by
-    the engine processes), before vLLM is imported. Returns the log file (None: left as it was)."""
-    if verbose or any(k in os.environ for k in VLLM_LOG_ENV):
-        return None
-    try:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        config = {
-            "version": 1, "disable_existing_loggers": False,
-            "formatters": {"vllm": {"format": "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"}},
-            "handlers": {
-                "file": {"class": "logging.FileHandler", "filename": str(log_dir / "vllm.log"),
-                         "formatter": "vllm", "level": "INFO"},
-                "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "vllm",
-                            "level": "WARNING"}},
-            "loggers": {"vllm": {"handlers": ["file", "console"], "level": "INFO", "propagate": False}},
-        }
-        path = log_dir / "vllm-logging.json"
-        path.write_text(json.dumps(config, indent=1))
-    except OSError:  # an unwritable run directory is reported by the stage itself
-        os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
-        return None
-    os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
-    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
-    return log_dir / "vllm.log"
 
 
 def _resolve(fn: Callable[..., int] | str) -> Callable[..., int]:
@@ -134,10 +100,10 @@ def run(prog: str, description: str, commands: dict[str, Command], argv: list[st
         if args.dry_run:
             print(json.dumps(recipe.to_dict(), indent=2, sort_keys=True))
             return 0
-        vllm_log = quiet_vllm(recipe.run.path("logs"), args.verbose)
-        if vllm_log is not None:
-            log.debug("vLLM's INFO log: %s (-v shows it on the console)", vllm_log)
-        # Imported only now: a bad recipe costs no heavy import, and vLLM reads the logging set above.
+        # Where vLLM's INFO lines go; nothing is written until an engine starts (engine.quiet_vllm), so a
+        # command that refuses its input leaves the workdir as it was.
+        defer_quiet_vllm(recipe.run.path("logs"), args.verbose)
+        # Imported only now: a bad recipe costs no heavy import.
         return int(_resolve(cmd.fn)(recipe, args) or 0)
     except EaglenestError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

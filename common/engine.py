@@ -3,6 +3,12 @@
 vLLM is imported lazily: importing eaglenest never pulls it in. On CPU, ``gpu_memory_utilization``
 is the share of the NUMA node's RAM reserved for the KV cache, so the default is small; on CUDA it
 is the share of device memory.
+
+Where vLLM logs is settled here too, and only when an engine is about to start: the CLI names the
+run's log folder (:func:`defer_quiet_vllm`, which writes nothing), and :func:`quiet_vllm` writes
+vLLM's logging config there the moment :func:`make_llm` or a server starts one, so a command that
+refuses its input leaves the user's workdir untouched. The folder travels in the environment, so a
+Dask worker or a stream producer that starts an engine of its own logs to the same file.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +44,83 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
 
+#: Environment variables through which a user already chose how vLLM logs (then left alone).
+VLLM_LOG_ENV = ("VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING")
+#: The run's log folder, once the CLI has chosen to keep vLLM's INFO lines off the console.
+LOG_DIR_ENV = "EAGLENEST_VLLM_LOG_DIR"
+
+
+def defer_quiet_vllm(log_dir: Path, verbose: int) -> bool:
+    """Without ``-v`` (and without a user's own ``VLLM_LOGGING_*``), route vLLM's INFO lines to
+    ``<log_dir>/vllm.log`` once an engine starts (:func:`quiet_vllm`). Writes nothing now: the
+    folder is only remembered, in this process's environment. Returns whether it will be."""
+    if verbose or any(k in os.environ for k in VLLM_LOG_ENV):
+        return False
+    os.environ[LOG_DIR_ENV] = str(log_dir)
+    return True
+
+
+def quiet_vllm() -> Path | None:
+    """Called just before an engine or a vLLM server starts: if the CLI deferred it, write the
+    logging config vLLM reads (``VLLM_LOGGING_CONFIG_PATH``: INFO to ``vllm.log``, warnings to the
+    console) and point this process and its children at it; once per process tree. Also starts the
+    multiprocessing resource tracker with its reports going to the same file (see below). Returns
+    the log file (None: vLLM logs as it always does)."""
+    log_dir = os.environ.get(LOG_DIR_ENV)
+    if not log_dir:
+        return None
+    log_path = Path(log_dir) / "vllm.log"
+    if "VLLM_LOGGING_CONFIG_PATH" in os.environ:  # done already (here, or by the parent process)
+        return log_path
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"vllm": {"format": "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"}},
+        "handlers": {
+            "file": {"class": "logging.FileHandler", "filename": str(log_path), "formatter": "vllm",
+                     "level": "INFO"},
+            "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "vllm",
+                        "level": "WARNING"}},
+        "loggers": {"vllm": {"handlers": ["file", "console"], "level": "INFO", "propagate": False}},
+    }
+    path = Path(log_dir) / "vllm-logging.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # renamed into place: engines in other
+        tmp.write_text(json.dumps(config, indent=1))            # processes may read it meanwhile
+        os.replace(tmp, path)
+        _tracker_reports_to(log_path)
+    except OSError:  # an unwritable run directory is reported by the stage itself
+        os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+        return None
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
+    log.debug("vLLM's INFO log: %s (-v shows it on the console)", log_path)
+    return log_path
+
+
+def _tracker_reports_to(log_path: Path) -> None:
+    """Start this process's multiprocessing resource tracker with its stderr on ``log_path``.
+
+    vLLM stops an engine by giving its EngineCore process 5 s, then killing it; on CPU its worker
+    takes about that long to exit, so the EngineCore is usually killed before it unlinks the shared
+    memory of its message queue. The tracker (shared by the engine processes, started by the first
+    process that needs it) unlinks what they left when this process exits, and reports each leak
+    on its stderr: two lines per kind, printed after the command's own last line (a failed
+    capture's one error line was no longer the last). Those reports are vLLM's bookkeeping, so
+    they go where vLLM's INFO lines go. Letting the EngineCore finish instead (``shutdown(timeout=30)``) removes
+    the leak but costs 3.5-8 s per engine on this project's 2-core machine. A tracker already
+    running (started by something earlier) keeps its stderr."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    saved = os.dup(2)
+    try:
+        os.dup2(fd, 2)  # the tracker inherits fd 2 when it is spawned; a no-op if it runs already
+        resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+
+
 def has_cuda() -> bool:
     try:
         import torch
@@ -54,6 +138,23 @@ def checkpoint_dtype(model: str) -> str:
     cfg = json.loads(path.read_text())
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto").replace("torch.", "")
     return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
+
+
+def speculative_config(draft: str, num_speculative_tokens: int) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for an exported draft directory: EAGLE-3, with
+    ``parallel_drafting`` when the draft's own config.json says it drafts in parallel (a P-EAGLE
+    export's ``parallel_drafting: true``, or speculators' ``speculators_model_type: peagle``), so
+    every caller serves a draft as it was trained without a second setting. A DFlash export
+    (``dflash_config`` in its config.json, ``train.family=dflash``) gets ``method: dflash``."""
+    spec: dict[str, Any] = {"method": "eagle3", "model": draft, "num_speculative_tokens": int(num_speculative_tokens)}
+    path = Path(draft) / "config.json"
+    cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if isinstance(cfg.get("dflash_config"), dict):
+        spec["method"] = "dflash"
+        return spec
+    if cfg.get("parallel_drafting") is True or cfg.get("speculators_model_type") == "peagle":
+        spec["parallel_drafting"] = True
+    return spec
 
 
 def engine_kwargs(cfg: EngineConfig, model: str = "", *, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -75,6 +176,7 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
     that needs its own code is refused before the engine starts unless ``trust_remote_code``."""
     check_remote_code(model, trust_remote_code=trust_remote_code)
     require("vllm", "cpu" if not has_cuda() else "cuda")
+    quiet_vllm()  # the run's vLLM log, written now that an engine starts (not when the command did)
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     from vllm import LLM
 

@@ -1,10 +1,15 @@
-"""Output directories proven writable before a stage does any expensive work.
+"""Output directories: made through one helper, and proven writable before a stage does any
+expensive work.
 
 A stage that starts an engine (tens of seconds to minutes) and only then finds it cannot write its
-store or its ``stats.json`` wastes the run, so each command checks its output directories first.
-The check *does* the write (a temporary file is created and removed) rather than asking
-``os.access``, which answers yes to root on a read-only mount. Object-store URIs (``s3://...``) are
-left to their own client: only local paths are checked.
+store or its ``stats.json`` wastes the run, so each command checks its output directories first
+(:func:`ensure_writable`). The check *does* the write (a temporary file is created and removed)
+rather than asking ``os.access``, which answers yes to root on a read-only mount. A check made
+before the command has accepted all of its input passes ``keep=False``: the directories it created
+are removed again, so a refused command leaves nothing behind. Every output folder is then made by
+:func:`make_dir`, which turns what the OS refuses (read-only filesystem, permissions, disk full, a
+file in the way) into the project's one line naming the key to change. Object-store URIs
+(``s3://...``) are left to their own client: only local paths are checked.
 """
 
 from __future__ import annotations
@@ -16,19 +21,65 @@ from pathlib import Path
 from eaglenest.errors import EaglenestError, StoreError
 
 
-def ensure_writable(path: str | Path, key: str, *, error: type[EaglenestError] = StoreError) -> None:
-    """Create directory ``path`` if needed and prove it is writable; else ``error`` naming ``key``."""
+def _shown(path: str | Path) -> str:
+    text = str(path)
+    return text if len(text) <= 120 else "..." + text[-117:]  # the end of a path says the most
+
+
+def _refusal(exc: OSError, path: str | Path, key: str, error: type[EaglenestError]) -> EaglenestError:
+    if isinstance(exc, FileExistsError):
+        return error(f"{key}: {_shown(path)} is a file, not a directory")
+    return error(f"{key}: cannot write to {_shown(path)} ({exc.strerror or type(exc).__name__})")
+
+
+def _missing(p: Path) -> list[Path]:
+    """The directories ``p.mkdir(parents=True)`` would create, deepest first."""
+    out = []
+    while not p.exists() and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+def make_dir(path: str | Path, key: str, *, error: type[EaglenestError] = StoreError) -> Path:
+    """Create directory ``path`` and its parents (an existing one is fine); an OS refusal is
+    ``error`` naming ``key``, one line. Returns the path."""
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _refusal(exc, path, key, error) from None
+    return p
+
+
+def ensure_writable(path: str | Path, key: str, *, error: type[EaglenestError] = StoreError,
+                    keep: bool = True) -> None:
+    """Create directory ``path`` if needed and prove it is writable; else ``error`` naming ``key``.
+    ``keep=False``: remove the directories this check created (a check before the command's input
+    is all accepted). Directories created by a check that fails are always removed."""
     text = str(path)
     if "://" in text:
         return
     p = Path(text).expanduser()
-    shown = text if len(text) <= 120 else "..." + text[-117:]  # the end of a path says the most
+    created = _missing(p)
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".eaglenest-write-check-", dir=p)
-        os.close(fd)
-        os.unlink(tmp)
-    except FileExistsError:
-        raise error(f"{key}: {shown} is a file, not a directory") from None
-    except OSError as exc:
-        raise error(f"{key}: cannot write to {shown} ({exc.strerror or type(exc).__name__})") from None
+        make_dir(p, key, error=error)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".eaglenest-write-check-", dir=p)
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as exc:
+            raise _refusal(exc, text, key, error) from None
+    except EaglenestError:
+        _remove(created)
+        raise
+    if not keep:
+        _remove(created)
+
+
+def _remove(dirs: list[Path]) -> None:
+    for d in dirs:  # deepest first; a directory someone else filled meanwhile stays
+        try:
+            d.rmdir()
+        except OSError:
+            break

@@ -23,6 +23,7 @@ from eaglenest.evaluate.throughput import run_sweep
 from eaglenest.featurestore.capture.identity import weights_hash
 from eaglenest.featurestore.table import store
 from eaglenest.hf import check_remote_code
+from eaglenest.paths import ensure_writable, make_dir
 from eaglenest.provenance import write_json_atomic, write_provenance
 
 
@@ -31,10 +32,17 @@ def _check_target(recipe) -> None:
     check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
 
 
+def _out(path, args) -> Path:
+    """The command's output folder, proven writable before any engine starts (``--out`` or
+    ``run.workdir`` named if not); the check leaves nothing behind: not every input is checked yet."""
+    ensure_writable(path, "--out" if args.out else "run.workdir", keep=False)
+    return Path(path)
+
+
 def cmd_al(recipe, args) -> int:
     _check_target(recipe)
     cfg, draft = evaluate_config(recipe, manifest=args.manifest), draft_dir(recipe)
-    out = args.out or str(recipe.run.path("eval"))
+    out = str(_out(args.out or recipe.run.path("eval"), args))
     key = _cache_key(recipe, draft, cfg)
     cached = None if args.force else _cached_report(out, key)
     if cached is not None:
@@ -86,13 +94,12 @@ def _inputs(recipe, draft: str) -> dict:
 
 def cmd_throughput(recipe, args) -> int:
     _check_target(recipe)
-    draft = draft_dir(recipe)
+    draft, out = draft_dir(recipe), _out(recipe.run.path(args.out or "throughput"), args)
     result = run_sweep(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri,
                        cfg=evaluate_config(recipe, manifest=args.manifest), serve_cfg=recipe.serve,
                        log_dir=recipe.run.path("serve"),
                        trust_remote_code=recipe.run.trust_remote_code)
-    out = recipe.run.path(args.out or "throughput")
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out, "--out" if args.out else "run.workdir")
     write_json_atomic(out / "throughput.json", result)
     (out / "throughput.md").write_text(throughput_markdown(result), encoding="utf-8")
     throughput_plot(result, out)
@@ -111,6 +118,7 @@ def cmd_compare(recipe, args) -> int:
 def cmd_offline(recipe, args) -> int:
     _check_target(recipe)
     cfg, draft = evaluate_config(recipe, manifest=args.manifest), args.draft or draft_dir(recipe)
+    out = _out(recipe.run.path(args.out or "eval_offline"), args)
     if cfg.temperature != 0.0:
         raise ConfigError(f"evaluate.temperature: offline AL is greedy only (0.0), got {cfg.temperature}")
     groups, info = load_prompt_set(cfg, recipe.run.store_uri)
@@ -118,8 +126,7 @@ def cmd_offline(recipe, args) -> int:
                         num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=cfg.max_tokens,
                         trust_remote_code=recipe.run.trust_remote_code, chat_template_kwargs=cfg.chat_template_kwargs)
     report["prompts"] = info
-    out = recipe.run.path(args.out or "eval_offline")
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out, "--out" if args.out else "run.workdir")
     write_json_atomic(out / "offline_report.json", report)
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
     print("| group | prompts | AL (pooled) | AL per-request |\n|---|---|---|---|")

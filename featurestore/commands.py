@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import json
 
+from eaglenest.errors import StoreError
 from eaglenest.featurestore import schema
 from eaglenest.featurestore.capture import build
 from eaglenest.featurestore.read import query
@@ -23,6 +24,8 @@ from eaglenest.provenance import write_json_atomic, write_provenance
 
 def cmd_capture(recipe, args) -> int:
     check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)  # fail fast
+    if not store.exists(recipe.run.store_uri, store.PROMPTS):  # refused before anything is written
+        raise StoreError(f"no prompts table in {recipe.run.store_uri}: run `ingest build` first")
     ensure_writable(recipe.run.path("featurestore"), "run.workdir")  # before the engine starts
     ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
     ingest_stats = recipe.run.path("ingest") / "stats.json"

@@ -9,6 +9,7 @@ import os
 import sys
 
 from eaglenest.evaluate.settings import evaluate_config
+from eaglenest.paths import ensure_writable
 from eaglenest.pipeline.served_al import served_al_scorer
 from eaglenest.train.loop import train
 
@@ -20,6 +21,8 @@ def cmd_run(recipe, args) -> int:
     if not main_rank:  # torchrun: one rank reports
         logging.getLogger("eaglenest").setLevel(logging.WARNING)
     r = recipe.run
+    if main_rank:  # before the store or the target is read; leaves nothing behind
+        ensure_writable(r.path(recipe.train.output_subdir), "run.workdir", keep=False)
     score = None
     if recipe.train.select.every_steps:
         score = served_al_scorer(recipe.train, evaluate_config(recipe), target_dir=r.target,

@@ -4,7 +4,9 @@ runs: exporting pulls in torch and the trainer's checkpoint format."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+from eaglenest.paths import ensure_writable
 from eaglenest.serve.export import export_draft
 
 
@@ -12,6 +14,9 @@ def cmd_export(recipe, args) -> int:
     """``serve export``: the checkpoint in ``serve.checkpoint_subdir`` as a draft in ``--out``."""
     r, s = recipe.run, recipe.serve
     out = args.out or str(r.path(s.draft_subdir))
+    # The draft is written beside ``out`` and renamed into place: prove that folder writable before
+    # the checkpoint is read (the check leaves nothing behind).
+    ensure_writable(Path(out).parent, "--out" if args.out else "run.workdir", keep=False)
     path = export_draft(r.path(s.checkpoint_subdir), out, target_dir=r.target, dtype=s.dtype,
                         quantization=s.quantization, format=s.format,
                         num_speculative_tokens=s.num_speculative_tokens, argv=sys.argv, recipe=recipe.to_dict())

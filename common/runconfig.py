@@ -21,7 +21,7 @@ SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|access_key|acc
                         r"client_secret|session", re.IGNORECASE)
 _REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 #: This process's storage options by store URI: references, never secrets. Filled where a command
-#: resolves its recipe (:meth:`RunConfig.register_storage`, called by ``eaglenest.cli.run``), and
+#: resolves its recipe (:meth:`RunConfig.register_storage`, called by ``eaglenest.launch.execute``), and
 #: in a process that did not (a Dask task) from the options its driver sends it explicitly
 #: (:func:`registered_storage_options`). Nothing goes through the environment: torchrun ranks and
 #: other commands a run starts resolve the same recipe themselves.
@@ -110,7 +110,7 @@ class RunConfig:
 
     def register_storage(self) -> None:
         """Make ``storage_options`` the options of every path under an object-store ``store_uri`` in
-        this process: called once, where a command has resolved its recipe (``eaglenest.cli.run``)."""
+        this process: called once, where a command has resolved its recipe (``eaglenest.launch.execute``)."""
         store = self.store_uri
         if "://" in store and store.split("://", 1)[0].lower() in REMOTE_SCHEMES:
             register_storage_options(store, dict(self.storage_options))

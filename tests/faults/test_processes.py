@@ -1,6 +1,6 @@
 """SIGKILL of a CLI leaves no engine or helper process behind (issue #10, item 8).
 
-The guard (common/reaper.py) is started by ``eaglenest.cli.run``. A fast part without vLLM: a
+The guard (common/reaper.py) is started by ``eaglenest.launch.execute``. A fast part without vLLM: a
 CLI-like process (a real ``run`` command) with fork children, a fork grandchild made from a thread,
 spawned children and their children, SIGKILLed or exiting normally. A slow part with real vLLM:
 ``ingest build`` SIGKILLed once its engine core has started its worker (CLI -> EngineCore ->

@@ -144,7 +144,7 @@ def run_rank(argv) -> int:
     """Script role ``rank``: one trainer rank of a gloo stream; its batches against the table's."""
     import json
 
-    from eaglenest.cli import dump_stacks_on_sigusr1
+    from eaglenest.launch import dump_stacks_on_sigusr1
     from eaglenest.train.data import FeatureShards, rank_rows
     from eaglenest.train.stream_source import StreamShards
     from test_stream import FS

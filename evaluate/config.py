@@ -11,6 +11,12 @@ from eaglenest.errors import ConfigError
 
 #: Context buckets of the issue: prompt lengths in tokens (1K .. 32K).
 DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768)
+#: Kinds of context-bucket material (``evaluate.buckets``, ``evaluate.longctx``): answers that need
+#: a record, a helper's name or the first turn thousands of tokens back, or (``chat``) unrelated
+#: held-out chats concatenated.
+Material = Literal["records", "code", "recall", "chat"]
+#: A bucket with fewer prompts than this is reported as "not a measurement".
+MIN_BUCKET_PROMPTS = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,10 +39,21 @@ class EvaluateConfig:
     split: str = "heldout"
     #: At most this many prompts per domain / category (0 = all).
     max_prompts_per_domain: int = 0
-    #: Context buckets (prompt tokens), built from held-out material; empty disables them.
+    #: Context buckets (prompt tokens); empty disables them. ``bucket_prompts`` prompts each (the
+    #: report flags a bucket with fewer than 16 as not a measurement; ``recipes/long_eval.yaml`` has
+    #: 16), prompt i of kind ``bucket_material[i % len]``.
     context_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     bucket_prompts: int = 1
     bucket_max_tokens: int = 64
+    bucket_material: tuple[Material, ...] = ("records", "code", "recall", "chat")
+    #: 95% intervals per bucket: percentile bootstrap over prompts, this many resamples (seeded by
+    #: ``engine.seed``).
+    bootstrap_resamples: int = 2000
+    #: How much the target uses far context: its probability of its own first
+    #: ``far_context_probe_tokens`` output tokens with only the last ``far_context_keep_tokens``
+    #: prompt tokens kept vs the whole prompt (needs ``check_lossless``; 0 keeps turn it off).
+    far_context_keep_tokens: int = 512
+    far_context_probe_tokens: int = 8
     #: Also decode without speculation and report whether outputs are token-for-token identical.
     check_lossless: bool = True
     #: Predictability from the drafter's side (``evaluate.ngram``): the AL an n-gram table fitted on
@@ -69,5 +86,13 @@ class EvaluateConfig:
             raise ConfigError(f"evaluate.concurrency: positive integers, got {short(self.concurrency)}")
         if self.ngram_order < 0 or self.ngram_fit_tokens < 0:
             raise ConfigError("evaluate.ngram_order / evaluate.ngram_fit_tokens: must be >= 0")
+        if not self.bucket_material or len(set(self.bucket_material)) != len(self.bucket_material):
+            raise ConfigError("evaluate.bucket_material: one or more distinct kinds (records, code, recall, "
+                              f"chat), got {short(self.bucket_material)}")
+        if self.bootstrap_resamples < 100:
+            raise ConfigError(f"evaluate.bootstrap_resamples: must be >= 100, got {short(self.bootstrap_resamples)}")
+        if self.far_context_keep_tokens < 0 or self.far_context_probe_tokens < 1:
+            raise ConfigError("evaluate.far_context_keep_tokens / evaluate.far_context_probe_tokens: must be "
+                              f">= 0 / >= 1, got {self.far_context_keep_tokens} / {self.far_context_probe_tokens}")
         if self.bucket_prompts < 1 or self.throughput_prompts < 1:
             raise ConfigError("evaluate.bucket_prompts / evaluate.throughput_prompts: must be >= 1")

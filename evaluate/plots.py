@@ -1,7 +1,7 @@
 """PNG plots of evaluation reports (matplotlib, Agg backend, imported lazily).
 
-AL by domain, AL against context length, acceptance by draft position, and throughput against
-concurrency. Each plot shows both averages where the report has them; files are written to a
+AL by domain, AL against context length (95% intervals per bucket as error bars, see
+``evaluate.intervals``), acceptance by draft position, and throughput against concurrency. Each plot shows both averages where the report has them; files are written to a
 temporary name and renamed, so a reader never sees half a PNG.
 """
 
@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from eaglenest.evaluate.buckets import buckets_in_order
+from eaglenest.evaluate.config import MIN_BUCKET_PROMPTS
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,54 @@ def _bars(ax, names, rows):
     ax.legend()
 
 
+def _yerr(rows: list[dict], key: str) -> list[list[float]] | None:
+    """Matplotlib ``yerr`` (below, above) from each row's 95% interval of ``key``; None if any lacks one."""
+    cis = [(r.get("intervals") or {}).get(key) for r in rows]
+    if not cis or any(ci is None or r.get(key) is None for ci, r in zip(cis, rows)):
+        return None
+    return [[max(0.0, r[key] - ci[0]) for ci, r in zip(cis, rows)],
+            [max(0.0, ci[1] - r[key]) for ci, r in zip(cis, rows)]]
+
+
+def context_axes(ax, buckets: dict[str, dict]):
+    """AL (pooled, per request), ``ngram_al`` and, on a right axis, ``target_confidence`` against
+    prompt length, with 95% intervals as error bars where the report has them; the title says when
+    a bucket has too few prompts to be a measurement. Returns the right axis (or None)."""
+    xs = [int(b) for b in buckets]
+    rows = [buckets[b] for b in buckets]
+    ax.errorbar(xs, [r.get("acceptance_length") or 0 for r in rows], yerr=_yerr(rows, "acceptance_length"),
+                marker="o", capsize=3, label="pooled over rounds")
+    ax.plot(xs, [r.get("acceptance_length_per_request") or 0 for r in rows], marker="o", label="mean per request")
+    if any(r.get("ngram_al") for r in rows):
+        ax.errorbar(xs, [r.get("ngram_al") or float("nan") for r in rows], yerr=_yerr(rows, "ngram_al"), ls="--",
+                    color="black", capsize=3, label="n-gram drafter (ngram_al)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [f"{x // 1024}K" if x >= 1024 else str(x) for x in xs])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("acceptance length")
+    few = [b for b in buckets if buckets[b].get("measurement") is False]
+    if few:  # ringed: too few prompts for the point (and its interval) to be a measurement
+        ax.scatter([int(b) for b in few], [buckets[b].get("acceptance_length") or 0 for b in few], s=160,
+                   facecolors="none", edgecolors="red", zorder=4, label=f"< {MIN_BUCKET_PROMPTS} prompts")
+    n = sorted({r.get("prompts") for r in rows})
+    ax.set_title(f"AL against context length ({'/'.join(map(str, n))} prompts per bucket"
+                 + (", 95% intervals)" if any(r.get("intervals") for r in rows) else ")")
+                 + (f"\nfewer than {MIN_BUCKET_PROMPTS} prompts: not a measurement" if few else ""), fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    right = None
+    if any(r.get("target_confidence") is not None for r in rows):
+        right = ax.twinx()
+        right.errorbar(xs, [r.get("target_confidence") if r.get("target_confidence") is not None else float("nan")
+                            for r in rows], yerr=_yerr(rows, "target_confidence"), ls=":", marker="s",
+                       color="grey", capsize=3, label="target_confidence (right)")
+        right.set_ylim(0, 1.05)
+        right.set_ylabel("target_confidence")
+        h, lab = right.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    ax.legend(handles, labels, fontsize=7)
+    return right
+
+
 def al_plots(report: dict, outdir: Path) -> list[Path]:
     plt = _plt()
     out = []
@@ -61,20 +110,8 @@ def al_plots(report: dict, outdir: Path) -> list[Path]:
 
     buckets = dict(buckets_in_order(report))
     if buckets:
-        xs = [int(b) for b in buckets]
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for key, label in (("acceptance_length", "pooled over rounds"),
-                           ("acceptance_length_per_request", "mean per request")):
-            ax.plot(xs, [buckets[b].get(key) or 0 for b in buckets], marker="o", label=label)
-        if any(buckets[b].get("ngram_al") for b in buckets):
-            ax.plot(xs, [buckets[b].get("ngram_al") or float("nan") for b in buckets], ls="--", color="black",
-                    label="n-gram drafter (ngram_al)")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [f"{x // 1024}K" if x >= 1024 else str(x) for x in xs])
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("acceptance length")
-        ax.set_title("AL against context length")
-        ax.legend()
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        context_axes(ax, buckets)
         out.append(_save(fig, outdir / "al_by_context.png"))
 
     fig, ax = plt.subplots(figsize=(5, 3.5))

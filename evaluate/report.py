@@ -1,7 +1,9 @@
 """Write an evaluation report: ``report.json``, a Markdown summary (``report.md``) and PNG plots.
 
 The Markdown names which average each AL column is (pooled over draft rounds, or the mean over
-requests); both come from vLLM. Plots are drawn by ``evaluate.plots`` (matplotlib, Agg backend).
+requests); both come from vLLM. Context buckets show their prompt count (flagged "not a
+measurement" below 16), 95% intervals (``evaluate.intervals``) and the far-context measure
+(``evaluate.farctx``). Plots are drawn by ``evaluate.plots`` (matplotlib, Agg backend).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eaglenest.evaluate.buckets import buckets_in_order
+from eaglenest.evaluate.config import MIN_BUCKET_PROMPTS
 from eaglenest.evaluate.plots import al_plots
 from eaglenest.provenance import write_json_atomic
 
@@ -25,6 +28,58 @@ def _table(rows: list[tuple[str, dict]], k: int, first: str, extra: tuple[str, .
         cells = [name, *(d.get(e) for e in extra), d["prompts"], d["acceptance_length"],
                  d.get("acceptance_length_per_request"), d["acceptance_rate"], *pos[:k]]
         lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+    return lines
+
+
+def _ci(d: dict, key: str) -> str:
+    """``value [low, high]`` when the bucket has an interval for ``key``."""
+    ci = (d.get("intervals") or {}).get(key)
+    return _fmt(d.get(key)) + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+
+def _bucket_section(report: dict, k: int, conf: tuple[str, ...]) -> list[str]:
+    """Prompts per bucket (flagged below 16), AL / ngram_al / target_confidence with 95% intervals,
+    how often the output holds the material's answer, and the far-context measure."""
+    rows = buckets_in_order(report)
+    how = report.get("bucket_intervals") or {}
+    counts = sorted({d.get("prompts") for _, d in rows})
+    lines = [f"- Prompts per bucket: {', '.join(map(str, counts))}; material: "
+             f"{', '.join(sorted({p['material'] for _, d in rows for p in d.get('per_prompt') or []})) or '-'}. "
+             f"A bucket with fewer than {how.get('min_prompts', MIN_BUCKET_PROMPTS)} prompts is "
+             "**not a measurement** (its interval is too narrow to trust)."]
+    if how:
+        lines.append(f"- [low, high]: {int(how['level'] * 100)}% interval, {how['method']}, "
+                     f"{how['resamples']} resamples, seed {how['seed']}.")
+    lines.append("- **evidence >=**: the fewest tokens between a prompt's evidence and its end (records, code, "
+                 "recall); **answer found**: share of those prompts whose output holds the reference answer.")
+    head = ["bucket", "prompt_tokens", "prompts", "AL pooled", "AL per-request", *[f"{c}" for c in conf],
+            "evidence >=", "answer found", "accept rate"] + [f"pos {i + 1}" for i in range(k)] + ["note"]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, d in rows:
+        per = d.get("per_prompt") or []
+        dist = [p["evidence_distance_tokens"] for p in per if p.get("evidence_distance_tokens") is not None]
+        found = [p["answer_found"] for p in per if p.get("answer_found") is not None]
+        pos = list(d.get("acceptance_by_position") or []) + [None] * k
+        cells = [name, _fmt(d.get("prompt_tokens")), _fmt(d["prompts"]), _ci(d, "acceptance_length"),
+                 _fmt(d.get("acceptance_length_per_request")), *[_ci(d, c) for c in conf],
+                 _fmt(min(dist) if dist else None), f"{sum(found)}/{len(found)}" if found else "-",
+                 _fmt(d["acceptance_rate"]), *[_fmt(x) for x in pos[:k]], d.get("note") or ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    pred = report.get("predictability") or {}
+    if pred.get("far_context"):
+        lines += ["", "### How much the target uses far context", "",
+                  f"- {pred['far_context']}; ratio = far removed / kept, difference = kept - far removed "
+                  "(> 0: the target's output depends on the far part).", "",
+                  "| bucket | prompts probed | kept | far removed | ratio | difference |", "|---|---|---|---|---|---|"]
+        for name, d in rows:
+            f = d.get("far_context") or {}
+            diff = _fmt(f.get("difference"))
+            ci = (d.get("intervals") or {}).get("far_context_difference")
+            lines.append(f"| {name} | {_fmt(f.get('prompts'))} | {_fmt(f.get('confidence_kept'))} | "
+                         f"{_fmt(f.get('confidence_far_removed'))} | {_fmt(f.get('ratio'))} | "
+                         f"{diff}{f' [{ci[0]:.3f}, {ci[1]:.3f}]' if ci else ''} |")
+    elif pred.get("far_context_skipped"):
+        lines += ["", f"- Far-context use not measured: {pred['far_context_skipped']}."]
     return lines
 
 
@@ -63,7 +118,7 @@ def markdown(report: dict) -> str:
         lines += [f"- ngram_al not measured: {pred['ngram_skipped']}."]
     if report.get("context_buckets"):
         lines += ["", f"## By context length ({report.get('bucket_max_tokens')} output tokens per prompt)", ""]
-        lines += _table(buckets_in_order(report), k, "bucket", extra=("prompt_tokens", *conf))
+        lines += _bucket_section(report, k, conf)
     if "lossless" in report:
         ll = report["lossless"]
         lines += ["", f"Lossless check (greedy, same prompts without speculation): "

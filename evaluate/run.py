@@ -1,12 +1,13 @@
 """``evaluate al``: serve target + draft with vLLM, decode prompt groups and context buckets, report AL.
 
 One engine with the draft decodes each group in turn (a manifest domain, or an MT-Bench /
-SPEED-Bench category), then one group per context bucket (1K .. 32K prompt tokens built from
-held-out material, see ``buckets``). Counter deltas give the pooled AL of a group; vLLM's
+SPEED-Bench category), then one group per context bucket (1K .. 32K prompt tokens of long-range
+material, see ``buckets``). Counter deltas give the pooled AL of a group; vLLM's
 per-request spec-decode metrics give the per-request average. Optionally a second engine without
 speculation decodes the same prompts so the report can state whether speculation was lossless
-(token-for-token identical greedy output). Both engines share one ``max_model_len`` that fits the
-longest bucket; at most one engine is alive at a time.
+(token-for-token identical greedy output); it also scores the bucket prompts with their far part
+removed (``farctx``). Buckets get 95% intervals over their prompts (``intervals``). Both engines
+share one ``max_model_len`` that fits the longest bucket; at most one engine is alive at a time.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 
 from eaglenest.engine import close_llm, make_llm, speculative_config
 from eaglenest.errors import EaglenestError
-from eaglenest.evaluate import ngram
+from eaglenest.evaluate import farctx, ngram
 from eaglenest.evaluate.al import SpecCounters, per_request_summary, read_counters
-from eaglenest.evaluate.buckets import build_bucket_prompts, bucket_length
+from eaglenest.evaluate.buckets import bucket_length, bucket_rows, build_bucket_prompts
+from eaglenest.evaluate.intervals import add_intervals, per_prompt, spec_counts
 from eaglenest.evaluate.prompts import heldout, load_prompt_set
 from eaglenest.featurestore.table import store
 from eaglenest.hf import check_remote_code, load_config, load_tokenizer
@@ -67,7 +69,7 @@ def _max_positions(target: str, *, trust_remote_code: bool = False) -> int:
     return int(getattr(cfg, "max_position_embeddings", 4096))
 
 
-def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = None
+def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = None, per_request: dict | None = None
              ) -> tuple[dict, list[list[int]], SpecCounters]:
     before = read_counters(llm)
     reqs = _decode(llm, prompts, cfg, max_tokens=max_tokens)
@@ -76,6 +78,9 @@ def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = No
     toks = [list(o.token_ids) for o in outs]
     if prompt_ids is not None:
         prompt_ids.update({p["sample_id"]: list(r.prompt_token_ids or ()) for p, r in zip(prompts, reqs)})
+    if per_request is not None:  # draft rounds and accepted tokens per prompt (bucket intervals)
+        per_request.update({p["sample_id"]: spec_counts(getattr(o, "spec_decode_metrics", None))
+                            for p, o in zip(prompts, outs)})
     row = {"prompts": len(prompts), "output_tokens": sum(map(len, toks)), **delta.summary(),
            **per_request_summary([getattr(o, "spec_decode_metrics", None) for o in outs])}
     return row, toks, delta
@@ -113,9 +118,13 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
             bucket_prompts = _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos,
                                              trust_remote_code=trust_remote_code)
             for b, prompts in bucket_prompts.items():
-                row, toks, _ = _measure(llm, prompts, cfg, max_tokens=cfg.bucket_max_tokens, prompt_ids=prompt_ids)
+                counts: dict = {}
+                row, toks, _ = _measure(llm, prompts, cfg, max_tokens=cfg.bucket_max_tokens, prompt_ids=prompt_ids,
+                                        per_request=counts)
                 row["prompt_tokens"] = len(prompts[0]["prompt_token_ids"])
                 row["material_passes"] = max(p["material_passes"] for p in prompts)
+                row["per_prompt"] = bucket_rows(prompts, toks, counts,
+                                                load_tokenizer(target, trust_remote_code=trust_remote_code))
                 outputs.update({p["sample_id"]: t for p, t in zip(prompts, toks)})
                 buckets[str(b)] = row
                 log.info("context %d: AL %.3f", b, row["acceptance_length"] or 0)
@@ -133,13 +142,18 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
         "domains": domains, "context_buckets": buckets, "seconds_speculative": round(time.time() - t0, 2),
     }
     pred: dict = {}
+    far: dict = {}
     if cfg.check_lossless:
         report["lossless"], probs = _check_lossless(target, engine, groups, bucket_prompts, outputs, cfg,
-                                                    trust_remote_code=trust_remote_code)
+                                                    trust_remote_code=trust_remote_code, far=far)
         pred.update(predictability(report, groups, bucket_prompts, probs))
     if cfg.ngram_order > 0:
         pred.update(ngram_predictability(report, groups, bucket_prompts, outputs, prompt_ids, cfg,
                                          store_uri=store_uri, table=features_table))
+    if buckets:
+        pred.update(farctx.add_to_report(report, far, keep_tokens=cfg.far_context_keep_tokens,
+                                         probe_tokens=cfg.far_context_probe_tokens, measured=cfg.check_lossless))
+        add_intervals(report, resamples=cfg.bootstrap_resamples, seed=cfg.engine.seed)
     if pred:
         report["predictability"] = pred
     return report
@@ -166,6 +180,10 @@ def predictability(report: dict, groups: dict, bucket_prompts: dict, probs: dict
         report["domains"][name]["target_confidence"] = mean(p["sample_id"] for p in prompts)
     for b, prompts in bucket_prompts.items():
         report["context_buckets"][str(b)]["target_confidence"] = mean(p["sample_id"] for p in prompts)
+        for p in prompts:  # per-prompt sums for the bucket's interval
+            vals = probs.get(p["sample_id"], ())
+            per_prompt(report, b, p["sample_id"]).update(confidence_sum=round(sum(vals), 6),
+                                                         confidence_tokens=len(vals))
     return {"measure": CONFIDENCE, "spearman_al_vs_confidence": _rank_vs_al(report, "target_confidence")}
 
 
@@ -199,7 +217,10 @@ def ngram_predictability(report: dict, groups: dict, bucket_prompts: dict, outpu
     for name, r in per_group.items():
         report["domains"][name].update(fields(r))
     for b, prompts in bucket_prompts.items():
-        report["context_buckets"][str(b)].update(fields(replay(prompts)))
+        per = {p["sample_id"]: replay([p]) for p in prompts}
+        report["context_buckets"][str(b)].update(fields(sum(per.values(), ngram.Replay(by_position=[0] * k))))
+        for sid, r in per.items():  # per-prompt counts for the bucket's interval
+            per_prompt(report, b, sid).update(ngram_rounds=r.rounds, ngram_accepted=r.accepted)
     report["overall"].update(fields(sum(per_group.values(), ngram.Replay(by_position=[0] * k))))
     measure = ngram.MEASURE.format(order=cfg.ngram_order, fit_tokens=fitted.fit_tokens, table=table,
                                    version=version, k=k)
@@ -255,12 +276,14 @@ def _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos, *, tr
     material = [(p["messages"], tok.decode(outputs[p["sample_id"]], skip_special_tokens=True)) for p in pool]
     return build_bucket_prompts(tok, material, tuple(cfg.context_buckets), per_bucket=cfg.bucket_prompts,
                                 max_positions=max_pos, max_tokens=cfg.bucket_max_tokens, seed=cfg.engine.seed,
-                                chat_template_kwargs=cfg.chat_template_kwargs)
+                                chat_template_kwargs=cfg.chat_template_kwargs, kinds=tuple(cfg.bucket_material))
 
 
 def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, cfg, *,
-                    trust_remote_code: bool = False) -> tuple[dict, dict]:
-    """Decode without speculation; (lossless summary, {sample_id: probability of each output token})."""
+                    trust_remote_code: bool = False, far: dict | None = None) -> tuple[dict, dict]:
+    """Decode without speculation; (lossless summary, {sample_id: probability of each output token}).
+    With ``far``, the same engine also scores the bucket prompts with their far part removed
+    (``evaluate.farctx``) into it."""
     llm = make_llm(target, engine, trust_remote_code=trust_remote_code)
     try:
         prompts = [p for ps in groups.values() for p in ps]
@@ -268,11 +291,16 @@ def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, 
         for ps in bucket_prompts.values():
             prompts += ps
             outs += [r.outputs[0] for r in _decode(llm, ps, cfg, max_tokens=cfg.bucket_max_tokens, logprobs=0)]
+        base = [list(o.token_ids) for o in outs]
+        probs = {p["sample_id"]: [math.exp(lp[t].logprob) for t, lp in zip(o.token_ids, o.logprobs or [])]
+                 for p, o in zip(prompts, outs)}
+        if far is not None and bucket_prompts and cfg.far_context_keep_tokens:
+            bos = load_tokenizer(target, trust_remote_code=trust_remote_code).bos_token_id
+            far.update(farctx.measure(llm, bucket_prompts, {p["sample_id"]: b for p, b in zip(prompts, base)}, probs,
+                                      keep_tokens=cfg.far_context_keep_tokens,
+                                      probe_tokens=cfg.far_context_probe_tokens, bos_id=bos))
     finally:
         close_llm(llm)
-    base = [list(o.token_ids) for o in outs]
-    probs = {p["sample_id"]: [math.exp(lp[t].logprob) for t, lp in zip(o.token_ids, o.logprobs or [])]
-             for p, o in zip(prompts, outs)}
     diff = [p["sample_id"] for p, b in zip(prompts, base) if outputs[p["sample_id"]] != b]
     return ({"prompts": len(prompts), "identical": len(prompts) - len(diff), "differing_ids": diff[:20],
              "all_identical": not diff}, probs)

@@ -21,7 +21,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_evaluate_al_buckets_and_averages(tmp_path, tiny_target, random_draft, prompts_store):
-    cfg = EvaluateConfig(max_tokens=24, context_buckets=(256, 1024), bucket_prompts=1, bucket_max_tokens=16,
+    # Two prompts per bucket: a generated records registry and held-out chats; the far-context
+    # probe keeps 255 tokens, so at 256 it removes one token (kept and removed must agree: this
+    # checks the prompt_logprobs alignment) and at 1024 three quarters of the prompt.
+    cfg = EvaluateConfig(max_tokens=24, context_buckets=(256, 1024), bucket_prompts=2, bucket_max_tokens=16,
+                         bucket_material=("records", "chat"), far_context_keep_tokens=255,
+                         far_context_probe_tokens=4, bootstrap_resamples=200,
                          engine=EngineConfig(max_model_len=512, memory_fraction=0.1))
     r = evaluate_al(target=str(tiny_target), draft=str(random_draft), store_uri=prompts_store, cfg=cfg)
     assert set(r["domains"]) == {"arithmetic", "prose"} and r["overall"]["prompts"] == 6
@@ -34,7 +39,7 @@ def test_evaluate_al_buckets_and_averages(tmp_path, tiny_target, random_draft, p
         assert row["requests_with_drafts"] == row["prompts"]
         assert 1.0 <= row["acceptance_length_per_request"] <= 4.0
     assert r["overall"]["acceptance_length_per_request"] is not None
-    assert r["lossless"]["all_identical"] and r["lossless"]["prompts"] == 8  # 6 chats + 2 buckets
+    assert r["lossless"]["all_identical"] and r["lossless"]["prompts"] == 10  # 6 chats + 2 x 2 bucket prompts
     conf = {g: d["target_confidence"] for g, d in [*r["domains"].items(), *r["context_buckets"].items()]}
     assert all(0.0 < c <= 1.0 for c in conf.values()), conf
     # The tiny target's card: arithmetic is far more predictable than prose; the target's own
@@ -43,12 +48,29 @@ def test_evaluate_al_buckets_and_averages(tmp_path, tiny_target, random_draft, p
     assert "spearman_al_vs_confidence" in r["predictability"]  # None here: only two groups
     # No features table in this store: the n-gram measure says why it is missing instead of failing.
     assert "no features table" in r["predictability"]["ngram_skipped"]
+    for b, row in r["context_buckets"].items():
+        per = row["per_prompt"]
+        assert [p["material"] for p in per] == ["records", "chat"]
+        assert per[0]["evidence_distance_tokens"] > 0 and per[1]["evidence_distance_tokens"] is None
+        # Per-prompt counts (vLLM's per-request metrics) pool to the engine counters' AL.
+        pooled = 1 + sum(p["accepted_tokens"] for p in per) / sum(p["draft_rounds"] for p in per)
+        assert pooled == pytest.approx(row["acceptance_length"], abs=1e-3)
+        iv = row["intervals"]
+        for key in ("acceptance_length", "target_confidence"):
+            assert iv[key][0] <= row[key] + 1e-4 and row[key] <= iv[key][1] + 1e-4, (b, key, iv)
+        assert row["measurement"] is False and "not a measurement" in row["note"]
+        far = row["far_context"]
+        assert far["prompts"] == 2 and 0 < far["confidence_far_removed"] <= 1 and 0 < far["confidence_kept"] <= 1
+    near = r["context_buckets"]["256"]["far_context"]  # one token removed: the same continuation odds
+    assert abs(near["difference"]) < 0.05, near
+    assert "last 255 tokens" in r["predictability"]["far_context"]
     pngs = write_report(tmp_path, r)
     assert {p.name for p in pngs} == {"al_by_domain.png", "al_by_context.png", "acceptance_by_position.png"}
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
     md = (tmp_path / "report.md").read_text()
     assert "AL per-request" in md and "| 1024 | 1024 |" in md and "target_confidence" in md
-    assert "ngram_al not measured" in md
+    assert "ngram_al not measured" in md and "How much the target uses far context" in md
+    assert "Prompts per bucket: 2" in md and "not a measurement: 2 prompt(s) < 16" in md
     assert json.loads((tmp_path / "report.json").read_text())["overall"]["acceptance_length"] > 0
 
 
@@ -59,7 +81,7 @@ def test_throughput_sweep_baseline_is_a_separate_target_only_server(tmp_path, ti
     text, the tokens the client counted must be the tokens each server generated, and the speed-up
     must be the ratio of the measured rates. The old one-server arrangement fails check_arms."""
     from eaglenest.errors import EaglenestError
-    from eaglenest.evaluate.throughput import check_arms, run_sweep
+    from eaglenest.evaluate.throughput import check_arms, markdown, run_sweep
 
     started, first = [], {}
     enter = Server.__enter__
@@ -100,8 +122,12 @@ def test_throughput_sweep_baseline_is_a_separate_target_only_server(tmp_path, ti
     for sp, b, s in zip(r["speedup"], r["modes"]["baseline"], r["modes"]["speculative"]):
         assert sp["concurrency"] == b["concurrency"] == s["concurrency"]
         ratio = s["per_seed_output_tokens_per_s"][0] / b["per_seed_output_tokens_per_s"][0]
-        assert sp["speedup"] == pytest.approx(ratio, rel=2e-3) and sp["speedup_per_seed"]["median"] == pytest.approx(ratio, rel=2e-3)
+        assert sp["speedup"] == pytest.approx(ratio, rel=2e-3)
+        assert sp["speedup_per_seed"]["median"] == pytest.approx(ratio, rel=2e-3)
         assert 0 < s["median_ttft_s"]["mean"] <= s["median_e2e_s"]["mean"]
+    assert "baseline drafted 0 tokens" in markdown(r)  # the counters reach the report
     # The arrangement the old test used, one speculating server behind both arms, is refused.
     with pytest.raises(EaglenestError, match="baseline server drafted"):
         check_arms({}, {"baseline": spec_c, "speculative": spec_c})
+    with pytest.raises(EaglenestError, match="speculative server drafted nothing"):  # a draft never loaded
+        check_arms({}, {"baseline": base_c, "speculative": base_c})

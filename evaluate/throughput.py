@@ -215,7 +215,7 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     if result.get("arms"):
         a = result["arms"]
-        lines[3:3] = [f"Servers' own counters: baseline drafted {a['counters']['baseline']['draft_tokens']:.0f} "
+        lines[4:4] = [f"Servers' own counters: baseline drafted {a['counters']['baseline']['draft_tokens']:.0f} "
                       f"tokens; speculative AL {a['acceptance_length']}; identical outputs "
                       f"{a['outputs_identical']}/{a['outputs_compared']}.", ""]
     speed = {r["concurrency"]: r for r in result["speedup"]}

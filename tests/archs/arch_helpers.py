@@ -36,24 +36,27 @@ RECIPE = {
 }
 
 
-#: Served architectures train on the random target's own greedy answers (``on_policy``) for this
-#: many steps: enough for the draft to learn the target's (repetitive) continuations, so a correct
-#: export accepts far more than a garbage one and served AL can be held to the offline estimate.
+#: Served drafts train on the target's own greedy answers (``on_policy``) this long: on the tiny
+#: target enough for served AL 1.6-1.9 where an untrained draft gets 1.02, so served AL can be held
+#: to the offline estimate and a broken export seen to fall below it (on a random target acceptance
+#: depends on the target's answers: tests/archs/test_served.py).
 SERVED_TRAIN = {"num_steps": 60, "num_epochs": 1000, "warmup_steps": 2, "lr": 1e-2, "pack_tokens": 128}
 
 
 class Run:
     """One architecture's run directory: target, recipe, store, and the stage commands."""
 
-    def __init__(self, arch: str, work: Path, *, train: dict | None = None, target: Path | None = None,
-                 store: str | None = None):
-        """``target``: an existing target directory instead of building ``arch``'s; ``store``: a
-        store shared with other runs (``run.store``) instead of ``<work>/store``."""
+    def __init__(self, arch: str, work: Path, *, train: dict | None = None, evaluate: dict | None = None,
+                 target: Path | None = None, store: str | None = None):
+        """``train`` / ``evaluate``: overrides of the recipe's sections; ``target``: an existing target
+        directory instead of building ``arch``'s; ``store``: a store shared with other runs
+        (``run.store``) instead of ``<work>/store``."""
         self.arch, self.work = arch, work
         self.target = Path(target) if target else archs.build(arch, work / "target")
         self.store = store or str(work / "store")
         self.recipe = work / "recipe.yaml"
-        recipe = {**RECIPE, "train": {**RECIPE["train"], **(train or {})}}
+        recipe = {**RECIPE, "train": {**RECIPE["train"], **(train or {})},
+                  "evaluate": {**RECIPE["evaluate"], **(evaluate or {})}}
         run = {"workdir": str(work), "target": str(self.target), "seed": 0, **({"store": store} if store else {})}
         self.recipe.write_text(yaml.safe_dump({"run": run, **recipe}))
 
@@ -84,11 +87,47 @@ def served_and_offline(run: Run, *overrides: str, draft: Path | None = None, out
             json.loads((run.work / "eval_offline" / "offline_report.json").read_text()))
 
 
+def draft_outputs(draft: Path, target: Path, *, tokens: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the draft in ``draft`` (an export or a train checkpoint, loaded as ``evaluate offline``
+    loads it) computes on fixed inputs: step 0 over ``tokens`` positions starting at 100 (so the
+    rotary, partial or not, matters) on random tokens and random aux features whose three layers
+    differ in scale (so their order matters): (logits and next hidden [T, draft vocab + H], d2t)."""
+    from eaglenest.evaluate.offline import load_draft
+
+    model = load_draft(draft, target).float()
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    n_aux, h = len(cfg.eagle_aux_layer_ids), cfg.target_hidden_size
+    scale = (4.0 ** torch.arange(n_aux, dtype=torch.float32)).repeat_interleave(h)
+    aux = torch.randn(1, tokens, n_aux * h, generator=gen) * scale
+    ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=gen)
+    mask = torch.ones(1, tokens, tokens, dtype=torch.bool).tril()
+    with torch.no_grad():
+        normed, hidden = model.step(ids, model.combine(aux), 100 + torch.arange(tokens)[None], [], mask)
+        return torch.cat([model.logits(normed), hidden], dim=-1)[0], model.d2t.clone()
+
+
+def swap_fc_blocks(draft: Path, out: Path) -> Path:
+    """A copy of the exported ``draft`` with ``fc``'s input blocks of the first and last aux layer
+    swapped: a wrong aux-layer order, which vLLM loads without complaint."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(draft, out)
+    state = load_file(str(out / "model.safetensors"))
+    fc = state["fc.weight"]
+    h = fc.shape[1] // 3
+    state["fc.weight"] = torch.cat([fc[:, 2 * h:], fc[:, h:2 * h], fc[:, :h]], dim=1).contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def write_prompts(uri: str, target: Path, *, seed: int = 0, on_policy: bool = False) -> list[dict]:
     """A prompts table with NUM_TRAIN answered training conversations (toy-corpus prompts and answers,
     rendered with the target's chat template) and unanswered held-out prompts, one per domain.
     ``on_policy``: the answers are the target's own greedy continuations (transformers, 48 tokens)
-    instead of the corpus', so a draft can learn what the random target will say."""
+    instead of the corpus', so a draft can learn what the target will say."""
     from transformers import AutoTokenizer
 
     from eaglenest.featurestore import schema as S

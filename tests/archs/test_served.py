@@ -3,17 +3,27 @@
 For each of Qwen3, Qwen3-MoE, gpt-oss and a tied-embedding bf16 Llama (tiny random-weight targets,
 ``eaglenest.tinytarget.archs``): ``featurestore capture`` stores the hidden states vLLM computes,
 which must equal a transformers forward of the same tokens within the architecture's tolerance
-(below); ``train run`` trains on them (the prompts carry the random target's own greedy answers, so
-60 steps teach the draft what the target will say); ``serve export`` writes the draft; ``evaluate
-al`` serves it with vLLM (EAGLE-3, 3 speculative tokens) and decodes the held-out prompts with and
-without it: greedy output must be token-identical.
+(below); ``train run`` trains on them (60 steps; the prompts carry the random target's own greedy
+answers); ``serve export`` writes the draft; ``evaluate al`` serves it with vLLM (EAGLE-3, 3
+speculative tokens) and decodes the held-out prompts with and without it: greedy output must be
+token-identical.
 
 Identical output alone proves nothing about the export (vLLM's greedy verification guarantees it for
-any draft weights), so the served AL must also be far above what a garbage draft gets (~1.0) and
-equal the offline estimator's (``evaluate offline`` on the *train checkpoint*, no vLLM) on the same
-prompts: exactly where vLLM and transformers compute the target alike (fp32 Qwen3 / Qwen3-MoE),
-within ``AL_TOLERANCE`` where their kernels differ (a flipped near-tie changes the target's own
-continuation). tests/archs/test_eagle31_served.py shows the comparison failing on a broken export.
+any draft weights), so two more checks hold it to what training left:
+
+* the export, loaded as a reader loads it (config.json + weights), computes exactly what the train
+  checkpoint computes on fixed inputs, where a wrong aux-layer order computes something else;
+* vLLM's served AL equals the offline estimator's (``evaluate offline`` on the *train checkpoint*,
+  no vLLM) on the same prompts: the same rounds and accepted tokens where vLLM and transformers
+  compute the fp32 target alike (Qwen3 / Qwen3-MoE), within ``AL_TOLERANCE`` where their kernels
+  differ (a flipped near tie changes the target's own continuation).
+
+No AL floor is held per architecture: a random-weight target's answers to one prompt say little of
+its answers to another, and measured on these held-out prompts a draft trained 60 steps served AL
+2.02 on Qwen3 but 1.00 on Qwen3-MoE (1.01 on Qwen3 when served on its own training prompts), so
+acceptance there shows the target, not the export. The floor over an untrained draft (1.0-1.02
+measured) and a broken export failing the AL equality are shown on the tiny target, whose answers a
+draft learns: tests/archs/test_eagle31_served.py.
 """
 
 from __future__ import annotations
@@ -22,7 +32,8 @@ import json
 import math
 
 import pytest
-from arch_helpers import NUM_TRAIN, SERVED_TRAIN, feature_differences, served_and_offline
+import torch
+from arch_helpers import NUM_TRAIN, SERVED_TRAIN, draft_outputs, feature_differences, served_and_offline, swap_fc_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +48,6 @@ TOLERANCE = {
     "llama_tied_bf16": (3e-2, 0.0, "bf16 activations: roundings of 2^-8 accumulate over 8 layers (~1%)"),
 }
 ARCHS = tuple(TOLERANCE)
-#: Served AL each trained draft must reach (a garbage or untrained export serves ~1.0-1.2 here).
-AL_FLOOR = 1.5
 #: Largest |served AL - offline AL| per architecture: 0 (same rounds, same accepted tokens) where
 #: vLLM and transformers compute the fp32 target alike; where they differ, by how much measured AL
 #: may move when a near tie flips the target's own continuation.
@@ -103,14 +112,28 @@ def test_export_matches_the_target(run, exported):
     assert cfg["rope_parameters"] == target["rope_parameters"]
 
 
+def test_export_computes_what_was_trained(run, exported, tmp_path):
+    trained, d2t = draft_outputs(run.work / "train", run.target)
+    served, d2t_export = draft_outputs(exported, run.target)
+    scale = float(trained.abs().max())
+    # bf16 targets: the export holds the weights in the target's dtype, the checkpoint in fp32.
+    tol = (1e-6 if run.config()["torch_dtype"] == "float32" else 2e-2) * scale
+    swapped, _ = draft_outputs(swap_fc_blocks(exported, tmp_path / "swapped"), run.target)
+    print(f"\n{run.arch}: max |export - checkpoint| {float((served - trained).abs().max()):.2e}, fc blocks swapped "
+          f"{float((swapped - trained).abs().max()):.2e} (scale {scale:.1f})")
+    assert torch.equal(d2t, d2t_export)
+    assert (served - trained).abs().max() <= tol
+    assert (swapped - trained).abs().max() > 10 * tol  # what the comparison catches
+
+
 def test_served_draft_is_lossless_and_accepts_as_trained(run, exported):
     report, offline = served_and_offline(run)
     ll, overall, off = report["lossless"], report["overall"], offline["overall"]
     print(f"\n{run.arch}: served AL {overall['acceptance_length']} over {overall['draft_rounds']} rounds, offline "
-          f"(checkpoint) {off['acceptance_length']} over {off['draft_rounds']}; lossless {ll['identical']}/{ll['prompts']}")
+          f"(checkpoint) {off['acceptance_length']} over {off['draft_rounds']}; "
+          f"lossless {ll['identical']}/{ll['prompts']}")
     assert report["num_speculative_tokens"] == 3
     assert ll["all_identical"] and ll["identical"] == ll["prompts"] == 4, ll
-    assert overall["acceptance_length"] >= AL_FLOOR, overall
     tol = AL_TOLERANCE[run.arch]
     if tol == 0.0:
         assert (overall["draft_rounds"], overall["accepted_tokens"]) == (off["draft_rounds"], off["accepted_tokens"])

@@ -17,6 +17,10 @@ impossible. It replays vLLM's EAGLE-3 proposer (``vllm/v1/spec_decode``) step fo
   accepted length. Counting follows vLLM's scheduler: every verification round counts, including
   accepted tokens that are later cut by ``max_tokens`` or a stop token.
 
+A DFlash draft (``train.family=dflash``, from its train checkpoint) replays vLLM's DFlash proposer
+instead: each round one forward of the block [s_{n-1}, mask x k] over the context states of
+``0 .. n-2`` (:func:`eaglenest.train.dflash.propose`).
+
 Trade-offs: one request at a time (no batching), and the draft's step 0 is recomputed over the whole
 sequence each round (exact and simple; quadratic in length, fine for chat-sized prompts, slow for
 long-context buckets). The draft runs in the target's dtype; with an fp32 target and draft the
@@ -37,6 +41,7 @@ from eaglenest.evaluate.al import SpecCounters, per_request_summary
 from eaglenest.evaluate.prompts import render
 from eaglenest.hf import load_causal_lm, load_tokenizer
 from eaglenest.serve import fp8
+from eaglenest.train import dflash
 from eaglenest.train.checkpoint import INFO, load_checkpoint
 from eaglenest.train.model import Eagle3Draft, chunk_doc_mask
 from eaglenest.train.target import load_target_tensors
@@ -118,6 +123,8 @@ def _aux(hidden_states, layer_ids) -> torch.Tensor:
 
 def _propose(draft, seq: list[int], feats: torch.Tensor, k: int) -> list[int]:
     """k greedy draft tokens (target ids) for the verified sequence ``seq`` (features of seq[:-1])."""
+    if dflash.is_dflash(draft.config):  # train.family=dflash: vLLM's one block forward (train/dflash.py)
+        return dflash.propose(draft, seq, feats, k)
     t = feats.shape[0]
     assert t == len(seq) - 1, (t, len(seq))
     toks = torch.tensor([seq[1:]])

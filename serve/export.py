@@ -18,6 +18,17 @@ A P-EAGLE draft (``train.family=peagle``, eaglenest.train.peagle) is the same fo
 [n_aux*H] in the weights; vLLM loads ``mask_hidden`` only when served with ``parallel_drafting``,
 which :func:`eaglenest.engine.speculative_config` adds from that config key.
 
+A DFlash draft (``train.family=dflash``, eaglenest.train.dflash) is exported in vLLM's flat DFlash
+format instead (:func:`dflash_hf_config`): ``architectures: ["DFlashDraftModel"]``, ``model_type:
+qwen3`` with an explicit ``head_dim``, ``num_hidden_layers`` = the draft's layers,
+``target_hidden_size``, ``block_size``, ``dflash_config`` {``mask_token_id``, ``target_layer_ids``
+(the aux ids minus one: vLLM adds one), ``causal: false``} and the attention written out
+(``layer_types`` all ``full_attention``, ``use_sliding_window: false``), so
+vLLM serves the non-causal block attention the draft was trained with whatever its defaults; weights
+``layers.N.*``, ``fc.weight`` [H, n_aux*H], ``hidden_norm``, ``norm``, ``lm_head``, ``d2t``, ``t2d``
+(the draft's own names). :func:`eaglenest.engine.speculative_config` gives ``{"method": "dflash"}``
+for it.
+
 With ``serve.format=speculators`` the same weights are written in speculators' own Eagle-3 layout
 (``speculators_config`` + ``transformer_layer_config``, ``layers.0.*``; ``serve/formats.py``), which
 vLLM also serves directly. With ``serve.quantization=fp8`` the draft's linears (``fc``, midlayer
@@ -50,6 +61,7 @@ from eaglenest.train.target import target_config, torch_dtype_name
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
 #: Keys copied verbatim from the target's (language) config.json. The rotary settings are not
 #: among them: they come from the draft's own config, so vLLM serves the rotary the draft was
 #: trained with (a partial rotary included; train/model.py ``draft_rope``).
@@ -99,6 +111,52 @@ def draft_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype: 
     return cfg
 
 
+def dflash_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype: str) -> dict[str, Any]:
+    """The exported ``config.json`` of a DFlash checkpoint (module docstring): every attention
+    setting vLLM's ``qwen3_dflash`` resolves is written, none left to a default."""
+    d = info["draft_config"]
+    ids = sorted(int(i) for i in info["layer_ids"])
+    if not ids or ids[0] < 1:
+        raise ConfigError(f"serve export: a DFlash draft needs aux layers >= 1 (DFlash ids are id - 1), got {ids}")
+    n = int(d["num_hidden_layers"])
+    cfg: dict[str, Any] = {
+        "architectures": [DFLASH_ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": d["hidden_size"],
+        "intermediate_size": d["intermediate_size"],
+        "num_attention_heads": d["num_attention_heads"],
+        "num_key_value_heads": d["num_key_value_heads"],
+        "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        "num_hidden_layers": n,
+        "vocab_size": int(target_cfg["vocab_size"]),
+        "draft_vocab_size": d["draft_vocab_size"],
+        "target_hidden_size": d["target_hidden_size"],
+        "rms_norm_eps": d["rms_norm_eps"],
+        "hidden_act": d.get("hidden_act") or "silu",
+        "attention_bias": bool(d.get("attention_bias", False)),
+        "tie_word_embeddings": False,
+        "block_size": int(d["dflash_block_size"]),
+        "dflash_config": {"mask_token_id": int(d["mask_token_id"]), "target_layer_ids": [i - 1 for i in ids],
+                          "causal": False, "use_aux_hidden_state": True},
+        # The attention the draft was trained with, explicit: full attention, non-causal in the block
+        # (dflash_config.causal above; vLLM reads a top-level is_causal first, so none is written).
+        "layer_types": ["full_attention"] * n,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "torch_dtype": dtype,
+    }
+    for key in ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if target_cfg.get(key) is not None:
+            cfg[key] = target_cfg[key]
+    rope = d.get("rope_parameters") or {}
+    cfg["rope_parameters"] = rope
+    if rope.get("rope_theta") is not None:
+        cfg["rope_theta"] = rope["rope_theta"]  # vLLM's qwen3_dflash defaults a missing theta to 1e6
+    if cfg["hidden_size"] != target_cfg["hidden_size"]:
+        raise ConfigError("draft hidden size differs from the target's: vLLM shares the target embeddings")
+    return cfg
+
+
 def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str | Path,
                  dtype: str = "auto", quantization: str = "none", format: formats.Format = "vllm",
                  num_speculative_tokens: int = 3, argv: list[str] | None = None,
@@ -117,7 +175,11 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
         raise ConfigError(f"serve.quantization: one of none, fp8; got {quantization!r}")
     if format not in ("vllm", "speculators") or (format == "speculators" and quantization != "none"):
         raise ConfigError(f"serve.format: vllm, or speculators without quantization; got {format!r}")
-    cfg = draft_hf_config(info, target_cfg, dtype=dtype)
+    dflash = bool(info["draft_config"].get("dflash"))
+    if dflash and (format != "vllm" or quantization != "none"):
+        raise ConfigError("serve.format: a DFlash draft (train.family=dflash) exports as serve.format=vllm with "
+                          "serve.quantization=none only for now")
+    cfg = (dflash_hf_config if dflash else draft_hf_config)(info, target_cfg, dtype=dtype)
     if cfg.get("parallel_drafting") and format != "vllm":
         raise ConfigError("serve.format: a P-EAGLE draft (train.family=peagle) exports as serve.format=vllm only "
                           "for now; speculators' peagle layout is not written yet")
@@ -126,7 +188,7 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
         written = formats.speculators_config(cfg, verifier=str(target_dir),
                                              verifier_architectures=target_cfg.get("architectures") or [],
                                              num_speculative_tokens=num_speculative_tokens)
-    notes = formats.reader_notes(cfg, format, target_layers=int(target_cfg["num_hidden_layers"]))
+    notes = [] if dflash else formats.reader_notes(cfg, format, target_layers=int(target_cfg["num_hidden_layers"]))
     for reader, note in notes:
         log.warning("%s: %s", reader, note)
     state = load_file(str(Path(ckpt_dir) / WEIGHTS))
@@ -159,7 +221,8 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     write_provenance(tmp, config=recipe or {"serve": {"dtype": dtype, "quantization": quantization,
                                                       "format": format}},
                      argv=argv, inputs=inputs, extra={"format": format})
-    (tmp / "README.md").write_text(model_card(cfg, info, inputs, format=format, notes=notes), encoding="utf-8")
+    card = dflash_card(cfg, info, inputs) if dflash else model_card(cfg, info, inputs, format=format, notes=notes)
+    (tmp / "README.md").write_text(card, encoding="utf-8")
     # Replace the whole directory at once so vLLM never reads a half-written draft.
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -200,6 +263,49 @@ def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]
 `d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`. Full provenance in `provenance.json`.
 
 {formats.readers_text(cfg, format, notes, inputs['target'])}
+
+Training configuration:
+
+```json
+{json.dumps(info.get('train_config', {}), indent=2, sort_keys=True)}
+```
+"""
+
+
+def dflash_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]) -> str:
+    m = info.get("metrics") or {}
+    acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc", [])) or "n/a"
+    k = cfg["block_size"] - 1
+    return f"""# DFlash draft (eaglenest)
+
+Speculative-decoding draft for the target `{inputs['target']}`, in vLLM's flat DFlash format
+(`{DFLASH_ARCHITECTURE}`): {cfg['num_hidden_layers']} Qwen3-style layers over the target's hidden states, one draft
+forward per round, non-causal attention inside the block (`dflash_config.causal: false`).
+
+```python
+from vllm import LLM
+llm = LLM(model="{inputs['target']}",
+          speculative_config={{"method": "dflash", "model": "<this directory>", "num_speculative_tokens": {k}}})
+```
+
+vLLM's V1 runner ignores `block_size` and drafts `num_speculative_tokens` mask slots; the draft was
+trained for up to {k}.
+
+| | |
+|---|---|
+| target layers (`dflash_config.target_layer_ids`, 0-based; vLLM adds 1) | {cfg['dflash_config']['target_layer_ids']} |
+| mask token id | {cfg['dflash_config']['mask_token_id']} |
+| draft vocab | {cfg['draft_vocab_size']} of {cfg['vocab_size']} target ids (coverage of loss tokens: {info.get('vocab_coverage', float('nan')):.3f}) |
+| parameters | {info.get('num_parameters', 0):,} (target embeddings shared, not counted) |
+| layers / hidden / heads / kv heads / head dim / MLP | {cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / {cfg['head_dim']} / {cfg['intermediate_size']} |
+| rotary | {_rope_text(cfg['rope_parameters'])} |
+| dtype | {cfg['torch_dtype']} |
+| trained steps | {info.get('step')} (block size {cfg['block_size']}) |
+| features | `{inputs['store_uri']}` table `{inputs['table']}` version {inputs['version']} |
+| last logged loss | {m.get('loss', float('nan')):.4f} |
+| last logged per-slot top-1 accuracy | {acc} |
+
+`d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`. Full provenance in `provenance.json`.
 
 Training configuration:
 

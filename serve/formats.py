@@ -16,9 +16,9 @@ agree on the weights but not on the config:
 So the vLLM-format export writes the ids twice: top level in vLLM's convention (the ids the feature
 store captured), nested in ``eagle_config`` in the "output of block k" convention (each id minus
 one; vLLM reads only that list's length, for ``fc``'s width). No other reader of the nested list
-(SGLang's, for one) is run or claimed here: SGLang's loader needs its CUDA stack, which does not
-install on the CPU machines this is tested on. What a checked reader cannot represent is returned
-by :func:`reader_notes` and goes to the log and the model card.
+(SGLang's, for one) is run or claimed here: ``import sglang`` (0.5.14) needs triton and torchvision
+at its top, which the CPU environment this is tested on cannot have (docs/serve.md). What a checked
+reader cannot represent is returned by :func:`reader_notes` and goes to the log and the model card.
 """
 
 from __future__ import annotations
@@ -113,8 +113,9 @@ def reader_notes(cfg: dict[str, Any], fmt: Format, *, target_layers: int) -> lis
     return notes
 
 
-def usage_text(fmt: Format, target: str, architecture: str) -> str:
-    """The card's opening: which format this is and how vLLM loads it."""
+def usage_text(fmt: Format, target: str, architecture: str, *, parallel: bool = False) -> str:
+    """The card's opening: which format this is and how vLLM loads it (``parallel``: a P-EAGLE draft,
+    served with ``parallel_drafting``)."""
     if fmt == "speculators":
         return f"""Speculative-decoding draft for the target `{target}`, in speculators' Eagle-3 checkpoint format
 (`speculators_config` names the target; vLLM serves it directly).
@@ -123,13 +124,17 @@ def usage_text(fmt: Format, target: str, architecture: str) -> str:
 from vllm import LLM
 llm = LLM(model="<this directory>")  # the target and the number of draft tokens come from config.json
 ```"""
+    pd = ', "parallel_drafting": True' if parallel else ""
+    note = ("\n\nA P-EAGLE draft: vLLM drafts all tokens of a round in one forward (`mask_token_id` and "
+            "`mask_hidden` at depth >= 1); without `parallel_drafting` it would be served as a sequential "
+            "EAGLE-3 draft, which it was not trained to be.") if parallel else ""
     return f"""Speculative-decoding draft for the target `{target}`, in vLLM's `{architecture}` format.
 
 ```python
 from vllm import LLM
 llm = LLM(model="{target}",
-          speculative_config={{"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": 3}})
-```"""
+          speculative_config={{"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": 3{pd}}})
+```{note}"""
 
 
 def readers_text(cfg: dict[str, Any], fmt: Format, notes: list[tuple[str, str]], target: str) -> str:

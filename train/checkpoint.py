@@ -21,6 +21,7 @@ from transformers import LlamaConfig
 
 from eaglenest.errors import StoreError
 from eaglenest.provenance import write_json_atomic
+from eaglenest.train.dflash import DFlashDraft, is_dflash
 from eaglenest.train.model import Eagle3Draft
 from eaglenest.train.target import load_target_tensors
 
@@ -55,11 +56,11 @@ def read_info(ckpt_dir: str | Path) -> dict[str, Any]:
 
 
 def load_checkpoint(ckpt_dir: str | Path, *, target_dir: str | Path | None = None
-                    ) -> tuple[Eagle3Draft, dict[str, Any]]:
+                    ) -> tuple[Eagle3Draft | DFlashDraft, dict[str, Any]]:
     """Rebuild the draft from a checkpoint; embeddings from ``target_dir`` if given, else zeros."""
     info = read_info(ckpt_dir)
     cfg = LlamaConfig.from_dict(info["draft_config"])
-    model = Eagle3Draft(cfg)
+    model = DFlashDraft(cfg) if is_dflash(cfg) else Eagle3Draft(cfg)  # train.family=dflash: its own model
     state = load_file(str(Path(ckpt_dir) / WEIGHTS))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]

@@ -6,7 +6,8 @@ the keys that only matter together sit in their own section: ``train.draft`` (la
 checkpoint selection), ``train.state`` (resume and the training state) and ``train.track`` (where
 the training curves go: TensorBoard, W&B, trackio). A key of the earlier flat
 layout (``train.stream_depth``) is refused with one line naming its new place (:data:`RENAMED`).
-``train.family`` picks the draft trained from the table (EAGLE-3, or P-EAGLE with ``train.peagle``).
+``train.family`` picks the draft trained from the table (EAGLE-3, P-EAGLE with ``train.peagle``, or
+DFlash with ``train.dflash``).
 
 Defaults make the toy recipe (tiny target, hidden 128, vocab 2048) train in a few CPU minutes.
 Every check names the key to change.
@@ -192,6 +193,33 @@ class PEagleConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DFlashConfig:
+    """``train.dflash``: the block drafter of ``train.family=dflash`` (Qwen3-style layers over the
+    target's aux features, one forward per round; eaglenest.train.dflash, docs/training.md "Draft
+    families"). Ignored by the other families."""
+
+    #: Draft decoder layers (each a full Qwen3 layer with the target's attention/MLP shape, or
+    #: ``train.draft.*``'s); the layers share one ``k_norm`` (vLLM 0.32 on CPU applies layer 0's
+    #: to every layer's context keys: docs/serve.md). More than 1 trains in one process for now.
+    num_layers: int = 2
+    #: Slots per block: the real token plus block_size - 1 mask slots, the largest
+    #: num_speculative_tokens the draft is trained for (vLLM's V1 ignores the exported block_size
+    #: and drafts num_speculative_tokens mask slots).
+    block_size: int = 4
+    #: Anchors (blocks) per packed row, drawn per row and step. Memory grows with anchors x block_size.
+    anchors_per_row: int = 32
+    #: The token id of the mask slots (exported as ``dflash_config.mask_token_id``); null = the
+    #: target's pad_token_id, else its (first) eos_token_id. Its embedding is the target's, frozen.
+    mask_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        _at_least("dflash.", self, ("num_layers", "anchors_per_row"), 1)
+        _at_least("dflash.", self, ("block_size",), 2)
+        if self.mask_token_id is not None and (isinstance(self.mask_token_id, bool) or self.mask_token_id < 0):
+            raise ConfigError(f"train.dflash.mask_token_id: a token id >= 0 or null, got {short(self.mask_token_id)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     #: Read by the recipe loader (eaglenest.config.build): old flat keys -> their new place.
     RENAMED_KEYS: ClassVar[dict[str, str]] = RENAMED
@@ -269,10 +297,12 @@ class TrainConfig:
     select: SelectConfig = dataclasses.field(default_factory=SelectConfig)
     state: StateConfig = dataclasses.field(default_factory=StateConfig)
     #: The draft to train from the same features table: "eagle3" (TTT, one draft forward per
-    #: token), "peagle" (parallel drafting: all tokens of a round in one forward, ``train.peagle``);
-    #: "dflash" is not available yet. docs/training.md, "Draft families".
+    #: token), "peagle" (parallel drafting: all tokens of a round in one forward, ``train.peagle``),
+    #: "dflash" (a block drafter over the target's features, one forward, ``train.dflash``).
+    #: docs/training.md, "Draft families".
     family: Literal["eagle3", "peagle", "dflash"] = "eagle3"
     peagle: PEagleConfig = dataclasses.field(default_factory=PEagleConfig)
+    dflash: DFlashConfig = dataclasses.field(default_factory=DFlashConfig)
     track: TrackConfig = dataclasses.field(default_factory=TrackConfig)
 
     def __post_init__(self) -> None:
@@ -303,8 +333,9 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}: {' or '.join(map(repr, choices))}, got {short(getattr(self, name))}")
         if self.family not in FAMILIES:
             raise ConfigError(f"train.family: {', '.join(map(repr, FAMILIES))}, got {short(self.family)}")
-        if self.family == "dflash":
-            raise ConfigError("train.family: dflash is not available yet; use eagle3 or peagle")
+        if self.family == "dflash" and self.sliding_window != 0:
+            raise ConfigError(f"train.sliding_window: must be 0 for train.family=dflash (its layers attend to the "
+                              f"whole context), got {short(self.sliding_window)}")
         if self.family == "peagle" and self.pack_tokens > self.attn_chunk_tokens:
             raise ConfigError(f"train.family=peagle: rows of pack_tokens={self.pack_tokens} exceed "
                               f"attn_chunk_tokens={self.attn_chunk_tokens}; the P-EAGLE objective has no "

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from eaglenest.errors import SchemaError
+from eaglenest.errors import ConfigError, SchemaError
 from eaglenest.paths import make_dir
 from eaglenest.featurestore.capture import policy
 from eaglenest.provenance import write_provenance
@@ -40,7 +40,7 @@ from eaglenest.train.config import TrainConfig
 from eaglenest.train.data import Prefetcher
 from eaglenest.train.dist import DistState
 from eaglenest.train.model import Eagle3Draft, draft_config, init_weights, num_parameters
-from eaglenest.train import peagle
+from eaglenest.train import dflash, peagle
 from eaglenest.train.source import DataSource, open_source
 from eaglenest.train.target import load_target_tensors
 from eaglenest.train.ttt import TargetHead, target_targets
@@ -70,16 +70,18 @@ def attention_span(cfg: TrainConfig, lengths) -> int:
 
 
 def build_draft(cfg: TrainConfig, target: dict[str, Any], *, layer_ids: tuple[int, ...],
-                vocab: V.DraftVocab, seed: int, sliding_window: int = 0) -> Eagle3Draft:
-    """A freshly initialised draft with the target's embeddings and the vocab maps set.
-    ``sliding_window``: positions the draft attends over (0: all; see :func:`attention_span`)."""
+                vocab: V.DraftVocab, seed: int, sliding_window: int = 0) -> Eagle3Draft | dflash.DFlashDraft:
+    """A freshly initialised draft of ``train.family`` with the target's embeddings and the vocab
+    maps set. ``sliding_window``: positions the draft attends over (0: all; see :func:`attention_span`)."""
     dcfg = draft_config(target["config"], draft_vocab_size=vocab.size,
                         layer_ids=tuple(sorted(layer_ids)), flags=cfg.flags(),
                         sliding_window=sliding_window, shape=cfg.draft.shape())
     dcfg.attn_chunk_tokens = int(cfg.attn_chunk_tokens)
     if cfg.family == "peagle":  # train.family: the draft gets mask_hidden and its mask token id
         peagle.configure(dcfg, cfg.peagle, target["config"])
-    model = Eagle3Draft(dcfg)
+    if cfg.family == "dflash":  # train.family: Qwen3-style block layers, mask token, block size
+        dflash.configure(dcfg, cfg.dflash, target["config"])
+    model = dflash.DFlashDraft(dcfg) if cfg.family == "dflash" else Eagle3Draft(dcfg)
     init_weights(model, seed=seed)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target["embed"])
@@ -90,6 +92,18 @@ def build_draft(cfg: TrainConfig, target: dict[str, Any], *, layer_ids: tuple[in
         if cfg.init_norm == "target":
             model.norm.weight.copy_(target["norm"])
     return model
+
+
+def build_objective(cfg: TrainConfig, draft, *, seed: int) -> torch.nn.Module:
+    """``train.family``'s objective around ``draft``: chosen here, once."""
+    if cfg.family == "dflash":
+        return dflash.DFlashObjective(draft, cfg.dflash, seed=seed)
+    return peagle.build_objective(cfg, draft, seed=seed)
+
+
+def objective_steps(cfg: TrainConfig) -> int:
+    """Predictions per position/anchor of ``train.family``'s objective (the per-step metrics' length)."""
+    return dflash.num_steps(cfg) if cfg.family == "dflash" else peagle.num_steps(cfg)
 
 
 def lr_factor(step: int, *, total: int, warmup: int, min_ratio: float) -> float:
@@ -158,7 +172,8 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
 class _Draft:
     """The draft under training and what its loss needs of the target, on this rank's device."""
 
-    #: TTTObjective or PEagleObjective (train.family: the draft plus its loss), FSDP2-sharded under torchrun.
+    #: TTTObjective, PEagleObjective or DFlashObjective (train.family: the draft plus its loss),
+    #: FSDP2-sharded under torchrun.
     objective: torch.nn.Module
     head: TargetHead
     #: Target ids of the draft vocabulary; a bool per target id, True inside it.
@@ -191,7 +206,10 @@ class _Draft:
         log.info("draft: %s parameters (hidden %d, heads %d/%d x %d, MLP %d, draft vocab %d)", f"{n:,}",
                  c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
                  vocab.size)
-        return cls(objective=dist.shard(peagle.build_objective(cfg, first, seed=seed).to(dist.device), param_dtype=cfg.param_dtype),
+        if cfg.family == "dflash" and cfg.dflash.num_layers > 1 and dist.distributed:
+            raise ConfigError("train.dflash.num_layers: a DFlash draft of more than one layer trains in one process "
+                              "for now (its layers share k_norm, which FSDP2 cannot shard per layer): use 1 rank")
+        return cls(objective=dist.shard(build_objective(cfg, first, seed=seed).to(dist.device), param_dtype=cfg.param_dtype),
                    head=TargetHead(target["norm"], target["lm_head"], target["rms_norm_eps"]).to(dist.device),
                    draft_target_ids=torch.from_numpy(vocab.draft_ids).to(dist.device),
                    in_draft_vocab=vocab.t2d.to(dist.device), coverage=V.coverage(counts, vocab),
@@ -300,7 +318,7 @@ class _Trainer:
             batch = drop_oov_positions(batch, argmax, d.in_draft_vocab)
         # train.family's objective: P-EAGLE draws its anchors here (a pure function of seed, step, rows).
         batch = d.objective.prepare(batch, step=self.step)
-        k = peagle.num_steps(cfg)
+        k = objective_steps(cfg)
         denoms = dist.all_reduce_sum(d.objective.counts(batch, k))
         res = d.objective(batch, probs, argmax, num_steps=k, step_decay=cfg.step_decay,
                           denominators=denoms, chunk_tokens=cfg.target_chunk_tokens)

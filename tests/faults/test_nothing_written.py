@@ -122,7 +122,7 @@ def test_train_run_with_an_unwritable_workdir_is_one_line(tmp_path, root, tiny_t
             (tmp_path / "ro").chmod(stat.S_IRWXU)
     assert code == 2
     line = _one_line(capsys, "train")
-    assert line.startswith("train: error: run.workdir: cannot write to ") and line.endswith(f"/work/train ({reason})")
+    assert line.startswith("train: error: run.workdir: cannot write to ") and line.endswith(f"work/train ({reason})")
     assert not store.exists()
 
 

@@ -47,8 +47,25 @@ def remote_code_needed(target: str | Path) -> list[str]:
     return found
 
 
+def check_target(target: str | Path) -> None:
+    """Raise a :class:`ConfigError` naming ``run.target`` when it names a local path that is not a
+    model directory (no such directory, or no ``config.json`` in it). A hub id (``name`` or
+    ``namespace/name``) is left to transformers."""
+    text = str(target)
+    root = Path(text).expanduser()
+    if root.exists():
+        if not root.is_dir() or not (root / "config.json").is_file():
+            raise ConfigError(f"run.target: {text} is not a model directory (no config.json in it)")
+        return
+    if root.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1:
+        raise ConfigError(f"run.target: {text}: no such directory (a local Hugging Face model directory, "
+                          "or a hub id namespace/name)")
+
+
 def check_remote_code(target: str | Path, *, trust_remote_code: bool) -> None:
-    """Raise a :class:`ConfigError` if ``target`` needs its own code and the run does not allow it."""
+    """Raise a :class:`ConfigError` if ``target`` is not a model (:func:`check_target`), or needs
+    its own code and the run does not allow it."""
+    check_target(target)
     if trust_remote_code:
         return
     needed = remote_code_needed(target)

@@ -69,6 +69,28 @@ def test_with_the_flag_the_checkpoints_own_classes_load(remote_target):
 @pytest.mark.parametrize("argv", [
     ["eaglenest.ingest.cli", "build"],
     ["eaglenest.evaluate.cli", "al"],
+])
+@pytest.mark.parametrize("bad", ["missing", "no-config"])
+def test_a_target_that_is_not_a_model_is_one_line_and_nothing_written(argv, bad, tmp_path, root, capsys):
+    """A path that does not exist, or a folder without config.json: one line naming run.target,
+    exit 2, before any folder is made (was: a transformers traceback after the store's lease)."""
+    import importlib
+
+    target = tmp_path / "models" / "mine"
+    if bad == "no-config":
+        target.mkdir(parents=True)
+    work = tmp_path / "work"
+    main = importlib.import_module(argv[0]).main
+    code = main([argv[1], "--recipe", str(root / "recipes/toy.yaml"), f"run.target={target}", f"run.workdir={work}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"{argv[0].split('.')[1]}: error: run.target: {target}"), err
+    assert not work.exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["eaglenest.ingest.cli", "build"],
+    ["eaglenest.evaluate.cli", "al"],
     ["eaglenest.evaluate.cli", "offline"],
     ["eaglenest.featurestore.cli", "capture"],
 ])

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.featurestore.capture import build, turns
+from eaglenest.featurestore.capture import build, policy, turns
 from eaglenest.featurestore.stream.local import CaptureStream
 from eaglenest.featurestore.stream.xhost import RankStream
 from eaglenest.featurestore.table import store
@@ -77,7 +77,8 @@ class StreamShards:
         self.transport, self.num_engines, self.addr, self.timeout_s = transport, engines, addr, timeout_s
         self.aux_order = aux_order(self.meta.layer_ids)
         # The table's loss mask (build.feature_row): every answer of a multi-turn conversation.
-        spans = build._turn_spans(target, self.convs, trust_remote_code=trust_remote_code)
+        spans = build._turn_spans(target, self.convs, policy.rendered_kwargs(store_uri),
+                                  trust_remote_code=trust_remote_code)
         self.masks = [np.asarray(turns.loss_mask(len(c["prompt_token_ids"]), len(c["response_token_ids"]),
                                                  list(spans(c))), dtype=bool) for c in self.convs]
         self._stream = None

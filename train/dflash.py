@@ -46,6 +46,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 from eaglenest.errors import ConfigError, SchemaError
 from eaglenest.train.config import DFlashConfig
 from eaglenest.train.model import apply_rotary, head_dim_of, rotary_dim, rotary_embedding
+from eaglenest.train.peagle import resolve_mask_token
 from eaglenest.train.ttt import Batch, TTTResult, shift
 
 
@@ -56,21 +57,7 @@ def is_dflash(cfg) -> bool:
 
 def mask_token_id(cfg: DFlashConfig, target_cfg: dict[str, Any]) -> int:
     """``train.dflash.mask_token_id``, or the target's pad_token_id, else its first eos_token_id."""
-    vocab = int(target_cfg["vocab_size"])
-    tid = cfg.mask_token_id
-    if tid is None:
-        for key in ("pad_token_id", "eos_token_id"):
-            value = target_cfg.get(key)
-            value = value[0] if isinstance(value, list) and value else value
-            if isinstance(value, int) and 0 <= value < vocab:
-                tid = value
-                break
-    if tid is None:
-        raise ConfigError("train.dflash.mask_token_id: the target's config has no pad_token_id or eos_token_id; "
-                          "set a token id of its vocabulary")
-    if not 0 <= int(tid) < vocab:
-        raise ConfigError(f"train.dflash.mask_token_id: {tid} is outside the target's vocabulary (size {vocab})")
-    return int(tid)
+    return resolve_mask_token(cfg.mask_token_id, target_cfg, "train.dflash.mask_token_id")
 
 
 def check_layers(layer_ids) -> None:

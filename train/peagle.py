@@ -43,23 +43,29 @@ from eaglenest.train.model import Eagle3Draft, attention_window, causal_doc_mask
 from eaglenest.train.ttt import Batch, ChunkedSoftCE, TTTObjective, TTTResult, shift, step_valid
 
 
-def mask_token_id(cfg: PEagleConfig, target_cfg: dict[str, Any]) -> int:
-    """``train.peagle.mask_token_id``, or the target's pad_token_id, else its first eos_token_id."""
+def resolve_mask_token(chosen: int | None, target_cfg: dict[str, Any], key: str) -> int:
+    """The mask token id named by recipe key ``key`` (``chosen``), or the target's pad_token_id,
+    else its first eos_token_id; refused when outside the target's vocabulary."""
     vocab = int(target_cfg["vocab_size"])
-    tid = cfg.mask_token_id
+    tid = chosen
     if tid is None:
-        for key in ("pad_token_id", "eos_token_id"):
-            value = target_cfg.get(key)
+        for name in ("pad_token_id", "eos_token_id"):
+            value = target_cfg.get(name)
             value = value[0] if isinstance(value, list) and value else value
             if isinstance(value, int) and 0 <= value < vocab:
                 tid = value
                 break
     if tid is None:
-        raise ConfigError("train.peagle.mask_token_id: the target's config has no pad_token_id or eos_token_id; "
+        raise ConfigError(f"{key}: the target's config has no pad_token_id or eos_token_id; "
                           "set a token id of its vocabulary")
     if not 0 <= int(tid) < vocab:
-        raise ConfigError(f"train.peagle.mask_token_id: {tid} is outside the target's vocabulary (size {vocab})")
+        raise ConfigError(f"{key}: {tid} is outside the target's vocabulary (size {vocab})")
     return int(tid)
+
+
+def mask_token_id(cfg: PEagleConfig, target_cfg: dict[str, Any]) -> int:
+    """``train.peagle.mask_token_id``, or the target's pad_token_id, else its first eos_token_id."""
+    return resolve_mask_token(cfg.mask_token_id, target_cfg, "train.peagle.mask_token_id")
 
 
 def configure(draft_cfg, cfg: PEagleConfig, target_cfg: dict[str, Any]) -> None:

@@ -46,7 +46,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 from eaglenest.errors import ConfigError, SchemaError
 from eaglenest.train.config import DFlashConfig
 from eaglenest.train.model import apply_rotary, head_dim_of, rotary_dim, rotary_embedding
-from eaglenest.train.peagle import resolve_mask_token
+from eaglenest.train.peagle import draw_anchors, resolve_mask_token
 from eaglenest.train.ttt import Batch, TTTResult, shift
 
 
@@ -225,30 +225,15 @@ def anchor_candidates(batch: Batch) -> torch.Tensor:
     return has_ctx & slot_valid(batch, 1)
 
 
-def _row_seed(seed: int, step: int, ids: torch.Tensor) -> int:
-    # Python's hash of a tuple of ints does not depend on PYTHONHASHSEED (only str/bytes do).
-    return hash(("dflash", int(seed), int(step), tuple(ids.tolist()))) & 0x7FFF_FFFF_FFFF_FFFF
+#: Salt of DFlash's anchor draw (an int: a str's hash changes with PYTHONHASHSEED, per process).
+ANCHOR_SALT = (1,)
 
 
 def sample_anchors(batch: Batch, *, num_anchors: int, seed: int, step: int) -> DFlashBatch:
     """Up to ``num_anchors`` anchors per row among :func:`anchor_candidates`, without replacement,
     ascending; the draw depends on (seed, step, the row's tokens) only."""
-    cand = anchor_candidates(batch).cpu()
-    rows = cand.shape[0]
-    anchors = torch.zeros(rows, num_anchors, dtype=torch.long)
-    ok = torch.zeros(rows, num_anchors, dtype=torch.bool)
-    ids, docs = batch.input_ids.cpu(), batch.doc_ids.cpu()
-    for b in range(rows):
-        idx = cand[b].nonzero().flatten()
-        if not len(idx):
-            continue
-        g = torch.Generator().manual_seed(_row_seed(seed, step, ids[b][docs[b] >= 0]))
-        pick = idx[torch.randperm(len(idx), generator=g)[:num_anchors]].sort().values
-        anchors[b, :len(pick)] = pick
-        ok[b, :len(pick)] = True
-    dev = batch.input_ids.device
-    return DFlashBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(Batch)},
-                       anchors=anchors.to(dev), anchor_ok=ok.to(dev))
+    return DFlashBatch(**draw_anchors(anchor_candidates(batch), batch, num_anchors=num_anchors, seed=seed,
+                                      step=step, salt=ANCHOR_SALT))
 
 
 def block_inputs(batch: DFlashBatch, block_size: int, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:

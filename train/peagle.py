@@ -84,15 +84,19 @@ class PEagleBatch(Batch):
     anchor_ok: torch.Tensor = None
 
 
-def _row_seed(seed: int, step: int, ids: torch.Tensor) -> int:
-    # Python's hash of a tuple of ints does not depend on PYTHONHASHSEED (only str/bytes do).
-    return hash((int(seed), int(step), tuple(ids.tolist()))) & 0x7FFF_FFFF_FFFF_FFFF
+def _row_seed(seed: int, step: int, ids: torch.Tensor, salt: tuple[int, ...] = ()) -> int:
+    # Python's hash of a tuple of ints does not depend on PYTHONHASHSEED (only str/bytes do): the
+    # salt that tells two families' draws apart is an int for that reason.
+    return hash((*salt, int(seed), int(step), tuple(ids.tolist()))) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def sample_anchors(batch: Batch, *, num_anchors: int, seed: int, step: int) -> PEagleBatch:
-    """Up to ``num_anchors`` anchors per row, uniformly among positions whose depth-1 slot has a
-    valid target (a loss token of the same document), without replacement, in ascending order."""
-    cand = step_valid(batch, 1).cpu()
+def draw_anchors(cand: torch.Tensor, batch: Batch, *, num_anchors: int, seed: int, step: int,
+                 salt: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """Up to ``num_anchors`` of each row's candidate positions (``cand`` bool [B, T]), without
+    replacement, ascending; the draw depends on (salt, seed, step, the row's tokens) only, so a row
+    draws alike on any number of ranks and across a resume. The batch's fields plus ``anchors``
+    long [B, A] and ``anchor_ok`` bool [B, A] (False: padding, the row had fewer candidates)."""
+    cand = cand.cpu()
     rows = cand.shape[0]
     anchors = torch.zeros(rows, num_anchors, dtype=torch.long)
     ok = torch.zeros(rows, num_anchors, dtype=torch.bool)
@@ -102,13 +106,19 @@ def sample_anchors(batch: Batch, *, num_anchors: int, seed: int, step: int) -> P
         if not len(idx):
             continue
         # The row's tokens without padding: a row padded to another batch width (another rank) draws alike.
-        g = torch.Generator().manual_seed(_row_seed(seed, step, ids[b][docs[b] >= 0]))
+        g = torch.Generator().manual_seed(_row_seed(seed, step, ids[b][docs[b] >= 0], salt))
         pick = idx[torch.randperm(len(idx), generator=g)[:num_anchors]].sort().values
         anchors[b, :len(pick)] = pick
         ok[b, :len(pick)] = True
     dev = batch.input_ids.device
-    return PEagleBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(Batch)},
-                       anchors=anchors.to(dev), anchor_ok=ok.to(dev))
+    return {**{f.name: getattr(batch, f.name) for f in dataclasses.fields(Batch)},
+            "anchors": anchors.to(dev), "anchor_ok": ok.to(dev)}
+
+
+def sample_anchors(batch: Batch, *, num_anchors: int, seed: int, step: int) -> PEagleBatch:
+    """Up to ``num_anchors`` anchors per row, uniformly among positions whose depth-1 slot has a
+    valid target (a loss token of the same document), without replacement, in ascending order."""
+    return PEagleBatch(**draw_anchors(step_valid(batch, 1), batch, num_anchors=num_anchors, seed=seed, step=step))
 
 
 def slot_layout(batch: PEagleBatch, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

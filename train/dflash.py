@@ -45,7 +45,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from eaglenest.errors import ConfigError, SchemaError
 from eaglenest.train.config import DFlashConfig
-from eaglenest.train.model import apply_rotary, head_dim_of, rotary_dim, rotary_embedding
+from eaglenest.train.model import DraftHead, apply_rotary, head_dim_of, rotary_dim, rotary_embedding
 from eaglenest.train.peagle import draw_anchors, resolve_mask_token
 from eaglenest.train.ttt import Batch, TTTResult, shift
 
@@ -145,7 +145,7 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(DraftHead):
     """fc + hidden_norm over the aux features (the context), ``num_layers`` Qwen3 layers over the
     block, final norm, lm_head over the draft vocabulary. Parameter names are vLLM's (``layers.N.*``,
     ``fc``, ``hidden_norm``, ``norm``, ``lm_head``) so the export renames nothing."""
@@ -192,15 +192,6 @@ class DFlashDraft(nn.Module):
             h = layer(h, ctx, cos_q, sin_q, cos_c, sin_c, mask)
         return self.norm(h)
 
-    def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(normed)
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Everything but the frozen target embeddings (what a checkpoint stores)."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
 @dataclasses.dataclass

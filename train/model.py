@@ -312,7 +312,22 @@ class DraftLayer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual)), kv
 
 
-class Eagle3Draft(nn.Module):
+class DraftHead(nn.Module):
+    """What every draft family shares: the head over the draft vocabulary (``lm_head``), the
+    draft-to-target id map (``d2t``) and the frozen target embeddings (``embed_tokens``)."""
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(normed)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything but the frozen target embeddings (what a checkpoint stores)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+class Eagle3Draft(DraftHead):
     """The draft model: fc over aux features, one layer, final norm, lm_head over the draft vocab."""
 
     def __init__(self, cfg: LlamaConfig):
@@ -359,15 +374,6 @@ class Eagle3Draft(nn.Module):
         normed = self.norm(res)
         return normed, (normed if self.config.norm_output else res)
 
-    def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(normed)
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Everything but the frozen target embeddings (what a checkpoint stores)."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
 def parallel_drafting(cfg) -> bool:

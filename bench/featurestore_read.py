@@ -273,7 +273,7 @@ def ratio(secs: dict, a: str, b: str) -> list[float]:
 
 def profile_reads(uri: Path, *, nsamples: int, batch_samples: int, topts: dict, warm: bool, store_threads) -> None:
     """One cold read of the store and one of the trainer, each with a ReadProfile: the breakdown."""
-    from eaglenest.featurestore.read.reader import ReadProfile
+    from eaglenest.featurestore.read.profile import ReadProfile
 
     for name, fn in (("store", lambda p: read_store(uri, batch_samples=batch_samples, seed=7, threads=store_threads,
                                                     profile=p)),

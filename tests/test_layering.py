@@ -144,7 +144,7 @@ FS_ROOMS = {
 #: from its room's list fails the test (place it).
 FS_MODULES = {
     "table": ["names", "objects", "base", "lease", "integrity", "fragments", "versions", "maintenance", "store"],
-    "read": ["reader", "query"],
+    "read": ["profile", "window", "pread", "sample", "reader", "query"],
     "capture": ["turns", "identity", "policy", "writer", "publish", "connector", "engine", "build"],
     "stream": ["addr", "producer", "local", "xhost"],
 }

@@ -45,7 +45,9 @@ import torch
 
 from eaglenest.errors import StoreError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.read.reader import Into, ReadProfile, SampleReader, stored_torch_dtype
+from eaglenest.featurestore.read.profile import ReadProfile
+from eaglenest.featurestore.read.reader import SampleReader
+from eaglenest.featurestore.read.sample import Into, stored_torch_dtype
 from eaglenest.featurestore.table import lease, store
 from eaglenest.featurestore.table.integrity import check_version, read_error
 from eaglenest.train import vocab as V

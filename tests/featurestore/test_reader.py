@@ -184,7 +184,7 @@ def test_fp8_nonfinite_is_found_by_verify(tmp_path):
 # --- the read path at disk speed: straight into the batch, the adaptive window, bounded memory ---
 
 def _profiled_shards(uri, *, pack_tokens, batch_dtype, read_threads=None, direct=True):
-    from eaglenest.featurestore.read.reader import ReadProfile
+    from eaglenest.featurestore.read.profile import ReadProfile
 
     prof = ReadProfile()
     return FeatureShards(uri, version=None, split="train", pack_tokens=pack_tokens, batch_rows=2, seed=3,
@@ -250,7 +250,8 @@ def test_fp8_and_float32_batches_convert_on_the_reader_threads(tmp_path):
 
 def test_scatter_read_past_iov_max_and_short_destination(tmp_path):
     """A sample of 700 tokens with reordered layers needs 1400 iovecs (more than one preadv call)."""
-    from eaglenest.featurestore.read.reader import IOV_MAX, Into
+    from eaglenest.featurestore.read.pread import IOV_MAX
+    from eaglenest.featurestore.read.sample import Into
 
     m = _meta("bfloat16", hidden=8)
     rng = np.random.default_rng(3)
@@ -272,7 +273,7 @@ def test_scatter_read_past_iov_max_and_short_destination(tmp_path):
 
 
 def test_adaptive_window_climbs_while_it_pays_and_stays_in_bounds():
-    from eaglenest.featurestore.read.reader import AdaptiveWindow
+    from eaglenest.featurestore.read.window import AdaptiveWindow
 
     def drive(w, rate_of, periods=60, nbytes=1 << 20):
         now, sizes = 0.0, []

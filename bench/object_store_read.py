@@ -4,8 +4,8 @@ One features table (``--samples`` samples of ``--tokens`` tokens, aux ``[T, 3, H
 ``[T, H]`` bf16, random bits) is written with ``store.append`` twice: into a local store under
 ``--dir`` and into ``s3://<bucket>/bench`` on a moto server started on 127.0.0.1
 (``tests/featurestore/s3_helpers.py``). Each round reads every sample of both, in one seeded
-shuffled order, through the trainer's reader (``featurestore.read.reader.SampleReader``, ``--threads``
-samples in flight, pooled buffers, integrity check off on both: it is a local-disk feature). On
+shuffled order, through the trainer's reader (``featurestore.read.reader.SampleReader``: samples in
+flight chosen by the reader from the rate it measures, as in training, or fixed by ``--threads N``; pooled buffers, integrity check off on both: it is a local-disk feature). On
 local disk the values are ``pread`` from the data files; on S3 the reader has no file to ``pread``
 and fills the same buffers through Lance's blob reader (ranged GETs).
 
@@ -75,8 +75,9 @@ def evict(folder: Path) -> None:
                 os.close(fd)
 
 
-def read_all(uri: str, order: list[int], threads: int) -> tuple[int, float]:
-    """(bytes of tensor values delivered, seconds): every sample once, through SampleReader."""
+def read_all(uri: str, order: list[int], threads: int | None) -> tuple[int, float, int]:
+    """(bytes of tensor values delivered, seconds, samples in flight at the end): every sample once,
+    through SampleReader (``threads`` None: the reader's adaptive window)."""
     from eaglenest.featurestore.table import store
     from eaglenest.featurestore.read.reader import SampleReader
 
@@ -87,7 +88,8 @@ def read_all(uri: str, order: list[int], threads: int) -> tuple[int, float]:
         for s in reader.iter_samples(order):
             nbytes += s._aux.nbytes + s._last.nbytes
             s.release()
-    return nbytes, time.perf_counter() - t0
+        window = reader.window.current()
+    return nbytes, time.perf_counter() - t0, window
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="tokens per sample")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="samples in flight, fixed (default: chosen by the reader, as in training)")
     ap.add_argument("--dir", default="/tmp")
     args = ap.parse_args(argv)
 
@@ -115,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 store.append(uri, store.FEATURES, t, meta=meta)
             total_tokens = args.samples * args.tokens
             mb = {"local": [], "s3": []}
+            windows = {"local": [], "s3": []}
             ratios = []
             for r in range(args.rounds):
                 order = [int(i) for i in np.random.default_rng(r).permutation(args.samples)]
@@ -123,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                 for arm in arms:
                     if arm == "local":
                         evict(work / "store")
-                    nbytes, secs = read_all(local if arm == "local" else remote, order, args.threads)
+                    nbytes, secs, window = read_all(local if arm == "local" else remote, order, args.threads)
                     got[arm] = nbytes / secs / 1e6
+                    windows[arm].append(window)
                     mb[arm].append(got[arm])
                 ratios.append(got["s3"] / got["local"])
                 print(f"round {r}: local {got['local']:.1f} MB/s, s3 {got['s3']:.1f} MB/s", flush=True)
@@ -133,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
                 return f"{statistics.median(xs):.3g} [{min(xs):.3g}, {max(xs):.3g}]"
 
             print(f"\n{args.samples} samples x {args.tokens} tokens ({total_tokens} tokens), H={args.hidden} bf16, "
-                  f"{nbytes / 1e6:.1f} MB of tensor values per read, threads={args.threads}, {args.rounds} rounds")
+                  f"{nbytes / 1e6:.1f} MB of tensor values per read, samples in flight {args.threads or 'adaptive'}, {args.rounds} rounds")
             print(f"local disk (cold)  MB/s  {fmt(mb['local'])}")
             print(f"moto S3 (loopback) MB/s  {fmt(mb['s3'])}")
             print(f"ratio S3/local           {fmt(ratios)}")
+            print(f"samples in flight at the end of a read: local {windows['local']}, s3 {windows['s3']}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

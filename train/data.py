@@ -10,7 +10,8 @@ the next batches while the current step runs; the time the step waits for it is 
 Reads go through :class:`eaglenest.featurestore.read.reader.SampleReader`: one ``take`` of a
 group's small columns and blob descriptors, then each sample's tensor values written straight into
 the preallocated batch tensors by the reader's threads (samples in flight chosen by the reader from
-the rate it measures). With ``batch_dtype="stored"`` (what the trainer asks for, ``train.source``)
+the rate it measures), one reader iteration for all the batches a prefetcher asks for
+(:meth:`FeatureShards.read_batches`), so the window of reads runs on across batch boundaries. With ``batch_dtype="stored"`` (what the trainer asks for, ``train.source``)
 a bf16 table gives a bf16 batch: each value is ``pread`` into its place in the batch, truncated to
 the tokens packed, the aux layers put in ascending id order by the same read (a scatter
 ``preadv``): no buffer, no conversion on the CPU; the trainer's step converts on the device (the
@@ -31,13 +32,15 @@ row carry their own ids and restart rotary positions at 0, so nothing attends ac
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
 import time
 import weakref
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -139,10 +142,49 @@ class FeatureShards:
 
         Equal to ``collate([[decode(i) for i in row] for row in rows])`` in :attr:`batch_dtype`;
         each sample's tensors are written once, straight into the batch (see the module docstring)."""
+        return next(self.read_batches([rows]))
+
+    def read_batches(self, batches: Iterable[list[list[int]]]) -> Iterator[Batch]:
+        """:meth:`read` of each item of ``batches``, in order, with the reads pipelined across batch
+        boundaries: the next batch's first samples are already in flight while this batch's last
+        ones finish (one reader iteration over all of them), so the reader's window never drains
+        between batches. ``batches`` is consumed lazily, as the window reaches it."""
+        open_ = collections.deque()  # _Layout of the batches whose samples are being read, in order
+        queued: collections.deque = collections.deque()  # the Into of each index handed to the reader
+
+        def indices():
+            for rows in batches:
+                lay = self._layout(rows)
+                open_.append(lay)
+                for place, into in zip(lay.places, lay.into):
+                    queued.append(into)
+                    yield place[0]
+
+        def dests():
+            while True:
+                yield queued.popleft()
+
+        samples = self.reader.iter_samples(indices(), into=dests())
+        done = 0  # samples of open_[0] placed so far
+        for s in samples:
+            while not open_[0].places[done:]:  # a batch without samples
+                yield open_.popleft().batch
+                done = 0
+            lay = open_[0]
+            self._place(lay, lay.places[done], s)
+            done += 1
+            if done == len(lay.places):
+                yield open_.popleft().batch
+                done = 0
+        while open_:  # only batches without samples can be left
+            yield open_.popleft().batch
+
+    def _layout(self, rows: list[list[int]]) -> "_Layout":
+        """A batch's tensors (from the arenas) and where each of its samples goes, in dataset order."""
         m, prof = self.meta, self.profile
         B, L, H = len(rows), len(m.layer_ids), m.hidden_size
         n_of = [[min(int(self.lengths[i]), self.pack_tokens) for i in row] for row in rows]
-        width = max(sum(ns) for ns in n_of)
+        width = max((sum(ns) for ns in n_of), default=0)
         with (prof.section("batch tensors (allocate)") if prof else contextlib.nullcontext()):
             input_ids = torch.zeros(B, width, dtype=torch.long)
             loss_mask = torch.zeros(B, width, dtype=torch.bool)
@@ -162,18 +204,33 @@ class FeatureShards:
         places.sort()
         into = [Into(aux=aux[b, at:at + n].view(n, L, H), last=last[b, at:at + n], order=order)
                 for _, _, b, _, at, n in places]
-        samples = self.reader.iter_samples([p[0] for p in places], into=into)
-        for s, (_, i, b, d, at, n) in zip(samples, places):
-            if s.num_tokens != int(self.lengths[i]):
-                raise StoreError(f"features row {s.index}: {s.num_tokens} token ids, num_tokens says "
-                                 f"{int(self.lengths[i])}")
-            with (prof.section("ids, mask, positions into batch") if prof else contextlib.nullcontext()):
-                input_ids[b, at:at + n] = torch.from_numpy(s.input_ids[:n].astype(np.int64))
-                loss_mask[b, at:at + n] = torch.from_numpy(s.loss_mask[:n] != 0)
-                doc_ids[b, at:at + n] = d
-                position_ids[b, at:at + n] = torch.arange(n)
-        return Batch(input_ids=input_ids, loss_mask=loss_mask, aux=aux, last_hidden=last,
-                     doc_ids=doc_ids, position_ids=position_ids)
+        batch = Batch(input_ids=input_ids, loss_mask=loss_mask, aux=aux, last_hidden=last,
+                      doc_ids=doc_ids, position_ids=position_ids)
+        return _Layout(batch=batch, places=places, into=into)
+
+    def _place(self, lay: "_Layout", place: tuple, s) -> None:
+        """The small columns of sample ``s`` into its place (its tensors are already there)."""
+        _, i, b, d, at, n = place
+        prof, bt = self.profile, lay.batch
+        if s.num_tokens != int(self.lengths[i]):
+            raise StoreError(f"features row {s.index}: {s.num_tokens} token ids, num_tokens says "
+                             f"{int(self.lengths[i])}")
+        with (prof.section("ids, mask, positions into batch") if prof else contextlib.nullcontext()):
+            bt.input_ids[b, at:at + n] = torch.from_numpy(s.input_ids[:n].astype(np.int64))
+            bt.loss_mask[b, at:at + n] = torch.from_numpy(s.loss_mask[:n] != 0)
+            bt.doc_ids[b, at:at + n] = d
+            bt.position_ids[b, at:at + n] = torch.arange(n)
+
+
+@dataclasses.dataclass
+class _Layout:
+    """One batch being read: its tensors, its samples' places (dataset offset, eligible row, row b,
+    doc d, token at, n tokens) in read order, and each place's destination."""
+
+    batch: Batch
+    places: list
+    into: list
+
 
 class BatchArenas:
     """Memory for the batches' feature tensors, reused once nothing holds a batch made from it.
@@ -218,6 +275,9 @@ class BatchArenas:
         refs.clear()
         out, at = [], 0
         for shape, n in zip(shapes, sizes):
+            if n == 0:  # an empty batch: nothing to view
+                out.append(torch.empty(shape, dtype=dtype))
+                continue
             view = arena[at:at + n]
             refs.append(weakref.ref(view))
             out.append(torch.from_numpy(view).view(dtype).view(shape))
@@ -292,10 +352,20 @@ class Prefetcher:
         self._stop = threading.Event()
 
         def work() -> None:
-            try:
+            steps: collections.deque = collections.deque()  # (epoch, rows, ghost) of the batches asked for
+
+            def mine():
                 for epoch, rows in schedule:
-                    mine, ghost = rank_rows(rows, rank, world_size)
-                    item = (epoch, rows, data.read(mine), ghost)
+                    local, ghost = rank_rows(rows, rank, world_size)
+                    steps.append((epoch, rows, ghost))
+                    yield local
+
+            # A table source pipelines its reads across batches; any other source reads batch by batch.
+            reads = data.read_batches(mine()) if hasattr(data, "read_batches") else map(data.read, mine())
+            try:
+                for batch in reads:
+                    epoch, rows, ghost = steps.popleft()
+                    item = (epoch, rows, batch, ghost)
                     while not self._stop.is_set():
                         try:
                             self._q.put(item, timeout=0.1)
@@ -307,6 +377,9 @@ class Prefetcher:
                 self._q.put(None)
             except BaseException as exc:  # surfaced in the consumer
                 self._q.put(exc)
+            finally:
+                if hasattr(reads, "close"):
+                    reads.close()  # reads still in flight are cancelled
 
         self._thread = threading.Thread(target=work, name="eaglenest-prefetch", daemon=True)
         self._thread.start()

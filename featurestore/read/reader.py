@@ -61,6 +61,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 import os
 from pathlib import Path
 from typing import Iterable, Iterator, Literal, Sequence
@@ -366,12 +367,13 @@ class SampleReader:
         the kernel is asked to read the group's values ahead (``readahead``), then each sample's
         values are ``pread`` on the pool. Version 1: one ``take`` per sample. ``into`` (one
         :class:`Into` per index): each sample's tensors are written there, and the yielded
-        samples hold only the small columns."""
+        samples hold only the small columns. Both may be iterators, consumed in step as the window
+        moves (a caller can hand out its next batch's indices without knowing where it ends)."""
         pending: collections.deque = collections.deque()
-        todo = [int(i) for i in indices]
-        dests = list(into) if into is not None else None
-        if dests is not None and len(dests) != len(todo):
-            raise ValueError(f"{len(dests)} destinations for {len(todo)} samples")
+        if hasattr(indices, "__len__") and hasattr(into, "__len__") and len(into) != len(indices):
+            raise ValueError(f"{len(into)} destinations for {len(indices)} samples")
+        todo = iter(indices)
+        dests = iter(into) if into is not None else None
         step = group if self.layout == "blob" else 1
         prof = self.profile
 
@@ -384,8 +386,7 @@ class SampleReader:
             return s
 
         try:
-            for g0 in range(0, len(todo), step):
-                part = todo[g0:g0 + step]
+            while part := [int(i) for i in itertools.islice(todo, step)]:
                 if self.layout == "blob":
                     grp = self._group(part)
                     jobs = [(self._from_row, grp, k, i) for k, i in enumerate(part)]
@@ -395,9 +396,12 @@ class SampleReader:
                 else:
                     jobs = [(self._take_inline, i) for i in part]
                     sizes = [self.window.sample_bytes or 1] * len(part)
-                for j, ((fn, *args), nb) in enumerate(zip(jobs, sizes)):
+                for (fn, *args), nb in zip(jobs, sizes):
                     if dests is not None:
-                        args.append(dests[g0 + j])
+                        dest = next(dests, None)
+                        if dest is None:
+                            raise ValueError("fewer destinations than samples")
+                        args.append(dest)
                     if ahead is None and self.window.sample_bytes < nb:
                         self.window.sample_bytes = nb  # the memory bound knows the largest sample before it is read
                     limit = max(1, ahead) if ahead is not None else self.window.current()

@@ -92,7 +92,50 @@ def test_trainer_read_equals_collate_of_plain_decode(tmp_path, dtype, storage):
     shards = FeatureShards(uri, version=None, split="train", pack_tokens=10, batch_rows=2, seed=3, read_threads=3)
     for rows in shards.plan(0):
         _assert_batches_equal(shards.read(rows), collate([[ref[i] for i in row] for row in rows]))
+    # The same batches read as one pipelined stream (the trainer's prefetcher), an empty one among them.
+    plan = shards.plan(1)
+    plan.insert(1, [])
+    got = list(shards.read_batches(iter(plan)))
+    assert len(got) == len(plan)
+    for rows, batch in zip(plan, got):
+        if rows:
+            _assert_batches_equal(batch, collate([[ref[i] for i in row] for row in rows]))
+        else:
+            assert batch.input_ids.shape[0] == 0
     shards.reader.close()
+
+
+def test_trainer_reads_run_across_batch_boundaries(tmp_path):
+    """The next batch's first samples are read while this batch's last ones are still in flight: the
+    reader's window does not drain at every batch boundary."""
+    m = _meta("bfloat16")
+    uri = str(tmp_path)
+    _write(uri, _arrays(9, m.hidden_size), m)
+    shards = FeatureShards(uri, version=None, split="train", pack_tokens=10, batch_rows=1, seed=3, read_threads=3)
+    events, batch_of = [], {}
+    plan = shards.plan(0)
+    for k, rows in enumerate(plan):
+        for i in (i for row in rows for i in row):
+            batch_of[int(shards.offsets[i])] = k
+    inner_read, inner_place = shards.reader._from_row, shards._place
+
+    def read(g, k, index, *rest):
+        events.append(("start", batch_of[index]))
+        return inner_read(g, k, index, *rest)
+
+    def place(lay, where, s):
+        events.append(("placed", batch_of[s.index]))
+        return inner_place(lay, where, s)
+
+    shards.reader._from_row, shards._place = read, place
+    try:
+        assert len(list(shards.read_batches(plan))) == len(plan) >= 3
+    finally:
+        shards.reader.close()
+    last_placed = {b: max(j for j, e in enumerate(events) if e == ("placed", b)) for b in range(len(plan))}
+    first_start = {b: min(j for j, e in enumerate(events) if e == ("start", b)) for b in range(len(plan))}
+    overlaps = sum(first_start[b + 1] < last_placed[b] for b in range(len(plan) - 1))
+    assert overlaps >= 1, events
 
 
 def test_reader_views_are_bit_exact_in_any_order(tmp_path):
@@ -132,6 +175,16 @@ def test_version1_tables_read_through_take_and_refuse_appends(tmp_path):
     shards = FeatureShards(uri, version=None, split="train", pack_tokens=64, batch_rows=2, seed=0)
     for rows in shards.plan(0):
         _assert_batches_equal(shards.read(rows), collate([[ref[i] for i in row] for row in rows]))
+    # The same batches read as one pipelined stream (the trainer's prefetcher), an empty one among them.
+    plan = shards.plan(1)
+    plan.insert(1, [])
+    got = list(shards.read_batches(iter(plan)))
+    assert len(got) == len(plan)
+    for rows, batch in zip(plan, got):
+        if rows:
+            _assert_batches_equal(batch, collate([[ref[i] for i in row] for row in rows]))
+        else:
+            assert batch.input_ids.shape[0] == 0
     shards.reader.close()
     more = pa.Table.from_pylist(_rows(_arrays(1, m.hidden_size, seed=9), m), schema=S.features_schema(m))
     with pytest.raises(SchemaError, match="schema version 1 .*writes version 2"):

@@ -143,8 +143,7 @@ def read_trainer(uri: Path, *, pack_tokens: int, batch_rows: int, seed: int, thr
                            seed=seed, read_threads=threads, batch_dtype=batch_dtype, profile=profile, direct=direct)
     tokens = 0
     try:
-        for rows in shards.plan(0):
-            batch = shards.read(rows)
+        for batch in shards.read_batches(shards.plan(0)):  # as the trainer's prefetcher reads them
             tokens += int((batch.doc_ids >= 0).sum())
         w = shards.reader.window
         WINDOW[:] = [x for x, _ in w.history] + [w.current()]

@@ -81,6 +81,20 @@ def _assert_batches_equal(a, b):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), f
 
 
+def _assert_pipelined_reads_equal(shards, ref):
+    """An epoch's batches read as one pipelined stream (the trainer's prefetcher), an empty batch
+    among them, equal collate of the plain decode."""
+    plan = shards.plan(1)
+    plan.insert(1, [])
+    got = list(shards.read_batches(iter(plan)))
+    assert len(got) == len(plan)
+    for rows, batch in zip(plan, got):
+        if rows:
+            _assert_batches_equal(batch, collate([[ref[i] for i in row] for row in rows]))
+        else:
+            assert batch.input_ids.shape[0] == 0
+
+
 @pytest.mark.parametrize("dtype,storage", [("bfloat16", "raw"), ("float32", "fp8_e4m3")])
 def test_trainer_read_equals_collate_of_plain_decode(tmp_path, dtype, storage):
     m = _meta(dtype, storage=storage)
@@ -92,16 +106,7 @@ def test_trainer_read_equals_collate_of_plain_decode(tmp_path, dtype, storage):
     shards = FeatureShards(uri, version=None, split="train", pack_tokens=10, batch_rows=2, seed=3, read_threads=3)
     for rows in shards.plan(0):
         _assert_batches_equal(shards.read(rows), collate([[ref[i] for i in row] for row in rows]))
-    # The same batches read as one pipelined stream (the trainer's prefetcher), an empty one among them.
-    plan = shards.plan(1)
-    plan.insert(1, [])
-    got = list(shards.read_batches(iter(plan)))
-    assert len(got) == len(plan)
-    for rows, batch in zip(plan, got):
-        if rows:
-            _assert_batches_equal(batch, collate([[ref[i] for i in row] for row in rows]))
-        else:
-            assert batch.input_ids.shape[0] == 0
+    _assert_pipelined_reads_equal(shards, ref)
     shards.reader.close()
 
 
@@ -175,16 +180,7 @@ def test_version1_tables_read_through_take_and_refuse_appends(tmp_path):
     shards = FeatureShards(uri, version=None, split="train", pack_tokens=64, batch_rows=2, seed=0)
     for rows in shards.plan(0):
         _assert_batches_equal(shards.read(rows), collate([[ref[i] for i in row] for row in rows]))
-    # The same batches read as one pipelined stream (the trainer's prefetcher), an empty one among them.
-    plan = shards.plan(1)
-    plan.insert(1, [])
-    got = list(shards.read_batches(iter(plan)))
-    assert len(got) == len(plan)
-    for rows, batch in zip(plan, got):
-        if rows:
-            _assert_batches_equal(batch, collate([[ref[i] for i in row] for row in rows]))
-        else:
-            assert batch.input_ids.shape[0] == 0
+    _assert_pipelined_reads_equal(shards, ref)
     shards.reader.close()
     more = pa.Table.from_pylist(_rows(_arrays(1, m.hidden_size, seed=9), m), schema=S.features_schema(m))
     with pytest.raises(SchemaError, match="schema version 1 .*writes version 2"):

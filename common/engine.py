@@ -164,6 +164,24 @@ def speculative_config(draft: str, num_speculative_tokens: int) -> dict[str, Any
     return spec
 
 
+#: The key of an exported draft's config.json that holds the number of speculative tokens it is
+#: served with by default (``serve export`` writes its family's measured best).
+RECOMMENDED_K = "recommended_num_speculative_tokens"
+
+
+def draft_num_speculative_tokens(draft: str, default: int) -> int:
+    """The number of speculative tokens to serve ``draft`` with when the recipe sets none: its
+    config.json's ``recommended_num_speculative_tokens``, else (a speculators checkpoint) its first
+    proposal method's ``speculative_tokens``, else ``default`` (no draft there yet, or an older export)."""
+    path = Path(draft) / "config.json"
+    cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if isinstance(cfg.get(RECOMMENDED_K), int) and cfg[RECOMMENDED_K] >= 1:
+        return cfg[RECOMMENDED_K]
+    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    k = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+    return k if isinstance(k, int) and k >= 1 else int(default)
+
+
 def engine_kwargs(cfg: EngineConfig, model: str = "", *, trust_remote_code: bool = False) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments; ``trust_remote_code`` is ``run.trust_remote_code``."""
     return {

@@ -4,6 +4,7 @@
     evaluate throughput [--manifest M] [k=v ...]  tokens/s, speed-up, TTFT and latency across a sweep
     evaluate compare --a A --b B [k=v ...]  two drafts (dirs) or two reports (report.json) side by side
     evaluate offline [--draft DIR] [k=v ...]  AL without vLLM: HF target + PyTorch draft, greedy
+    evaluate parity [--checkpoint DIR] [k=v ...]  vLLM's proposals from the export vs the trained checkpoint's
 
 The subcommands run :mod:`eaglenest.evaluate.commands`, imported when one runs (the feature store,
 torch); ``--help`` imports neither.
@@ -36,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
                            args=[(("--draft",), dict(default=None, help="exported draft dir or train checkpoint "
                                                                         "dir (default: evaluate.draft)")), out,
                                  manifest]),
+        "parity": Command(f"{COMMANDS}:cmd_parity",
+                          "train/serve parity: vLLM's draft tokens per round against the trained checkpoint's",
+                          args=[(("--checkpoint",), dict(default=None, help="train checkpoint dir (default: "
+                                                                            "<workdir>/<serve.checkpoint_subdir>)")),
+                                out, manifest]),
     }, argv)
 
 

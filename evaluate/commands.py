@@ -9,9 +9,12 @@ import json
 import sys
 from pathlib import Path
 
+from eaglenest import memfit
 from eaglenest.errors import ConfigError
+from eaglenest.evaluate.buckets import bucket_length
 from eaglenest.evaluate.compare import compare
-from eaglenest.evaluate.offline import offline_al
+from eaglenest.evaluate.offline import offline_al, prompt_ids
+from eaglenest.evaluate.parity import failure_line, parity_check
 from eaglenest.evaluate.plots import throughput_plot
 from eaglenest.evaluate.prompts import load_prompt_set
 from eaglenest.evaluate.report import markdown as report_markdown
@@ -22,7 +25,7 @@ from eaglenest.evaluate.throughput import markdown as throughput_markdown
 from eaglenest.evaluate.throughput import run_sweep
 from eaglenest.featurestore.capture.identity import weights_hash
 from eaglenest.featurestore.table import store
-from eaglenest.hf import check_remote_code
+from eaglenest.hf import check_remote_code, load_tokenizer
 from eaglenest.paths import ensure_writable, make_dir
 from eaglenest.provenance import write_json_atomic, write_provenance
 
@@ -50,6 +53,7 @@ def cmd_al(recipe, args) -> int:
               "(--force to measure again)", file=sys.stderr)
         print(report_markdown(cached))
         return 0
+    check_fit(recipe.run.target, cfg)  # the longest context bucket, before the engine starts
     report = evaluate_al(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri, cfg=cfg,
                          features_table=recipe.featurestore.table, trust_remote_code=recipe.run.trust_remote_code)
     report["cache_key"] = key
@@ -57,6 +61,22 @@ def cmd_al(recipe, args) -> int:
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
     print(report_markdown(report))
     return 0
+
+
+def check_fit(target: str, cfg) -> None:
+    """Refuse (``memfit``) context buckets whose longest prompt, with its output, cannot fit memory
+    in the serving engine (buckets past the target's positions are shortened first, as
+    ``evaluate.buckets`` does; a hub target, without a local config, is not estimated)."""
+    tcfg = memfit.load_target_config(target)
+    if tcfg is None or not cfg.context_buckets:
+        return
+    max_pos = int(tcfg.get("max_position_embeddings") or 4096)
+    tokens = max(bucket_length(b, max_positions=max_pos, max_tokens=cfg.bucket_max_tokens)
+                 for b in cfg.context_buckets) + cfg.bucket_max_tokens
+    dims = memfit.target_dims(tcfg, engine_dtype=cfg.engine.dtype)
+    parts = memfit.engine_parts(dims, tokens=tokens, weights=memfit.weights_bytes(target, dims))
+    memfit.require_fit(memfit.Estimate(f"serving the longest context bucket ({tokens} tokens with its output)",
+                                       "evaluate.context_buckets", parts))
 
 
 def _cache_key(recipe, draft: str, cfg=None) -> str:
@@ -132,4 +152,37 @@ def cmd_offline(recipe, args) -> int:
     print("| group | prompts | AL (pooled) | AL per-request |\n|---|---|---|---|")
     for name, row in [*report["domains"].items(), ("overall", report["overall"])]:
         print(f"| {name} | {row['prompts']} | {row['acceptance_length']} | {row['acceptance_length_per_request']} |")
+    return 0
+
+
+def cmd_parity(recipe, args) -> int:
+    """``evaluate parity``: writes ``parity.json`` (+ provenance) and exits 1 with one line when the
+    served draft's proposals part from the trained checkpoint's below the threshold."""
+    _check_target(recipe)
+    cfg, draft = evaluate_config(recipe, manifest=args.manifest), draft_dir(recipe)
+    checkpoint = args.checkpoint or str(recipe.run.path(recipe.serve.checkpoint_subdir))
+    if not (Path(draft) / "config.json").is_file():
+        raise ConfigError(f"evaluate.draft: {draft} is not an exported draft (no config.json; run `serve export`)")
+    if not Path(checkpoint).is_dir():
+        raise ConfigError(f"--checkpoint: {checkpoint} is not a train checkpoint dir (run `train run`, or name one)")
+    out = _out(recipe.run.path(args.out or "parity"), args)
+    if cfg.temperature != 0.0:
+        raise ConfigError(f"evaluate.temperature: the parity check is greedy only (0.0), got {cfg.temperature}")
+    groups, info = load_prompt_set(cfg, recipe.run.store_uri)
+    tok = load_tokenizer(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
+    chosen = [(p.get("sample_id", f"{name}-{i}"), p) for name, ps in groups.items() for i, p in enumerate(ps)]
+    prompts = {sid: prompt_ids(tok, p, cfg.chat_template_kwargs) for sid, p in chosen[: cfg.parity_prompts]}
+    report = parity_check(target=recipe.run.target, draft=draft, checkpoint=checkpoint, prompts=prompts,
+                          k=cfg.num_speculative_tokens, max_tokens=cfg.parity_max_tokens, engine=cfg.engine,
+                          min_identical=cfg.parity_min_identical, trust_remote_code=recipe.run.trust_remote_code)
+    report["prompts"] = info
+    make_dir(out, "--out" if args.out else "run.workdir")
+    write_json_atomic(out / "parity.json", report)
+    write_provenance(out, config=recipe.to_dict(), argv=sys.argv,
+                     inputs={**_inputs(recipe, draft), "checkpoint": checkpoint})
+    by_pos = ", ".join("-" if x is None else f"{x:.3f}" for x in report["identical_by_position"])
+    print(f"parity: {report['rounds']} rounds over {report['requests']} requests; identical by position {by_pos}")
+    if not report["passed"]:
+        print(f"evaluate: parity failed: {failure_line(report)}", file=sys.stderr)
+        return 1
     return 0

@@ -23,7 +23,9 @@ MIN_BUCKET_PROMPTS = 16
 class EvaluateConfig:
     #: Exported draft directory; empty means ``<workdir>/<serve.draft_subdir>``.
     draft: str = ""
-    num_speculative_tokens: int = 3
+    #: Draft tokens per round; null: the draft's ``recommended_num_speculative_tokens`` (its family's
+    #: best on the demo, docs/families.md), resolved by ``evaluate.settings.evaluate_config``.
+    num_speculative_tokens: int | None = None
     temperature: float = 0.0
     max_tokens: int = 160
     #: Which prompts: the store's own split, MT-Bench or SPEED-Bench (published formats).
@@ -66,6 +68,13 @@ class EvaluateConfig:
     throughput_seeds: tuple[int, ...] = (0, 1)
     throughput_prompts: int = 16
     throughput_max_tokens: int = 48
+    #: ``evaluate parity``: the first ``parity_prompts`` prompts of the prompt set (across its groups)
+    #: decoded ``parity_max_tokens`` tokens each; the check passes when, at every draft position, at
+    #: least ``parity_min_identical`` of vLLM's proposals equal the trained checkpoint's (fp near-ties
+    #: may flip a few; a skewed export parts at most rounds).
+    parity_prompts: int = 16
+    parity_max_tokens: int = 64
+    parity_min_identical: float = 0.99
     engine: EngineConfig = EngineConfig()
     #: Extra chat-template variables for every prompt decoded (``{enable_thinking: true}``). null: the
     #: ones ingest rendered the training prompts with (``ingest.chat_template_kwargs`` and the
@@ -73,8 +82,8 @@ class EvaluateConfig:
     chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.num_speculative_tokens < 1:
-            raise ConfigError("evaluate.num_speculative_tokens: must be >= 1, "
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ConfigError("evaluate.num_speculative_tokens: must be >= 1 or null, "
                               f"got {short(self.num_speculative_tokens)}")
         if self.prompt_set != "heldout" and not self.prompt_path:
             raise ConfigError(f"evaluate.prompt_path: required for prompt_set={self.prompt_set} "
@@ -94,5 +103,11 @@ class EvaluateConfig:
         if self.far_context_keep_tokens < 0 or self.far_context_probe_tokens < 1:
             raise ConfigError("evaluate.far_context_keep_tokens / evaluate.far_context_probe_tokens: must be "
                               f">= 0 / >= 1, got {self.far_context_keep_tokens} / {self.far_context_probe_tokens}")
+        if self.parity_prompts < 1 or self.parity_max_tokens < 1:
+            raise ConfigError("evaluate.parity_prompts / evaluate.parity_max_tokens: must be >= 1, "
+                              f"got {short(self.parity_prompts)} / {short(self.parity_max_tokens)}")
+        if not 0.0 < self.parity_min_identical <= 1.0:
+            raise ConfigError("evaluate.parity_min_identical: a share in (0, 1], "
+                              f"got {short(self.parity_min_identical)}")
         if self.bucket_prompts < 1 or self.throughput_prompts < 1:
             raise ConfigError("evaluate.bucket_prompts / evaluate.throughput_prompts: must be >= 1")

@@ -19,7 +19,9 @@ impossible. It replays vLLM's EAGLE-3 proposer (``vllm/v1/spec_decode``) step fo
 
 A DFlash draft (``train.family=dflash``, from its train checkpoint) replays vLLM's DFlash proposer
 instead: each round one forward of the block [s_{n-1}, mask x k] over the context states of
-``0 .. n-2`` (:func:`eaglenest.train.dflash.propose`).
+``0 .. n-2`` (:func:`eaglenest.train.dflash.propose`). A P-EAGLE draft (``train.family=peagle``,
+``parallel_drafting``) replays vLLM's parallel drafting: each round one forward of step 0 over
+``0 .. n-2`` plus ``k - 1`` mask slots after it (:func:`eaglenest.train.peagle.propose`).
 
 Trade-offs: one request at a time (no batching), and the draft's step 0 is recomputed over the whole
 sequence each round (exact and simple; quadratic in length, fine for chat-sized prompts, slow for
@@ -41,7 +43,7 @@ from eaglenest.evaluate.al import SpecCounters, per_request_summary
 from eaglenest.evaluate.prompts import render
 from eaglenest.hf import load_causal_lm, load_tokenizer
 from eaglenest.serve import fp8
-from eaglenest.train import dflash
+from eaglenest.train import dflash, peagle
 from eaglenest.train.checkpoint import INFO, load_checkpoint
 from eaglenest.train.model import Eagle3Draft, chunk_doc_mask
 from eaglenest.train.target import load_target_tensors
@@ -121,10 +123,21 @@ def _aux(hidden_states, layer_ids) -> torch.Tensor:
     return torch.cat([hidden_states[j][0] for j in layer_ids], dim=-1)
 
 
-def _propose(draft, seq: list[int], feats: torch.Tensor, k: int) -> list[int]:
+@torch.inference_mode()
+def features(target_model, draft, ids: list[int]) -> torch.Tensor:
+    """[len(ids), H]: the draft's combined features of the target's aux states over ``ids``, one
+    target forward (causal, so any prefix's features are its rows)."""
+    out = target_model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    aux = _aux(out.hidden_states, sorted(draft.config.eagle_aux_layer_ids))
+    return draft.combine(aux.to(next(draft.parameters()).dtype))
+
+
+def propose(draft, seq: list[int], feats: torch.Tensor, k: int) -> list[int]:
     """k greedy draft tokens (target ids) for the verified sequence ``seq`` (features of seq[:-1])."""
     if dflash.is_dflash(draft.config):  # train.family=dflash: vLLM's one block forward (train/dflash.py)
         return dflash.propose(draft, seq, feats, k)
+    if getattr(draft.config, "parallel_drafting", False):  # train.family=peagle: one forward (train/peagle.py)
+        return peagle.propose(draft, seq, feats, k)
     t = feats.shape[0]
     assert t == len(seq) - 1, (t, len(seq))
     toks = torch.tensor([seq[1:]])
@@ -163,7 +176,7 @@ def decode(target_model, draft, ids: list[int], *, k: int, max_tokens: int, stop
         return len(gen) >= max_tokens or any(t in stop_ids for t in gen)
 
     while not finished():
-        drafts = _propose(draft, seq, feats, k)
+        drafts = propose(draft, seq, feats, k)
         inp = [seq[-1]] + drafts
         out = target_model(input_ids=torch.tensor([inp]), past_key_values=cache, use_cache=True,
                            output_hidden_states=True)
@@ -215,9 +228,6 @@ def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[
         raise ConfigError(f"evaluate.max_tokens: must be >= 1, got {max_tokens}")
     model, tok, stops = load_target(target, trust_remote_code=trust_remote_code)
     dmodel = load_draft(draft, target).to(next(model.parameters()).dtype)
-    if getattr(dmodel.config, "parallel_drafting", False):  # train.family=peagle
-        raise ConfigError(f"evaluate.draft: {draft} is a P-EAGLE draft (parallel drafting); evaluate offline "
-                          "replays EAGLE-3's sequential proposer only: use evaluate al")
     if dmodel.config.vocab_size != model.config.vocab_size:
         raise ConfigError(f"evaluate.draft: vocab {dmodel.config.vocab_size} differs from the target's "
                           f"{model.config.vocab_size}")
@@ -247,4 +257,5 @@ def _decode_group(model, dmodel, tok, name, prompts, *, k, max_tokens, stops,
                    sample_id=p.get("sample_id", f"{name}-{i}")) for i, p in enumerate(prompts)]
 
 
-__all__ = ["RequestAL", "decode", "load_draft", "load_target", "offline_al", "prompt_ids", "summarise"]
+__all__ = ["RequestAL", "decode", "features", "load_draft", "load_target", "offline_al", "prompt_ids", "propose",
+           "summarise"]

@@ -24,6 +24,7 @@ from eaglenest.evaluate.al import SpecCounters, per_request_summary, read_counte
 from eaglenest.evaluate.buckets import bucket_length, bucket_rows, build_bucket_prompts
 from eaglenest.evaluate.intervals import add_intervals, per_prompt, spec_counts
 from eaglenest.evaluate.prompts import heldout, load_prompt_set
+from eaglenest.evaluate.settings import with_draft_k
 from eaglenest.featurestore.table import store
 from eaglenest.hf import check_remote_code, load_config, load_tokenizer
 
@@ -93,6 +94,7 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
     check_remote_code(target, trust_remote_code=trust_remote_code)
     if not (Path(draft) / "config.json").is_file():
         raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
+    cfg = with_draft_k(cfg, draft)  # evaluate.num_speculative_tokens null: the draft's recorded default
     groups, prompt_info = load_prompt_set(cfg, store_uri)
     max_pos = _max_positions(target, trust_remote_code=trust_remote_code)
     longest = max((bucket_length(b, max_positions=max_pos, max_tokens=cfg.bucket_max_tokens)

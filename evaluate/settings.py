@@ -1,7 +1,10 @@
 """What ``evaluate`` measures with, resolved against the rest of the recipe and the store.
 
-``recipe.evaluate`` alone leaves two things open: which draft (``evaluate.draft``, else where
-``serve export`` writes it) and the chat-template kwargs. Every command that serves a draft for AL
+``recipe.evaluate`` alone leaves three things open: which draft (``evaluate.draft``, else where
+``serve export`` writes it), how many tokens it drafts a round (``evaluate.num_speculative_tokens``,
+null by default: the draft's recorded default, :func:`with_draft_k`; with no draft yet, as for
+the served-AL selection during training, the best K of the recipe's ``train.family``) and the chat-template
+kwargs. Every command that serves a draft for AL
 resolves them here, ``evaluate`` itself and the served-AL checkpoint selection during training
 (``eaglenest.pipeline``), so both render prompts the same way.
 
@@ -25,11 +28,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from eaglenest.engine import draft_num_speculative_tokens
 from eaglenest.errors import ManifestError
 from eaglenest.evaluate.config import EvaluateConfig
 from eaglenest.featurestore.capture import policy
 from eaglenest.ingest.manifest import load_manifest
 from eaglenest.ingest.reasoning import template_kwargs
+from eaglenest.train.config import recommended_num_speculative_tokens
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,15 @@ log = logging.getLogger(__name__)
 def draft_dir(recipe) -> str:
     """The draft evaluated: ``evaluate.draft``, else where ``serve export`` writes it."""
     return recipe.evaluate.draft or str(recipe.run.path(recipe.serve.draft_subdir))
+
+
+def with_draft_k(cfg: EvaluateConfig, draft: str, default: int = 3) -> EvaluateConfig:
+    """``cfg`` with a null ``num_speculative_tokens`` set to ``draft``'s recorded default (``default``:
+    no draft there, or an export from before the record). Every function serving a draft with an
+    ``EvaluateConfig`` calls it, so a config built in code behaves as one from a recipe."""
+    if cfg.num_speculative_tokens is not None:
+        return cfg
+    return dataclasses.replace(cfg, num_speculative_tokens=draft_num_speculative_tokens(draft, default))
 
 
 def rendered_with(store_uri: str) -> dict | None:
@@ -66,9 +80,10 @@ def _show(kwargs: dict) -> str:
 
 
 def evaluate_config(recipe, *, manifest: str | None = None) -> EvaluateConfig:
-    """``recipe.evaluate`` with ``chat_template_kwargs`` resolved (module docstring); ``manifest``:
-    the command's ``--manifest``."""
-    cfg = recipe.evaluate
+    """``recipe.evaluate`` with ``chat_template_kwargs`` and ``num_speculative_tokens`` resolved
+    (module docstring); ``manifest``: the command's ``--manifest``."""
+    cfg = with_draft_k(recipe.evaluate, draft_dir(recipe),
+                       recommended_num_speculative_tokens(dataclasses.asdict(recipe.train)))
     if cfg.chat_template_kwargs is not None:
         return cfg
     stored = rendered_with(recipe.run.store_uri)

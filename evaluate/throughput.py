@@ -30,6 +30,7 @@ import time
 
 from eaglenest.errors import EaglenestError
 from eaglenest.evaluate.prompts import load_prompt_set
+from eaglenest.evaluate.settings import with_draft_k
 from eaglenest.serve.server import Server
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,7 @@ def check_arms(points: dict[str, dict[int, list[dict]]], counters: dict[str, dic
 
 def run_sweep(*, target: str, draft: str, store_uri: str, cfg, serve_cfg, log_dir,
               trust_remote_code: bool = False) -> dict:
+    cfg = with_draft_k(cfg, draft)  # evaluate.num_speculative_tokens null: the draft's recorded default
     groups, info = load_prompt_set(cfg, store_uri)
     prompts = [p for ps in groups.values() for p in ps]
     with contextlib.ExitStack() as stack:

@@ -7,9 +7,10 @@ import json
 import sys
 
 from eaglenest.config import to_dict
-from eaglenest.errors import EaglenestError, ManifestError
+from eaglenest import memfit
+from eaglenest.errors import ConfigError, EaglenestError, ManifestError
 from eaglenest.hf import check_remote_code
-from eaglenest.ingest import contamination
+from eaglenest.ingest import compose, contamination
 from eaglenest.ingest.backends import chat_kwargs
 from eaglenest.ingest.build import build
 from eaglenest.ingest.manifest import ManifestProblems, load_manifest
@@ -36,6 +37,25 @@ def cmd_validate(recipe, args) -> int:
     return 0
 
 
+def check_long(manifest, recipe) -> None:
+    """Refuse a manifest whose longest composed conversation (``compose.py``) the regeneration
+    engine cannot hold: past ``ingest.engine.max_model_len``, or past memory (``memfit``)."""
+    longest = compose.longest_tokens(manifest)
+    if not longest or recipe.ingest.backend != "vllm":
+        return
+    key = "the manifest's compose.target_tokens"
+    if longest > recipe.ingest.engine.max_model_len:
+        raise ConfigError(f"ingest.engine.max_model_len: {recipe.ingest.engine.max_model_len} is shorter than the "
+                          f"longest composed conversation ({longest} tokens with its last answer): raise it or "
+                          f"lower {key}")
+    cfg = memfit.load_target_config(recipe.run.target)
+    if cfg is not None:
+        dims = memfit.target_dims(cfg, engine_dtype=recipe.ingest.engine.dtype)
+        parts = memfit.engine_parts(dims, tokens=longest, weights=memfit.weights_bytes(recipe.run.target, dims))
+        memfit.require_fit(memfit.Estimate(f"regenerating the longest composed conversation ({longest} tokens)",
+                                           key, parts))
+
+
 def cmd_build(recipe, args) -> int:
     """``ingest build``: pool, contamination check, regeneration; stats and provenance in ``<workdir>/ingest``."""
     check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)  # fail fast
@@ -50,6 +70,7 @@ def cmd_build(recipe, args) -> int:
         raise ManifestError(f"{args.manifest or recipe.ingest.manifest}: the prompt pool is empty ({n['rows']} "
                             f"rows read: {n['empty']} empty, {n['kept']} kept after dedup and caps, "
                             f"{report['contaminated']} of them contaminated)")
+    check_long(manifest, recipe)  # composed conversations: positions and memory, before any engine
     out = recipe.run.path("ingest")
     ensure_writable(out, "run.workdir")  # before any engine starts or anything is committed
     ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")

@@ -58,6 +58,24 @@ class Generation:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Compose:
+    """A composition rule: the domain's prompts become long conversations (``compose.py``)."""
+
+    #: ``long_chat``: a multi-turn chat whose first turn states a fact and whose last asks it back.
+    rule: Literal["long_chat"] = "long_chat"
+    #: Token lengths to compose conversations for (prompt turns + budgeted answers), e.g. [2048, 8192].
+    target_tokens: list[int] = dataclasses.field(default_factory=list)
+    #: Conversations composed per target length.
+    per_length: int = 1
+    #: Tokens budgeted for each answer while composing (null: generation.max_tokens, an upper bound).
+    answer_tokens: int | None = None
+
+
+#: Longest composed conversation accepted (tokens); an engine's positions are checked at build time.
+MAX_COMPOSE_TOKENS = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Domain:
     sources: list[Source]
     #: Most prompts kept from this domain (after deduplication), held-out ones included.
@@ -70,6 +88,8 @@ class Domain:
     held_out_fraction: float | None = None
     held_out_count: int | None = None
     raw_fraction: float | None = None
+    #: Compose long conversations from this domain's prompts instead of sending them as they are.
+    compose: Compose | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,6 +157,9 @@ class Manifest:
         d = to_dict(self)
         if self.dedup == Dedup():  # added after release: manifests without it keep their hash
             d.pop("dedup")
+        for dom in d["domains"].values():  # likewise: domains without a composition rule keep theirs
+            if dom.get("compose") is None:
+                dom.pop("compose", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -213,8 +236,26 @@ def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
             p += _fraction(f"{where}.raw_fraction", d.raw_fraction)
         if not d.sources:
             p.append(f"{where}.sources: at least one source is required")
+        if d.compose is not None:
+            p += _check_compose(f"{where}.compose", d.compose)
         for i, s in enumerate(d.sources):
             p += _check_source(f"{where}.sources[{i}]", s, m, base_dir)
+    return p
+
+
+def _check_compose(where: str, c: Compose) -> list[str]:
+    p = []
+    if not c.target_tokens:
+        p.append(f"{where}.target_tokens: give at least one length, e.g. [2048, 8192]")
+    for i, n in enumerate(c.target_tokens):
+        if not 256 <= n <= MAX_COMPOSE_TOKENS:
+            p.append(f"{where}.target_tokens[{i}]: {n} is not in [256, {MAX_COMPOSE_TOKENS}]")
+    if len(set(c.target_tokens)) != len(c.target_tokens):
+        p.append(f"{where}.target_tokens: lengths repeat; give each once (per_length sets how many)")
+    if not 1 <= c.per_length <= 10_000:
+        p.append(f"{where}.per_length: {c.per_length} is not in [1, 10000]")
+    if c.answer_tokens is not None and c.answer_tokens < 1:
+        p.append(f"{where}.answer_tokens: must be at least 1")
     return p
 
 

@@ -24,6 +24,7 @@ from typing import Callable
 from eaglenest.errors import ManifestError, require
 from eaglenest.hf import load_tokenizer
 from eaglenest.text import content_key, normalise
+from eaglenest.ingest import compose
 from eaglenest.ingest.manifest import Manifest, Source, resolve_path
 from eaglenest.ingest.neardup import NearDupIndex
 
@@ -269,8 +270,13 @@ def load_pool(manifest: Manifest, *, base_dir: str | Path | None = None,
                for r in load_source(s, where=f"domains.{name}.sources[{i}]", base_dir=base_dir)]
         for name, d in manifest.domains.items()
     }
-    needs_tokens = any(d.cap_tokens is not None for d in manifest.domains.values())
+    needs_tokens = any(d.cap_tokens is not None or d.compose is not None for d in manifest.domains.values())
     counter = token_counter(target, trust_remote_code=trust_remote_code) if needs_tokens and target else None
+    if any(d.compose is not None for d in manifest.domains.values()):  # long conversations (compose.py)
+        plain = dataclasses.replace(manifest, domains={n: d for n, d in manifest.domains.items() if d.compose is None})
+        held = {content_key(t) for e in build_pool(plain, loaded, count_tokens=counter)
+                if e.split == "heldout" for t in e.user_turns()}
+        loaded = compose.apply(manifest, loaded, count_tokens=counter, held_out=held)
     report = {} if report is None else report
     pool = build_pool(manifest, loaded, count_tokens=counter, report=report)
     for name, c in report.get("domains", {}).items():

@@ -8,10 +8,31 @@ import logging
 import os
 import sys
 
+from eaglenest import memfit
 from eaglenest.evaluate.settings import evaluate_config
 from eaglenest.paths import ensure_writable
 from eaglenest.pipeline.served_al import served_al_scorer
 from eaglenest.train.loop import train
+from eaglenest.train.model import draft_shape
+
+
+def check_fit(recipe) -> None:
+    """Refuse (``memfit``) a step of ``train.batch_rows`` rows of ``train.pack_tokens`` that cannot
+    fit this rank's memory (a hub target, without a local config, is not estimated)."""
+    cfg = memfit.load_target_config(recipe.run.target)
+    if cfg is None:
+        return
+    t = recipe.train
+    cp = max(1, int(getattr(t, "context_parallel", 1) or 1))
+    world = max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    shape = draft_shape(cfg, t.draft.shape())
+    memfit.require_fit(memfit.train_estimate(
+        pack_tokens=-(-t.pack_tokens // cp), rows=-(-t.batch_rows // max(1, world // cp)),
+        hidden=int(cfg["hidden_size"]), num_aux=len(recipe.featurestore.layer_ids) or 3,
+        heads=shape["num_attention_heads"], head_dim=shape["head_dim"], intermediate=shape["intermediate_size"],
+        draft_vocab=t.draft_vocab_size, target_vocab=int(cfg.get("vocab_size") or t.draft_vocab_size),
+        ttt_steps=t.ttt_steps if t.family == "eagle3" else 1, attn_chunk_tokens=t.attn_chunk_tokens,
+        target_chunk_tokens=t.target_chunk_tokens))
 
 
 def cmd_run(recipe, args) -> int:
@@ -23,6 +44,7 @@ def cmd_run(recipe, args) -> int:
     r = recipe.run
     if main_rank:  # before the store or the target is read; leaves nothing behind
         ensure_writable(r.path(recipe.train.output_subdir), "run.workdir", keep=False)
+    check_fit(recipe)  # a row that cannot fit memory is refused before the store or the target is read
     score = None
     if recipe.train.select.every_steps:
         score = served_al_scorer(recipe.train, evaluate_config(recipe), target_dir=r.target,

@@ -3,21 +3,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
 
+from eaglenest.engine import draft_num_speculative_tokens
 from eaglenest.errors import ConfigError, ManifestError
 from eaglenest.ingest.manifest import load_manifest
 from eaglenest.serve.push import check_repo_id, plan_push, push_draft, resolve_token
 from eaglenest.serve.server import Server
+from eaglenest.train.config import recommended_num_speculative_tokens
 
 
 def up_server(recipe, *, no_spec: bool = False):
     """The (not yet started) server ``serve up`` runs: serve.host:serve.port, the target's name."""
     r, s = recipe.run, recipe.serve
     draft = None if no_spec else str(r.path(s.draft_subdir))
-    return Server(r.target, draft=draft, num_speculative_tokens=s.num_speculative_tokens,
+    k = s.num_speculative_tokens or draft_num_speculative_tokens(draft or "", recommended_num_speculative_tokens(
+        dataclasses.asdict(recipe.train)))  # null: the draft's recorded default
+    return Server(r.target, draft=draft, num_speculative_tokens=k,
                   memory_fraction=s.gpu_memory_utilization, max_model_len=s.max_model_len,
                   log_dir=r.path("serve"), trust_remote_code=r.trust_remote_code, host=s.host, port=s.port,
                   served_name=s.served_model_name or r.target)

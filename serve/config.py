@@ -24,8 +24,10 @@ class ServeConfig:
     #: own Eagle-3 checkpoint (``speculators_config`` + ``transformer_layer_config``), which vLLM
     #: also serves directly (docs/serve.md, "Formats").
     format: Literal["vllm", "speculators"] = "vllm"
-    #: vLLM speculative decoding settings (used by the load check and the evaluate stage).
-    num_speculative_tokens: int = 3
+    #: Draft tokens per round ``serve up`` asks vLLM for; null: the exported draft's
+    #: ``recommended_num_speculative_tokens`` (its family's best on the demo, docs/families.md). ``serve
+    #: export`` records it as that default (null: the family's, eaglenest.train.config).
+    num_speculative_tokens: int | None = None
     #: ``serve up`` listens here, as ``vllm serve`` does by default (port 0: any free port).
     host: str = "127.0.0.1"
     port: int = 8000
@@ -49,8 +51,8 @@ class ServeConfig:
             raise ConfigError(f"serve.port: 0..65535, got {short(self.port)}")
         if not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"serve.host: an address to listen on, got {short(self.host)}")
-        if self.num_speculative_tokens < 1:
-            raise ConfigError("serve.num_speculative_tokens: must be >= 1, "
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ConfigError("serve.num_speculative_tokens: must be >= 1 or null, "
                               f"got {short(self.num_speculative_tokens)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"serve.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")

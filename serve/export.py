@@ -52,10 +52,12 @@ from typing import Any
 
 import torch
 
+from eaglenest.engine import RECOMMENDED_K
 from eaglenest.errors import ConfigError
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.serve import formats, fp8
 from eaglenest.train.checkpoint import WEIGHTS, read_info
+from eaglenest.train.config import recommended_num_speculative_tokens
 from eaglenest.train.target import target_config, torch_dtype_name
 
 log = logging.getLogger(__name__)
@@ -159,10 +161,11 @@ def dflash_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype:
 
 def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str | Path,
                  dtype: str = "auto", quantization: str = "none", format: formats.Format = "vllm",
-                 num_speculative_tokens: int = 3, argv: list[str] | None = None,
+                 num_speculative_tokens: int | None = None, argv: list[str] | None = None,
                  recipe: dict[str, Any] | None = None) -> Path:
     """Write the draft directory ``out_dir`` (``format``: vLLM's or speculators' layout) from
-    checkpoint ``ckpt_dir``; returns out_dir."""
+    checkpoint ``ckpt_dir``; returns out_dir. ``num_speculative_tokens`` (None: the family's measured
+    best, :func:`recommended_num_speculative_tokens`) is recorded as the draft's default K."""
     from safetensors.torch import load_file, save_file
 
     info = read_info(ckpt_dir)
@@ -183,11 +186,14 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     if cfg.get("parallel_drafting") and format != "vllm":
         raise ConfigError("serve.format: a P-EAGLE draft (train.family=peagle) exports as serve.format=vllm only "
                           "for now; speculators' peagle layout is not written yet")
+    k = num_speculative_tokens or recommended_num_speculative_tokens(info.get("train_config") or {})
+    if format == "vllm":
+        cfg[RECOMMENDED_K] = k  # serve / evaluate use it when their num_speculative_tokens is null
     written = cfg
     if format == "speculators":
         written = formats.speculators_config(cfg, verifier=str(target_dir),
                                              verifier_architectures=target_cfg.get("architectures") or [],
-                                             num_speculative_tokens=num_speculative_tokens)
+                                             num_speculative_tokens=k)
     notes = [] if dflash else formats.reader_notes(cfg, format, target_layers=int(target_cfg["num_hidden_layers"]))
     for reader, note in notes:
         log.warning("%s: %s", reader, note)
@@ -255,6 +261,7 @@ def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]
 | EAGLE-3.1 flags | {', '.join(f for f in FLAGS if cfg[f]) or 'none'} |
 | dtype | {cfg['torch_dtype']}{' (linears: FP8 e4m3, per-channel scales, compressed-tensors)' if 'quantization_config' in cfg else ''} |
 | trained steps | {info.get('step')} ({steps}) |
+| speculative tokens when none is set | {cfg.get(RECOMMENDED_K, 'n/a')} (the family's best on the demo, docs/families.md) |
 | sliding window | {window} |
 | features | `{inputs['store_uri']}` table `{inputs['table']}` version {inputs['version']} |
 | last logged loss | {m.get('loss', float('nan')):.4f} |
@@ -275,7 +282,7 @@ Training configuration:
 def dflash_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]) -> str:
     m = info.get("metrics") or {}
     acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc", [])) or "n/a"
-    k = cfg["block_size"] - 1
+    k = cfg.get(RECOMMENDED_K) or cfg["block_size"] - 1
     return f"""# DFlash draft (eaglenest)
 
 Speculative-decoding draft for the target `{inputs['target']}`, in vLLM's flat DFlash format
@@ -289,7 +296,8 @@ llm = LLM(model="{inputs['target']}",
 ```
 
 vLLM's V1 runner ignores `block_size` and drafts `num_speculative_tokens` mask slots; the draft was
-trained for up to {k}.
+trained for up to {cfg['block_size'] - 1}, and `serve` / `evaluate` use {k} when the recipe sets none
+(`recommended_num_speculative_tokens`: the family's best on the demo, docs/families.md).
 
 | | |
 |---|---|

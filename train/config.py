@@ -168,6 +168,26 @@ class TrackConfig:
 #: ``train.family`` values: the draft trained from the features table.
 FAMILIES = ("eagle3", "peagle", "dflash")
 
+#: The number of speculative tokens a draft of each family is served with when the recipe sets none
+#: (``serve.num_speculative_tokens`` / ``evaluate.num_speculative_tokens`` null): the K of the
+#: family's highest measured speed-up on the demo (EAGLE-3 1.34x at 3 vs 1.18x at 6; P-EAGLE 2.84x
+#: at 3 vs 2.16x at 4; DFlash, block 8, 2.63x at 7, its best AL: bench/families.py, docs/families.md).
+#: ``serve export`` writes it into the draft's config.json, capped at the depth it was trained for.
+BEST_NUM_SPECULATIVE_TOKENS = {"eagle3": 3, "peagle": 3, "dflash": 7}
+
+
+def recommended_num_speculative_tokens(train: dict) -> int:
+    """The K to serve a draft trained with ``train`` (the ``train`` section as a dict, as a checkpoint's
+    ``train_config`` records it): its family's measured best, at most the tokens it was trained to
+    draft (EAGLE-3: ``ttt_steps``; P-EAGLE: ``peagle.num_slots``; DFlash: ``dflash.block_size`` - 1)."""
+    family = train.get("family") or "eagle3"
+    trained = {"eagle3": lambda: train.get("ttt_steps", TrainConfig.ttt_steps),
+               "peagle": lambda: (train.get("peagle") or {}).get("num_slots", PEagleConfig.num_slots),
+               "dflash": lambda: (train.get("dflash") or {}).get("block_size", DFlashConfig.block_size) - 1}
+    if family not in trained:
+        raise ConfigError(f"train.family: {', '.join(map(repr, FAMILIES))}, got {short(family)}")
+    return max(1, min(BEST_NUM_SPECULATIVE_TOKENS[family], int(trained[family]())))
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PEagleConfig:
@@ -204,8 +224,10 @@ class DFlashConfig:
     num_layers: int = 2
     #: Slots per block: the real token plus block_size - 1 mask slots, the largest
     #: num_speculative_tokens the draft is trained for (vLLM's V1 ignores the exported block_size
-    #: and drafts num_speculative_tokens mask slots).
-    block_size: int = 4
+    #: and drafts num_speculative_tokens mask slots). 8: served AL 4.10 at K=7 on the demo, vs 3.04
+    #: (K=3) and 3.24 (K=4, one slot past training) with 4, for twice the training time
+    #: (docs/families.md, "Figures").
+    block_size: int = 8
     #: Anchors (blocks) per packed row, drawn per row and step. Memory grows with anchors x block_size.
     anchors_per_row: int = 32
     #: The token id of the mask slots (exported as ``dflash_config.mask_token_id``); null = the
@@ -290,6 +312,10 @@ class TrainConfig:
     #: full-vocabulary logits never exist for the whole batch (152K-200K target vocabularies;
     #: docs/training.md, "Large vocabularies"). 0 = never chunk.
     target_chunk_tokens: int = 2048
+    #: Ranks each packed row's tokens are split over (context parallelism, eaglenest.train.context_parallel;
+    #: docs/training.md, "Context parallelism"): 1 = off. The world size must be a multiple of it;
+    #: ranks in groups of this many share rows, the groups split the batch's rows (data parallel).
+    context_parallel: int = 1
     #: Draft attention/MLP sizes; 0 keeps the rule for the target's architecture (dense: the
     #: target's own; MLA: v_head_dim heads, at most 64; MoE: MLP 1.75 x hidden). docs/targets.md.
     draft: DraftShapeConfig = dataclasses.field(default_factory=DraftShapeConfig)
@@ -314,6 +340,11 @@ class TrainConfig:
         _at_least("", self, ("draft_vocab_size", "ttt_steps", "pack_tokens", "batch_rows", "num_epochs",
                              "log_every_steps", "num_threads", "prefetch_batches", "attn_chunk_tokens"), 1)
         _at_least("", self, ("warmup_steps", "num_steps", "weight_decay", "grad_clip", "target_chunk_tokens"), 0)
+        _at_least("", self, ("context_parallel",), 1)
+        if self.context_parallel > 1 and (self.family != "eagle3" or self.source != "table"):
+            raise ConfigError(f"train.context_parallel={self.context_parallel}: only train.family=eagle3 with "
+                              f"train.source=table splits rows over ranks yet, got family={self.family}, "
+                              f"source={self.source}: set train.context_parallel=1")
         if not self.lr > 0:
             raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
         if not 0 < self.step_decay <= 1:
@@ -333,9 +364,10 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}: {' or '.join(map(repr, choices))}, got {short(getattr(self, name))}")
         if self.family not in FAMILIES:
             raise ConfigError(f"train.family: {', '.join(map(repr, FAMILIES))}, got {short(self.family)}")
-        if self.family == "dflash" and self.sliding_window != 0:
-            raise ConfigError(f"train.sliding_window: must be 0 for train.family=dflash (its layers attend to the "
-                              f"whole context), got {short(self.sliding_window)}")
+        if self.family == "dflash" and self.sliding_window not in (0, "auto"):
+            # "auto" (the demo recipe's) means no window for DFlash: train.loop.attention_span.
+            raise ConfigError(f"train.sliding_window: must be 0 or 'auto' for train.family=dflash (its layers attend "
+                              f"to the whole context), got {short(self.sliding_window)}")
         if self.family == "peagle" and self.pack_tokens > self.attn_chunk_tokens:
             raise ConfigError(f"train.family=peagle: rows of pack_tokens={self.pack_tokens} exceed "
                               f"attn_chunk_tokens={self.attn_chunk_tokens}; the P-EAGLE objective has no "

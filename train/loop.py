@@ -35,7 +35,7 @@ from eaglenest.errors import ConfigError, SchemaError
 from eaglenest.paths import make_dir
 from eaglenest.featurestore.capture import policy
 from eaglenest.provenance import write_provenance
-from eaglenest.train import checkpoint, selection, state as S, track, vocab as V
+from eaglenest.train import checkpoint, context_parallel as CP, selection, state as S, track, vocab as V
 from eaglenest.train.config import TrainConfig
 from eaglenest.train.data import Prefetcher
 from eaglenest.train.dist import DistState
@@ -63,7 +63,10 @@ class TrainSummary:
 
 def attention_span(cfg: TrainConfig, lengths) -> int:
     """``train.sliding_window`` in positions: "auto" is the longest span a training query attends
-    over (the longest sample, truncated at ``pack_tokens``); 0 means no window."""
+    over (the longest sample, truncated at ``pack_tokens``); 0 means no window. A DFlash draft's layers
+    attend to the whole context: "auto" is no window there."""
+    if cfg.sliding_window == "auto" and cfg.family == "dflash":
+        return 0
     if cfg.sliding_window == "auto":
         return int(min(max((int(n) for n in lengths), default=cfg.pack_tokens), cfg.pack_tokens))
     return int(cfg.sliding_window)
@@ -98,6 +101,8 @@ def build_objective(cfg: TrainConfig, draft, *, seed: int) -> torch.nn.Module:
     """``train.family``'s objective around ``draft``: chosen here, once."""
     if cfg.family == "dflash":
         return dflash.DFlashObjective(draft, cfg.dflash, seed=seed)
+    if cfg.context_parallel > 1:  # EAGLE-3 only (train.config refuses the other families)
+        return CP.CPObjective(draft)
     return peagle.build_objective(cfg, draft, seed=seed)
 
 
@@ -138,6 +143,7 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
         if dist is None:  # torchrun's process group when launched by torchrun, left at the end
             dist = DistState.from_env()
             own.callback(dist.close)
+        cp = CP.ContextParallel.create(cfg.context_parallel, dist)  # before any data is read
         torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(seed)
         with contextlib.closing(open_source(cfg, store_uri, table=table, seed=seed, target_dir=target_dir,
@@ -158,7 +164,7 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
             fp = S.fingerprint(cfg, table_version=data.version, store_uri=store_uri, target=target_dir,
                                seed=seed, table=table)
             trainer = _Trainer(cfg, draft, data, outdir=Path(workdir) / cfg.output_subdir, fp=fp, base=base,
-                               dist=dist, score=score, target_dir=target_dir, recipe=recipe)
+                               dist=dist, score=score, target_dir=target_dir, recipe=recipe, cp=cp)
             own.callback(trainer.tracking.close)
             trainer.run()
         trainer.finish(recipe=recipe, argv=argv, inputs={"store_uri": store_uri, "version": data.version,
@@ -222,8 +228,10 @@ class _Trainer:
 
     def __init__(self, cfg: TrainConfig, draft: _Draft, data: DataSource, *, outdir: Path, fp: dict[str, Any],
                  base: dict[str, Any], dist: DistState, score, target_dir: str,
-                 recipe: dict[str, Any] | None = None):
+                 recipe: dict[str, Any] | None = None, cp: CP.ContextParallel | None = None):
         self.cfg, self.draft, self.data, self.dist, self.outdir, self.fp = cfg, draft, data, dist, outdir, fp
+        #: train.context_parallel > 1: the (dp, cp) mesh; the dp groups split the rows, cp ranks a row.
+        self.cp = cp
         #: Run facts for checkpoint.json: table, version, config, coverage, ...
         self.base = base
         self.schedule = [(e, rows) for e in range(cfg.num_epochs) for rows in data.plan(e)]
@@ -268,8 +276,9 @@ class _Trainer:
         """The steps left of the plan, then the loop's data stall and throughput."""
         cfg, dist = self.cfg, self.dist
         todo = self.schedule[self.step:self.total]
-        self.data.start(todo, world_size=dist.world_size)
-        loader = Prefetcher(self.data, todo, rank=dist.rank, world_size=dist.world_size, depth=cfg.prefetch_batches)
+        rank, world = (dist.rank, dist.world_size) if self.cp is None else (self.cp.dp_rank, self.cp.dp_size)
+        self.data.start(todo, world_size=world)
+        loader = Prefetcher(self.data, todo, rank=rank, world_size=world, depth=cfg.prefetch_batches)
         start, tokens_seen = time.monotonic(), 0.0
         loop_t0, last_t, last_wait, last_tokens = time.perf_counter(), time.perf_counter(), 0.0, 0.0
         bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step",
@@ -310,6 +319,8 @@ class _Trainer:
             batch.loss_mask = torch.zeros_like(batch.loss_mask)
         batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(dist.device)
                                               for f in dataclasses.fields(batch)})
+        if self.cp is not None:  # this rank's positions of each row, and the TTT halo after them
+            batch = self.cp.split(batch, halo=objective_steps(cfg) + 1)
         probs, argmax = target_targets(d.head, batch.last_hidden, d.draft_target_ids,
                                        chunk_tokens=cfg.target_chunk_tokens)
         if self.step == 0 and dist.is_main:
@@ -328,7 +339,7 @@ class _Trainer:
             torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         self.opt.step()
         self.sched.step()
-        return res, denoms, 0 if ghost else int((batch.doc_ids >= 0).sum())
+        return res, denoms, 0 if ghost else CP.real_tokens(batch)
 
     def _log(self, *, epoch: int, seconds: float, stall: float, tokens_per_second: float) -> None:
         """Close the metrics window: ``self.final``, a metrics.jsonl line, the trackers' scalars and a

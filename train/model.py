@@ -239,12 +239,22 @@ class DraftAttention(nn.Module):
         ``mask``: bool [B, T, T] (True where query t may see step-0 key s), or the doc ids
         [B, T] it is built from: then queries are processed in chunks of ``chunk_tokens`` with
         recomputation in backward, so no [T, T] tensor outlives a chunk (long rows).
+        Or a :class:`eaglenest.train.context_parallel.SeqShard`: this rank's part of a row split
+        over ranks (chunked path at the shard's global positions).
         Pure function of its inputs: FSDP2 may re-wrap the arguments of a sharded block.
         """
         q = self._heads(self.q_proj(x), self.num_heads)
         k = self._heads(self.k_proj(x), self.num_kv_heads)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         q, k = apply_rotary(q, k, cos, sin, self.rotary_dim)
+        # Context parallelism (eaglenest.train.context_parallel): ``mask`` is a SeqShard, the local
+        # queries are the row's positions start..start+t, and the step-0 keys/values of the whole
+        # row are gathered once (step 0) and kept as the cache's entry 0.
+        shard, start = (None, 0) if torch.is_tensor(mask) else (mask, mask.start)
+        if shard is not None:
+            if not past:
+                k, v = shard.gather(k), shard.gather(v)
+            mask = shard.doc_ids
         cache = [*past, (k, v)]
         rep = self.num_heads // self.num_kv_heads
         keys = [kk.repeat_interleave(rep, dim=1) for kk, _ in cache]
@@ -252,16 +262,17 @@ class DraftAttention(nn.Module):
         t = q.shape[2]
         if mask.dim() == 3:
             out = self._attend(q, keys, vals, mask)
-        elif t <= self.chunk_tokens:
+        elif t <= self.chunk_tokens and shard is None:
             out = self._attend(q, keys, vals, causal_doc_mask(mask, window=self.window))
         else:
             outs = []
             for s in range(0, t, self.chunk_tokens):
                 e = min(t, s + self.chunk_tokens)
                 # Causal: keys after the chunk's last query are masked anyway, so they are skipped.
-                outs.append(checkpoint(self._attend_chunk, q[:, :, s:e], keys[0][:, :, :e], vals[0][:, :, :e],
+                end = start + e
+                outs.append(checkpoint(self._attend_chunk, q[:, :, s:e], keys[0][:, :, :end], vals[0][:, :, :end],
                                        [kk[:, :, s:e] for kk in keys[1:]], [vv[:, :, s:e] for vv in vals[1:]],
-                                       mask, s, use_reentrant=False))
+                                       mask, start + s, use_reentrant=False))
             out = torch.cat(outs, dim=2)
         b, _, tq, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, tq, self.num_heads * self.head_dim)), (k, v)

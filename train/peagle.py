@@ -182,6 +182,32 @@ def peagle_forward(model: Eagle3Draft, batch: PEagleBatch, num_slots: int) -> to
     return normed
 
 
+@torch.no_grad()
+def propose(model: Eagle3Draft, seq: list[int], feats: torch.Tensor, k: int) -> list[int]:
+    """vLLM's parallel-drafting round for one request, as the offline estimator replays it: the
+    verified tokens ``seq`` (``feats`` [len(seq)-1, H]: fc(aux) of seq[:-1], positions 0..), ONE
+    forward over the depth-0 inputs (token seq[i+1], hidden feats[i], position i) and k-1 mask slots
+    (``mask_token_id``, fc(mask_hidden), positions after the last), with the trainer's own
+    :func:`slot_mask` for the single anchor at the last position; returns the k greedy proposals
+    (target ids): the anchor's, then each slot's."""
+    t = feats.shape[0]
+    assert t == len(seq) - 1 and t >= 1, (t, len(seq))
+    if model.mask_hidden is None:
+        raise ConfigError("train.family=peagle: the draft has no mask_hidden (not built as a P-EAGLE draft)")
+    one = torch.zeros(1, t, dtype=torch.long)
+    batch = PEagleBatch(input_ids=torch.tensor([seq[:-1]]), loss_mask=one.bool(), doc_ids=one,
+                        position_ids=torch.arange(t)[None], aux=None, last_hidden=None,
+                        anchors=torch.tensor([[t - 1]]), anchor_ok=torch.ones(1, 1, dtype=torch.bool))
+    _depth, _anchor, slot_pos = slot_layout(batch, k)
+    mask_h = model.combine(model.mask_hidden.to(feats.dtype))
+    hidden = torch.cat([feats, mask_h.expand(k - 1, -1)])[None]
+    tokens = torch.tensor([seq[1:] + [int(model.config.mask_token_id)] * (k - 1)])
+    positions = torch.cat([batch.position_ids, slot_pos], dim=1)
+    mask = slot_mask(batch, k, window=attention_window(model.config))
+    normed, _ = model.step(tokens, hidden, positions, [], mask)
+    return model.draft_to_target(model.logits(normed[0, t - 1:]).argmax(-1)).tolist()
+
+
 def peagle_loss(model: Eagle3Draft, batch: PEagleBatch, target_probs: torch.Tensor, target_argmax: torch.Tensor,
                 *, num_slots: int, step_decay: float, denominators: list[float] | None = None,
                 chunk_tokens: int = 0) -> TTTResult:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eaglenest import faults
+from eaglenest import faults, memfit
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.capture import identity, policy, turns
@@ -150,10 +150,12 @@ def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: floa
         longest = max(len(c["prompt_token_ids"]) + len(c["response_token_ids"]) for c in todo)
         if longest + 1 > cfg.engine.max_model_len:
             raise StoreError(f"a conversation has {longest} tokens: raise featurestore.engine.max_model_len")
+        check_fit(target, meta, longest, cfg.engine.dtype)  # before the engine starts
         earlier_turns = _turn_spans(target, todo, policy.rendered_kwargs(store_uri), trust_remote_code=trust_remote_code)
         budget = max(1, int(cfg.write_buffer_mb * (1 << 20)))
         writer = FeatureWriter(store_uri, name, meta, budget=budget)
-        lineage = {**(lineage or {}), "feature_set_id": meta.feature_set_id, "code_version": code_version()}
+        lineage = {**(lineage or {}), "feature_set_id": meta.feature_set_id, "code_version": code_version(),
+                   "bytes_per_token": bytes_per_token(meta)}
         with Capturer(target, meta.layer_ids, meta.last_layer_id, cfg.engine,
                       trust_remote_code=trust_remote_code) as cap, \
                 tqdm(total=len(todo), desc="featurestore: capture", unit="sample") as bar:
@@ -185,10 +187,27 @@ def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: floa
         "last_layer_id": meta.last_layer_id, "dtype": meta.dtype, "storage": meta.storage,
         "table": name, "reused": bool(reused and not todo),
         "captured": len(todo), "target_forward_passes": passes, "captured_tokens": tokens,
+        # hidden-state bytes stored per token (aux layers + last; the encoding's own, e.g. fp8 scales)
+        "bytes_per_token": bytes_per_token(meta), "captured_hidden_bytes": tokens * bytes_per_token(meta),
+        "longest_sample_tokens": max((len(c["prompt_token_ids"]) + len(c["response_token_ids"]) for c in todo),
+                                     default=0),
         "samples_per_domain": dict(sorted(per_domain.items())),
         "features_table_version": store.latest_version(store_uri, name) if table is not None else None,
         "seconds": round(time.time() - t0, 2),
     }
+
+
+def check_fit(target: str, meta: S.FeatureMeta, tokens: int, engine_dtype: str) -> None:
+    """Refuse (``memfit``) a capture whose longest conversation cannot fit memory, before the engine
+    starts; a hub target (no local config) is not estimated."""
+    cfg = memfit.load_target_config(target)
+    if cfg is None:
+        return
+    dims = memfit.target_dims(cfg, engine_dtype=engine_dtype)
+    memfit.require_fit(memfit.capture_estimate(
+        dims, tokens=tokens, weights=memfit.weights_bytes(target, dims), capture_layers=len(meta.layer_ids) + 1,
+        stored_bytes_per_token=bytes_per_token(meta),
+        key="the manifest's compose.target_tokens (or generation.max_tokens)"))
 
 
 def _turn_spans(target: str, convs: list[dict], rendered: list[dict], *, trust_remote_code: bool = False):

@@ -189,13 +189,14 @@ def test_anchors_have_context_and_a_first_slot():
 
 def test_config_and_refusals():
     cfg = TrainConfig(family="dflash")
-    assert cfg.dflash == DFlashConfig() and (cfg.dflash.num_layers, cfg.dflash.block_size) == (2, 4)
+    assert cfg.dflash == DFlashConfig() and (cfg.dflash.num_layers, cfg.dflash.block_size) == (2, 8)
     with pytest.raises(ConfigError, match="train.dflash.block_size"):
         DFlashConfig(block_size=1)
     with pytest.raises(ConfigError, match="train.dflash.num_layers"):
         DFlashConfig(num_layers=0)
     with pytest.raises(ConfigError, match="train.sliding_window"):
-        TrainConfig(family="dflash", sliding_window="auto")
+        TrainConfig(family="dflash", sliding_window=64)
+    assert TrainConfig(family="dflash", sliding_window="auto").sliding_window == "auto"  # the demo's: no window
     assert D.mask_token_id(DFlashConfig(), {**TARGET_CFG, "pad_token_id": 0}) == 0
     with pytest.raises(ConfigError, match="train.dflash.mask_token_id"):
         D.mask_token_id(DFlashConfig(mask_token_id=V), TARGET_CFG)

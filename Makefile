@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.stamp-install
 FLAVOUR := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 RECIPE ?= recipes/toy.yaml
 
-.PHONY: install demo test clean-run tiny-target
+.PHONY: install demo test clean-run tiny-target tiny-target-long
 
 install: $(STAMP)
 
@@ -45,6 +45,11 @@ test: $(STAMP)
 # Rebuild the committed tiny-target fixture (deterministic; a few minutes on CPU).
 tiny-target: $(STAMP)
 	$(BIN)/eaglenest-tiny-target --out assets/tiny-target
+
+# Build the long-context fixture from the committed tiny target (deterministic, one thread; recipe,
+# measured figures and build times in docs/long_context.md, which says it is not yet competent).
+tiny-target-long: $(STAMP)
+	$(BIN)/python -m eaglenest.tinytarget.long --out assets/tiny-target-long
 
 clean-run:
 	rm -rf runs/toy

@@ -1,0 +1,86 @@
+"""The long-context tiny target's builder (``python -m eaglenest.tinytarget.long``): end to end at
+toy size (train, measure, card, provenance), bad input refused, its training rows exact and seeded
+apart from the evaluation's. All CPU, one thread, plain transformers."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from eaglenest.evaluate.buckets import _prompt_seed
+from eaglenest.tinytarget import longdata, longeval
+from eaglenest.tinytarget.long import LongConfig, build, main, parse_stages
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = ROOT / "assets" / "tiny-target"
+TEST_SEED = 42  # neither the evaluation's (0) nor the training's (TRAIN_SEED_BASE + row)
+# The fixture's own claims (confidence at 32K >= 0.9 x 1K, answers that need the far evidence) are
+# tested once a build meets them and assets/tiny-target-long is committed (docs/long_context.md);
+# no build does yet, so only the builder is tested here.
+
+
+def test_builder_end_to_end_at_toy_size(tmp_path):
+    """Two steps (one packed), one bucket, a few held-out chats: the same code path as the build."""
+    out = tmp_path / "long"
+    cfg = LongConfig(base=str(SHORT), stages=parse_stages("512x1x1,1024x1x1x340"), eval_buckets=(1024,),
+                     num_held_out=8)
+    metrics = build(out, cfg)
+    assert metrics["build_seconds"] > 0 and metrics["confidence_ratio_to_1k"] == {"1024": 1.0}
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == 1e6
+    prov = json.loads((out / "provenance.json").read_text())
+    bucket = prov["metrics"]["buckets"]["1024"]
+    assert bucket["prompts"] == 4 and 0 < bucket["target_confidence"] <= 1
+    assert {r["material"] for r in bucket["per_prompt"]} == {"records", "code", "recall", "chat"}
+    assert [s["num_steps"] for s in prov["metrics"]["train"]["stages"]] == [1, 1] and prov["config"]["seed"] == 1
+    card = (out / "README.md").read_text()
+    assert "| 1K | 1024 | 4 |" in card and "whole build" in card
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(out))  # loads back
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stages", "1024x4"], "--stages"),
+    (["--stages", "100x1x1"], "stages"),
+    (["--seed", "0"], "--seed"),
+    (["--skip-fraction", "2"], "skip_fraction"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, message):
+    out = tmp_path / "never"
+    assert main(["--out", str(out), "--base", str(SHORT), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_training_rows_are_exact_deterministic_and_not_the_evaluations():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(SHORT))
+    material = longdata.chat_material([{"prompt": "Hi?", "response": "Hello."}] * 4)
+
+    def make():
+        docs = longdata.DocStream(tok, seed=1, raw_fraction=0.25)
+        return list(longdata.rows(tok, 1024, 4, first_row=0, material=material, docs=docs))
+
+    a, b = make(), make()
+    assert a == b and [len(ids) for ids, _ in a] == [1024] * 4
+    assert [sum(mask) > 0 for _, mask in a] == [True, True, True, False]  # chat rows have no answer
+    ids, mask = a[0]
+    answer = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert answer.startswith("The ") and answer.endswith("<|end|>\n")
+    # Training prompt seeds never equal an evaluation prompt's seed (engine seed 0, any bucket >= 1K).
+    eval_seeds = {_prompt_seed(0, b, i) for b in longeval.BUCKETS for i in range(64)}
+    assert not eval_seeds & set(range(longdata.TRAIN_SEED_BASE, longdata.TRAIN_SEED_BASE + 100_000))
+    last_packed = longdata.packed_seed(longdata.TRAIN_SEED_BASE + 100_000, 63)
+    assert longdata.packed_seed(longdata.TRAIN_SEED_BASE, 0) > longdata.TRAIN_SEED_BASE + 100_000
+    assert last_packed < min(eval_seeds)
+    packed = longdata.long_row("records", tok, 1024, seed=longdata.TRAIN_SEED_BASE, material=material,
+                               docs=longdata.DocStream(tok, seed=1, raw_fraction=0.25), sample_tokens=340)
+    assert len(packed[0]) == 1024 and tok.decode(packed[0]).count("In the registry above") == 3
+    pos = longdata.skipped_positions(1024, 32768, random.Random(0))
+    assert len(pos) == 1024 and pos == sorted(pos) and pos[-1] <= 32767 and len(set(pos)) == 1024

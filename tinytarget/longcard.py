@@ -1,0 +1,104 @@
+"""The model card (``README.md``) of the long-context tiny target.
+
+Like ``card``: only measured numbers, passed in from the build (the same numbers go to
+provenance.json), so the card cannot claim what the build did not measure.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def bucket_table(buckets: dict[str, dict], ratios: dict[str, float]) -> str:
+    """Markdown table: per bucket confidence [95% interval], ratio to 1K, answers, far-context figures."""
+    lines = ["| bucket | prompt tokens | prompts | target_confidence [95%] | / 1K | answers found | "
+             "far kept | far removed | difference |", "|---|---|---|---|---|---|---|---|---|"]
+    for b in sorted(buckets, key=int):
+        f = buckets[b]
+        ci = f["intervals"].get("target_confidence")
+        conf = f"{f['target_confidence']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+        far = f["far_context"]
+        lines.append(f"| {int(b) // 1024}K | {f['prompt_tokens']} | {f['prompts']} | {conf} | {ratios[b]:.3f} | "
+                     f"{f['answer_found']} | {_fmt(far.get('confidence_kept'))} | "
+                     f"{_fmt(far.get('confidence_far_removed'))} | {_fmt(far.get('difference'))} |")
+    return "\n".join(lines)
+
+
+def write_long_card(outdir: str | Path, *, cfg, metrics: dict, seeds: dict, base_metrics: dict) -> Path:
+    train, buckets = metrics["train"], metrics["buckets"]
+    stages = "\n".join(f"| {s['seq_len_tokens']} | {s['batch_size']} | {s['num_steps']} | {s['seconds']:.0f} | "
+                       f"{s['final_loss']:.3f} | {s['final_answer_loss']:.3f} |" for s in train["stages"])
+    base_held = base_metrics.get("held_out", {})
+    held = "\n".join(f"| {d} | {_fmt(base_held.get(d, {}).get('loss'))} | {s['loss']:.3f} | "
+                     f"{_fmt(base_held.get(d, {}).get('top1_accuracy'))} | {s['top1_accuracy']:.3f} |"
+                     for d, s in metrics["held_out"].items())
+    stages_arg = ",".join(f"{s['seq_len_tokens']}x{s['batch_size']}x{s['num_steps']}"
+                          + (f"x{s['sample_tokens']}" if s.get("sample_tokens") else "") for s in train["stages"])
+    text = f"""---
+license: apache-2.0
+library_name: transformers
+pipeline_tag: text-generation
+tags: [eaglenest, test-fixture, synthetic, long-context]
+---
+
+# eaglenest tiny target, long context
+
+The tiny target (`{cfg.base}`, trained on 256-token rows) continued to work at up to
+{cfg.max_positions} tokens: same shape, tokenizer and chat format, RoPE base {cfg.rope_theta:g}
+instead of 1e4. A test fixture for long-context drafting; it knows only eaglenest's toy domains.
+`docs/long_context.md` says what was tried and why this recipe.
+
+## Long-context measurement
+
+The buckets of `evaluate al` (`evaluate.buckets`, seed 0, material `records, code, recall, chat`,
+{cfg.eval_prompts_per_bucket} prompts per bucket), decoded greedily for up to 64 tokens with
+transformers. `target_confidence`: mean probability of the model's own output tokens (95% interval:
+bootstrap over the bucket's prompts; few prompts, so a sketch, not a measurement; `evaluate al
+--recipe recipes/long_eval.yaml` has 16). `answers found`: outputs holding the reference answer
+(records, code, recall). Far context: the first 8 output tokens scored with the whole prompt (kept)
+and after only its last 512 tokens (removed), as `evaluate/farctx.py` does.
+
+{bucket_table(buckets, metrics["confidence_ratio_to_1k"])}
+
+## Short prompts (held-out corpus, assistant tokens)
+
+| domain | base loss | loss | base top-1 | top-1 |
+|---|---|---|---|---|
+{held}
+
+## Training
+
+Continued from `{cfg.base}` with AdamW (betas 0.9/0.95, weight decay {cfg.weight_decay}), peak lr
+{cfg.peak_lr}, {cfg.warmup_steps} warmup steps then one cosine to {cfg.min_lr_ratio} x peak over the
+stages. Rows: long material of `evaluate.longctx`'s kinds (records, code, recall) with its answer,
+and short corpus documents packed long ({cfg.raw_fraction:.0%} raw text), round-robin; loss = mean
+token loss + {cfg.answer_weight} x mean loss on the answer tokens. {cfg.skip_fraction:.0%} of rows have
+skipped position ids (one random gap, reaching up to {cfg.max_positions}). {cfg.num_threads} CPU thread(s).
+
+| row tokens | rows / step | steps | seconds | loss (last quarter) | answer loss |
+|---|---|---|---|---|---|
+{stages}
+
+{train['tokens_seen']} tokens in {train['train_seconds']:.0f} s; the whole build (training, measurement,
+writing) took **{metrics['build_seconds']:.0f} s** on this machine.
+
+Seeds: {", ".join(f"{k} {v}" for k, v in seeds.items())}. The training prompts' seeds and the
+evaluation's never meet (`eaglenest.tinytarget.longdata.TRAIN_SEED_BASE`).
+
+## Rebuild
+
+```bash
+python -m eaglenest.tinytarget.long --out assets/tiny-target-long --seed {cfg.seed} --rope-theta {cfg.rope_theta:g} \\
+    --skip-fraction {cfg.skip_fraction} --stages {stages_arg}
+```
+
+`provenance.json` records the code version, package versions, configuration and every number above
+(per-prompt rows included).
+"""
+    path = Path(outdir) / "README.md"
+    path.write_text(text, encoding="utf-8")
+    return path

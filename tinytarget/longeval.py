@@ -1,0 +1,117 @@
+"""Measure a target on the long-context buckets the way ``evaluate al`` does, with transformers.
+
+Per bucket (1K .. 32K): the prompts of ``evaluate.buckets.build_bucket_prompts`` (same seeds as
+``evaluate al`` with ``engine.seed=0``, so the figures describe the material the evaluation uses),
+each decoded greedily for up to ``max_new_tokens`` tokens with a KV cache:
+
+- ``target_confidence``: the mean probability of the target's own output tokens (its top-1
+  probability), pooled over the bucket's prompts, as ``evaluate.run.predictability`` pools it;
+- ``answer_found``: how many outputs hold the material's reference answer (``bucket_rows``' rule);
+- ``far_context``: ``evaluate.farctx``'s measure: the first ``probe_tokens`` output tokens scored
+  again after only the prompt's last ``keep_tokens`` tokens (``probes`` / ``summary``);
+- ``intervals``: ``evaluate.intervals.bucket_intervals`` over the bucket's prompts.
+
+Trade-off: a plain transformers forward instead of a vLLM engine, so the build needs no engine and
+the numbers can sit in the model card; the ``chat`` material is the corpus' held-out chats with
+their reference answers, where ``evaluate al`` uses the store's held-out chats and the target's
+own answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from eaglenest.evaluate import farctx
+from eaglenest.evaluate.buckets import bucket_rows, build_bucket_prompts
+from eaglenest.evaluate.intervals import bucket_intervals
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768)
+KINDS = ("records", "code", "recall", "chat")
+
+
+def greedy(model, ids: list[int], *, max_new_tokens: int, eos_id: int) -> tuple[list[int], list[float]]:
+    """Greedy continuation of ``ids`` and the probability of each output token (KV-cached decode)."""
+    import torch
+
+    out_ids, probs = [], []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        for _ in range(max_new_tokens):
+            p = out.logits[0, -1].float().softmax(-1)
+            t = int(p.argmax())
+            out_ids.append(t)
+            probs.append(float(p[t]))
+            if t == eos_id:
+                break
+            out = model(input_ids=torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+    return out_ids, probs
+
+
+def continuation_probs(model, ids: list[int], cont: list[int]) -> list[float]:
+    """Probability of each ``cont`` token after ``ids`` (one teacher-forced forward)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + cont]), logits_to_keep=len(cont) + 1).logits[0]
+    p = logits[:-1].float().softmax(-1)
+    return [float(p[i, t]) for i, t in enumerate(cont)]
+
+
+def measure(model, hf_tok, material, *, buckets=BUCKETS, per_bucket: int = 4, kinds=KINDS, seed: int = 0,
+            max_positions: int = 32768, max_new_tokens: int = 64, keep_tokens: int = 512,
+            probe_tokens: int = 8, resamples: int = 1000) -> dict[str, dict]:
+    """``{bucket: figures}`` for ``model`` on the long-context buckets (see the module docstring)."""
+    prompts = build_bucket_prompts(hf_tok, material, tuple(buckets), per_bucket=per_bucket, kinds=tuple(kinds),
+                                   max_positions=max_positions, max_tokens=max_new_tokens, seed=seed)
+    out: dict[str, dict] = {}
+    for bucket, ps in prompts.items():
+        t0 = time.perf_counter()
+        toks, probs = {}, {}
+        for p in ps:
+            toks[p["sample_id"]], probs[p["sample_id"]] = greedy(model, p["prompt_token_ids"],
+                                                                 max_new_tokens=max_new_tokens,
+                                                                 eos_id=hf_tok.eos_token_id)
+        far_rows = farctx.probes({bucket: ps}, toks, probs, keep_tokens=keep_tokens, probe_tokens=probe_tokens,
+                                 bos_id=hf_tok.bos_token_id)
+        for r in far_rows:
+            n = len(r["continuation"])
+            r["removed"] = continuation_probs(model, r["prompt_token_ids"][:-n], r["continuation"])
+        far = farctx.per_prompt_sums(far_rows)
+        rows = bucket_rows(ps, [toks[p["sample_id"]] for p in ps], {}, hf_tok)
+        for r in rows:
+            vals = probs[r["sample_id"]]
+            r.update(confidence_sum=round(sum(vals), 6), confidence_tokens=len(vals), **far.get(r["sample_id"], {}))
+        out[str(bucket)] = _figures(rows, bucket=bucket, prompt_tokens=len(ps[0]["prompt_token_ids"]),
+                                    keep_tokens=keep_tokens, probe_tokens=probe_tokens, resamples=resamples,
+                                    seed=seed, seconds=time.perf_counter() - t0)
+        log.info("bucket %d: confidence %.4f, answers %s, far %s (%.0f s)", bucket,
+                 out[str(bucket)]["target_confidence"], out[str(bucket)]["answer_found"],
+                 out[str(bucket)]["far_context"].get("difference"), out[str(bucket)]["seconds"])
+    return out
+
+
+def _figures(rows: list[dict], *, bucket: int, prompt_tokens: int, keep_tokens: int, probe_tokens: int,
+             resamples: int, seed: int, seconds: float) -> dict:
+    conf = sum(r["confidence_sum"] for r in rows) / max(1, sum(r["confidence_tokens"] for r in rows))
+    by_kind: dict[str, list[float]] = {}
+    for r in rows:
+        acc = by_kind.setdefault(r["material"], [0.0, 0])
+        acc[0] += r["confidence_sum"]
+        acc[1] += r["confidence_tokens"]
+    judged = [r for r in rows if r["answer_found"] is not None]
+    return {"prompt_tokens": prompt_tokens, "prompts": len(rows), "target_confidence": round(conf, 4),
+            "confidence_by_material": {k: round(s / max(1, n), 4) for k, (s, n) in sorted(by_kind.items())},
+            "answer_found": f"{sum(bool(r['answer_found']) for r in judged)}/{len(judged)}",
+            "far_context": farctx.summary(rows, keep_tokens=keep_tokens, probe_tokens=probe_tokens),
+            "intervals": bucket_intervals(rows, resamples=resamples, seed=f"{seed}:{bucket}"),
+            "seconds": round(seconds, 1), "per_prompt": rows}
+
+
+def ratio_to_first(figures: dict[str, dict]) -> dict[str, float]:
+    """Each bucket's ``target_confidence`` over the shortest bucket's."""
+    ordered = sorted(figures, key=int)
+    first = figures[ordered[0]]["target_confidence"]
+    return {b: round(figures[b]["target_confidence"] / first, 4) for b in ordered}

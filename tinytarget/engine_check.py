@@ -29,6 +29,9 @@ def run_check(model: str, prompts_dir: Path, *, num_per_domain: int, max_model_l
     report: dict = {"max_model_len": max_model_len, "chat": {}}
     for path in sorted(prompts_dir.glob("*.jsonl")):
         recs = [json.loads(line) for line in path.read_text().splitlines()[:num_per_domain]]
+        recs = [r for r in recs if "prompt" in r]  # single-turn prompts; dialogue files hold `messages`
+        if not recs:
+            continue
         convs = [([{"role": "system", "content": r["system"]}] if r.get("system") else [])
                  + [{"role": "user", "content": r["prompt"]}] for r in recs]
         outs = llm.chat(convs, params, use_tqdm=False)

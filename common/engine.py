@@ -152,11 +152,12 @@ def speculative_config(draft: str, num_speculative_tokens: int) -> dict[str, Any
     ``parallel_drafting`` when the draft's own config.json says it drafts in parallel (a P-EAGLE
     export's ``parallel_drafting: true``, or speculators' ``speculators_model_type: peagle``), so
     every caller serves a draft as it was trained without a second setting. A DFlash export
-    (``dflash_config`` in its config.json, ``train.family=dflash``) gets ``method: dflash``."""
+    (``dflash_config`` in its config.json, or speculators' ``speculators_model_type: dflash``;
+    ``train.family=dflash``) gets ``method: dflash``."""
     spec: dict[str, Any] = {"method": "eagle3", "model": draft, "num_speculative_tokens": int(num_speculative_tokens)}
     path = Path(draft) / "config.json"
     cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    if isinstance(cfg.get("dflash_config"), dict):
+    if isinstance(cfg.get("dflash_config"), dict) or cfg.get("speculators_model_type") == "dflash":
         spec["method"] = "dflash"
         return spec
     if cfg.get("parallel_drafting") is True or cfg.get("speculators_model_type") == "peagle":

@@ -29,12 +29,15 @@ vLLM serves the non-causal block attention the draft was trained with whatever i
 (the draft's own names). :func:`eaglenest.engine.speculative_config` gives ``{"method": "dflash"}``
 for it.
 
-With ``serve.format=speculators`` the same weights are written in speculators' own Eagle-3 layout
-(``speculators_config`` + ``transformer_layer_config``, ``layers.0.*``; ``serve/formats.py``), which
-vLLM also serves directly. With ``serve.quantization=fp8`` the draft's linears (``fc``, midlayer
-q/k/v/o, gate/up/down) are written as float8_e4m3fn ``weight`` + float32 per-output-channel
-``weight_scale`` and config.json gets compressed-tensors' ``quantization_config`` (``serve/fp8.py``
-says why this format and why ``lm_head`` stays at the export dtype).
+With ``serve.format=speculators`` the same weights are written in speculators' own layout
+(``speculators_config`` + ``transformer_layer_config``; ``serve/formats.py``): Eagle-3 or P-EAGLE
+(``layers.0.*``) or DFlash (the flat names), which vLLM also serves directly, as trained (a DFlash
+config says ``sliding_window_non_causal: true``, without which vLLM serves the block causal).
+
+With ``serve.quantization=fp8`` the draft's linears (``fc``, midlayer q/k/v/o, gate/up/down) are
+written as float8_e4m3fn ``weight`` + float32 per-output-channel ``weight_scale`` and config.json gets
+compressed-tensors' ``quantization_config`` (``serve/fp8.py`` says why this format and why
+``lm_head`` stays at the export dtype).
 
 vLLM renames ``midlayer.`` to ``layers.0.``, stacks q/k/v into ``qkv_proj`` and gate/up into
 ``gate_up_proj``, and loads ``d2t`` into ``draft_id_to_target_id`` (tests/serve checks this
@@ -179,15 +182,12 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     if format not in ("vllm", "speculators") or (format == "speculators" and quantization != "none"):
         raise ConfigError(f"serve.format: vllm, or speculators without quantization; got {format!r}")
     dflash = bool(info["draft_config"].get("dflash"))
-    if dflash and (format != "vllm" or quantization != "none"):
-        raise ConfigError("serve.format: a DFlash draft (train.family=dflash) exports as serve.format=vllm with "
+    if dflash and quantization != "none":
+        raise ConfigError("serve.quantization: a DFlash draft (train.family=dflash) exports with "
                           "serve.quantization=none only for now")
     cfg = (dflash_hf_config if dflash else draft_hf_config)(info, target_cfg, dtype=dtype)
-    if cfg.get("parallel_drafting") and format != "vllm":
-        raise ConfigError("serve.format: a P-EAGLE draft (train.family=peagle) exports as serve.format=vllm only "
-                          "for now; speculators' peagle layout is not written yet")
     k = num_speculative_tokens or recommended_num_speculative_tokens(info.get("train_config") or {})
-    if format == "vllm":
+    if format == "vllm" or dflash:  # (a speculators config carries k in its proposal; the DFlash card reads it here)
         cfg[RECOMMENDED_K] = k  # serve / evaluate use it when their num_speculative_tokens is null
     written = cfg
     if format == "speculators":
@@ -227,7 +227,8 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     write_provenance(tmp, config=recipe or {"serve": {"dtype": dtype, "quantization": quantization,
                                                       "format": format}},
                      argv=argv, inputs=inputs, extra={"format": format})
-    card = dflash_card(cfg, info, inputs) if dflash else model_card(cfg, info, inputs, format=format, notes=notes)
+    card = (dflash_card(cfg, info, inputs, format=format) if dflash
+            else model_card(cfg, info, inputs, format=format, notes=notes))
     (tmp / "README.md").write_text(card, encoding="utf-8")
     # Replace the whole directory at once so vLLM never reads a half-written draft.
     if out_dir.exists():
@@ -279,13 +280,25 @@ Training configuration:
 """
 
 
-def dflash_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]) -> str:
+def dflash_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any], *,
+                format: formats.Format = "vllm") -> str:
     m = info.get("metrics") or {}
     acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc", [])) or "n/a"
     k = cfg.get(RECOMMENDED_K) or cfg["block_size"] - 1
-    return f"""# DFlash draft (eaglenest)
+    if format == "speculators":
+        usage = f"""in speculators' DFlash checkpoint format
+(`speculators_model_type: dflash`): {cfg['num_hidden_layers']} Qwen3-style layers over the target's hidden states, one
+draft forward per round, non-causal attention inside the block. vLLM serves it directly; it serves the block
+non-causal, as trained, because config.json says `sliding_window_non_causal: true` (vLLM sets
+`dflash_config.causal` to its negation for every layer; with `false`, speculators' default, vLLM would serve
+the block causal, which this draft was not trained for).
 
-Speculative-decoding draft for the target `{inputs['target']}`, in vLLM's flat DFlash format
+```python
+from vllm import LLM
+llm = LLM(model="<this directory>")  # the target and the number of draft tokens come from config.json
+```"""
+    else:
+        usage = f"""in vLLM's flat DFlash format
 (`{DFLASH_ARCHITECTURE}`): {cfg['num_hidden_layers']} Qwen3-style layers over the target's hidden states, one draft
 forward per round, non-causal attention inside the block (`dflash_config.causal: false`).
 
@@ -293,7 +306,10 @@ forward per round, non-causal attention inside the block (`dflash_config.causal:
 from vllm import LLM
 llm = LLM(model="{inputs['target']}",
           speculative_config={{"method": "dflash", "model": "<this directory>", "num_speculative_tokens": {k}}})
-```
+```"""
+    return f"""# DFlash draft (eaglenest)
+
+Speculative-decoding draft for the target `{inputs['target']}`, {usage}
 
 vLLM's V1 runner ignores `block_size` and drafts `num_speculative_tokens` mask slots; the draft was
 trained for up to {cfg['block_size'] - 1}, and `serve` / `evaluate` use {k} when the recipe sets none

@@ -19,6 +19,10 @@ one; vLLM reads only that list's length, for ``fc``'s width). No other reader of
 (SGLang's, for one) is run or claimed here: ``import sglang`` (0.5.14) needs triton and torchvision
 at its top, which the CPU environment this is tested on cannot have (docs/serve.md). What a checked
 reader cannot represent is returned by :func:`reader_notes` and goes to the log and the model card.
+
+The speculators layout is written for the three families (``speculators_model_type`` eagle3, peagle,
+dflash); vLLM 0.32 maps peagle to eagle3 with ``parallel_drafting`` and DFlash's
+``sliding_window_non_causal`` to ``dflash_config.causal`` (negated, every layer).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_h
               "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
               "attention_bias", "mlp_bias", "bos_token_id", "eos_token_id", "pad_token_id", "layer_types",
               "sliding_window")
+#: Further keys of a DFlash export's config that go in its ``transformer_layer_config``.
+DFLASH_LAYER_KEYS = ("num_hidden_layers", "rope_theta", "use_sliding_window")
 FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 Format = Literal["vllm", "speculators"]
 
@@ -51,7 +57,13 @@ def aux_layer_keys(layer_ids: list[int]) -> dict[str, Any]:
 
 def speculators_config(cfg: dict[str, Any], *, verifier: str, verifier_architectures: list[str],
                        num_speculative_tokens: int) -> dict[str, Any]:
-    """speculators' ``Eagle3SpeculatorConfig`` JSON for the vLLM-format config ``cfg``."""
+    """speculators' config JSON for the vLLM-format config ``cfg``: its ``Eagle3SpeculatorConfig``,
+    ``PEagleSpeculatorConfig`` for a P-EAGLE draft (``parallel_drafting``) or ``DFlashSpeculatorConfig``
+    for a DFlash one (``dflash_config``)."""
+    head = {"speculators_version": SPECULATORS_VERSION}
+    if isinstance(cfg.get("dflash_config"), dict):
+        return _dflash_config(cfg, head, _proposal("dflash", verifier, verifier_architectures, num_speculative_tokens))
+    family = "peagle" if cfg.get("parallel_drafting") else "eagle3"
     if cfg.get("norm_before_fc") and cfg.get("fc_norm"):
         raise ConfigError("serve.format: speculators refuses norm_before_fc together with fc_norm "
                           "(its Eagle3SpeculatorConfig allows one); export this draft with serve.format=vllm")
@@ -60,23 +72,56 @@ def speculators_config(cfg: dict[str, Any], *, verifier: str, verifier_architect
     layer.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False, dtype=cfg["torch_dtype"])
     if len(ids) != 3:  # vLLM's llama_eagle3 sizes fc from this key (else 3); speculators from the ids
         layer["num_aux_hidden_states"] = len(ids)
-    return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
-                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
-        },
+    out = {
+        "architectures": ["PEagleSpeculator" if family == "peagle" else "Eagle3Speculator"],
+        "speculators_model_type": family,
+        **head,
+        "speculators_config": _proposal(family, verifier, verifier_architectures, num_speculative_tokens),
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg["draft_vocab_size"],
         "target_hidden_size": cfg["target_hidden_size"],
         "eagle_aux_hidden_state_layer_ids": ids,
+        # Every flag written: vLLM's defaults differ by family (norm_before_residual: eagle3 True, peagle False).
         **{flag: bool(cfg.get(flag, False)) for flag in FLAGS},
         "embed_requires_grad": False,
+    }
+    if family == "peagle":  # vLLM: speculators_model_type peagle -> eagle3 + parallel_drafting, this id -> pard_token
+        out["mask_token_id"] = int(cfg["mask_token_id"])
+    return out
+
+
+def _proposal(algorithm: str, verifier: str, verifier_architectures: list[str], k: int) -> dict[str, Any]:
+    """speculators' ``speculators_config``: greedy proposals of ``k`` tokens for the target ``verifier``."""
+    return {"algorithm": algorithm, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(k),
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)}}
+
+
+def _dflash_config(cfg: dict[str, Any], head: dict[str, Any], proposal: dict[str, Any]) -> dict[str, Any]:
+    """``DFlashSpeculatorConfig`` JSON from the flat DFlash config ``cfg`` (serve/export.py).
+
+    vLLM 0.32 rebuilds ``dflash_config`` from the top-level keys and sets ``causal`` to ``not
+    sliding_window_non_causal`` for every layer (a missing key reads as non-causal there, but
+    speculators' own default is False): the draft was trained non-causal inside the block, so the key
+    is written true. No ``is_causal`` goes in ``transformer_layer_config`` (vLLM would read it first)."""
+    dflash = cfg["dflash_config"]
+    layer = {k: v for k, v in cfg.items() if k in LAYER_KEYS + DFLASH_LAYER_KEYS}
+    layer.update(model_type="qwen3", tie_word_embeddings=False, dtype=cfg["torch_dtype"])
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        **head,
+        "speculators_config": proposal,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg["draft_vocab_size"],
+        "target_hidden_size": cfg["target_hidden_size"],
+        "block_size": int(cfg["block_size"]),
+        # speculators' convention, as vLLM's: the ids the feature store captured (vLLM subtracts one).
+        "aux_hidden_state_layer_ids": [int(i) + 1 for i in dflash["target_layer_ids"]],
+        "mask_token_id": int(dflash["mask_token_id"]),
+        "sliding_window_non_causal": not dflash["causal"],
+        "sample_from_anchor": False,
     }
 
 
@@ -117,13 +162,18 @@ def usage_text(fmt: Format, target: str, architecture: str, *, parallel: bool = 
     """The card's opening: which format this is and how vLLM loads it (``parallel``: a P-EAGLE draft,
     served with ``parallel_drafting``)."""
     if fmt == "speculators":
-        return f"""Speculative-decoding draft for the target `{target}`, in speculators' Eagle-3 checkpoint format
+        kind = "P-EAGLE (`speculators_model_type: peagle`)" if parallel else "Eagle-3"
+        note = ("\n\nServed as trained with no flag to add: vLLM turns `speculators_model_type: peagle` into "
+                "`method: eagle3` with `parallel_drafting: true` and takes `mask_token_id` as the parallel-drafting "
+                "token (loading `mask_hidden`); served without `parallel_drafting` it would draft sequentially, "
+                "which it was not trained for.") if parallel else ""
+        return f"""Speculative-decoding draft for the target `{target}`, in speculators' {kind} checkpoint format
 (`speculators_config` names the target; vLLM serves it directly).
 
 ```python
 from vllm import LLM
 llm = LLM(model="<this directory>")  # the target and the number of draft tokens come from config.json
-```"""
+```{note}"""
     pd = ', "parallel_drafting": True' if parallel else ""
     note = ("\n\nA P-EAGLE draft: vLLM drafts all tokens of a round in one forward (`mask_token_id` and "
             "`mask_hidden` at depth >= 1); without `parallel_drafting` it would be served as a sequential "

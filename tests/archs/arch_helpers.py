@@ -87,6 +87,31 @@ def served_and_offline(run: Run, *overrides: str, draft: Path | None = None, out
             json.loads((run.work / "eval_offline" / "offline_report.json").read_text()))
 
 
+def speculators_export(run: Run, out: Path) -> Path:
+    """The run's train checkpoint exported in speculators' layout under ``out/spec`` (the served
+    tests' own export is vLLM's format)."""
+    from eaglenest.serve.export import export_draft
+
+    return export_draft(run.work / "train", out / "spec", target_dir=run.target, format="speculators")
+
+
+def as_vllm_reads_it(draft: Path) -> tuple[str, dict, dict]:
+    """(the target, vLLM's speculative config, vLLM's draft config) for the speculators directory
+    ``draft``, as ``vllm serve <draft>`` resolves them."""
+    from vllm.transformers_utils.config import get_config, maybe_override_with_speculators
+
+    target, _, spec = maybe_override_with_speculators(str(draft), None, trust_remote_code=False)
+    return target, spec, get_config(str(draft), trust_remote_code=False).to_dict()
+
+
+def parity(run: Run, draft: Path, out: Path) -> tuple[int, dict]:
+    """``evaluate parity`` of the served ``draft`` against the run's train checkpoint (fp32: every
+    proposal of a draft served as trained is identical; tests/evaluate/test_parity.py)."""
+    code = run.cli("evaluate", "parity", "--out", str(out), f"evaluate.draft={draft}",
+                   "evaluate.parity_max_tokens=48", "evaluate.parity_min_identical=1.0")
+    return code, json.loads((out / "parity.json").read_text())
+
+
 def draft_outputs(draft: Path, target: Path, *, tokens: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """What the draft in ``draft`` (an export or a train checkpoint, loaded as ``evaluate offline``
     loads it) computes on fixed inputs: step 0 over ``tokens`` positions starting at 100 (so the

@@ -8,6 +8,9 @@ transformers forward: tests/archs/arch_helpers.py), a short ``train run`` with
 target alone, vLLM's rounds equal to the offline replay of the trained checkpoint (evaluate offline
 replays vLLM's parallel drafting: train/peagle.py ``propose``), and served AL above what a garbage draft gets (the same export with every weight
 replaced by noise of the same scale serves AL 1.00 on these prompts, measured; this draft ~1.57).
+
+Also exported in speculators' layout (``serve.format=speculators``: ``speculators_model_type:
+peagle``): what vLLM reads from it, checked with vLLM's own config code, and served as trained.
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ def test_export_carries_the_mask_and_serving_turns_parallel_drafting_on(trained,
     assert speculative_config(str(draft), 3) == {"method": "eagle3", "model": str(draft),
                                                  "num_speculative_tokens": 3, "parallel_drafting": True}
     assert "parallel_drafting" in (draft / "README.md").read_text()
-    with pytest.raises(ConfigError, match="serve.format"):
-        export_draft(trained.work / "train", tmp_path / "spec", target_dir=trained.target, format="speculators")
+    with pytest.raises(ConfigError, match="serve.format"):  # speculators' layout: P-EAGLE yes, quantised no
+        export_draft(trained.work / "train", tmp_path / "spec", target_dir=trained.target, format="speculators",
+                     quantization="fp8")
+    assert not (tmp_path / "spec").exists()
 
 
 def test_an_eagle3_export_is_served_sequentially(trained, tmp_path):
@@ -78,6 +83,41 @@ def test_peagle_draft_served_lossless_above_the_floor_and_as_trained(trained):
     overall, off = report["overall"], offline["overall"]
     print(f"\nP-EAGLE served AL {overall['acceptance_length']} over {overall['draft_rounds']} rounds, by position "
           f"{overall['acceptance_by_position']}; offline {off['acceptance_length']} over {off['draft_rounds']}")
+    assert report["lossless"]["all_identical"], report["lossless"]
+    assert overall["draft_rounds"] > 0 and overall["acceptance_length"] >= AL_FLOOR, overall
+    assert (overall["draft_rounds"], overall["accepted_tokens"]) == (off["draft_rounds"], off["accepted_tokens"])
+
+
+def test_peagle_speculators_export_as_vllm_reads_it(trained, tmp_path):
+    draft = H.speculators_export(trained, tmp_path)
+    raw = json.loads((draft / "config.json").read_text())
+    assert raw["speculators_model_type"] == "peagle" and raw["architectures"] == ["PEagleSpeculator"]
+    assert raw["speculators_config"]["algorithm"] == "peagle" and raw["mask_token_id"] == 0
+    target, spec, hf = H.as_vllm_reads_it(draft)
+    assert spec == {"method": "eagle3", "parallel_drafting": True, "model": str(draft),
+                    "num_speculative_tokens": spec["num_speculative_tokens"]}
+    assert Path(target) == Path(trained.target)
+    assert hf["architectures"] == ["PeagleLlamaForCausalLM"] and hf["pard_token"] == 0
+    assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    vllm_cfg = json.loads((trained.work / "draft" / "config.json").read_text())
+    for flag in ("norm_before_fc", "norm_before_residual"):  # vLLM's peagle defaults differ from eagle3's
+        assert hf[flag] == vllm_cfg[flag], flag
+    assert speculative_config(str(draft), 3)["parallel_drafting"] is True
+    # Same tensors as the vLLM-format export, the block as layers.0, mask_hidden kept.
+    ours, theirs = load_file(str(draft / "model.safetensors")), load_file(str(trained.work / "draft" /
+                                                                            "model.safetensors"))
+    assert {n.replace("layers.0.", "midlayer.") for n in ours} == set(theirs)
+    assert all(torch.equal(t, theirs[n.replace("layers.0.", "midlayer.")]) for n, t in ours.items())
+    assert "parallel_drafting" in (draft / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_peagle_speculators_export_served_as_trained(trained, tmp_path):
+    draft = H.speculators_export(trained, tmp_path)
+    report, offline = H.served_and_offline(trained, draft=draft, out="eval_spec")
+    overall, off = report["overall"], offline["overall"]
+    print(f"\nP-EAGLE speculators export: served AL {overall['acceptance_length']} over {overall['draft_rounds']} "
+          f"rounds; offline {off['acceptance_length']} over {off['draft_rounds']}")
     assert report["lossless"]["all_identical"], report["lossless"]
     assert overall["draft_rounds"] > 0 and overall["acceptance_length"] >= AL_FLOOR, overall
     assert (overall["draft_rounds"], overall["accepted_tokens"]) == (off["draft_rounds"], off["accepted_tokens"])

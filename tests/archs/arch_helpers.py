@@ -87,6 +87,21 @@ def served_and_offline(run: Run, *overrides: str, draft: Path | None = None, out
             json.loads((run.work / "eval_offline" / "offline_report.json").read_text()))
 
 
+def assert_served_as_trained(run: Run, label: str, floor: float, *, draft: Path | None = None,
+                             out: str = "eval") -> dict:
+    """Serve ``draft`` (the run's export by default) and replay it offline: every output identical to
+    the target alone, served AL at least ``floor``, vLLM's rounds and accepted tokens equal to the
+    offline replay of the train checkpoint (fp32). Returns the served report."""
+    report, offline = served_and_offline(run, draft=draft, out=out)
+    overall, off = report["overall"], offline["overall"]
+    print(f"\n{label}: served AL {overall['acceptance_length']} over {overall['draft_rounds']} rounds, by position "
+          f"{overall['acceptance_by_position']}; offline {off['acceptance_length']} over {off['draft_rounds']}")
+    assert report["lossless"]["all_identical"], report["lossless"]
+    assert overall["draft_rounds"] > 0 and overall["acceptance_length"] >= floor, overall
+    assert (overall["draft_rounds"], overall["accepted_tokens"]) == (off["draft_rounds"], off["accepted_tokens"])
+    return report
+
+
 def speculators_export(run: Run, out: Path) -> Path:
     """The run's train checkpoint exported in speculators' layout under ``out/spec`` (the served
     tests' own export is vLLM's format)."""

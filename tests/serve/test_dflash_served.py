@@ -88,13 +88,7 @@ def test_dflash_draft_served_lossless_above_the_floor_and_as_trained(trained):
     """Served AL above the floor, and vLLM's rounds equal the offline replay of its DFlash proposer with
     the train checkpoint (evaluate offline, fp32): the export carries the weights, layer offset, norms
     and non-causal block attention as trained (parity, round by round in total)."""
-    report, offline = H.served_and_offline(trained)
-    overall, off = report["overall"], offline["overall"]
-    print(f"\nDFlash served AL {overall['acceptance_length']} over {overall['draft_rounds']} rounds, by position "
-          f"{overall['acceptance_by_position']}; offline {off['acceptance_length']} over {off['draft_rounds']}")
-    assert report["lossless"]["all_identical"], report["lossless"]
-    assert overall["draft_rounds"] > 0 and overall["acceptance_length"] >= AL_FLOOR, overall
-    assert (overall["draft_rounds"], overall["accepted_tokens"]) == (off["draft_rounds"], off["accepted_tokens"])
+    H.assert_served_as_trained(trained, "DFlash", AL_FLOOR)
 
 
 def test_dflash_speculators_export_as_vllm_reads_it(trained, tmp_path):
@@ -123,13 +117,7 @@ def test_dflash_speculators_export_as_vllm_reads_it(trained, tmp_path):
 @pytest.mark.slow
 def test_dflash_speculators_export_served_as_trained_and_the_causal_flag_matters(trained, tmp_path):
     draft = H.speculators_export(trained, tmp_path)
-    report, offline = H.served_and_offline(trained, draft=draft, out="eval_spec")
-    overall, off = report["overall"], offline["overall"]
-    print(f"\nDFlash speculators export: served AL {overall['acceptance_length']} over {overall['draft_rounds']} "
-          f"rounds; offline {off['acceptance_length']} over {off['draft_rounds']}")
-    assert report["lossless"]["all_identical"], report["lossless"]
-    assert overall["draft_rounds"] > 0 and overall["acceptance_length"] >= AL_FLOOR, overall
-    assert (overall["draft_rounds"], overall["accepted_tokens"]) == (off["draft_rounds"], off["accepted_tokens"])
+    H.assert_served_as_trained(trained, "DFlash speculators export", AL_FLOOR, draft=draft, out="eval_spec")
     # The same export with speculators' default flag: vLLM serves the block causal. On this weak draft
     # that leaves the served AL as it was (measured: 104 rounds, 20 accepted either way), so whether
     # the block is served as trained is seen where the proposals part: ``evaluate parity`` against the

@@ -79,13 +79,7 @@ def test_an_eagle3_export_is_served_sequentially(trained, tmp_path):
 def test_peagle_draft_served_lossless_above_the_floor_and_as_trained(trained):
     """Served AL above the floor, and vLLM's rounds equal the offline replay of its parallel drafting
     with the train checkpoint (evaluate offline, fp32): round by round in total."""
-    report, offline = H.served_and_offline(trained)
-    overall, off = report["overall"], offline["overall"]
-    print(f"\nP-EAGLE served AL {overall['acceptance_length']} over {overall['draft_rounds']} rounds, by position "
-          f"{overall['acceptance_by_position']}; offline {off['acceptance_length']} over {off['draft_rounds']}")
-    assert report["lossless"]["all_identical"], report["lossless"]
-    assert overall["draft_rounds"] > 0 and overall["acceptance_length"] >= AL_FLOOR, overall
-    assert (overall["draft_rounds"], overall["accepted_tokens"]) == (off["draft_rounds"], off["accepted_tokens"])
+    H.assert_served_as_trained(trained, "P-EAGLE", AL_FLOOR)
 
 
 def test_peagle_speculators_export_as_vllm_reads_it(trained, tmp_path):
@@ -114,10 +108,4 @@ def test_peagle_speculators_export_as_vllm_reads_it(trained, tmp_path):
 @pytest.mark.slow
 def test_peagle_speculators_export_served_as_trained(trained, tmp_path):
     draft = H.speculators_export(trained, tmp_path)
-    report, offline = H.served_and_offline(trained, draft=draft, out="eval_spec")
-    overall, off = report["overall"], offline["overall"]
-    print(f"\nP-EAGLE speculators export: served AL {overall['acceptance_length']} over {overall['draft_rounds']} "
-          f"rounds; offline {off['acceptance_length']} over {off['draft_rounds']}")
-    assert report["lossless"]["all_identical"], report["lossless"]
-    assert overall["draft_rounds"] > 0 and overall["acceptance_length"] >= AL_FLOOR, overall
-    assert (overall["draft_rounds"], overall["accepted_tokens"]) == (off["draft_rounds"], off["accepted_tokens"])
+    H.assert_served_as_trained(trained, "P-EAGLE speculators export", AL_FLOOR, draft=draft, out="eval_spec")

@@ -372,6 +372,10 @@ class TrainConfig:
             raise ConfigError(f"train.family=peagle: rows of pack_tokens={self.pack_tokens} exceed "
                               f"attn_chunk_tokens={self.attn_chunk_tokens}; the P-EAGLE objective has no "
                               "query chunking yet: lower train.pack_tokens")
+        if self.source == "stream" and self.family != "eagle3":
+            # Not yet shown to train P-EAGLE or DFlash from a live engine (no test): refused, not guessed.
+            raise ConfigError(f"train.family={self.family}: the streaming bypass (train.source=stream) trains "
+                              "train.family=eagle3 only for now; capture to the table (train.source=table)")
         if self.source == "stream" and self.stream.transport == "gloo":
             parse_addr(self.stream.addr)  # names train.stream.addr
         if not self.output_subdir or "/" in self.output_subdir or self.output_subdir.startswith("."):

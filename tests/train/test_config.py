@@ -33,6 +33,14 @@ def test_section_errors_name_the_dotted_key(override, message):
         load(override)
 
 
+@pytest.mark.parametrize("family", ["peagle", "dflash"])
+def test_parallel_families_are_refused_on_the_stream_until_shown_to_train_there(family):
+    with pytest.raises(ConfigError, match=rf"train\.family={family}: the streaming bypass"):
+        load("train.source=stream", f"train.family={family}")
+    assert load("train.source=stream").family == "eagle3"
+    assert load(f"train.family={family}").source == "table"
+
+
 def test_gloo_stream_address_is_checked_at_config_time():
     with pytest.raises(ConfigError, match=r"train\.stream\.addr"):
         load("train.source=stream", "train.stream.transport=gloo", "train.stream.addr=nohost")

@@ -43,12 +43,19 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
+#: Every draft family trains on several ranks as on one (DFlash: a one-layer draft; more is refused).
+FAMILIES = {"eagle3": {}, "peagle": {"family": "peagle"},
+            "dflash": {"family": "dflash", "dflash.num_layers": 1, "dflash.block_size": 4}}
+
+
 @pytest.mark.slow
-def test_two_ranks_match_one_rank(tmp_path, feature_store, tiny_target):
-    one = train(config(TRAJ), store_uri=feature_store[0], workdir=str(tmp_path / "one"),
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_two_ranks_match_one_rank(tmp_path, feature_store, tiny_target, family):
+    cfg = {**TRAJ, **FAMILIES[family]}
+    one = train(config(cfg), store_uri=feature_store[0], workdir=str(tmp_path / "one"),
                 target_dir=str(tiny_target), seed=0)
     cmd = [sys.executable, "-m", "eaglenest.pipeline.train_cli", "launch", "--nproc", "2", "--recipe", RECIPE,
-           *overrides(TRAJ, tmp_path / "two", feature_store, tiny_target)]
+           *overrides(cfg, tmp_path / "two", feature_store, tiny_target)]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-12000:]
     a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")

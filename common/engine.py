@@ -155,14 +155,19 @@ def speculative_config(draft: str, num_speculative_tokens: int) -> dict[str, Any
     (``dflash_config`` in its config.json, or speculators' ``speculators_model_type: dflash``;
     ``train.family=dflash``) gets ``method: dflash``."""
     spec: dict[str, Any] = {"method": "eagle3", "model": draft, "num_speculative_tokens": int(num_speculative_tokens)}
-    path = Path(draft) / "config.json"
-    cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    cfg = _draft_config(draft)
     if isinstance(cfg.get("dflash_config"), dict) or cfg.get("speculators_model_type") == "dflash":
         spec["method"] = "dflash"
         return spec
     if cfg.get("parallel_drafting") is True or cfg.get("speculators_model_type") == "peagle":
         spec["parallel_drafting"] = True
     return spec
+
+
+def _draft_config(draft: str) -> dict[str, Any]:
+    """The exported draft's config.json ({} when there is none yet)."""
+    path = Path(draft) / "config.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 #: The key of an exported draft's config.json that holds the number of speculative tokens it is
@@ -174,8 +179,7 @@ def draft_num_speculative_tokens(draft: str, default: int) -> int:
     """The number of speculative tokens to serve ``draft`` with when the recipe sets none: its
     config.json's ``recommended_num_speculative_tokens``, else (a speculators checkpoint) its first
     proposal method's ``speculative_tokens``, else ``default`` (no draft there yet, or an older export)."""
-    path = Path(draft) / "config.json"
-    cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    cfg = _draft_config(draft)
     if isinstance(cfg.get(RECOMMENDED_K), int) and cfg[RECOMMENDED_K] >= 1:
         return cfg[RECOMMENDED_K]
     methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]

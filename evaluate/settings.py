@@ -34,7 +34,7 @@ from eaglenest.evaluate.config import EvaluateConfig
 from eaglenest.featurestore.capture import policy
 from eaglenest.ingest.manifest import load_manifest
 from eaglenest.ingest.reasoning import template_kwargs
-from eaglenest.train.config import recommended_num_speculative_tokens
+from eaglenest.train.config import BEST_NUM_SPECULATIVE_TOKENS, recommended_num_speculative_tokens
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ def draft_dir(recipe) -> str:
     return recipe.evaluate.draft or str(recipe.run.path(recipe.serve.draft_subdir))
 
 
-def with_draft_k(cfg: EvaluateConfig, draft: str, default: int = 3) -> EvaluateConfig:
+def with_draft_k(cfg: EvaluateConfig, draft: str,
+                 default: int = BEST_NUM_SPECULATIVE_TOKENS["eagle3"]) -> EvaluateConfig:
     """``cfg`` with a null ``num_speculative_tokens`` set to ``draft``'s recorded default (``default``:
     no draft there, or an export from before the record). Every function serving a draft with an
     ``EvaluateConfig`` calls it, so a config built in code behaves as one from a recipe."""

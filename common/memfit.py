@@ -146,6 +146,24 @@ def train_estimate(*, pack_tokens: int, rows: int, hidden: int, num_aux: int, he
                     f"{ttt_steps} TTT steps)", key, parts)
 
 
+def check_engine(target: str, *, tokens: int, engine_dtype: str, key: str, what: str = "",
+                 capture_layers: int = 0, stored_bytes_per_token: int = 0) -> None:
+    """Refuse, before it starts, a vLLM engine on ``target`` that cannot hold one sequence of
+    ``tokens`` (``what`` it is for, ``key`` the recipe key to change); with ``capture_layers`` the
+    capture's share too, under :func:`capture_estimate`'s own description. A hub target (no local config) is not estimated."""
+    cfg = load_target_config(target)
+    if cfg is None:
+        return
+    dims = target_dims(cfg, engine_dtype=engine_dtype)
+    weights = weights_bytes(target, dims)
+    if capture_layers:
+        est = capture_estimate(dims, tokens=tokens, weights=weights, capture_layers=capture_layers,
+                               stored_bytes_per_token=stored_bytes_per_token, key=key)
+    else:
+        est = Estimate(what, key, engine_parts(dims, tokens=tokens, weights=weights))
+    require_fit(est)
+
+
 def load_target_config(target: str) -> dict | None:
     """A local target's language config (a multimodal wrapper's text config), else None (a hub
     id: nothing is estimated, the stage's own checks apply)."""

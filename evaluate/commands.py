@@ -73,10 +73,8 @@ def check_fit(target: str, cfg) -> None:
     max_pos = int(tcfg.get("max_position_embeddings") or 4096)
     tokens = max(bucket_length(b, max_positions=max_pos, max_tokens=cfg.bucket_max_tokens)
                  for b in cfg.context_buckets) + cfg.bucket_max_tokens
-    dims = memfit.target_dims(tcfg, engine_dtype=cfg.engine.dtype)
-    parts = memfit.engine_parts(dims, tokens=tokens, weights=memfit.weights_bytes(target, dims))
-    memfit.require_fit(memfit.Estimate(f"serving the longest context bucket ({tokens} tokens with its output)",
-                                       "evaluate.context_buckets", parts))
+    memfit.check_engine(target, tokens=tokens, engine_dtype=cfg.engine.dtype, key="evaluate.context_buckets",
+                        what=f"serving the longest context bucket ({tokens} tokens with its output)")
 
 
 def _cache_key(recipe, draft: str, cfg=None) -> str:

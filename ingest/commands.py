@@ -48,12 +48,8 @@ def check_long(manifest, recipe) -> None:
         raise ConfigError(f"ingest.engine.max_model_len: {recipe.ingest.engine.max_model_len} is shorter than the "
                           f"longest composed conversation ({longest} tokens with its last answer): raise it or "
                           f"lower {key}")
-    cfg = memfit.load_target_config(recipe.run.target)
-    if cfg is not None:
-        dims = memfit.target_dims(cfg, engine_dtype=recipe.ingest.engine.dtype)
-        parts = memfit.engine_parts(dims, tokens=longest, weights=memfit.weights_bytes(recipe.run.target, dims))
-        memfit.require_fit(memfit.Estimate(f"regenerating the longest composed conversation ({longest} tokens)",
-                                           key, parts))
+    memfit.check_engine(recipe.run.target, tokens=longest, engine_dtype=recipe.ingest.engine.dtype, key=key,
+                        what=f"regenerating the longest composed conversation ({longest} tokens)")
 
 
 def cmd_build(recipe, args) -> int:

@@ -200,14 +200,9 @@ def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: floa
 def check_fit(target: str, meta: S.FeatureMeta, tokens: int, engine_dtype: str) -> None:
     """Refuse (``memfit``) a capture whose longest conversation cannot fit memory, before the engine
     starts; a hub target (no local config) is not estimated."""
-    cfg = memfit.load_target_config(target)
-    if cfg is None:
-        return
-    dims = memfit.target_dims(cfg, engine_dtype=engine_dtype)
-    memfit.require_fit(memfit.capture_estimate(
-        dims, tokens=tokens, weights=memfit.weights_bytes(target, dims), capture_layers=len(meta.layer_ids) + 1,
-        stored_bytes_per_token=bytes_per_token(meta),
-        key="the manifest's compose.target_tokens (or generation.max_tokens)"))
+    memfit.check_engine(target, tokens=tokens, engine_dtype=engine_dtype,
+                        capture_layers=len(meta.layer_ids) + 1, stored_bytes_per_token=bytes_per_token(meta),
+                        key="the manifest's compose.target_tokens (or generation.max_tokens)")
 
 
 def _turn_spans(target: str, convs: list[dict], rendered: list[dict], *, trust_remote_code: bool = False):

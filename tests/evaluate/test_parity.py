@@ -1,13 +1,16 @@
 """``evaluate parity``: vLLM's draft tokens per round from the export against the trained checkpoint's.
 
 One store of the committed tiny target (its own greedy answers, features from a transformers forward:
-tests/archs/arch_helpers.py, as the served tests build theirs) and three short-trained drafts: an
-EAGLE-3.1 draft (``norm_before_residual``), a P-EAGLE and a DFlash draft, each exported by ``serve
-export``. A correct export of each family passes with every proposal identical (fp32 target and
-draft); three deliberately skewed exports fail with one line naming the request, round and position
-where trained and served part: the EAGLE-3.1 export with its aux layer ids shifted by one, the same
-export with its norm flag dropped, and the DFlash export served block-causal (``dflash_config.causal``).
-The cheap tests check the replay and the report without an engine.
+tests/archs/arch_helpers.py, as the served tests build theirs) and a short-trained EAGLE-3.1 draft
+(``norm_before_residual``) exported by ``serve export``. A correct export passes with every proposal
+identical (fp32 target and draft); two deliberately skewed exports fail with one line naming the
+request, round and position where trained and served part: the export with its aux layer ids
+shifted by one, and the same export with its norm flag dropped. The cheap tests check the replay and
+the report without an engine.
+
+The parallel families are checked the same way where their drafts are trained and served
+(tests/serve/test_peagle_served.py, tests/serve/test_dflash_served.py): each correct export (the
+speculators layout) passes, and the DFlash export served block-causal fails, naming the parting.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import torch
 
 from eaglenest.evaluate import parity
 from eaglenest.evaluate.offline import features, load_draft, load_target, propose
-from eaglenest.train import peagle
 
 _spec = importlib.util.spec_from_file_location(
     "_eaglenest_test_arch_helpers_parity", Path(__file__).parent.parent / "archs" / "arch_helpers.py")
@@ -33,14 +35,10 @@ _spec.loader.exec_module(H)
 #: whatever its features say, and parity then missed all three skews (measured); at 60 steps its
 #: proposals depend on what the skews change.
 TRAIN = dict(H.SERVED_TRAIN)
-FAMILIES = {
-    "eagle31": {"norm_before_residual": True},
-    "peagle": {"family": "peagle", "peagle": {"num_slots": 3, "anchors_per_row": 32}},
-    "dflash": {"family": "dflash", "dflash": {"num_layers": 2, "block_size": 4, "anchors_per_row": 32}},
-}
+FAMILIES = {"eagle31": {"norm_before_residual": True}}
 #: Few prompts (one per domain), short outputs: 108-150 rounds a family (measured). fp32 target and draft: every
 #: proposal of a correct export is identical, so the tests ask for all of them (the default, 0.99,
-#: leaves room for bf16 near-ties; the block-causal DFlash skew of this weak draft parts in 1 round of
+#: leaves room for bf16 near-ties; the block-causal skew of a weak DFlash draft parts in 1 round of
 #: 150, measured).
 PARITY = ("evaluate.parity_max_tokens=48", "evaluate.parity_min_identical=1.0")
 
@@ -108,13 +106,9 @@ def _drop_norm_flag(cfg: dict) -> None:
     assert cfg.pop("norm_before_residual") is True
 
 
-def _block_causal(cfg: dict) -> None:
-    cfg["dflash_config"]["causal"] = True
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("family, edit", [("eagle31", _shift_layers), ("eagle31", _drop_norm_flag),
-                                          ("dflash", _block_causal)], ids=["layer-offset", "norm-flag", "block-causal"])
+@pytest.mark.parametrize("family, edit", [("eagle31", _shift_layers), ("eagle31", _drop_norm_flag)],
+                         ids=["layer-offset", "norm-flag"])
 def test_a_skewed_export_fails_naming_where_it_parts(runs, family, edit, tmp_path, capsys):
     run = runs(family)
     skewed = _skewed(run, tmp_path, edit)
@@ -130,8 +124,8 @@ def test_a_skewed_export_fails_naming_where_it_parts(runs, family, edit, tmp_pat
             and f"trained token {first['trained_token']}, served token {first['served_token']}" in err[0])
 
 
-# Without an engine (the drafts still train): the replay walks vLLM's rounds from the outputs, the report
-# names the first parting, and P-EAGLE's proposer is its training forward.
+# Without an engine (the draft still trains): the replay walks vLLM's rounds from the outputs and the
+# report names the first parting.
 
 @pytest.mark.slow
 def test_replay_walks_the_rounds_and_the_report_names_the_first_parting(runs):
@@ -161,29 +155,6 @@ def test_replay_walks_the_rounds_and_the_report_names_the_first_parting(runs):
     assert not report["passed"] and report["identical_by_position"][:2] == [1.0, 1.0]
     assert {k: report["first_difference"][k] for k in ("request", "round", "position")} == \
         {"request": "r", "round": 1, "position": 3}
-
-
-@pytest.mark.slow
-def test_the_peagle_proposer_is_the_training_forward(runs):
-    """P-EAGLE's offline proposer gives the argmax the training forward computes at its anchor's slots."""
-    run = runs("peagle")
-    draft = load_draft(run.work / "train", run.target)
-    gen = torch.Generator().manual_seed(0)
-    t, n_aux = 9, len(draft.config.eagle_aux_layer_ids)
-    # The training row is one longer: its depth-0 token at t-1 is x_t (the round's bonus token); the
-    # extra position t is seen by neither the anchor t-1 nor its slots.
-    aux = torch.randn(1, t + 1, n_aux * draft.config.target_hidden_size, generator=gen)
-    ids = torch.randint(0, draft.config.vocab_size, (1, t + 1), generator=gen)
-    with torch.no_grad():
-        got = peagle.propose(draft, ids[0].tolist(), draft.combine(aux[0, :t]), 3)
-        zero = torch.zeros(1, t + 1, dtype=torch.long)
-        batch = peagle.PEagleBatch(input_ids=ids, loss_mask=zero.bool(), doc_ids=zero,
-                                   position_ids=torch.arange(t + 1)[None], aux=aux, last_hidden=None,
-                                   anchors=torch.tensor([[t - 1]]), anchor_ok=torch.ones(1, 1, dtype=torch.bool))
-        normed = peagle.peagle_forward(draft, batch, 3)
-        rows = torch.cat([normed[0, t - 1:t], normed[0, t + 1:]])
-    want = draft.draft_to_target(draft.logits(rows).argmax(-1)).tolist()
-    assert got == want
 
 
 def test_a_threshold_outside_0_1_is_refused_before_anything_runs(store, tmp_path, capsys):

@@ -10,7 +10,10 @@ replays vLLM's parallel drafting: train/peagle.py ``propose``), and served AL ab
 replaced by noise of the same scale serves AL 1.00 on these prompts, measured; this draft ~1.57).
 
 Also exported in speculators' layout (``serve.format=speculators``: ``speculators_model_type:
-peagle``): what vLLM reads from it, checked with vLLM's own config code, and served as trained.
+peagle``): what vLLM reads from it, checked with vLLM's own config code, and served as trained
+(``evaluate parity``: every proposal vLLM makes from it, round by round, is the one the train
+checkpoint makes). The offline proposer that replay uses is P-EAGLE's training forward (tested
+without an engine).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from safetensors.torch import load_file
 
 from eaglenest.engine import speculative_config
 from eaglenest.errors import ConfigError
+from eaglenest.evaluate.offline import load_draft
 from eaglenest.serve.export import export_draft
+from eaglenest.train import peagle
 
 _spec = importlib.util.spec_from_file_location(
     "_eaglenest_test_arch_helpers_peagle", Path(__file__).parent.parent / "archs" / "arch_helpers.py")
@@ -106,6 +111,32 @@ def test_peagle_speculators_export_as_vllm_reads_it(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_peagle_speculators_export_served_as_trained(trained, tmp_path):
+def test_peagle_speculators_export_proposes_what_the_checkpoint_proposes(trained, tmp_path):
     draft = H.speculators_export(trained, tmp_path)
-    H.assert_served_as_trained(trained, "P-EAGLE speculators export", AL_FLOOR, draft=draft, out="eval_spec")
+    code, report = H.parity(trained, draft, tmp_path / "parity")
+    print(f"\nP-EAGLE speculators export: {report['rounds']} rounds, identical by position "
+          f"{report['identical_by_position']}")
+    assert code == 0 and report["passed"], report["first_difference"]
+    assert report["rounds"] >= 20 and report["num_speculative_tokens"] == 3
+    assert report["identical_by_position"] == [1.0] * 3 and report["first_difference"] is None
+
+
+def test_the_peagle_proposer_is_the_training_forward(trained):
+    """P-EAGLE's offline proposer gives the argmax the training forward computes at its anchor's slots."""
+    draft = load_draft(trained.work / "train", trained.target)
+    gen = torch.Generator().manual_seed(0)
+    t, n_aux = 9, len(draft.config.eagle_aux_layer_ids)
+    # The training row is one longer: its depth-0 token at t-1 is x_t (the round's bonus token); the
+    # extra position t is seen by neither the anchor t-1 nor its slots.
+    aux = torch.randn(1, t + 1, n_aux * draft.config.target_hidden_size, generator=gen)
+    ids = torch.randint(0, draft.config.vocab_size, (1, t + 1), generator=gen)
+    with torch.no_grad():
+        got = peagle.propose(draft, ids[0].tolist(), draft.combine(aux[0, :t]), 3)
+        zero = torch.zeros(1, t + 1, dtype=torch.long)
+        batch = peagle.PEagleBatch(input_ids=ids, loss_mask=zero.bool(), doc_ids=zero,
+                                   position_ids=torch.arange(t + 1)[None], aux=aux, last_hidden=None,
+                                   anchors=torch.tensor([[t - 1]]), anchor_ok=torch.ones(1, 1, dtype=torch.bool))
+        normed = peagle.peagle_forward(draft, batch, 3)
+        rows = torch.cat([normed[0, t - 1:t], normed[0, t + 1:]])
+    want = draft.draft_to_target(draft.logits(rows).argmax(-1)).tolist()
+    assert got == want

@@ -31,12 +31,13 @@ class MissingExtraError(EaglenestError, ImportError):
     """An optional dependency is not installed."""
 
 
-def require(module: str, extra: str):
-    """Import ``module`` lazily; raise a :class:`MissingExtraError` naming the extra if missing."""
+def require(module: str, extra: str | None = None):
+    """Import ``module`` lazily; raise a :class:`MissingExtraError` if it is missing, naming the extra
+    of pyproject.toml that installs it (``cpu``, ``cuda``, ``track``), or, with ``extra=None``, saying
+    it is one of eaglenest's own dependencies (a broken install)."""
     try:
         return importlib.import_module(module)
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise MissingExtraError(
-            f"{module} is not installed: install eaglenest with the '{extra}' extra "
-            f"(pip install 'eaglenest[{extra}]')"
-        ) from exc
+    except ImportError as exc:
+        hint = (f"install eaglenest with the '{extra}' extra (pip install 'eaglenest[{extra}]')" if extra else
+                "it is one of eaglenest's own dependencies: reinstall eaglenest (make install, or pip install -e .)")
+        raise MissingExtraError(f"{module} is not installed: {hint}") from exc

@@ -192,7 +192,7 @@ def _guarded(fn, store_uri: str):
     try:
         return fn()
     except OSError as exc:
-        raise StoreError(f"run.store_uri: cannot write the prompts table in {store_uri}: "
+        raise StoreError(f"run.store: cannot write the prompts table in {store_uri}: "
                          f"{str(exc).splitlines()[0][:300]}; no partial version was committed") from None
 
 

@@ -128,7 +128,7 @@ def _mark(env: str, name: str) -> None:
 
 def connect(address: str):
     """A ``distributed.Client`` of the running scheduler at ``address``, or one line naming the key."""
-    distributed = require("distributed", "dask")
+    distributed = require("distributed")
     try:
         if distributed.comm.parse_address(address)[0] == "tcp":  # refused: at once (Client would retry)
             socket.create_connection(distributed.comm.get_address_host_port(address),
@@ -145,7 +145,7 @@ def connect(address: str):
 
 def client_for(cfg):
     """A connected ``distributed.Client`` (closing it also closes a LocalCluster it started)."""
-    distributed = require("distributed", "dask")
+    distributed = require("distributed")
     import dask
 
     if cfg.dask_scheduler:

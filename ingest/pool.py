@@ -87,7 +87,7 @@ def _read_rows(src: Source, where: str, base_dir) -> tuple[list, str]:
         if not isinstance(rows, list):
             raise ManifestError(f"{where}.path: {src.path} holds {_kind(rows)}, not a list of rows")
         return rows, str(src.path)
-    datasets = require("datasets", "ingest")
+    datasets = require("datasets")
     ds = datasets.load_dataset(src.hf_id, src.hf_config or None, split=src.hf_split)
     return list(ds), f"hf:{src.hf_id}/{src.hf_config or 'default'}/{src.hf_split}"
 

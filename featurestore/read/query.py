@@ -110,7 +110,7 @@ def _tensor_view(uri: str, ds):
     Lance, bytes and a bounded batch at a time, and applies DuckDB's filter and projection to each
     batch itself (:class:`_Batches`).
     """
-    lance = require("lance", "featurestore")
+    lance = require("lance")
     rows = _rows_per_batch(ds)
 
     class TensorView(lance.LanceDataset):

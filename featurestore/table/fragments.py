@@ -84,7 +84,7 @@ def write_fragment(uri: str, name: str, table: pa.Table, *, meta: S.FeatureMeta 
     Safe in another process or a Dask worker. Returns ``FragmentMetadata`` objects (picklable, a few
     hundred bytes each) for :func:`commit_fragments`.
     """
-    fragment = require("lance.fragment", "featurestore")
+    fragment = require("lance.fragment")
     table, want = _checked(uri, name, table, meta)
     if table.num_rows == 0:
         return []

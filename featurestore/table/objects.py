@@ -60,7 +60,7 @@ def lance_options(uri: str) -> dict[str, str] | None:
 
 def dataset(path: str, version: int | str | None = None):
     """``lance.dataset`` of a table URI, with its store's storage options."""
-    lance = require("lance", "featurestore")
+    lance = require("lance")
     return lance.dataset(path if is_remote(path) else local(path), version=version,
                          storage_options=lance_options(path))
 

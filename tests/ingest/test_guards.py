@@ -114,7 +114,7 @@ def test_disk_full_is_a_clear_error_and_commits_nothing(tmp_path, tiny_target):
                        capture_output=True, text=True, timeout=120)
     out = p.stdout.splitlines()
     assert p.returncode == 0 and out, p.stderr[-2000:]
-    assert out[0].startswith("ERR run.store_uri: cannot write the prompts table") and len(out[0]) < 600
+    assert out[0].startswith("ERR run.store: cannot write the prompts table") and len(out[0]) < 600
     assert "no partial version was committed" in out[0]
     _, v0, v1, n = out[1].split()
     assert v0 == v1 and n == "0"

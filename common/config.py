@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import functools
 import math
+import re
 import reprlib
 import types
 import typing
@@ -56,6 +57,10 @@ MAX_YAML_BYTES = 256 << 10
 MAX_YAML_NODES = 10_000
 #: Deeper nesting is refused before the (recursive) composer can exhaust the Python stack.
 MAX_YAML_DEPTH = 64
+
+
+#: A float written without a dot before its exponent (``1e-3``, ``5E+2``): a number to the user.
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class InvalidYAML(ValueError):
@@ -118,6 +123,8 @@ def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError) -> di
     p = Path(path)
     name = short_text(str(p), 200)
     try:
+        if p.is_dir():
+            raise error(f"{name}: is a directory, not a YAML file")
         if not p.is_file():
             raise error(f"{name}: file not found")
         if p.stat().st_size > MAX_YAML_BYTES:
@@ -272,6 +279,9 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
         return {str(k): _convert(v_tp, v, _name(where, str(k)), error) for k, v in value.items()}
     if tp is Any:
         return value
+    if tp is float and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value):
+        # YAML 1.1 (PyYAML) reads ``1e-3`` as text (it wants ``1.0e-3``); everyone writes a rate that way.
+        value = float(value)
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         # YAML reads .inf, .nan and 1.0e+400 as floats; no key gives inf a meaning ("unbounded").
         try:

@@ -23,7 +23,7 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
-from eaglenest.errors import require
+from eaglenest.errors import ConfigError, require
 from eaglenest.hf import check_remote_code, is_refusal, refusal
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,15 @@ class EngineConfig:
     seed: int = 0
     #: Devices one engine spans (vLLM tensor parallelism), e.g. 8 for a large MoE target.
     tensor_parallel_size: int = 1
+
+    def check(self, where: str) -> None:
+        """Refuse values vLLM would reject only once its engine starts (a traceback, a log written),
+        naming the key under ``where`` (e.g. ``ingest.engine``); called by the sections that hold one."""
+        for key, low in (("max_model_len", 16), ("max_num_seqs", 1), ("tensor_parallel_size", 1)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"{where}.{key}: must be >= {low}, got {getattr(self, key)}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ConfigError(f"{where}.memory_fraction: must be in (0, 1], got {self.memory_fraction}")
 
 
 #: Environment variables through which a user already chose how vLLM logs (then left alone).
@@ -167,7 +176,16 @@ def speculative_config(draft: str, num_speculative_tokens: int) -> dict[str, Any
 def _draft_config(draft: str) -> dict[str, Any]:
     """The exported draft's config.json ({} when there is none yet)."""
     path = Path(draft) / "config.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:120]}); "
+                          "not an exported draft: run `serve export` again") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: not a JSON object; not an exported draft: run `serve export` again")
+    return cfg
 
 
 #: The key of an exported draft's config.json that holds the number of speculative tokens it is

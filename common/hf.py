@@ -56,6 +56,13 @@ def check_target(target: str | Path) -> None:
     if root.exists():
         if not root.is_dir() or not (root / "config.json").is_file():
             raise ConfigError(f"run.target: {text} is not a model directory (no config.json in it)")
+        try:  # a broken config.json fails here, not in transformers' loader after outputs were started
+            cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise ConfigError(f"run.target: {text}/config.json is not valid JSON "
+                              f"({str(exc).splitlines()[0][:120]})") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"run.target: {text}/config.json is not a JSON object (not a model directory)")
         return
     if root.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1:
         raise ConfigError(f"run.target: {text}: no such directory (a local Hugging Face model directory, "

@@ -90,6 +90,8 @@ class RunConfig:
     off_policy: bool = False
 
     def __post_init__(self) -> None:
+        if not self.workdir.strip():  # "" would put the run's store and outputs in the current directory
+            raise ConfigError("run.workdir: must not be empty (a directory for this run's outputs, e.g. runs/toy)")
         if self.seed not in SEED_RANGE:
             raise ConfigError(f"run.seed: must be in [0, 2**63), got {short(self.seed)}")
         store = self.store_uri

@@ -18,12 +18,24 @@ from eaglenest.evaluate.settings import evaluate_config
 from eaglenest.provenance import write_json_atomic
 
 
+def _report(path: Path) -> dict:
+    """An ``evaluate al`` report.json; anything else (not JSON, another JSON file) is one line."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise EaglenestError(f"compare: {path} is not a readable JSON report "
+                             f"({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("overall"), dict) or "draft" not in data:
+        raise EaglenestError(f"compare: {path} is not an `evaluate al` report.json (no 'draft' and 'overall')")
+    return data
+
+
 def _load(spec: str, recipe) -> dict:
     p = Path(spec)
     if p.is_file() and p.suffix == ".json":
-        return json.loads(p.read_text())
+        return _report(p)
     if (p / "report.json").is_file():
-        return json.loads((p / "report.json").read_text())
+        return _report(p / "report.json")
     if (p / "config.json").is_file():
         cfg = dataclasses.replace(evaluate_config(recipe), check_lossless=False)
         return evaluate_al(target=recipe.run.target, draft=str(p), store_uri=recipe.run.store_uri, cfg=cfg,

@@ -82,6 +82,7 @@ class EvaluateConfig:
     chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self.engine.check("evaluate.engine")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ConfigError("evaluate.num_speculative_tokens: must be >= 1 or null, "
                               f"got {short(self.num_speculative_tokens)}")

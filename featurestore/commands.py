@@ -11,12 +11,12 @@ from __future__ import annotations
 import collections
 import json
 
-from eaglenest.errors import StoreError
+from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema
 from eaglenest.featurestore.capture import build
 from eaglenest.featurestore.read import query
 from eaglenest.featurestore.stream import xhost
-from eaglenest.featurestore.table import maintenance, store, versions
+from eaglenest.featurestore.table import maintenance, objects, store, versions
 from eaglenest.hf import check_remote_code
 from eaglenest.paths import ensure_writable
 from eaglenest.provenance import write_json_atomic, write_provenance
@@ -26,7 +26,8 @@ def cmd_capture(recipe, args) -> int:
     check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)  # fail fast
     if not store.exists(recipe.run.store_uri, store.PROMPTS):  # refused before anything is written
         raise StoreError(f"no prompts table in {recipe.run.store_uri}: run `ingest build` first")
-    ensure_writable(recipe.run.path("featurestore"), "run.workdir")  # before the engine starts
+    # Before the engine starts; not kept: the capture may still refuse its input (featurestore.layer_ids).
+    ensure_writable(recipe.run.path("featurestore"), "run.workdir", keep=False)
     ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
     ingest_stats = recipe.run.path("ingest") / "stats.json"
     manifest_hash = json.loads(ingest_stats.read_text()).get("manifest_hash") if ingest_stats.is_file() else None
@@ -46,8 +47,18 @@ def _version(uri: str, name: str):
     return store.latest_version(uri, name) if store.exists(uri, name) else None
 
 
-def cmd_show(recipe, args) -> int:
+def _store_must_exist(recipe) -> str:
+    """The store URI of a command that only reads it: a local store that is not there is refused (a
+    mistyped run.store or run.workdir would otherwise read as an empty store)."""
     uri = recipe.run.store_uri
+    if not objects.is_remote(uri) and not objects.exists(uri, directory=True):
+        key = "run.store" if recipe.run.store else "run.workdir"
+        raise StoreError(f"{key}: no store at {uri} (check {key}, or run `ingest build` first)")
+    return uri
+
+
+def cmd_show(recipe, args) -> int:
+    uri = _store_must_exist(recipe)
     report = {"store": uri, "tables": {}}
     for name in (store.PROMPTS, store.FEATURES):
         if not store.exists(uri, name):
@@ -76,7 +87,13 @@ def _ver(text):
 
 
 def _t(recipe):
-    return recipe.run.store_uri, recipe.featurestore.table
+    """(store, table) of a command on featurestore.table; a table that is not there is refused here,
+    before a maintenance command would create its lease files in a store that may not exist."""
+    uri, name = _store_must_exist(recipe), recipe.featurestore.table
+    if not store.exists(uri, name):
+        raise StoreError(f"featurestore.table: no table '{name}' in store {uri} (tables: "
+                         f"{', '.join(store.table_names(uri)) or 'none'}; run `featurestore capture` first)")
+    return uri, name
 
 
 def cmd_versions(recipe, args) -> int:
@@ -120,6 +137,11 @@ def cmd_gc(recipe, args) -> int:
 
 
 def cmd_query(recipe, args) -> int:
+    bad = [a for a in args.attach or [] if "=" not in a or not a.split("=", 1)[0] or not a.split("=", 1)[1]]
+    if bad:
+        raise ConfigError(f"--attach {bad[0][:80]!r}: expected name=file.parquet (or name=file.csv)")
+    if args.max_rows < 0:
+        raise ConfigError(f"--max-rows: must be >= 0, got {args.max_rows}")
     attach = dict(a.split("=", 1) for a in args.attach or [])
     pinned = {recipe.featurestore.table: _ver(args.version)} if args.version else None
     kw = {"versions": pinned, "with_tensors": args.with_tensors, "attach": attach}

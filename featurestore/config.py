@@ -30,6 +30,7 @@ class FeaturestoreConfig:
 
     def __post_init__(self) -> None:
         check_name(self.table)  # a table name is one identifier, never a path
+        self.engine.check("featurestore.engine")
         dup = sorted({i for i in self.layer_ids if list(self.layer_ids).count(i) > 1})
         if dup:
             raise ConfigError(f"featurestore.layer_ids: duplicate ids {dup}; give distinct layers (vLLM convention)")

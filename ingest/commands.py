@@ -14,7 +14,7 @@ from eaglenest.ingest import compose, contamination
 from eaglenest.ingest.backends import chat_kwargs
 from eaglenest.ingest.build import build
 from eaglenest.ingest.manifest import ManifestProblems, load_manifest
-from eaglenest.ingest.pool import load_pool
+from eaglenest.ingest.pool import load_pool, load_source
 from eaglenest.paths import ensure_writable
 from eaglenest.provenance import write_json_atomic, write_provenance
 
@@ -26,6 +26,18 @@ def cmd_validate(recipe, args) -> int:
     path = args.manifest or recipe.ingest.manifest
     try:
         m = load_manifest(path)
+        # The rows of local sources too (an empty file, a bad JSON line, a missing column), which
+        # `ingest build` would refuse: hub datasets are left to `ingest build` (a download).
+        problems = []
+        for name, d in m.domains.items():
+            for i, src in enumerate(d.sources):
+                if src.path:
+                    try:
+                        load_source(src, where=f"domains.{name}.sources[{i}]")
+                    except ManifestError as exc:
+                        problems.append(str(exc))
+        if problems:
+            raise ManifestProblems(problems)
     except ManifestProblems as exc:
         for line in exc.problems[:MAX_PROBLEMS]:
             print(line, file=sys.stderr)

@@ -55,6 +55,7 @@ class IngestConfig:
 
     def __post_init__(self) -> None:
         """Validate at config time, naming the key, so a bad value fails before any engine starts."""
+        self.engine.check("ingest.engine")
         for key, low in (("commit_every", 1), ("max_in_flight", 0), ("max_retries", 0),
                          ("in_flight_per_endpoint", 1), ("dask_workers", 1)):
             if getattr(self, key) < low:

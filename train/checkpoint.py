@@ -49,7 +49,13 @@ def read_info(ckpt_dir: str | Path) -> dict[str, Any]:
     p = Path(ckpt_dir) / INFO
     if not p.is_file():
         raise StoreError(f"{ckpt_dir}: no {INFO} (not a draft checkpoint; run `train run` first)")
-    info = json.loads(p.read_text(encoding="utf-8"))
+    try:
+        info = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise StoreError(f"{p}: not valid JSON ({str(exc).splitlines()[0][:120]}); "
+                         "the checkpoint is damaged: train again (`train run`)") from None
+    if not isinstance(info, dict):
+        raise StoreError(f"{p}: not a JSON object; the checkpoint is damaged: train again (`train run`)")
     if info.get("format") != FORMAT:
         raise StoreError(f"{p}: format {info.get('format')!r}, this eaglenest reads {FORMAT}")
     return info

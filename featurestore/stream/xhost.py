@@ -345,6 +345,8 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
     :func:`engine_captures` (tests and the transport bench give frames made without an engine)."""
     import torch
 
+    if engine_rank < 0:  # refused before connecting (the trainer's engine count is known only then)
+        raise ConfigError(f"--engine-rank {engine_rank}: must be >= 0 (0..train.stream.engines-1)")
     who = f"engine {engine_rank}"
     group = Group(addr, is_master=False, timeout_s=timeout_s, who=who)
     spec = json.loads(group.get("spec"))

@@ -36,7 +36,7 @@ __all__ = ["BYTES", "FEATURES", "HEAD_FILE", "PROMPTS", "check_name", "check_tag
 
 def require_lance():
     """The ``lance`` module (an ImportError naming the extra when it is missing)."""
-    return require("lance", "featurestore")
+    return require("lance")
 
 
 def table_path(uri: str, name: str) -> Path:
@@ -71,6 +71,26 @@ def expected_schema(name: str, meta: S.FeatureMeta | None = None) -> pa.Schema:
     return S.features_schema(meta)
 
 
+def _missing_version(uri: str, name: str, version: int | str | None) -> str | None:
+    """The line for a version number or tag the table does not have (None: it has it, or the table
+    cannot be listed): Lance's own error names its internal files and source lines instead."""
+    if version is None:
+        return None
+    try:
+        latest = objects.dataset(table_uri(uri, name))
+        numbers = [v["version"] for v in latest.versions()]
+        tags = latest.tags.list()
+    except (ValueError, OSError):
+        return None
+    if isinstance(version, int) and version not in numbers:
+        return (f"table '{name}' in {uri} has no version {version} (the latest is "
+                f"{max(numbers, default='none')}; `featurestore versions` lists them)")
+    if isinstance(version, str) and version not in tags:
+        return (f"table '{name}' in {uri} has no tag '{version[:80]}' "
+                f"(tags: {', '.join(sorted(tags)) or 'none'}; `featurestore tags` lists them)")
+    return None
+
+
 def dataset(uri: str, name: str, version: int | str | None = None, *, allow_rolled_back: bool = False):
     """Open a table at ``version`` (a number or a tag; latest when None), validating its schema.
 
@@ -82,8 +102,9 @@ def dataset(uri: str, name: str, version: int | str | None = None, *, allow_roll
     try:
         ds = objects.dataset(table_uri(uri, name), version)
     except (ValueError, OSError) as exc:
-        raise StoreError(f"table '{name}' in {uri}: cannot open version {version!r} "
-                         f"({str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__})") from None
+        raise StoreError(_missing_version(uri, name, version)
+                         or f"table '{name}' in {uri}: cannot open version {version!r} "
+                            f"({str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__})") from None
     base = S.PROMPTS_SCHEMA if name == PROMPTS else S.FEATURES_SCHEMA
     # A version number past the latest, or an unknown tag, is a user error, not a traceback.
     S.validate(ds.schema, base, what=f"table '{name}'")

@@ -25,6 +25,7 @@ from typing import Any
 
 from eaglenest.errors import ConfigError, require
 from eaglenest.hf import check_remote_code, is_refusal, refusal
+from eaglenest.paths import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -178,14 +179,7 @@ def _draft_config(draft: str) -> dict[str, Any]:
     path = Path(draft) / "config.json"
     if not path.is_file():
         return {}
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ConfigError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:120]}); "
-                          "not an exported draft: run `serve export` again") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path}: not a JSON object; not an exported draft: run `serve export` again")
-    return cfg
+    return read_json_object(path, error=ConfigError, then="not an exported draft: run `serve export` again")
 
 
 #: The key of an exported draft's config.json that holds the number of speculative tokens it is

@@ -14,6 +14,7 @@ file in the way) into the project's one line naming the key to change. Object-st
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -83,3 +84,16 @@ def _remove(dirs: list[Path]) -> None:
             d.rmdir()
         except OSError:
             break
+
+
+def read_json_object(path: str | Path, *, error: type[EaglenestError], then: str) -> dict:
+    """The JSON object in the file ``path`` (one the project wrote: a draft's config.json, a
+    checkpoint's record); a file that is not valid JSON, or not an object, is ``error`` in one line
+    naming the file and ending with ``then`` (what to do about it)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise error(f"{path}: not valid JSON ({str(exc).splitlines()[0][:120]}); {then}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: not a JSON object; {then}")
+    return data

@@ -10,7 +10,6 @@ Both files are written through a temporary name and a rename.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from eaglenest.errors import StoreError
+from eaglenest.paths import read_json_object
 from eaglenest.provenance import write_json_atomic
 from eaglenest.train.dflash import DFlashDraft, is_dflash
 from eaglenest.train.model import Eagle3Draft
@@ -49,13 +49,7 @@ def read_info(ckpt_dir: str | Path) -> dict[str, Any]:
     p = Path(ckpt_dir) / INFO
     if not p.is_file():
         raise StoreError(f"{ckpt_dir}: no {INFO} (not a draft checkpoint; run `train run` first)")
-    try:
-        info = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise StoreError(f"{p}: not valid JSON ({str(exc).splitlines()[0][:120]}); "
-                         "the checkpoint is damaged: train again (`train run`)") from None
-    if not isinstance(info, dict):
-        raise StoreError(f"{p}: not a JSON object; the checkpoint is damaged: train again (`train run`)")
+    info = read_json_object(p, error=StoreError, then="the checkpoint is damaged: train again (`train run`)")
     if info.get("format") != FORMAT:
         raise StoreError(f"{p}: format {info.get('format')!r}, this eaglenest reads {FORMAT}")
     return info

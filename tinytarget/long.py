@@ -76,8 +76,12 @@ class LongConfig:
     #: Short held-out chats (corpus seed EVAL_MATERIAL_SEED) scored to show short quality is kept.
     num_held_out: int = 400
     eval_buckets: tuple[int, ...] = longeval.BUCKETS
+    #: Kinds of training rows, round-robin (``longdata``; ``copy`` is opt in).
+    row_kinds: tuple[str, ...] = longdata.ROW_KINDS
 
     def __post_init__(self) -> None:
+        if not self.row_kinds or any(k not in longdata.ALL_KINDS for k in self.row_kinds):
+            raise ConfigError(f"row_kinds: each of {', '.join(longdata.ALL_KINDS)}, got {', '.join(self.row_kinds)}")
         if not self.stages or any(s.num_steps < 1 or s.batch_size < 1 or s.seq_len_tokens < 512
                                   or s.seq_len_tokens > self.max_positions for s in self.stages):
             raise ConfigError("stages: each stage needs num_steps >= 1, batch_size >= 1 and "
@@ -145,7 +149,8 @@ def train_long(model, hf_tok, cfg: LongConfig) -> dict:
         t0, losses, ans_losses = time.perf_counter(), [], []
         for _ in range(stage.num_steps):
             batch = list(longdata.rows(hf_tok, stage.seq_len_tokens, stage.batch_size, first_row=first_row,
-                                       material=material, docs=docs, sample_tokens=stage.sample_tokens))
+                                       material=material, docs=docs, sample_tokens=stage.sample_tokens,
+                                       kinds=cfg.row_kinds))
             first_row += stage.batch_size
             ids = torch.tensor([b[0] for b in batch])
             mask = torch.tensor([b[1] for b in batch], dtype=torch.float32)[:, 1:]
@@ -242,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="curriculum, TOKENSxROWSxSTEPS[xPACKED] per stage")
     p.add_argument("--answer-weight", type=float, default=d.answer_weight, help="extra loss weight of answers")
     p.add_argument("--peak-lr", type=float, default=d.peak_lr)
+    p.add_argument("--row-kinds", default=",".join(d.row_kinds),
+                   help=f"training row kinds, round-robin (of {','.join(longdata.ALL_KINDS)})")
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts_per_bucket, help="prompts per bucket")
     p.add_argument("--eval-buckets", default=",".join(map(str, d.eval_buckets)), help="bucket lengths")
     p.add_argument("--measure-only", action="store_true",
@@ -257,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                          skip_fraction=args.skip_fraction, stages=parse_stages(args.stages),
                          answer_weight=args.answer_weight, peak_lr=args.peak_lr,
                          eval_prompts_per_bucket=args.eval_prompts,
-                         eval_buckets=tuple(int(b) for b in args.eval_buckets.split(",")))
+                         eval_buckets=tuple(int(b) for b in args.eval_buckets.split(",")),
+                         row_kinds=tuple(k for k in args.row_kinds.split(",") if k))
         if not (Path(cfg.base) / "config.json").is_file():
             raise ConfigError(f"--base: no model at {cfg.base}")
     except (ConfigError, ValueError) as exc:

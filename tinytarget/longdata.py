@@ -10,6 +10,10 @@ Each row is ``seq_len_tokens`` token ids. Rows go round-robin over four kinds:
   ``sample_tokens`` several shorter prompts are packed per row: more answers per unit of compute.
 - ``chat``: short corpus documents packed to the row's length (the short corpus keeps its share,
   so short-prompt quality is kept).
+- ``copy`` (opt in, ``--row-kinds``): a span of random ordinary tokens, corpus text, then the same
+  span again, the repeat marked as answer: the task that forms a copy-from-context circuit (an
+  induction head) in small transformers, which the retrieval kinds alone never formed here
+  (docs/long_context.md, run H).
 
 Positions (``skipped_positions``): a row of real length ``n`` may be given position ids that skip a
 random gap at a random cut, so its two parts lie up to ``max_positions`` apart (PoSE, "positional
@@ -26,8 +30,12 @@ from typing import Iterator
 from eaglenest.evaluate import longctx
 from eaglenest.tinytarget import corpus
 
-#: Kinds of training rows, in round-robin order.
+#: Kinds of training rows, in round-robin order (the default).
 ROW_KINDS = ("records", "code", "recall", "chat")
+#: Every kind a build may name.
+ALL_KINDS = (*ROW_KINDS, "copy")
+#: Tokens in the repeated span of a ``copy`` row.
+COPY_SPAN = 64
 #: Seeds of training prompts are TRAIN_SEED_BASE + row index. The evaluation's per-prompt seeds
 #: (``evaluate.buckets._prompt_seed``) are ``(seed * 1000003 + bucket) * 1000003 + i``: for
 #: engine seed 0 and buckets >= 1024 they are >= 1024 * 1000003 > TRAIN_SEED_BASE + any row here.
@@ -82,6 +90,22 @@ def packed_seed(row_seed: int, j: int) -> int:
     return PACKED_SEED_BASE + (row_seed - TRAIN_SEED_BASE) * 64 + j
 
 
+def copy_row(hf_tok, length: int, *, seed: int, docs: DocStream) -> tuple[list[int], list[int]]:
+    """(ids, answer mask) of a ``copy`` row: ``COPY_SPAN`` random ordinary tokens at a random place,
+    the same span again a random distance later (corpus text between and around), the repeat after
+    its first token marked: predicting it needs the first span, however far back it is."""
+    rng = random.Random(f"copy:{seed}")
+    special = set(hf_tok.all_special_ids)
+    ordinary = [t for t in range(len(hf_tok)) if t not in special]
+    span = [rng.choice(ordinary) for _ in range(COPY_SPAN)]
+    gap = rng.randint(0, length - 2 * COPY_SPAN)
+    lead = rng.randint(0, length - 2 * COPY_SPAN - gap)
+    ids = docs.take(lead) + span + docs.take(gap) + span
+    mask = [0] * (lead + COPY_SPAN + gap + 1) + [1] * (COPY_SPAN - 1)
+    rest = length - len(ids)
+    return ids + docs.take(rest), mask + [0] * rest
+
+
 def long_row(kind: str, hf_tok, length: int, *, seed: int, material, docs: DocStream,
              sample_tokens: int = 0) -> tuple[list[int], list[int]]:
     """(ids, answer mask) of one ``length``-token row of ``kind``: one prompt of about ``length``
@@ -89,6 +113,8 @@ def long_row(kind: str, hf_tok, length: int, *, seed: int, material, docs: DocSt
     size packed one after another (more answers per row; prompt ``j`` seeded by ``packed_seed``)."""
     if kind == "chat":
         return docs.take(length), [0] * length
+    if kind == "copy":
+        return copy_row(hf_tok, length, seed=seed, docs=docs)
     size = sample_tokens if 0 < sample_tokens < length else length
     count = length // size
     ids, mask = [], []
@@ -104,11 +130,11 @@ def long_row(kind: str, hf_tok, length: int, *, seed: int, material, docs: DocSt
 
 
 def rows(hf_tok, length: int, num_rows: int, *, first_row: int, material, docs: DocStream,
-         sample_tokens: int = 0) -> Iterator[tuple[list[int], list[int]]]:
-    """``num_rows`` rows of ``length`` tokens, kinds round-robin, row ``first_row + k`` seeded by it."""
+         sample_tokens: int = 0, kinds: tuple[str, ...] = ROW_KINDS) -> Iterator[tuple[list[int], list[int]]]:
+    """``num_rows`` rows of ``length`` tokens, ``kinds`` round-robin, row ``first_row + k`` seeded by it."""
     for k in range(num_rows):
         r = first_row + k
-        yield long_row(ROW_KINDS[r % len(ROW_KINDS)], hf_tok, length, seed=TRAIN_SEED_BASE + r,
+        yield long_row(kinds[r % len(kinds)], hf_tok, length, seed=TRAIN_SEED_BASE + r,
                        material=material, docs=docs, sample_tokens=sample_tokens)
 
 

@@ -48,6 +48,7 @@ def test_builder_end_to_end_at_toy_size(tmp_path):
     (["--stages", "100x1x1"], "stages"),
     (["--seed", "0"], "--seed"),
     (["--skip-fraction", "2"], "skip_fraction"),
+    (["--row-kinds", "copy,nonsense"], "row_kinds"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, message):
     out = tmp_path / "never"
@@ -84,3 +85,27 @@ def test_training_rows_are_exact_deterministic_and_not_the_evaluations():
     assert len(packed[0]) == 1024 and tok.decode(packed[0]).count("In the registry above") == 3
     pos = longdata.skipped_positions(1024, 32768, random.Random(0))
     assert len(pos) == 1024 and pos == sorted(pos) and pos[-1] <= 32767 and len(set(pos)) == 1024
+
+
+def test_a_copy_row_repeats_its_span_and_marks_only_what_the_first_span_predicts():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(SHORT))
+    special = set(tok.all_special_ids)
+    for seed in range(5):
+        ids, mask = longdata.copy_row(tok, 1024, seed=seed, docs=longdata.DocStream(tok, seed=1, raw_fraction=0.25))
+        assert len(ids) == len(mask) == 1024 and sum(mask) == longdata.COPY_SPAN - 1
+        end = max(i for i, m in enumerate(mask) if m) + 1
+        second = ids[end - longdata.COPY_SPAN:end]
+        assert mask[end - longdata.COPY_SPAN] == 0  # the repeat's first token cannot be predicted
+        first = [i for i in range(end - 2 * longdata.COPY_SPAN + 1) if ids[i:i + longdata.COPY_SPAN] == second]
+        assert first and not special & set(second)
+    again = longdata.copy_row(tok, 1024, seed=4, docs=longdata.DocStream(tok, seed=1, raw_fraction=0.25))
+    assert again == (ids, mask)  # seeded
+    kinds = ("copy", "records")
+    made = list(longdata.rows(tok, 1024, 2, first_row=0, material=longdata.chat_material(
+        [{"prompt": "Hi?", "response": "Hello."}] * 4), docs=longdata.DocStream(tok, seed=1, raw_fraction=0.25),
+        kinds=kinds))
+    assert sum(made[0][1]) == longdata.COPY_SPAN - 1 and tok.decode(
+        [t for t, m in zip(*made[1]) if m]).startswith("The ")
+

@@ -139,10 +139,7 @@ def train_long(model, hf_tok, cfg: LongConfig) -> dict:
     rng = random.Random(f"longpos:{cfg.seed}")
     material = longdata.chat_material(corpus.generate(longdata.NUM_MATERIAL, seed=cfg.seed))
     docs = longdata.DocStream(hf_tok, seed=cfg.seed, raw_fraction=cfg.raw_fraction)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.peak_lr, betas=(0.9, 0.95))
+    opt = train.optimizer(model, peak_lr=cfg.peak_lr, weight_decay=cfg.weight_decay)
     model.train()
     step, first_row, stats, start = 0, 0, [], time.perf_counter()
     for stage in cfg.stages:

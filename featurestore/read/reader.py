@@ -29,8 +29,11 @@ BENCHMARKS.md), and plain ``pread`` keeps the page cache for warm epochs.
 
 Samples in flight: chosen by the reader (:class:`AdaptiveWindow`) from the delivery rate it
 measures, the same for local files and object stores: it grows the window while the rate improves
-by more than 5% and turns back when it does not, between 1 and ``max_in_flight``, and never beyond
-``memory_budget`` bytes of samples in flight (the largest sample seen sets the bound). ``threads=N``
+by more than 5% and turns back when it does not, between 2 and ``max_in_flight``, and never beyond
+``memory_budget`` bytes of samples in flight (the largest sample seen sets the bound; one sample at
+least). Not below 2: with one sample in flight the disk waits while the consumer works, the slowest
+fixed window in every side-by-side run (BENCHMARKS.md), and on a noisy disk the rate comparison
+alone walked the window down to 1 (a profiled read went 2, 3, 2, 1, 2, 1). ``threads=N``
 fixes the window at N instead (the bench's arms). ``readahead=True`` also asks the kernel to read a
 group's values ahead (``POSIX_FADV_WILLNEED``) once its descriptors are known; off by default (two
 ``pread`` threads alone were faster cold on a quiet machine; see BENCHMARKS.md).
@@ -147,7 +150,8 @@ class SampleReader:
         self.meta = S.feature_meta(ds.schema)
         self.layout = S.tensor_layout(ds.schema)
         #: Samples in flight: adaptive unless ``threads`` fixes it.
-        self.window = AdaptiveWindow(start=2, hi=max(1, max_in_flight), budget=memory_budget) if threads is None \
+        self.window = AdaptiveWindow(start=2, lo=min(2, max(1, max_in_flight)), hi=max(1, max_in_flight),
+                                     budget=memory_budget) if threads is None \
             else AdaptiveWindow(start=threads, lo=threads, hi=threads, fixed=True)
         self._fds: dict[str, int] = {}
         #: ``O_DIRECT`` descriptors for pooled reads (None: the file system refuses it).

@@ -16,7 +16,8 @@ class AdaptiveWindow:
     ``tolerance``, the window keeps moving the same way; otherwise it turns back. So it climbs
     while more parallel reads pay (a latency-bound object store, a disk with queue depth) and
     settles low where they do not (a CPU-bound or saturated disk), within ``[lo, hi]`` and within
-    ``budget`` bytes of samples in flight (the largest sample seen). ``fixed=True``: never moves.
+    ``budget`` bytes of samples in flight (the largest sample seen; the budget wins over ``lo``, down
+    to one sample). ``fixed=True``: never moves.
     """
 
     def __init__(self, *, start: int = 2, lo: int = 1, hi: int = 16, budget: int = MEMORY_BUDGET,
@@ -40,7 +41,7 @@ class AdaptiveWindow:
         if self.fixed:
             return self.size
         by_memory = self.budget // self.sample_bytes if self.sample_bytes else self.hi
-        return max(self.lo, min(self.hi, int(by_memory)))
+        return max(1, min(self.hi, int(by_memory)))
 
     def current(self) -> int:
         return self.size if self.fixed else min(self.size, self.limit())

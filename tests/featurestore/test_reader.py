@@ -1,6 +1,7 @@
 """The fast read path (featurestore.reader, train.data.FeatureShards.read) against plain reference
 decodes, schema versions 1 and 2, and fp8_e4m3 storage (round-trip error, bytes per token)."""
 
+import random
 import threading
 
 import numpy as np
@@ -347,6 +348,14 @@ def test_adaptive_window_climbs_while_it_pays_and_stays_in_bounds():
     assert max(sizes) == 7 and sizes[-1] == 7
     w = AdaptiveWindow(start=2, lo=1, hi=12, budget=1 << 40)
     assert max(drive(w, lambda k: k * 1e8)) == 12
+    # A floor of 2 (the reader's): flat or noisy rates never take it to 1; the memory budget still
+    # does, when one sample is all it allows.
+    w = AdaptiveWindow(start=2, lo=2, hi=12, budget=1 << 40)
+    noisy = random.Random(5)
+    sizes = drive(w, lambda k: 1e8 * noisy.uniform(0.5, 1.5))
+    assert min(sizes) == 2 and max(sizes) > 2
+    w = AdaptiveWindow(start=2, lo=2, hi=12, budget=(3 << 20) // 2)
+    assert set(drive(w, lambda k: k * 1e8, periods=5)[1:]) == {1}
     # Fixed: never moves.
     w = AdaptiveWindow(start=3, lo=3, hi=3, fixed=True)
     assert set(drive(w, lambda k: k * 1e8, periods=5)) == {3}
@@ -383,7 +392,7 @@ def test_reader_in_flight_and_memory_bounded_by_the_budget_not_the_table(tmp_pat
                 for s in reader.iter_samples(order):
                     s.release()
             assert most[0] <= reader.window.limit() <= 3
-            assert all(1 <= w <= 3 for w, _ in reader.window.history)
+            assert all(2 <= w <= 3 for w, _ in reader.window.history)  # the reader's floor is 2
             assert reader.pool.free_bytes <= budget
             # idle (<= budget) + in flight + the one the consumer holds, 2 values each, each
             # buffer at most twice its value (the pool's rounding)

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: Held-out material of the build's own measurement (the tiny target's held-out seed).
 EVAL_MATERIAL_SEED = 7919
+#: Shortest stage rows (a ``repeat`` stage is cheap at 256 tokens; the long kinds need more).
+MIN_STAGE_TOKENS = 128
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
 
@@ -53,6 +55,8 @@ class Stage:
     num_steps: int
     #: > 0: pack several prompts of this many tokens per row (``longdata.long_row``).
     sample_tokens: int = 0
+    #: Row kinds of this stage, round-robin (empty: the build's ``row_kinds``).
+    kinds: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,12 +84,13 @@ class LongConfig:
     row_kinds: tuple[str, ...] = longdata.ROW_KINDS
 
     def __post_init__(self) -> None:
-        if not self.row_kinds or any(k not in longdata.ALL_KINDS for k in self.row_kinds):
-            raise ConfigError(f"row_kinds: each of {', '.join(longdata.ALL_KINDS)}, got {', '.join(self.row_kinds)}")
-        if not self.stages or any(s.num_steps < 1 or s.batch_size < 1 or s.seq_len_tokens < 512
+        for kinds in (self.row_kinds, *(s.kinds for s in self.stages if s.kinds)):
+            if not kinds or any(k not in longdata.ALL_KINDS for k in kinds):
+                raise ConfigError(f"row_kinds: each of {', '.join(longdata.ALL_KINDS)}, got {', '.join(kinds)}")
+        if not self.stages or any(s.num_steps < 1 or s.batch_size < 1 or s.seq_len_tokens < MIN_STAGE_TOKENS
                                   or s.seq_len_tokens > self.max_positions for s in self.stages):
             raise ConfigError("stages: each stage needs num_steps >= 1, batch_size >= 1 and "
-                              f"512 <= seq_len_tokens <= {self.max_positions}")
+                              f"{MIN_STAGE_TOKENS} <= seq_len_tokens <= {self.max_positions}")
         if not 0.0 <= self.skip_fraction <= 1.0:
             raise ConfigError(f"skip_fraction: must be in [0, 1], got {self.skip_fraction}")
         if self.rope_theta <= 0:
@@ -97,23 +102,26 @@ class LongConfig:
 
 
 def parse_stages(text: str) -> tuple[Stage, ...]:
-    """``"512x8x100x256,8192x1x30"`` (tokens x rows x steps [x packed prompt tokens] per stage)."""
+    """``"256x8x500:repeat,1024x4x600x340"``: tokens x rows x steps [x packed prompt tokens] per
+    stage, optionally ``:KIND+KIND...`` (that stage's row kinds, round-robin)."""
     try:
         stages = []
         for part in text.split(","):
-            a, b, c, *d = (int(x) for x in part.split("x"))
-            if len(d) > 1:
+            dims, _, kinds = part.partition(":")
+            a, b, c, *d = (int(x) for x in dims.split("x"))
+            if len(d) > 1 or (_ and not kinds):
                 raise ValueError(part)
-            stages.append(Stage(seq_len_tokens=a, batch_size=b, num_steps=c, sample_tokens=d[0] if d else 0))
+            stages.append(Stage(seq_len_tokens=a, batch_size=b, num_steps=c, sample_tokens=d[0] if d else 0,
+                                kinds=tuple(kinds.split("+")) if kinds else ()))
         return tuple(stages)
     except ValueError:
-        raise ConfigError(f"--stages: expected TOKENSxROWSxSTEPS[xPACKED][,...], got {text!r}") from None
+        raise ConfigError(f"--stages: expected TOKENSxROWSxSTEPS[xPACKED][:KIND+...][,...], got {text!r}") from None
 
 
 def format_stages(stages) -> str:
     """The ``--stages`` text of ``stages`` (``parse_stages``' inverse)."""
     return ",".join(f"{s.seq_len_tokens}x{s.batch_size}x{s.num_steps}" + (f"x{s.sample_tokens}" if s.sample_tokens else "")
-                    for s in stages)
+                    + (":" + "+".join(s.kinds) if s.kinds else "") for s in stages)
 
 
 def lr_at(step: int, cfg: LongConfig) -> float:
@@ -147,7 +155,7 @@ def train_long(model, hf_tok, cfg: LongConfig) -> dict:
         for _ in range(stage.num_steps):
             batch = list(longdata.rows(hf_tok, stage.seq_len_tokens, stage.batch_size, first_row=first_row,
                                        material=material, docs=docs, sample_tokens=stage.sample_tokens,
-                                       kinds=cfg.row_kinds))
+                                       kinds=stage.kinds or cfg.row_kinds))
             first_row += stage.batch_size
             ids = torch.tensor([b[0] for b in batch])
             mask = torch.tensor([b[1] for b in batch], dtype=torch.float32)[:, 1:]
@@ -186,7 +194,9 @@ def measure(model, hf_tok, cfg: LongConfig) -> dict:
     held = corpus.generate(max(64, cfg.num_held_out), seed=EVAL_MATERIAL_SEED)
     buckets = longeval.measure(model, hf_tok, longdata.chat_material(held[:64]), buckets=cfg.eval_buckets,
                                per_bucket=cfg.eval_prompts_per_bucket, max_positions=cfg.max_positions)
+    docs = longdata.DocStream(hf_tok, seed=EVAL_MATERIAL_SEED, raw_fraction=cfg.raw_fraction)
     return {"buckets": buckets, "confidence_ratio_to_1k": longeval.ratio_to_first(buckets),
+            "copy_probe": longeval.copy_probe(model, hf_tok, docs),
             "held_out": train.evaluate_domains(model, hf_tok, held[:cfg.num_held_out])}
 
 

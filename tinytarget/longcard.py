@@ -28,6 +28,15 @@ def bucket_table(buckets: dict[str, dict], ratios: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def copy_table(probe: dict[str, dict]) -> str:
+    """Markdown table of ``longeval.copy_probe``: per row kind and length, loss and accuracy."""
+    lines = ["| rows | tokens | loss | accuracy |", "|---|---|---|---|"]
+    for kind, by_len in sorted(probe.items()):
+        for n, f in sorted(by_len.items(), key=lambda kv: int(kv[0])):
+            lines.append(f"| {kind} | {n} | {f['loss']:.3f} | {f['accuracy']:.3f} |")
+    return "\n".join(lines)
+
+
 def write_long_card(outdir: str | Path, *, cfg, metrics: dict, seeds: dict, base_metrics: dict) -> Path:
     train, buckets = metrics["train"], metrics["buckets"]
     stages = "\n".join(f"| {s['seq_len_tokens']} | {s['batch_size']} | {s['num_steps']} | {s['seconds']:.0f} | "
@@ -37,7 +46,8 @@ def write_long_card(outdir: str | Path, *, cfg, metrics: dict, seeds: dict, base
                      f"{_fmt(base_held.get(d, {}).get('top1_accuracy'))} | {s['top1_accuracy']:.3f} |"
                      for d, s in metrics["held_out"].items())
     stages_arg = ",".join(f"{s['seq_len_tokens']}x{s['batch_size']}x{s['num_steps']}"
-                          + (f"x{s['sample_tokens']}" if s.get("sample_tokens") else "") for s in train["stages"])
+                          + (f"x{s['sample_tokens']}" if s.get("sample_tokens") else "")
+                          + (":" + "+".join(s["kinds"]) if s.get("kinds") else "") for s in train["stages"])
     text = f"""---
 license: apache-2.0
 library_name: transformers
@@ -63,6 +73,12 @@ bootstrap over the bucket's prompts; few prompts, so a sketch, not a measurement
 and after only its last 512 tokens (removed), as `evaluate/farctx.py` does.
 
 {bucket_table(buckets, metrics["confidence_ratio_to_1k"])}
+
+Copy from context (`longeval.copy_probe`, held-out rows): loss in nats per marked token (uniform
+guessing: ln of the vocabulary, 7.6) and top-1 accuracy; `repeat`: a random span repeated, `copy`:
+a random span repeated once, far apart, within corpus text.
+
+{copy_table(metrics.get("copy_probe", {}))}
 
 ## Short prompts (held-out corpus, assistant tokens)
 
@@ -93,7 +109,8 @@ evaluation's never meet (`eaglenest.tinytarget.longdata.TRAIN_SEED_BASE`).
 
 ```bash
 python -m eaglenest.tinytarget.long --out assets/tiny-target-long --seed {cfg.seed} --rope-theta {cfg.rope_theta:g} \\
-    --skip-fraction {cfg.skip_fraction} --stages {stages_arg}
+    --skip-fraction {cfg.skip_fraction} --stages {stages_arg} \\
+    --answer-weight {cfg.answer_weight:g} --peak-lr {cfg.peak_lr:g} --row-kinds {','.join(cfg.row_kinds)}
 ```
 
 `provenance.json` records the code version, package versions, configuration and every number above

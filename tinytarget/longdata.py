@@ -11,9 +11,12 @@ Each row is ``seq_len_tokens`` token ids. Rows go round-robin over four kinds:
 - ``chat``: short corpus documents packed to the row's length (the short corpus keeps its share,
   so short-prompt quality is kept).
 - ``copy`` (opt in, ``--row-kinds``): a span of random ordinary tokens, corpus text, then the same
-  span again, the repeat marked as answer: the task that forms a copy-from-context circuit (an
-  induction head) in small transformers, which the retrieval kinds alone never formed here
-  (docs/long_context.md, run H).
+  span again, the repeat marked as answer: copying from far back within natural text.
+- ``repeat`` (opt in): a span of random ordinary tokens (8-96 of them) repeated to fill the row,
+  every token after the first period marked: the textbook task that forms a copy-from-context
+  circuit (an induction head) in small transformers within a few hundred steps. The retrieval kinds
+  alone never formed one here, nor did ``copy`` rows mixed among them (docs/long_context.md, runs
+  H and I); a first stage of ``repeat`` rows does (run J).
 
 Positions (``skipped_positions``): a row of real length ``n`` may be given position ids that skip a
 random gap at a random cut, so its two parts lie up to ``max_positions`` apart (PoSE, "positional
@@ -33,9 +36,12 @@ from eaglenest.tinytarget import corpus
 #: Kinds of training rows, in round-robin order (the default).
 ROW_KINDS = ("records", "code", "recall", "chat")
 #: Every kind a build may name.
-ALL_KINDS = (*ROW_KINDS, "copy")
+ALL_KINDS = (*ROW_KINDS, "copy", "repeat")
 #: Tokens in the repeated span of a ``copy`` row.
 COPY_SPAN = 64
+#: Shortest and longest period of a ``repeat`` row (drawn per row: with one fixed period a model
+#: learns "attend that many positions back" instead of matching content; run J2).
+REPEAT_SPAN = (8, 96)
 #: Seeds of training prompts are TRAIN_SEED_BASE + row index. The evaluation's per-prompt seeds
 #: (``evaluate.buckets._prompt_seed``) are ``(seed * 1000003 + bucket) * 1000003 + i``: for
 #: engine seed 0 and buckets >= 1024 they are >= 1024 * 1000003 > TRAIN_SEED_BASE + any row here.
@@ -95,8 +101,7 @@ def copy_row(hf_tok, length: int, *, seed: int, docs: DocStream) -> tuple[list[i
     the same span again a random distance later (corpus text between and around), the repeat after
     its first token marked: predicting it needs the first span, however far back it is."""
     rng = random.Random(f"copy:{seed}")
-    special = set(hf_tok.all_special_ids)
-    ordinary = [t for t in range(len(hf_tok)) if t not in special]
+    ordinary = ordinary_ids(hf_tok)
     span = [rng.choice(ordinary) for _ in range(COPY_SPAN)]
     gap = rng.randint(0, length - 2 * COPY_SPAN)
     lead = rng.randint(0, length - 2 * COPY_SPAN - gap)
@@ -104,6 +109,24 @@ def copy_row(hf_tok, length: int, *, seed: int, docs: DocStream) -> tuple[list[i
     mask = [0] * (lead + COPY_SPAN + gap + 1) + [1] * (COPY_SPAN - 1)
     rest = length - len(ids)
     return ids + docs.take(rest), mask + [0] * rest
+
+
+def ordinary_ids(hf_tok) -> list[int]:
+    """Every token id that is not a special token."""
+    special = set(hf_tok.all_special_ids)
+    return [t for t in range(len(hf_tok)) if t not in special]
+
+
+def repeat_row(hf_tok, length: int, *, seed: int) -> tuple[list[int], list[int]]:
+    """(ids, answer mask) of a ``repeat`` row: a period of random ordinary tokens (its length drawn
+    from ``REPEAT_SPAN``) repeated to ``length``; every token after the first period is marked (each
+    is the token one period back)."""
+    rng = random.Random(f"repeat:{seed}")
+    ordinary = ordinary_ids(hf_tok)
+    period = min(rng.randint(*REPEAT_SPAN), length // 2)
+    span = [rng.choice(ordinary) for _ in range(period)]
+    ids = (span * (length // period + 1))[:length]
+    return ids, [0] * period + [1] * (length - period)
 
 
 def long_row(kind: str, hf_tok, length: int, *, seed: int, material, docs: DocStream,
@@ -115,6 +138,8 @@ def long_row(kind: str, hf_tok, length: int, *, seed: int, material, docs: DocSt
         return docs.take(length), [0] * length
     if kind == "copy":
         return copy_row(hf_tok, length, seed=seed, docs=docs)
+    if kind == "repeat":
+        return repeat_row(hf_tok, length, seed=seed)
     size = sample_tokens if 0 < sample_tokens < length else length
     count = length // size
     ids, mask = [], []

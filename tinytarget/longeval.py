@@ -110,6 +110,37 @@ def _figures(rows: list[dict], *, bucket: int, prompt_tokens: int, keep_tokens: 
             "seconds": round(seconds, 1), "per_prompt": rows}
 
 
+#: Held-out seeds of the copy probe's rows (training rows use longdata.TRAIN_SEED_BASE + row, far below).
+COPY_PROBE_SEED = 3_000_000_000
+
+
+def copy_probe(model, hf_tok, docs, *, lengths=(512, 1024), rows: int = 4) -> dict[str, dict]:
+    """Whether the model copies from its context at all: mean loss (nats per token) and top-1
+    accuracy on the marked tokens of held-out ``repeat`` and ``copy`` rows (``longdata``) of each
+    length. Uniform guessing over the vocabulary is ``ln(V)`` (7.6 here); a copy circuit drives both
+    losses towards 0 and the accuracies towards 1."""
+    import torch
+
+    from eaglenest.tinytarget import longdata
+
+    makers = {"repeat": lambda n, s: longdata.repeat_row(hf_tok, n, seed=s),
+              "copy": lambda n, s: longdata.copy_row(hf_tok, n, seed=s, docs=docs)}
+    out: dict[str, dict] = {}
+    for kind, make in makers.items():
+        for n in lengths:
+            made = [make(n, COPY_PROBE_SEED + i) for i in range(rows)]
+            ids = torch.tensor([m[0] for m in made])
+            mask = torch.tensor([m[1] for m in made], dtype=torch.float32)[:, 1:]
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[:, :-1].float()
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                   reduction="none").view_as(mask)
+            hit = (logits.argmax(-1) == ids[:, 1:]).float()
+            out.setdefault(kind, {})[str(n)] = {"loss": round(float((ce * mask).sum() / mask.sum()), 4),
+                                                "accuracy": round(float((hit * mask).sum() / mask.sum()), 4)}
+    return out
+
+
 def ratio_to_first(figures: dict[str, dict]) -> dict[str, float]:
     """Each bucket's ``target_confidence`` over the shortest bucket's."""
     ordered = sorted(figures, key=int)

@@ -12,7 +12,7 @@ import pytest
 
 from eaglenest.evaluate.buckets import _prompt_seed
 from eaglenest.tinytarget import longdata, longeval
-from eaglenest.tinytarget.long import LongConfig, build, main, parse_stages
+from eaglenest.tinytarget.long import LongConfig, build, format_stages, main, parse_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ROOT / "assets" / "tiny-target"
@@ -23,9 +23,10 @@ TEST_SEED = 42  # neither the evaluation's (0) nor the training's (TRAIN_SEED_BA
 
 
 def test_builder_end_to_end_at_toy_size(tmp_path):
-    """Two steps (one packed), one bucket, a few held-out chats: the same code path as the build."""
+    """Two steps (a ``repeat`` stage, then a packed one), one bucket, a few held-out chats: the same
+    code path as the build."""
     out = tmp_path / "long"
-    cfg = LongConfig(base=str(SHORT), stages=parse_stages("512x1x1,1024x1x1x340"), eval_buckets=(1024,),
+    cfg = LongConfig(base=str(SHORT), stages=parse_stages("256x1x1:repeat,1024x1x1x340"), eval_buckets=(1024,),
                      num_held_out=8)
     metrics = build(out, cfg)
     assert metrics["build_seconds"] > 0 and metrics["confidence_ratio_to_1k"] == {"1024": 1.0}
@@ -35,9 +36,18 @@ def test_builder_end_to_end_at_toy_size(tmp_path):
     bucket = prov["metrics"]["buckets"]["1024"]
     assert bucket["prompts"] == 4 and 0 < bucket["target_confidence"] <= 1
     assert {r["material"] for r in bucket["per_prompt"]} == {"records", "code", "recall", "chat"}
-    assert [s["num_steps"] for s in prov["metrics"]["train"]["stages"]] == [1, 1] and prov["config"]["seed"] == 1
+    probe = prov["metrics"]["copy_probe"]  # the base copies nothing, and two steps do not change that
+    assert {k: sorted(v) for k, v in probe.items()} == {"repeat": ["1024", "512"], "copy": ["1024", "512"]}
+    assert all(f["loss"] > 3 and 0 <= f["accuracy"] < 0.2 for v in probe.values() for f in v.values())
+    stages = prov["metrics"]["train"]["stages"]
+    assert [s["num_steps"] for s in stages] == [1, 1] and prov["config"]["seed"] == 1
+    assert [s["kinds"] for s in stages] == [["repeat"], []]
+    assert stages[0]["final_answer_loss"] > 0 and stages[1]["final_answer_loss"] > 0
     card = (out / "README.md").read_text()
-    assert "| 1K | 1024 | 4 |" in card and "whole build" in card
+    assert "| 1K | 1024 | 4 |" in card and "whole build" in card and "| repeat | 512 |" in card
+    assert "--stages 256x1x1:repeat,1024x1x1x340 " in card  # the rebuild command names each stage's kinds
+    text = "256x8x500:repeat,1024x4x600x340:copy+records+chat,2048x2x10"
+    assert format_stages(parse_stages(text)) == text
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(str(out))  # loads back
@@ -46,6 +56,8 @@ def test_builder_end_to_end_at_toy_size(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--stages", "1024x4"], "--stages"),
     (["--stages", "100x1x1"], "stages"),
+    (["--stages", "256x1x1:"], "--stages"),
+    (["--stages", "256x1x1:repeat+nonsense"], "row_kinds"),
     (["--seed", "0"], "--seed"),
     (["--skip-fraction", "2"], "skip_fraction"),
     (["--row-kinds", "copy,nonsense"], "row_kinds"),
@@ -100,6 +112,16 @@ def test_a_copy_row_repeats_its_span_and_marks_only_what_the_first_span_predicts
         assert mask[end - longdata.COPY_SPAN] == 0  # the repeat's first token cannot be predicted
         first = [i for i in range(end - 2 * longdata.COPY_SPAN + 1) if ids[i:i + longdata.COPY_SPAN] == second]
         assert first and not special & set(second)
+    periods = set()
+    for seed in range(6):
+        rep, rmask = longdata.repeat_row(tok, 300, seed=seed)
+        period = rmask.index(1)
+        periods.add(period)
+        assert len(rep) == len(rmask) == 300 and not special & set(rep) and len(set(rep[:period])) > period // 2
+        assert all(rep[i] == rep[i - period] for i in range(period, 300))  # every marked token is one period back
+        assert rmask == [0] * period + [1] * (300 - period) and longdata.repeat_row(tok, 300, seed=seed) == (rep, rmask)
+    lo, hi = longdata.REPEAT_SPAN
+    assert len(periods) > 3 and all(lo <= p <= hi for p in periods)  # the period varies: copy by content
     again = longdata.copy_row(tok, 1024, seed=4, docs=longdata.DocStream(tok, seed=1, raw_fraction=0.25))
     assert again == (ids, mask)  # seeded
     kinds = ("copy", "records")

@@ -13,10 +13,11 @@ Each row is ``seq_len_tokens`` token ids. Rows go round-robin over four kinds:
 - ``copy`` (opt in, ``--row-kinds``): a span of random ordinary tokens, corpus text, then the same
   span again, the repeat marked as answer: copying from far back within natural text.
 - ``repeat`` (opt in): a span of random ordinary tokens (8-96 of them) repeated to fill the row,
-  every token after the first period marked: the textbook task that forms a copy-from-context
-  circuit (an induction head) in small transformers within a few hundred steps. The retrieval kinds
-  alone never formed one here, nor did ``copy`` rows mixed among them (docs/long_context.md, runs
-  H and I); a first stage of ``repeat`` rows does (run J).
+  every token after the first period marked: the textbook task for forming a copy-from-context
+  circuit (an induction head) in small transformers. None formed here from the retrieval kinds
+  alone, ``copy`` rows mixed among them, or a first stage of ``repeat`` rows (docs/long_context.md,
+  runs H-L: with one fixed period a positional shortcut, with periods drawn per row a plateau at
+  uniform); ``longeval.copy_probe`` tells which.
 
 Positions (``skipped_positions``): a row of real length ``n`` may be given position ids that skip a
 random gap at a random cut, so its two parts lie up to ``max_positions`` apart (PoSE, "positional

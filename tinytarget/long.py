@@ -46,6 +46,8 @@ EVAL_MATERIAL_SEED = 7919
 MIN_STAGE_TOKENS = 128
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
+#: Of TOKENIZER_FILES, the ones a --base must have (the others are copied where present).
+REQUIRED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,7 +208,8 @@ def save(model, out: Path, cfg: LongConfig) -> None:
     model.save_pretrained(str(out))
     _add_legacy_dtype(out / "config.json")
     for name in TOKENIZER_FILES:
-        shutil.copyfile(Path(cfg.base) / name, out / name)
+        if (Path(cfg.base) / name).is_file():  # the required ones were checked before training
+            shutil.copyfile(Path(cfg.base) / name, out / name)
 
 
 def build(out: Path, cfg: LongConfig) -> dict:
@@ -275,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                          row_kinds=tuple(k for k in args.row_kinds.split(",") if k))
         if not (Path(cfg.base) / "config.json").is_file():
             raise ConfigError(f"--base: no model at {cfg.base}")
+        missing = [n for n in REQUIRED_TOKENIZER_FILES if not (Path(cfg.base) / n).is_file()]
+        if missing:  # the output copies them after training: refuse before, not after, the hours
+            raise ConfigError(f"--base: {cfg.base} has no {', '.join(missing)} (the tokenizer the build copies)")
     except (ConfigError, ValueError) as exc:
         print(f"python -m eaglenest.tinytarget.long: error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,14 @@ def test_a_copy_row_repeats_its_span_and_marks_only_what_the_first_span_predicts
     assert sum(made[0][1]) == longdata.COPY_SPAN - 1 and tok.decode(
         [t for t, m in zip(*made[1]) if m]).startswith("The ")
 
+
+
+def test_a_base_without_its_tokenizer_is_refused_before_training(tmp_path, capsys):
+    base = tmp_path / "weights-only"
+    base.mkdir()
+    shutil.copyfile(SHORT / "config.json", base / "config.json")
+    out = tmp_path / "never"
+    assert main(["--out", str(out), "--base", str(base), "--stages", "128x1x1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "tokenizer.json" in err and "--base" in err and len(err.splitlines()) == 1
+    assert not out.exists()

@@ -87,8 +87,9 @@ class LongConfig:
 
     def __post_init__(self) -> None:
         for kinds in (self.row_kinds, *(s.kinds for s in self.stages if s.kinds)):
-            if not kinds or any(k not in longdata.ALL_KINDS for k in kinds):
-                raise ConfigError(f"row_kinds: each of {', '.join(longdata.ALL_KINDS)}, got {', '.join(kinds)}")
+            if not kinds or not all(longdata.known_kind(k) for k in kinds):
+                raise ConfigError(f"row_kinds: each of {', '.join(longdata.ALL_KINDS)} or repeatN (N >= 2 "
+                                  f"tokens), got {', '.join(kinds)}")
         if not self.stages or any(s.num_steps < 1 or s.batch_size < 1 or s.seq_len_tokens < MIN_STAGE_TOKENS
                                   or s.seq_len_tokens > self.max_positions for s in self.stages):
             raise ConfigError("stages: each stage needs num_steps >= 1, batch_size >= 1 and "
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answer-weight", type=float, default=d.answer_weight, help="extra loss weight of answers")
     p.add_argument("--peak-lr", type=float, default=d.peak_lr)
     p.add_argument("--row-kinds", default=",".join(d.row_kinds),
-                   help=f"training row kinds, round-robin (of {','.join(longdata.ALL_KINDS)})")
+                   help=f"training row kinds, round-robin (of {','.join(longdata.ALL_KINDS)}; repeatN: repeat over N tokens)")
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts_per_bucket, help="prompts per bucket")
     p.add_argument("--eval-buckets", default=",".join(map(str, d.eval_buckets)), help="bucket lengths")
     p.add_argument("--measure-only", action="store_true",

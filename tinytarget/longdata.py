@@ -29,6 +29,7 @@ it teaches the distances, not reading 32K real tokens; the real-length stage (8K
 from __future__ import annotations
 
 import random
+import re
 from typing import Iterator
 
 from eaglenest.evaluate import longctx
@@ -36,7 +37,7 @@ from eaglenest.tinytarget import corpus
 
 #: Kinds of training rows, in round-robin order (the default).
 ROW_KINDS = ("records", "code", "recall", "chat")
-#: Every kind a build may name.
+#: Every kind a build may name (and ``repeatN``: a ``repeat`` row over an alphabet of N tokens).
 ALL_KINDS = (*ROW_KINDS, "copy", "repeat")
 #: Tokens in the repeated span of a ``copy`` row.
 COPY_SPAN = 64
@@ -112,18 +113,34 @@ def copy_row(hf_tok, length: int, *, seed: int, docs: DocStream) -> tuple[list[i
     return ids + docs.take(rest), mask + [0] * rest
 
 
+def repeat_alphabet(kind: str) -> int | None:
+    """N of a ``repeatN`` kind (N >= 2), 0 for ``repeat``, None for any other kind."""
+    if kind == "repeat":
+        return 0
+    m = re.fullmatch(r"repeat([0-9]+)", kind)
+    return int(m[1]) if m and int(m[1]) >= 2 else None
+
+
+def known_kind(kind: str) -> bool:
+    return kind in ALL_KINDS or repeat_alphabet(kind) is not None
+
+
 def ordinary_ids(hf_tok) -> list[int]:
     """Every token id that is not a special token."""
     special = set(hf_tok.all_special_ids)
     return [t for t in range(len(hf_tok)) if t not in special]
 
 
-def repeat_row(hf_tok, length: int, *, seed: int) -> tuple[list[int], list[int]]:
+def repeat_row(hf_tok, length: int, *, seed: int, alphabet: int = 0) -> tuple[list[int], list[int]]:
     """(ids, answer mask) of a ``repeat`` row: a period of random ordinary tokens (its length drawn
     from ``REPEAT_SPAN``) repeated to ``length``; every token after the first period is marked (each
-    is the token one period back)."""
+    is the token one period back). ``alphabet`` > 0: the tokens come from that many ordinary ids
+    only (the same ones in every row: the first of a fixed shuffle), a curriculum's easy start."""
     rng = random.Random(f"repeat:{seed}")
     ordinary = ordinary_ids(hf_tok)
+    if alphabet:
+        random.Random("repeat-alphabet").shuffle(ordinary)
+        ordinary = ordinary[:alphabet]
     period = min(rng.randint(*REPEAT_SPAN), length // 2)
     span = [rng.choice(ordinary) for _ in range(period)]
     ids = (span * (length // period + 1))[:length]
@@ -139,8 +156,8 @@ def long_row(kind: str, hf_tok, length: int, *, seed: int, material, docs: DocSt
         return docs.take(length), [0] * length
     if kind == "copy":
         return copy_row(hf_tok, length, seed=seed, docs=docs)
-    if kind == "repeat":
-        return repeat_row(hf_tok, length, seed=seed)
+    if repeat_alphabet(kind) is not None:
+        return repeat_row(hf_tok, length, seed=seed, alphabet=repeat_alphabet(kind))
     size = sample_tokens if 0 < sample_tokens < length else length
     count = length // size
     ids, mask = [], []

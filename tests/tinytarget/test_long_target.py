@@ -59,6 +59,7 @@ def test_builder_end_to_end_at_toy_size(tmp_path):
     (["--stages", "100x1x1"], "stages"),
     (["--stages", "256x1x1:"], "--stages"),
     (["--stages", "256x1x1:repeat+nonsense"], "row_kinds"),
+    (["--stages", "256x1x1:repeat1"], "row_kinds"),
     (["--seed", "0"], "--seed"),
     (["--skip-fraction", "2"], "skip_fraction"),
     (["--row-kinds", "copy,nonsense"], "row_kinds"),
@@ -123,6 +124,15 @@ def test_a_copy_row_repeats_its_span_and_marks_only_what_the_first_span_predicts
         assert rmask == [0] * period + [1] * (300 - period) and longdata.repeat_row(tok, 300, seed=seed) == (rep, rmask)
     lo, hi = longdata.REPEAT_SPAN
     assert len(periods) > 3 and all(lo <= p <= hi for p in periods)  # the period varies: copy by content
+    # repeatN: the same N ordinary tokens in every row (a curriculum's easy start), the rows otherwise alike
+    alphabet = set()
+    for seed in range(20):
+        rep, rmask = longdata.long_row("repeat16", tok, 256, seed=seed, material=(), docs=None)
+        assert rmask.index(1) >= longdata.REPEAT_SPAN[0] and not special & set(rep)
+        alphabet |= set(rep)
+    assert 8 < len(alphabet) <= 16
+    assert [longdata.repeat_alphabet(k) for k in ("repeat", "repeat64", "repeat1", "repeatx", "copy")] == \
+        [0, 64, None, None, None]
     again = longdata.copy_row(tok, 1024, seed=4, docs=longdata.DocStream(tok, seed=1, raw_fraction=0.25))
     assert again == (ids, mask)  # seeded
     kinds = ("copy", "records")

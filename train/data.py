@@ -48,6 +48,7 @@ import torch
 
 from eaglenest.errors import StoreError
 from eaglenest.featurestore import schema as S
+from eaglenest.featurestore.read.pread import aligned
 from eaglenest.featurestore.read.profile import ReadProfile
 from eaglenest.featurestore.read.reader import SampleReader
 from eaglenest.featurestore.read.sample import Into, stored_torch_dtype
@@ -269,7 +270,7 @@ class BatchArenas:
             for k in sorted(sorted(idle, key=lambda k: self._arenas[k][0].size)[:max(0, len(idle) + 1 - self.keep)],
                             reverse=True):
                 del self._arenas[k]  # the smallest idle ones make room
-            arena, refs = np.empty(need + (need >> 3), np.uint8), []  # some slack for a wider next batch
+            arena, refs = aligned(need + (need >> 3)), []  # some slack for a wider next batch; huge pages
             self._arenas.append((arena, refs))
             self.allocated += 1
         refs.clear()

@@ -28,6 +28,8 @@ Side by side in one run, on the same EAGLE-3 features (see featurestore_write.py
   reader's threads), trainer-direct (``direct=True``: ``O_DIRECT`` into a pooled buffer + one
   copy into the batch, instead of ``pread`` through the page cache straight into it) and torch.load->Batch (torch.load files turned into the same fp32 ``Batch``
   with ``collate``).
+* ``--pages``: trainer-4k-pages and store-4k-pages (the reader's large buffers in 4 KiB pages, not
+  advised ``MADV_HUGEPAGE``: how they were before 2026-12-04).
 * ``--integrity``: store-unchecked (the check off) and store-checked-first (stamps deleted before
   the round: a full CRC-32 pass over the cold files, stamps rewritten, then the read).
 
@@ -124,6 +126,18 @@ def read_store(uri: Path, *, batch_samples: int, seed: int, threads: int | None,
                 s.release()
         WINDOW[:] = [w for w, _ in reader.window.history] + [reader.window.current()]
     return tokens
+
+
+def four_k_pages(read, *args, **kw) -> int:
+    """``read`` with the reader's large buffers (pool, batch arenas) in 4 KiB pages, not advised
+    ``MADV_HUGEPAGE`` (``featurestore.read.pread.HUGE_PAGES`` off for the call)."""
+    from eaglenest.featurestore.read import pread
+
+    pread.HUGE_PAGES = False
+    try:
+        return read(*args, **kw)
+    finally:
+        pread.HUGE_PAGES = True
 
 
 def drop_stamps(uri: Path) -> None:
@@ -306,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rss-samples", type=int, default=0,
                     help="with --rss: also measure on a table of this many samples (the bound must not grow)")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
+    ap.add_argument("--pages", action="store_true",
+                    help="add the trainer and store arms with 4 KiB-page buffers (no huge pages)")
     ap.add_argument("--trainer", action="store_true",
                     help="also time the trainer's reader into an fp32 Batch, and torch.load into the same Batch")
     ap.add_argument("--pack-tokens", type=int, default=4096, help="train.pack_tokens for the trainer arms")
@@ -362,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                     integrity="off", **bopts))
             readers["store-checked-first"] = (uri, lambda r: read_store(uri, seed=r, threads=args.threads, **bopts),
                                               lambda: drop_stamps(uri))
+        if args.pages:  # the read buffers in 4 KiB pages, as before huge pages were asked for
+            readers["trainer-4k-pages"] = (uri, lambda r: four_k_pages(read_trainer, uri, seed=r, **topts))
+            readers["store-4k-pages"] = (uri, lambda r: four_k_pages(read_store, uri, seed=r, threads=args.threads,
+                                                                     **bopts))
         if args.trainer:
             readers["trainer-fp32"] = (uri, lambda r: read_trainer(uri, seed=r, batch_dtype="float32", **topts))
             readers["trainer-direct"] = (uri, lambda r: read_trainer(uri, seed=r, direct=True, **topts))
@@ -416,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         first = [100 * c / s for c, s in zip(secs["store-checked-first:check"], secs["store-checked-first"])]
         print(f"store-checked-first / store-unchecked: {W.spread(ratio(secs, 'store-checked-first', 'store-unchecked'))}"
               f"; the first check (a CRC pass): {W.spread(first)} % of the read's time")
+    if args.pages:
+        print(f"trainer (huge pages) / trainer-4k-pages: {W.spread(ratio(secs, 'trainer', 'trainer-4k-pages'))}")
+        print(f"store (huge pages) / store-4k-pages: {W.spread(ratio(secs, 'store', 'store-4k-pages'))}")
     if args.trainer:
         print(f"trainer-fp32 / raw sequential read: {W.spread(ratio(secs, 'trainer-fp32', 'raw'))}")
         print(f"trainer-direct / raw sequential read: {W.spread(ratio(secs, 'trainer-direct', 'raw'))}; "

@@ -72,6 +72,8 @@ class BufferPool:
 
 #: Buffers of at least this many bytes are mapped on their own and asked for huge pages.
 HUGE = 2 << 20
+#: Off: every buffer plain heap memory in 4 KiB pages (the bench's ``--pages`` arms compare).
+HUGE_PAGES = True
 
 
 def aligned(size: int) -> np.ndarray:
@@ -82,7 +84,7 @@ def aligned(size: int) -> np.ndarray:
     (transparent huge pages on ``madvise``) a cold trainer read into fresh 4 KiB pages fell to a third
     of its speed in 4 rounds of 10, into advised ones in none (BENCHMARKS.md, feature store read).
     The mapping is unmapped when the last view of it goes."""
-    if size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+    if HUGE_PAGES and size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
         mm = mmap.mmap(-1, size + HUGE)
         raw = np.frombuffer(mm, np.uint8)
         off = (-raw.ctypes.data) % HUGE

@@ -96,6 +96,8 @@ class LongConfig:
                               f"{MIN_STAGE_TOKENS} <= seq_len_tokens <= {self.max_positions}")
         if not 0.0 <= self.skip_fraction <= 1.0:
             raise ConfigError(f"skip_fraction: must be in [0, 1], got {self.skip_fraction}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if self.rope_theta <= 0:
             raise ConfigError(f"rope_theta: must be > 0, got {self.rope_theta}")
 
@@ -258,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="curriculum, TOKENSxROWSxSTEPS[xPACKED] per stage")
     p.add_argument("--answer-weight", type=float, default=d.answer_weight, help="extra loss weight of answers")
     p.add_argument("--peak-lr", type=float, default=d.peak_lr)
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio,
+                   help="the cosine's end as a fraction of --peak-lr (1: constant after warmup)")
     p.add_argument("--row-kinds", default=",".join(d.row_kinds),
                    help=f"training row kinds, round-robin (of {','.join(longdata.ALL_KINDS)}; repeatN: repeat over N tokens)")
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts_per_bucket, help="prompts per bucket")
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--seed: {args.seed} is a seed of the evaluation material; pick another")
         cfg = LongConfig(base=args.base, seed=args.seed, rope_theta=args.rope_theta,
                          skip_fraction=args.skip_fraction, stages=parse_stages(args.stages),
-                         answer_weight=args.answer_weight, peak_lr=args.peak_lr,
+                         answer_weight=args.answer_weight, peak_lr=args.peak_lr, min_lr_ratio=args.min_lr_ratio,
                          eval_prompts_per_bucket=args.eval_prompts,
                          eval_buckets=tuple(int(b) for b in args.eval_buckets.split(",")),
                          row_kinds=tuple(k for k in args.row_kinds.split(",") if k))

@@ -110,7 +110,7 @@ evaluation's never meet (`eaglenest.tinytarget.longdata.TRAIN_SEED_BASE`).
 ```bash
 python -m eaglenest.tinytarget.long --out assets/tiny-target-long --seed {cfg.seed} --rope-theta {cfg.rope_theta:g} \\
     --skip-fraction {cfg.skip_fraction} --stages {stages_arg} \\
-    --answer-weight {cfg.answer_weight:g} --peak-lr {cfg.peak_lr:g} --row-kinds {','.join(cfg.row_kinds)}
+    --answer-weight {cfg.answer_weight:g} --peak-lr {cfg.peak_lr:g} --min-lr-ratio {cfg.min_lr_ratio:g} --row-kinds {','.join(cfg.row_kinds)}
 ```
 
 `provenance.json` records the code version, package versions, configuration and every number above

@@ -12,12 +12,13 @@ Each row is ``seq_len_tokens`` token ids. Rows go round-robin over four kinds:
   so short-prompt quality is kept).
 - ``copy`` (opt in, ``--row-kinds``): a span of random ordinary tokens, corpus text, then the same
   span again, the repeat marked as answer: copying from far back within natural text.
-- ``repeat`` (opt in): a span of random ordinary tokens (8-96 of them) repeated to fill the row,
-  every token after the first period marked: the textbook task for forming a copy-from-context
-  circuit (an induction head) in small transformers. None formed here from the retrieval kinds
-  alone, ``copy`` rows mixed among them, or a first stage of ``repeat`` rows (docs/long_context.md,
-  runs H-L: with one fixed period a positional shortcut, with periods drawn per row a plateau at
-  uniform); ``longeval.copy_probe`` tells which.
+- ``repeat`` (opt in): a span of random ordinary tokens (8-96 of them, at most a quarter of the row)
+  repeated to fill the row, every token after the first period marked: the textbook task for
+  forming a copy-from-context circuit (an induction head) in small transformers; ``repeatN``: the
+  same over a fixed alphabet of N tokens. The retrieval kinds alone, ``copy`` rows among them, or
+  ``repeat`` rows over the whole vocabulary formed none here; a curriculum of alphabets (``repeat64``,
+  ``repeat256``, then ``repeat``, 32 rows of 128 tokens, constant lr) did (docs/long_context.md,
+  runs M-T); ``longeval.copy_probe`` tells which.
 
 Positions (``skipped_positions``): a row of real length ``n`` may be given position ids that skip a
 random gap at a random cut, so its two parts lie up to ``max_positions`` apart (PoSE, "positional

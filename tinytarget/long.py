@@ -72,6 +72,8 @@ class LongConfig:
     #: Fraction of rows whose positions skip a gap (PoSE), reaching up to ``max_positions``.
     skip_fraction: float = 0.5
     answer_weight: float = 4.0
+    #: Weight of the mean loss over all tokens (0: the answer tokens alone, as run M's copy stages).
+    token_weight: float = 1.0
     raw_fraction: float = 0.25
     peak_lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -96,6 +98,11 @@ class LongConfig:
                               f"{MIN_STAGE_TOKENS} <= seq_len_tokens <= {self.max_positions}")
         if not 0.0 <= self.skip_fraction <= 1.0:
             raise ConfigError(f"skip_fraction: must be in [0, 1], got {self.skip_fraction}")
+        if self.token_weight < 0 or self.answer_weight < 0 or self.token_weight + self.answer_weight <= 0:
+            raise ConfigError(f"token_weight / answer_weight: must be >= 0 and not both 0, got "
+                              f"{self.token_weight} / {self.answer_weight}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay: must be >= 0, got {self.weight_decay}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if self.rope_theta <= 0:
@@ -173,7 +180,7 @@ def train_long(model, hf_tok, cfg: LongConfig) -> dict:
             ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                                    reduction="none").view_as(mask)
             ans = (ce * mask).sum() / mask.sum().clamp(min=1)
-            loss = ce.mean() + cfg.answer_weight * ans
+            loss = cfg.token_weight * ce.mean() + cfg.answer_weight * ans
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -259,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default=format_stages(d.stages),
                    help="curriculum, TOKENSxROWSxSTEPS[xPACKED] per stage")
     p.add_argument("--answer-weight", type=float, default=d.answer_weight, help="extra loss weight of answers")
+    p.add_argument("--token-weight", type=float, default=d.token_weight,
+                   help="weight of the mean loss over all tokens (0: the answers alone)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's, on the matrices")
     p.add_argument("--peak-lr", type=float, default=d.peak_lr)
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio,
                    help="the cosine's end as a fraction of --peak-lr (1: constant after warmup)")
@@ -277,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--seed: {args.seed} is a seed of the evaluation material; pick another")
         cfg = LongConfig(base=args.base, seed=args.seed, rope_theta=args.rope_theta,
                          skip_fraction=args.skip_fraction, stages=parse_stages(args.stages),
-                         answer_weight=args.answer_weight, peak_lr=args.peak_lr, min_lr_ratio=args.min_lr_ratio,
+                         answer_weight=args.answer_weight, token_weight=args.token_weight,
+                         weight_decay=args.weight_decay, peak_lr=args.peak_lr, min_lr_ratio=args.min_lr_ratio,
                          eval_prompts_per_bucket=args.eval_prompts,
                          eval_buckets=tuple(int(b) for b in args.eval_buckets.split(",")),
                          row_kinds=tuple(k for k in args.row_kinds.split(",") if k))

@@ -91,8 +91,8 @@ a random span repeated once, far apart, within corpus text.
 Continued from `{cfg.base}` with AdamW (betas 0.9/0.95, weight decay {cfg.weight_decay}), peak lr
 {cfg.peak_lr}, {cfg.warmup_steps} warmup steps then one cosine to {cfg.min_lr_ratio} x peak over the
 stages. Rows: long material of `evaluate.longctx`'s kinds (records, code, recall) with its answer,
-and short corpus documents packed long ({cfg.raw_fraction:.0%} raw text), round-robin; loss = mean
-token loss + {cfg.answer_weight} x mean loss on the answer tokens. {cfg.skip_fraction:.0%} of rows have
+and short corpus documents packed long ({cfg.raw_fraction:.0%} raw text), round-robin; loss =
+{cfg.token_weight:g} x mean token loss + {cfg.answer_weight} x mean loss on the answer tokens. {cfg.skip_fraction:.0%} of rows have
 skipped position ids (one random gap, reaching up to {cfg.max_positions}). {cfg.num_threads} CPU thread(s).
 
 | row tokens | rows / step | steps | seconds | loss (last quarter) | answer loss |
@@ -110,7 +110,7 @@ evaluation's never meet (`eaglenest.tinytarget.longdata.TRAIN_SEED_BASE`).
 ```bash
 python -m eaglenest.tinytarget.long --out assets/tiny-target-long --seed {cfg.seed} --rope-theta {cfg.rope_theta:g} \\
     --skip-fraction {cfg.skip_fraction} --stages {stages_arg} \\
-    --answer-weight {cfg.answer_weight:g} --peak-lr {cfg.peak_lr:g} --min-lr-ratio {cfg.min_lr_ratio:g} --row-kinds {','.join(cfg.row_kinds)}
+    --answer-weight {cfg.answer_weight:g} --token-weight {cfg.token_weight:g} --weight-decay {cfg.weight_decay:g} --peak-lr {cfg.peak_lr:g} --min-lr-ratio {cfg.min_lr_ratio:g} --row-kinds {','.join(cfg.row_kinds)}
 ```
 
 `provenance.json` records the code version, package versions, configuration and every number above

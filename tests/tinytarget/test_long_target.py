@@ -63,6 +63,8 @@ def test_builder_end_to_end_at_toy_size(tmp_path):
     (["--seed", "0"], "--seed"),
     (["--skip-fraction", "2"], "skip_fraction"),
     (["--min-lr-ratio", "1.5"], "min_lr_ratio"),
+    (["--token-weight", "0", "--answer-weight", "0"], "token_weight"),
+    (["--weight-decay", "-1"], "weight_decay"),
     (["--row-kinds", "copy,nonsense"], "row_kinds"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, message):

@@ -201,16 +201,36 @@ def draft_num_speculative_tokens(draft: str, default: int) -> int:
 
 def engine_kwargs(cfg: EngineConfig, model: str = "", *, trust_remote_code: bool = False) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments; ``trust_remote_code`` is ``run.trust_remote_code``."""
-    return {
+    dtype = checkpoint_dtype(model) if cfg.dtype == "auto" else cfg.dtype
+    kwargs = {
         "max_model_len": cfg.max_model_len,
         "gpu_memory_utilization": cfg.memory_fraction,
         "max_num_seqs": cfg.max_num_seqs,
-        "dtype": checkpoint_dtype(model) if cfg.dtype == "auto" else cfg.dtype,
+        "dtype": dtype,
         "enforce_eager": cfg.enforce_eager,
         "seed": cfg.seed,
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "trust_remote_code": trust_remote_code,
     }
+    if dtype == "float32" and is_mla_checkpoint(model) and not has_cuda():
+        # On a CPU with AMX, vLLM picks its AMX MLA backend, whose weight packing takes bf16 / fp16
+        # only: a float32 MLA target fails at engine start. The reference CPU MLA backend runs it.
+        kwargs["attention_backend"] = "CPU_MLA"
+    return kwargs
+
+
+def is_mla_checkpoint(model: str) -> bool:
+    """Whether a local checkpoint's config.json declares multi-head latent attention (DeepSeek's
+    ``kv_lora_rank``, at the top or in its ``text_config``)."""
+    path = Path(model) / "config.json" if model else None
+    if path is None or not path.is_file():
+        return False
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False  # the engine reports a broken config itself
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    return cfg.get("kv_lora_rank") is not None or text.get("kv_lora_rank") is not None
 
 
 def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, **extra: Any):

@@ -25,6 +25,7 @@ import time
 from eaglenest.evaluate import farctx
 from eaglenest.evaluate.buckets import bucket_rows, build_bucket_prompts
 from eaglenest.evaluate.intervals import bucket_intervals
+from eaglenest.tinytarget import longdata
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +121,6 @@ def copy_probe(model, hf_tok, docs, *, lengths=(512, 1024), rows: int = 4) -> di
     length. Uniform guessing over the vocabulary is ``ln(V)`` (7.6 here); a copy circuit drives both
     losses towards 0 and the accuracies towards 1."""
     import torch
-
-    from eaglenest.tinytarget import longdata
 
     makers = {"repeat": lambda n, s: longdata.repeat_row(hf_tok, n, seed=s),
               "copy": lambda n, s: longdata.copy_row(hf_tok, n, seed=s, docs=docs)}

@@ -86,11 +86,13 @@ def test_export_computes_what_was_trained(run, exported, tmp_path):
 
 
 def test_vllm_cannot_serve_mla_with_an_eagle3_draft(run, exported, capfd):
-    """Plain vLLM, no eaglenest code: the engine refuses MLA + an EAGLE-3 draft on CPU."""
+    """Plain vLLM, no eaglenest code: the engine refuses MLA + an EAGLE-3 draft on CPU. The backend
+    is named as ``common.engine.engine_kwargs`` names it for a float32 MLA target (on a CPU with AMX
+    vLLM would pick AMX_MLA, which refuses float32 weights before the pair is even looked at)."""
     from vllm import LLM
 
     with pytest.raises(RuntimeError, match="Engine core initialization failed"):
-        LLM(model=str(run.target), dtype="float32", max_model_len=ENGINE["max_model_len"],
+        LLM(model=str(run.target), dtype="float32", max_model_len=ENGINE["max_model_len"], attention_backend="CPU_MLA",
             gpu_memory_utilization=ENGINE["memory_fraction"], enforce_eager=True,
             speculative_config={"method": "eagle3", "model": str(exported), "num_speculative_tokens": 3})
     out = capfd.readouterr()

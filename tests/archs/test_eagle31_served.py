@@ -11,8 +11,8 @@ above what any draft gets for free, and the flag must matter: the same weights l
 off in config.json (what a server ignoring it computes) give other logits.
 
 The last test breaks an export on purpose (``fc``'s aux-layer blocks swapped: the draft reads layer
-5's features where it was trained on layer 2's) and serves it: its AL falls below the offline
-estimate, so the equality above fails on a broken export. (The tiny target, not a random one: a
+5's features where it was trained on layer 2's) and serves it: its AL is not the offline
+estimate's, so the equality above fails on a broken export. (The tiny target, not a random one: a
 random target's greedy answers mostly repeat the last token, which a draft learns from the token
 alone, and then even a swapped ``fc`` serves the same AL.) One engine per test (no lossless re-run:
 tests/archs/test_served.py covers that).
@@ -87,16 +87,18 @@ def test_flagged_draft_served_al_equals_offline(base, tmp_path, flag):
     assert (with_flag - without).abs().max() > 1e-3, flag
 
 
-def test_a_broken_export_serves_below_the_offline_estimate(base, tmp_path):
+def test_a_broken_export_serves_away_from_the_offline_estimate(base, tmp_path):
     """The check above on a deliberately broken export: ``fc``'s input blocks of aux layers 2 and 5
-    swapped (a wrong aux-layer order). vLLM serves it without complaint, but its served AL drops
-    below the checkpoint's offline estimate and the equality check fails."""
+    swapped (a wrong aux-layer order). vLLM serves it without complaint, but its served AL leaves
+    the checkpoint's offline estimate and the equality check fails. Which way it moves is not the
+    point: below on the machines measured before, above (1.60 vs 1.58) on a CPU with AMX, where this
+    weakly trained draft happened to lose nothing by the swap."""
     run = _trained(base, tmp_path)
     broken = swap_fc_blocks(run.work / "draft", tmp_path / "broken")
     served, offline = served_and_offline(run, NO_LOSSLESS, draft=broken, out="eval_broken")
     s, o = served["overall"], offline["overall"]
     print(f"\nbroken export: served AL {s['acceptance_length']} / offline (checkpoint) {o['acceptance_length']}")
     assert o["acceptance_length"] >= AL_FLOOR
-    assert s["acceptance_length"] < o["acceptance_length"], (s, o)
+    assert abs(s["acceptance_length"] - o["acceptance_length"]) > 1e-3, (s, o)
     with pytest.raises(AssertionError):
         _same(served, offline)

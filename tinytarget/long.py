@@ -13,6 +13,10 @@ Continues the committed tiny target (``assets/tiny-target``, trained on 256-toke
    up to 32K are trained while attention costs only the row's real length (on one CPU thread a
    32K row's forward and backward take minutes, an 8K row's about 11 s, a 2K row's about 1 s).
 
+A recipe (``--recipe``, ``recipes/tiny_target/long.yaml``) runs several such curricula as
+phases on the same model, each with its own training settings, optimizer and schedule: the
+copy circuit forms only under settings the later phases must not keep (run X in the docs).
+
 Then measures it on the evaluation's long-context buckets (``longeval``) and the short held-out set,
 and writes a Hugging Face folder with ``README.md`` and ``provenance.json``. Seeded, one thread:
 a rebuild on the same software stack gives the same weights. No recipe tried so far reaches the
@@ -32,6 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglenest.config import load_yaml
 from eaglenest.errors import ConfigError
 from eaglenest.provenance import write_provenance
 from eaglenest.tinytarget import corpus, longdata, longeval, train
@@ -61,6 +66,19 @@ class Stage:
     kinds: tuple[str, ...] = ()
 
 
+#: The training settings a phase of a recipe may set (the rest belong to the whole build).
+PHASE_KEYS = ("stages", "skip_fraction", "answer_weight", "token_weight", "raw_fraction", "peak_lr",
+              "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta2", "row_kinds")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Phase:
+    """One training phase of a recipe: its name and the settings (``PHASE_KEYS``) it changes from
+    the build's; each phase has its own optimizer and learning-rate schedule."""
+    name: str
+    settings: tuple[tuple[str, object], ...] = ()
+
+
 @dataclass(frozen=True, kw_only=True)
 class LongConfig:
     base: str = "assets/tiny-target"
@@ -79,6 +97,8 @@ class LongConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
     weight_decay: float = 0.01
+    #: AdamW's second-moment decay (run M, the first copy circuit, used 0.98).
+    adam_beta2: float = 0.95
     num_threads: int = 1
     eval_prompts_per_bucket: int = 4
     #: Short held-out chats (corpus seed EVAL_MATERIAL_SEED) scored to show short quality is kept.
@@ -86,8 +106,27 @@ class LongConfig:
     eval_buckets: tuple[int, ...] = longeval.BUCKETS
     #: Kinds of training rows, round-robin (``longdata``; ``copy`` is opt in).
     row_kinds: tuple[str, ...] = longdata.ROW_KINDS
+    #: Phases run one after another on the same model (empty: one phase of the settings above).
+    phases: tuple[Phase, ...] = ()
+    #: The recipe file the configuration came from (provenance and the card's rebuild line).
+    recipe: str = ""
+    #: Resume: train from this phase on, ``base`` being the output of the phases before it (the
+    #: prompts' seeds and positions are those the whole build would give, so the result is the same).
+    from_phase: str = ""
 
     def __post_init__(self) -> None:
+        if self.from_phase and self.from_phase not in [p.name for p in self.phases]:
+            raise ConfigError(f"from_phase: {self.from_phase!r} is not a phase of the recipe "
+                              f"({', '.join(p.name for p in self.phases) or 'it has none'})")
+        for phase in self.phases:
+            unknown = sorted(k for k, _ in phase.settings if k not in PHASE_KEYS)
+            if unknown:
+                raise ConfigError(f"phase {phase.name!r}: {', '.join(unknown)} cannot change within a build "
+                                  f"(a phase may set {', '.join(PHASE_KEYS)})")
+            try:
+                self.phase_config(phase)
+            except ConfigError as exc:
+                raise ConfigError(f"phase {phase.name!r}: {exc}") from None
         for kinds in (self.row_kinds, *(s.kinds for s in self.stages if s.kinds)):
             if not kinds or not all(longdata.known_kind(k) for k in kinds):
                 raise ConfigError(f"row_kinds: each of {', '.join(longdata.ALL_KINDS)} or repeatN (N >= 2 "
@@ -103,6 +142,10 @@ class LongConfig:
                               f"{self.token_weight} / {self.answer_weight}")
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay: must be >= 0, got {self.weight_decay}")
+        if not 0.0 <= self.adam_beta2 < 1.0:
+            raise ConfigError(f"adam_beta2: must be in [0, 1), got {self.adam_beta2}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if self.rope_theta <= 0:
@@ -111,6 +154,16 @@ class LongConfig:
     @property
     def num_steps(self) -> int:
         return sum(s.num_steps for s in self.stages)
+
+    def phase_config(self, phase: Phase) -> "LongConfig":
+        """This build's configuration with ``phase``'s settings (one phase, no phases inside)."""
+        return dataclasses.replace(self, phases=(), from_phase="", **dict(phase.settings))
+
+    def training_phases(self) -> list[tuple[str, "LongConfig"]]:
+        """``(name, configuration)`` of each phase to train, in order."""
+        if not self.phases:
+            return [("train", self)]
+        return [(ph.name, self.phase_config(ph)) for ph in self.phases]
 
 
 def parse_stages(text: str) -> tuple[Stage, ...]:
@@ -136,6 +189,71 @@ def format_stages(stages) -> str:
                     + (":" + "+".join(s.kinds) if s.kinds else "") for s in stages)
 
 
+#: Keys of a recipe file besides PHASE_KEYS and ``phases``.
+RECIPE_KEYS = ("base", "seed", "rope_theta", "max_positions", "eval_prompts_per_bucket", "eval_buckets",
+               "num_held_out")
+
+
+#: Recipe keys whose values are whole numbers.
+INT_KEYS = ("seed", "max_positions", "eval_prompts_per_bucket", "num_held_out", "warmup_steps")
+
+
+def _setting(key: str, value, where: str):
+    """A recipe value as LongConfig holds it (stages parsed, lists as tuples)."""
+    if key == "stages":
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}stages: expected text like 128x32x500:repeat64,512x8x400, got {value!r}")
+        return parse_stages(value)
+    if key in ("row_kinds", "eval_buckets"):
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list) or not items:
+            raise ConfigError(f"{where}{key}: expected a list, got {value!r}")
+        if key == "row_kinds":
+            return tuple(str(x) for x in items)
+        if not all(isinstance(x, int) and not isinstance(x, bool) or isinstance(x, str) and x.strip().isdigit()
+                   for x in items):
+            raise ConfigError(f"{where}eval_buckets: expected token counts, got {value!r}")
+        return tuple(int(x) for x in items)
+    if key == "base":
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}base: expected a model folder, got {value!r}")
+        return value
+    wanted = int if key in INT_KEYS else (int, float)
+    if isinstance(value, bool) or not isinstance(value, wanted):
+        raise ConfigError(f"{where}{key}: expected {'a whole number' if key in INT_KEYS else 'a number'}, got {value!r}")
+    return value
+
+
+def load_recipe(path: str | Path) -> dict:
+    """LongConfig's keyword arguments from a recipe YAML: build keys (``RECIPE_KEYS``), training
+    settings shared by every phase (``PHASE_KEYS``) and ``phases``, a list of ``{name, ...settings}``."""
+    data = load_yaml(path)  # refuses anything but a mapping at the top
+    unknown = sorted(k for k in data if k not in (*RECIPE_KEYS, *PHASE_KEYS, "phases"))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)} (known: {', '.join((*RECIPE_KEYS, *PHASE_KEYS, 'phases'))})")
+    kwargs = {k: _setting(k, v, f"{path}: ") for k, v in data.items() if k != "phases"}
+    phases = data.get("phases") or []
+    if not isinstance(phases, list):
+        raise ConfigError(f"{path}: phases: expected a list of mappings")
+    out = []
+    for i, ph in enumerate(phases):
+        if not isinstance(ph, dict):
+            raise ConfigError(f"{path}: phases[{i}]: expected a mapping with a name and settings")
+        name = str(ph.get("name", f"phase{i + 1}"))
+        settings = {k: v for k, v in ph.items() if k != "name"}
+        bad = sorted(k for k in settings if k not in PHASE_KEYS)
+        if "stages" not in settings:
+            raise ConfigError(f"{path}: phase {name!r}: no stages (each phase names its own curriculum)")
+        if bad:
+            raise ConfigError(f"{path}: phase {name!r}: {', '.join(bad)} cannot change within a build "
+                              f"(a phase may set {', '.join(PHASE_KEYS)})")
+        out.append(Phase(name=name, settings=tuple((k, _setting(k, v, f"{path}: phase {name!r}: "))
+                                                  for k, v in settings.items())))
+    if len({p.name for p in out}) != len(out):
+        raise ConfigError(f"{path}: phases: names must differ")
+    return {**kwargs, "phases": tuple(out), "recipe": str(path)}
+
+
 def lr_at(step: int, cfg: LongConfig) -> float:
     """Linear warmup, then one cosine over all stages down to ``min_lr_ratio * peak_lr``."""
     return train.lr_at(step, train.TrainConfig(num_steps=cfg.num_steps, peak_lr=cfg.peak_lr,
@@ -152,16 +270,17 @@ def load_base(cfg: LongConfig):
     return AutoModelForCausalLM.from_pretrained(cfg.base, config=config, attn_implementation="sdpa")
 
 
-def train_long(model, hf_tok, cfg: LongConfig) -> dict:
-    """Train ``model`` in place through the curriculum; returns per-stage losses and timing."""
+def train_long(model, hf_tok, cfg: LongConfig, *, first_row: int = 0, phase: str = "train") -> dict:
+    """Train ``model`` in place through the curriculum of one phase (``cfg.stages``), its rows
+    seeded from ``first_row`` on; returns per-stage losses and timing."""
     import torch
 
-    rng = random.Random(f"longpos:{cfg.seed}")
+    rng = random.Random(f"longpos:{cfg.seed}:{phase}" if phase != "train" else f"longpos:{cfg.seed}")
     material = longdata.chat_material(corpus.generate(longdata.NUM_MATERIAL, seed=cfg.seed))
     docs = longdata.DocStream(hf_tok, seed=cfg.seed, raw_fraction=cfg.raw_fraction)
-    opt = train.optimizer(model, peak_lr=cfg.peak_lr, weight_decay=cfg.weight_decay)
+    opt = train.optimizer(model, peak_lr=cfg.peak_lr, weight_decay=cfg.weight_decay, beta2=cfg.adam_beta2)
     model.train()
-    step, first_row, stats, start = 0, 0, [], time.perf_counter()
+    step, stats, start, row0 = 0, [], time.perf_counter(), first_row
     for stage in cfg.stages:
         t0, losses, ans_losses = time.perf_counter(), [], []
         for _ in range(stage.num_steps):
@@ -192,13 +311,37 @@ def train_long(model, hf_tok, cfg: LongConfig) -> dict:
                 log.info("step %d/%d (%d tokens): loss %.3f answer loss %.3f", step, cfg.num_steps,
                          stage.seq_len_tokens, losses[-1], ans_losses[-1])
         tail = max(1, len(losses) // 4)  # mean over the stage's last quarter: one row per step is noisy
-        stats.append({**dataclasses.asdict(stage), "seconds": round(time.perf_counter() - t0, 1),
+        stats.append({**dataclasses.asdict(stage), "phase": phase, "seconds": round(time.perf_counter() - t0, 1),
                       "final_loss": round(sum(losses[-tail:]) / tail, 4),
                       "final_answer_loss": round(sum(ans_losses[-tail:]) / tail, 4)})
     model.eval()
-    return {"stages": stats, "train_seconds": round(time.perf_counter() - start, 1), "rows": first_row,
+    return {"stages": stats, "train_seconds": round(time.perf_counter() - start, 1), "rows": first_row - row0,
             "tokens_seen": sum(s.seq_len_tokens * s.batch_size * s.num_steps for s in cfg.stages),
-            "train_prompt_seeds": [longdata.TRAIN_SEED_BASE, longdata.TRAIN_SEED_BASE + first_row - 1]}
+            "train_prompt_seeds": [longdata.TRAIN_SEED_BASE + row0, longdata.TRAIN_SEED_BASE + first_row - 1]}
+
+
+def train_phases(model, hf_tok, cfg: LongConfig) -> dict:
+    """Every phase of ``cfg`` in turn on ``model``; the long prompts' seeds run on across phases
+    (no prompt is trained twice), each phase has a fresh optimizer and schedule."""
+    stats, seconds, tokens, first_row = [], 0.0, 0, 0
+    phases = cfg.training_phases()
+    names = [n for n, _ in phases]
+    for name, phase_cfg in phases:
+        if cfg.from_phase and names.index(name) < names.index(cfg.from_phase):
+            first_row += sum(s.batch_size * s.num_steps for s in phase_cfg.stages)  # trained in --base
+            continue
+        if name != "train":
+            log.info("phase %s: %s", name, format_stages(phase_cfg.stages))
+        out = train_long(model, hf_tok, phase_cfg, first_row=first_row, phase=name)
+        first_row += out["rows"]
+        stats += out["stages"]
+        seconds += out["train_seconds"]
+        tokens += out["tokens_seen"]
+    out = {"stages": stats, "train_seconds": round(seconds, 1), "rows": first_row, "tokens_seen": tokens,
+           "train_prompt_seeds": [longdata.TRAIN_SEED_BASE, longdata.TRAIN_SEED_BASE + first_row - 1]}
+    if cfg.from_phase:  # the earlier phases' figures, from the base's own provenance
+        out["earlier_phases"] = _base_metrics(cfg.base).get("train", {}).get("stages", [])
+    return out
 
 
 def measure(model, hf_tok, cfg: LongConfig) -> dict:
@@ -232,7 +375,7 @@ def build(out: Path, cfg: LongConfig) -> dict:
     torch.set_num_threads(cfg.num_threads)
     hf_tok = AutoTokenizer.from_pretrained(cfg.base)
     model = load_base(cfg)
-    train_stats = train_long(model, hf_tok, cfg)
+    train_stats = train_phases(model, hf_tok, cfg)
     metrics = {"train": train_stats, **measure(model, hf_tok, cfg)}
     save(model, out, cfg)
     metrics["build_seconds"] = round(time.perf_counter() - start, 1)
@@ -243,10 +386,20 @@ def build(out: Path, cfg: LongConfig) -> dict:
              "positions": f"longpos:{cfg.seed}",
              "eval_prompts": "evaluate.buckets seed 0 (evaluate al's engine.seed=0)",
              "eval_material_and_held_out": EVAL_MATERIAL_SEED}
-    write_long_card(out, cfg=cfg, metrics=metrics, seeds=seeds, base_metrics=_base_metrics(cfg.base))
+    write_long_card(out, cfg=cfg, metrics=metrics, seeds=seeds, base_metrics=_base_metrics(cfg.base),
+                    phases=[(ph.name, ", ".join(f"{k} {_show(v)}" for k, v in ph.settings)) for ph in cfg.phases])
     write_provenance(out, config=dataclasses.asdict(cfg), inputs={"base": cfg.base, "seeds": seeds},
                      extra={"metrics": metrics})
     return metrics
+
+
+def _show(value) -> str:
+    """A phase setting as the card prints it (stages in ``--stages`` form)."""
+    if isinstance(value, tuple) and value and isinstance(value[0], Stage):
+        return format_stages(value)
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _base_metrics(base: str) -> dict:
@@ -255,27 +408,41 @@ def _base_metrics(base: str) -> dict:
     return json.loads(path.read_text()).get("metrics", {}) if path.is_file() else {}
 
 
+#: Command-line flags of LongConfig fields: (flag, field, type, help).
+FLAGS = (
+    ("--base", "base", str, "model to continue from"),
+    ("--seed", "seed", int, "training seed (not the evaluation's 0 / 7919)"),
+    ("--rope-theta", "rope_theta", float, "RoPE base of the long model"),
+    ("--skip-fraction", "skip_fraction", float, "rows with skipped positions"),
+    ("--stages", "stages", parse_stages, "curriculum, TOKENSxROWSxSTEPS[xPACKED][:KIND+...] per stage"),
+    ("--answer-weight", "answer_weight", float, "extra loss weight of answers"),
+    ("--token-weight", "token_weight", float, "weight of the mean loss over all tokens (0: the answers alone)"),
+    ("--weight-decay", "weight_decay", float, "AdamW's, on the matrices"),
+    ("--adam-beta2", "adam_beta2", float, "AdamW's second-moment decay"),
+    ("--warmup-steps", "warmup_steps", int, "linear warmup steps"),
+    ("--peak-lr", "peak_lr", float, "peak learning rate"),
+    ("--min-lr-ratio", "min_lr_ratio", float, "the cosine's end as a fraction of --peak-lr (1: constant after warmup)"),
+    ("--row-kinds", "row_kinds", lambda t: tuple(k for k in t.split(",") if k),
+     f"training row kinds, round-robin (of {','.join(longdata.ALL_KINDS)}; repeatN: repeat over N tokens)"),
+    ("--eval-prompts", "eval_prompts_per_bucket", int, "prompts per bucket"),
+    ("--eval-buckets", "eval_buckets", lambda t: tuple(int(b) for b in t.split(",")), "bucket lengths"),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     d = LongConfig()
     p = argparse.ArgumentParser(prog="python -m eaglenest.tinytarget.long", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("assets/tiny-target-long"), help="model folder")
-    p.add_argument("--base", default=d.base, help="model to continue from")
-    p.add_argument("--seed", type=int, default=d.seed, help="training seed (not the evaluation's 0 / 7919)")
-    p.add_argument("--rope-theta", type=float, default=d.rope_theta)
-    p.add_argument("--skip-fraction", type=float, default=d.skip_fraction, help="rows with skipped positions")
-    p.add_argument("--stages", default=format_stages(d.stages),
-                   help="curriculum, TOKENSxROWSxSTEPS[xPACKED] per stage")
-    p.add_argument("--answer-weight", type=float, default=d.answer_weight, help="extra loss weight of answers")
-    p.add_argument("--token-weight", type=float, default=d.token_weight,
-                   help="weight of the mean loss over all tokens (0: the answers alone)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's, on the matrices")
-    p.add_argument("--peak-lr", type=float, default=d.peak_lr)
-    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio,
-                   help="the cosine's end as a fraction of --peak-lr (1: constant after warmup)")
-    p.add_argument("--row-kinds", default=",".join(d.row_kinds),
-                   help=f"training row kinds, round-robin (of {','.join(longdata.ALL_KINDS)}; repeatN: repeat over N tokens)")
-    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts_per_bucket, help="prompts per bucket")
-    p.add_argument("--eval-buckets", default=",".join(map(str, d.eval_buckets)), help="bucket lengths")
+    p.add_argument("--recipe", default=None,
+                   help="YAML of the build's settings and its phases (recipes/tiny_target/long.yaml); "
+                        "flags given beside it override its top-level settings")
+    for flag, field, _, text in FLAGS:
+        default = getattr(d, field)
+        shown = format_stages(default) if field == "stages" else \
+            ",".join(map(str, default)) if isinstance(default, tuple) else default
+        p.add_argument(flag, default=None, help=f"{text} (default {shown})")
+    p.add_argument("--from-phase", default=None,
+                   help="resume a --recipe build at this phase, --base being the output of the phases before it")
     p.add_argument("--measure-only", action="store_true",
                    help="measure --base as it is (no training, nothing written) and print the figures")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -283,15 +450,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.seed in (0, EVAL_MATERIAL_SEED):
-            raise ConfigError(f"--seed: {args.seed} is a seed of the evaluation material; pick another")
-        cfg = LongConfig(base=args.base, seed=args.seed, rope_theta=args.rope_theta,
-                         skip_fraction=args.skip_fraction, stages=parse_stages(args.stages),
-                         answer_weight=args.answer_weight, token_weight=args.token_weight,
-                         weight_decay=args.weight_decay, peak_lr=args.peak_lr, min_lr_ratio=args.min_lr_ratio,
-                         eval_prompts_per_bucket=args.eval_prompts,
-                         eval_buckets=tuple(int(b) for b in args.eval_buckets.split(",")),
-                         row_kinds=tuple(k for k in args.row_kinds.split(",") if k))
+        kwargs = load_recipe(args.recipe) if args.recipe else {}
+        if args.from_phase:
+            if args.base is None:
+                raise ConfigError("--from-phase: give --base, the output of the phases before it")
+            kwargs["from_phase"] = args.from_phase
+        for flag, field, kind, _ in FLAGS:
+            value = getattr(args, field if field not in ("eval_prompts_per_bucket",) else "eval_prompts")
+            if value is not None:
+                kwargs[field] = kind(value)
+        if kwargs.get("seed", d.seed) in (0, EVAL_MATERIAL_SEED):
+            raise ConfigError(f"--seed: {kwargs['seed']} is a seed of the evaluation material; pick another")
+        cfg = LongConfig(**kwargs)
         if not (Path(cfg.base) / "config.json").is_file():
             raise ConfigError(f"--base: no model at {cfg.base}")
         missing = [n for n in REQUIRED_TOKENIZER_FILES if not (Path(cfg.base) / n).is_file()]

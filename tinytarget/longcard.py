@@ -37,9 +37,20 @@ def copy_table(probe: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def write_long_card(outdir: str | Path, *, cfg, metrics: dict, seeds: dict, base_metrics: dict) -> Path:
+def phases_text(phases: list[tuple[str, str]]) -> str:
+    """The phases of a recipe build, ``(name, what it changes)`` each (empty for a one-phase build)."""
+    if not phases:
+        return ""
+    lines = ["In phases, one after another on the same model, each with a fresh optimizer and schedule "
+             "(the settings above unless the phase changes them):", ""]
+    lines += [f"- `{name}`: {changed or 'nothing'}" for name, changed in phases]
+    return "\n".join(lines) + "\n\n"
+
+
+def write_long_card(outdir: str | Path, *, cfg, metrics: dict, seeds: dict, base_metrics: dict,
+                    phases: list[tuple[str, str]] = ()) -> Path:
     train, buckets = metrics["train"], metrics["buckets"]
-    stages = "\n".join(f"| {s['seq_len_tokens']} | {s['batch_size']} | {s['num_steps']} | {s['seconds']:.0f} | "
+    stages = "\n".join(f"| {s.get('phase', 'train')} | {s['seq_len_tokens']} | {s['batch_size']} | {s['num_steps']} | {s['seconds']:.0f} | "
                        f"{s['final_loss']:.3f} | {s['final_answer_loss']:.3f} |" for s in train["stages"])
     base_held = base_metrics.get("held_out", {})
     held = "\n".join(f"| {d} | {_fmt(base_held.get(d, {}).get('loss'))} | {s['loss']:.3f} | "
@@ -48,6 +59,18 @@ def write_long_card(outdir: str | Path, *, cfg, metrics: dict, seeds: dict, base
     stages_arg = ",".join(f"{s['seq_len_tokens']}x{s['batch_size']}x{s['num_steps']}"
                           + (f"x{s['sample_tokens']}" if s.get("sample_tokens") else "")
                           + (":" + "+".join(s["kinds"]) if s.get("kinds") else "") for s in train["stages"])
+    if cfg.phases:
+        rebuild = (f"python -m eaglenest.tinytarget.long --recipe {cfg.recipe or 'RECIPE.yaml'} --out assets/tiny-target-long "
+                   f"--seed {cfg.seed}")
+        if cfg.from_phase:
+            rebuild += (f"\n# this folder: resumed at phase {cfg.from_phase} (--from-phase {cfg.from_phase}) from "
+                        f"{cfg.base}, the output of the phases before it; the result is the same")
+    else:
+        rebuild = (f"python -m eaglenest.tinytarget.long --out assets/tiny-target-long --seed {cfg.seed} --rope-theta {cfg.rope_theta:g} \\\n"
+                   f"    --skip-fraction {cfg.skip_fraction} --stages {stages_arg} \\\n"
+                   f"    --answer-weight {cfg.answer_weight:g} --token-weight {cfg.token_weight:g} --weight-decay {cfg.weight_decay:g} "
+                   f"--adam-beta2 {cfg.adam_beta2:g} --warmup-steps {cfg.warmup_steps} --peak-lr {cfg.peak_lr:g} "
+                   f"--min-lr-ratio {cfg.min_lr_ratio:g} --row-kinds {','.join(cfg.row_kinds)}")
     text = f"""---
 license: apache-2.0
 library_name: transformers
@@ -59,7 +82,7 @@ tags: [eaglenest, test-fixture, synthetic, long-context]
 
 The tiny target (`{cfg.base}`, trained on 256-token rows) continued to work at up to
 {cfg.max_positions} tokens: same shape, tokenizer and chat format, RoPE base {cfg.rope_theta:g}
-instead of 1e4. A test fixture for long-context drafting; it knows only eaglenest's toy domains.
+(the tiny target's: 1e4). A test fixture for long-context drafting; it knows only eaglenest's toy domains.
 `docs/long_context.md` says what was tried and why this recipe.
 
 ## Long-context measurement
@@ -88,15 +111,15 @@ a random span repeated once, far apart, within corpus text.
 
 ## Training
 
-Continued from `{cfg.base}` with AdamW (betas 0.9/0.95, weight decay {cfg.weight_decay}), peak lr
+Continued from `{cfg.base}` with AdamW (betas 0.9/{cfg.adam_beta2:g}, weight decay {cfg.weight_decay}), peak lr
 {cfg.peak_lr}, {cfg.warmup_steps} warmup steps then one cosine to {cfg.min_lr_ratio} x peak over the
 stages. Rows: long material of `evaluate.longctx`'s kinds (records, code, recall) with its answer,
 and short corpus documents packed long ({cfg.raw_fraction:.0%} raw text), round-robin; loss =
 {cfg.token_weight:g} x mean token loss + {cfg.answer_weight} x mean loss on the answer tokens. {cfg.skip_fraction:.0%} of rows have
 skipped position ids (one random gap, reaching up to {cfg.max_positions}). {cfg.num_threads} CPU thread(s).
 
-| row tokens | rows / step | steps | seconds | loss (last quarter) | answer loss |
-|---|---|---|---|---|---|
+{phases_text(list(phases))}| phase | row tokens | rows / step | steps | seconds | loss (last quarter) | answer loss |
+|---|---|---|---|---|---|---|
 {stages}
 
 {train['tokens_seen']} tokens in {train['train_seconds']:.0f} s; the whole build (training, measurement,
@@ -108,9 +131,7 @@ evaluation's never meet (`eaglenest.tinytarget.longdata.TRAIN_SEED_BASE`).
 ## Rebuild
 
 ```bash
-python -m eaglenest.tinytarget.long --out assets/tiny-target-long --seed {cfg.seed} --rope-theta {cfg.rope_theta:g} \\
-    --skip-fraction {cfg.skip_fraction} --stages {stages_arg} \\
-    --answer-weight {cfg.answer_weight:g} --token-weight {cfg.token_weight:g} --weight-decay {cfg.weight_decay:g} --peak-lr {cfg.peak_lr:g} --min-lr-ratio {cfg.min_lr_ratio:g} --row-kinds {','.join(cfg.row_kinds)}
+{rebuild}
 ```
 
 `provenance.json` records the code version, package versions, configuration and every number above

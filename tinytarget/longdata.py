@@ -44,7 +44,8 @@ ALL_KINDS = (*ROW_KINDS, "copy", "repeat")
 COPY_SPAN = 64
 #: Shortest and longest period of a ``repeat`` row (drawn per row: with one fixed period a model
 #: learns "attend that many positions back" instead of matching content; run J2), and at most a
-#: quarter of the row (a 128-token row with one repeat of 64 tokens formed nothing: run Q).
+#: quarter of the row (a 128-token row with one repeat of 64 tokens formed nothing: run Q), drawn
+#: uniformly between them (drawing up to 96 and capping gave 3 rows in 4 the same period: run V).
 REPEAT_SPAN = (8, 96)
 #: Seeds of training prompts are TRAIN_SEED_BASE + row index. The evaluation's per-prompt seeds
 #: (``evaluate.buckets._prompt_seed``) are ``(seed * 1000003 + bucket) * 1000003 + i``: for
@@ -143,7 +144,8 @@ def repeat_row(hf_tok, length: int, *, seed: int, alphabet: int = 0) -> tuple[li
     if alphabet:
         random.Random("repeat-alphabet").shuffle(ordinary)
         ordinary = ordinary[:alphabet]
-    period = min(rng.randint(*REPEAT_SPAN), max(REPEAT_SPAN[0], length // 4))  # 3 repeats at least
+    lo, hi = REPEAT_SPAN  # uniform over the periods the row allows (3 repeats at least): a cap on a
+    period = rng.randint(lo, max(lo, min(hi, length // 4)))  # wider draw made most rows one period
     span = [rng.choice(ordinary) for _ in range(period)]
     ids = (span * (length // period + 1))[:length]
     return ids, [0] * period + [1] * (length - period)

@@ -115,7 +115,7 @@ def _figures(rows: list[dict], *, bucket: int, prompt_tokens: int, keep_tokens: 
 COPY_PROBE_SEED = 3_000_000_000
 
 
-def copy_probe(model, hf_tok, docs, *, lengths=(512, 1024), rows: int = 4) -> dict[str, dict]:
+def copy_probe(model, hf_tok, docs, *, lengths=(128, 512, 1024), rows: int = 4) -> dict[str, dict]:
     """Whether the model copies from its context at all: mean loss (nats per token) and top-1
     accuracy on the marked tokens of held-out ``repeat`` and ``copy`` rows (``longdata``) of each
     length. Uniform guessing over the vocabulary is ``ln(V)`` (7.6 here); a copy circuit drives both

@@ -89,14 +89,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.peak_lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def optimizer(model, *, peak_lr: float, weight_decay: float):
-    """AdamW (betas 0.9 / 0.95) with weight decay on the matrices only (not norms or biases)."""
+def optimizer(model, *, peak_lr: float, weight_decay: float, beta2: float = 0.95):
+    """AdamW (betas 0.9 / ``beta2``) with weight decay on the matrices only (not norms or biases)."""
     import torch
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
+                              {"params": no_decay, "weight_decay": 0.0}], lr=peak_lr, betas=(0.9, beta2), eps=1e-8)
 
 
 def train(model, rows, cfg: TrainConfig) -> dict:

@@ -47,7 +47,8 @@ def build_bucket_prompts(tok, material: list[tuple[list[dict], str]], buckets: t
                          chat_template_kwargs: dict | None = None, kinds: tuple[str, ...] = ("chat",)
                          ) -> dict[int, list[dict]]:
     """``{bucket: [{"sample_id", "prompt_token_ids", "material", "material_passes", "answer",
-    "evidence_distance_tokens"}]}`` of exact lengths (``answer`` and the distance: None for ``chat``).
+    "answer_value", "evidence_distance_tokens"}]}`` of exact lengths (``answer``, its value and the
+    distance: None for ``chat``).
 
     ``material``: (prompt messages, answer text) pairs of held-out conversations (``chat`` needs
     them; ``recall`` uses them as its middle turns when there are any).
@@ -69,12 +70,14 @@ def build_bucket_prompts(tok, material: list[tuple[list[dict], str]], buckets: t
             if kind == "chat":
                 ids, passes = _chat_prompt(tok, material, length, random.Random(f"{seed}:{bucket}:{i}"),
                                            chat_template_kwargs)
-                row.update(prompt_token_ids=ids, material_passes=passes, answer=None, evidence_distance_tokens=None)
+                row.update(prompt_token_ids=ids, material_passes=passes, answer=None, answer_value=None,
+                           evidence_distance_tokens=None)
             else:
                 p = longctx.generate(kind, tok, length, seed=_prompt_seed(seed, bucket, i), material=material,
                                      chat_template_kwargs=chat_template_kwargs)
                 row.update(prompt_token_ids=p.prompt_token_ids, material_passes=p.material_passes,
-                           answer=p.answer, evidence_distance_tokens=p.evidence_distance_tokens)
+                           answer=p.answer, answer_value=p.answer_value,
+                           evidence_distance_tokens=p.evidence_distance_tokens)
             rows.append(row)
         out[bucket] = rows
         log.info("bucket %d: %d prompts of %d tokens (%s; %d pass(es) over the held-out material)",

@@ -56,6 +56,10 @@ class EvaluateConfig:
     #: prompt tokens kept vs the whole prompt (needs ``check_lossless``; 0 keeps turn it off).
     far_context_keep_tokens: int = 512
     far_context_probe_tokens: int = 8
+    #: Also score the generated material's reference answers (records / code / recall) on their
+    #: value tokens with the far part kept and removed (``farctx.answer_probes``): two prefills more
+    #: per such prompt.
+    far_context_answers: bool = True
     #: Also decode without speculation and report whether outputs are token-for-token identical.
     check_lossless: bool = True
     #: Predictability from the drafter's side (``evaluate.ngram``): the AL an n-gram table fitted on

@@ -15,14 +15,32 @@ answer needs nothing far back, so the two should agree there; on records / code 
 should not. Trade-off: the continuation scored is the target's own, right or wrong, so this says
 whether the far part changes the target's output, not whether the target answers correctly
 (``answer_found`` in the per-prompt rows says that). The cost stays bounded by the probe length.
+
+The continuation's first tokens are mostly the answer's template ("The code of record 51234 is"),
+which the question near the end already gives, so that measure reads ~0 even for a target that
+does fetch the value from far back. The **answer-value** measure (``answer_probes``) closes that
+gap on the generated material (records / code / recall): the reference answer is teacher-forced
+after the whole prompt and after its last ``keep_tokens`` tokens, and only the tokens of the part
+that only the evidence supplies (``LongPrompt.answer_value``: the record's value, the helper's
+name, the stated fact) are scored. A target that reads the evidence gives those tokens a high
+probability with the far part and a low one without it. Cost: two prefills per such prompt (the
+whole prompt again, and the short one).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+
+from eaglenest.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 MEASURE = ("mean probability the target gives the first {probe} tokens of its own greedy continuation, "
            "with the whole prompt (kept) and with only the prompt's last {keep} tokens (far removed)")
+ANSWER_MEASURE = ("mean probability of the reference answer's value tokens (the part only the far evidence "
+                  "supplies), teacher-forced after the whole prompt (kept) and after its last {keep} tokens "
+                  "(far removed)")
 
 
 def far_prompt(ids: list[int], keep_tokens: int, bos_id: int | None) -> list[int]:
@@ -50,19 +68,86 @@ def probes(bucket_prompts: dict, outputs: dict, probs: dict, *, keep_tokens: int
     return rows
 
 
-def score(llm, rows: list[dict]) -> None:
-    """Fill each row's ``removed``: the probability of each continuation token after the short context
-    (one prefill per row, vLLM ``prompt_logprobs``)."""
+def value_mask(tok, answer: str, value: str) -> tuple[list[int], list[int]]:
+    """The answer's token ids (no special tokens) and a 0/1 mask of the tokens that overlap the last
+    occurrence of ``value`` in it (character offsets of a fast tokenizer)."""
+    at = answer.rfind(value) if value else -1
+    if at < 0:
+        raise ConfigError(f"evaluate.farctx: answer value {value!r} is not in the answer {answer!r}")
+    enc = tok(answer, add_special_tokens=False, return_offsets_mapping=True)
+    end = at + len(value)
+    mask = [int(a < end and b > at) for a, b in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
+
+
+def answer_probes(bucket_prompts: dict, tok, *, keep_tokens: int, bos_id: int | None,
+                  max_len: int | None = None) -> list[dict]:
+    """One row per prompt longer than ``keep_tokens`` with a reference answer and its value: the
+    answer's ids up to its value's last token, the value-token mask and the two contexts (whole
+    prompt, last ``keep_tokens``). A prompt whose whole context and answer exceed ``max_len`` (the
+    engine's) is left out with a warning."""
+    rows = []
+    for prompts in bucket_prompts.values():
+        for p in prompts:
+            ids = p["prompt_token_ids"]
+            if not p.get("answer_value") or not p.get("answer") or len(ids) <= keep_tokens:
+                continue
+            answer, mask = value_mask(tok, p["answer"], p["answer_value"])
+            end = max(i for i, m in enumerate(mask) if m) + 1  # what follows the value is not scored
+            answer, mask = answer[:end], mask[:end]
+            if max_len is not None and len(ids) + len(answer) > max_len:
+                log.warning("far context: %s's answer does not fit the engine's %d positions after its %d "
+                            "prompt tokens; its value is not scored", p["sample_id"], max_len, len(ids))
+                continue
+            rows.append({"sample_id": p["sample_id"], "answer_ids": answer, "mask": mask,
+                         "contexts": (list(ids), far_prompt(ids, keep_tokens, bos_id))})
+    return rows
+
+
+def continuation_probs(llm, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    """The probability of each continuation token after its context, for ``(context, continuation)``
+    pairs: one prefill each, vLLM ``prompt_logprobs``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    if not rows:
-        return
+    if not pairs:
+        return []
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows], sp, use_tqdm=False)
-    for r, o in zip(rows, outs):
-        lps = list(o.prompt_logprobs or [])[-len(r["continuation"]):]
-        r["removed"] = [math.exp(lp[t].logprob) for t, lp in zip(r["continuation"], lps)]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=c + t) for c, t in pairs], sp, use_tqdm=False)
+    res = []
+    for (_, cont), o in zip(pairs, outs):
+        lps = list(o.prompt_logprobs or [])[-len(cont):]
+        res.append([math.exp(lp[t].logprob) for t, lp in zip(cont, lps)])
+    return res
+
+
+def score(llm, rows: list[dict]) -> None:
+    """Fill each row's ``removed``: the probability of each continuation token after the short context
+    (one prefill per row, vLLM ``prompt_logprobs``)."""
+    pairs = [(r["prompt_token_ids"][:-len(r["continuation"])], r["continuation"]) for r in rows]
+    for r, probs in zip(rows, continuation_probs(llm, pairs)):
+        r["removed"] = probs
+
+
+def score_answers(llm, rows: list[dict]) -> None:
+    """Fill each answer row's ``kept`` and ``removed`` (two prefills per row)."""
+    pairs = [(ctx, r["answer_ids"]) for r in rows for ctx in r["contexts"]]
+    probs = continuation_probs(llm, pairs)
+    for i, r in enumerate(rows):
+        r["kept"], r["removed"] = probs[2 * i], probs[2 * i + 1]
+
+
+def answer_sums(rows: list[dict]) -> dict[str, dict]:
+    """``{sample_id: {answer_kept_sum, answer_removed_sum, answer_tokens}}`` over the value tokens."""
+    out = {}
+    for r in rows:
+        if "removed" not in r:
+            continue
+        on = [i for i, m in enumerate(r["mask"]) if m]
+        out[r["sample_id"]] = {"answer_kept_sum": round(sum(r["kept"][i] for i in on), 6),
+                               "answer_removed_sum": round(sum(r["removed"][i] for i in on), 6),
+                               "answer_tokens": len(on)}
+    return out
 
 
 def per_prompt_sums(rows: list[dict]) -> dict[str, dict]:
@@ -73,11 +158,18 @@ def per_prompt_sums(rows: list[dict]) -> dict[str, dict]:
 
 
 def measure(llm, bucket_prompts: dict, outputs: dict, probs: dict, *, keep_tokens: int, probe_tokens: int,
-            bos_id: int | None) -> dict[str, dict]:
-    """Score every bucket prompt's continuation with the far part removed; per-prompt sums."""
+            bos_id: int | None, tok=None, max_len: int | None = None) -> dict[str, dict]:
+    """Score every bucket prompt's continuation with the far part removed, and with ``tok`` the
+    reference answers' value tokens with it kept and removed; per-prompt sums."""
     rows = probes(bucket_prompts, outputs, probs, keep_tokens=keep_tokens, probe_tokens=probe_tokens, bos_id=bos_id)
     score(llm, rows)
-    return per_prompt_sums(rows)
+    out = per_prompt_sums(rows)
+    if tok is not None:
+        answers = answer_probes(bucket_prompts, tok, keep_tokens=keep_tokens, bos_id=bos_id, max_len=max_len)
+        score_answers(llm, answers)
+        for sid, sums in answer_sums(answers).items():
+            out.setdefault(sid, {}).update(sums)
+    return out
 
 
 def summary(rows: list[dict], *, keep_tokens: int, probe_tokens: int) -> dict:
@@ -91,7 +183,20 @@ def summary(rows: list[dict], *, keep_tokens: int, probe_tokens: int) -> dict:
     kept = sum(r["far_kept_sum"] for r in scored) / n
     removed = sum(r["far_removed_sum"] for r in scored) / n
     return {**out, "confidence_kept": round(kept, 4), "confidence_far_removed": round(removed, 4),
-            "ratio": round(removed / kept, 4) if kept else None, "difference": round(kept - removed, 4)}
+            "ratio": round(removed / kept, 4) if kept else None, "difference": round(kept - removed, 4),
+            **answer_summary(rows)}
+
+
+def answer_summary(rows: list[dict]) -> dict:
+    """The answer-value figures of a bucket's ``per_prompt`` rows (empty when none was scored)."""
+    scored = [r for r in rows if r.get("answer_tokens")]
+    if not scored:
+        return {}
+    n = sum(r["answer_tokens"] for r in scored)
+    kept = sum(r["answer_kept_sum"] for r in scored) / n
+    removed = sum(r["answer_removed_sum"] for r in scored) / n
+    return {"answer_prompts": len(scored), "answer_value_kept": round(kept, 4),
+            "answer_value_removed": round(removed, 4), "answer_value_difference": round(kept - removed, 4)}
 
 
 def add_to_report(report: dict, far: dict[str, dict], *, keep_tokens: int, probe_tokens: int, measured: bool) -> dict:
@@ -106,4 +211,8 @@ def add_to_report(report: dict, far: dict[str, dict], *, keep_tokens: int, probe
         for r in rows:
             r.update(far.get(r["sample_id"], {}))
         row["far_context"] = summary(rows, keep_tokens=keep_tokens, probe_tokens=probe_tokens)
-    return {"far_context": MEASURE.format(probe=probe_tokens, keep=keep_tokens)}
+    out = {"far_context": MEASURE.format(probe=probe_tokens, keep=keep_tokens)}
+    if any(r.get("answer_tokens") for row in (report.get("context_buckets") or {}).values()
+           for r in row.get("per_prompt") or []):
+        out["far_context_answers"] = ANSWER_MEASURE.format(keep=keep_tokens)
+    return out

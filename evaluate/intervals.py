@@ -81,7 +81,8 @@ def _column(rows: list[dict], key: str) -> list[float] | None:
 
 def bucket_intervals(rows: list[dict], *, resamples: int, seed: int | str, level: float = LEVEL) -> dict:
     """``{figure: [low, high]}`` for every figure all of ``rows`` (one bucket's prompts) carry, and
-    ``far_context_difference`` (kept - removed, on the same draw: a paired interval)."""
+    ``far_context_difference`` (kept - removed, on the same draw: a paired interval), and
+    ``answer_value_difference`` the same over the prompts whose reference answer was scored."""
     out: dict = {}
     for name, (nk, dk, offset) in FIGURES.items():
         num, den = _column(rows, nk), _column(rows, dk)
@@ -90,18 +91,29 @@ def bucket_intervals(rows: list[dict], *, resamples: int, seed: int | str, level
         ci = bootstrap(len(rows), ratio_stat(num, den, offset), resamples=resamples, seed=f"{seed}:{name}", level=level)
         if ci is not None:
             out[name] = [round(ci[0], 4), round(ci[1], 4)]
-    kept, removed, toks = (_column(rows, k) for k in ("far_kept_sum", "far_removed_sum", "far_tokens"))
-    if kept and removed and toks and sum(toks):
-        k, r = ratio_stat(kept, toks), ratio_stat(removed, toks)
-
-        def diff(idx: list[int]) -> float | None:
-            a, b = k(idx), r(idx)
-            return None if a is None or b is None else a - b
-
-        ci = bootstrap(len(rows), diff, resamples=resamples, seed=f"{seed}:far_context_difference", level=level)
+    for name, keys, subset in (("far_context_difference", ("far_kept_sum", "far_removed_sum", "far_tokens"), rows),
+                               ("answer_value_difference", ("answer_kept_sum", "answer_removed_sum", "answer_tokens"),
+                                [r for r in rows if r.get("answer_tokens")])):
+        ci = _paired_difference(subset, keys, resamples=resamples, seed=f"{seed}:{name}", level=level)
         if ci is not None:
-            out["far_context_difference"] = [round(ci[0], 4), round(ci[1], 4)]
+            out[name] = ci
     return out
+
+
+def _paired_difference(rows: list[dict], keys: tuple[str, str, str], *, resamples: int, seed: str,
+                       level: float) -> list[float] | None:
+    """Interval of kept - removed (``keys``: their sums and the token count) on the same draws."""
+    kept, removed, toks = (_column(rows, k) for k in keys)
+    if not (kept and removed and toks and sum(toks)):
+        return None
+    k, r = ratio_stat(kept, toks), ratio_stat(removed, toks)
+
+    def diff(idx: list[int]) -> float | None:
+        a, b = k(idx), r(idx)
+        return None if a is None or b is None else a - b
+
+    ci = bootstrap(len(rows), diff, resamples=resamples, seed=seed, level=level)
+    return None if ci is None else [round(ci[0], 4), round(ci[1], 4)]
 
 
 def add_intervals(report: dict, *, resamples: int, seed: int, min_prompts: int = MIN_BUCKET_PROMPTS) -> dict:

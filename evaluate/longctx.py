@@ -65,6 +65,9 @@ class LongPrompt:
     evidence: tuple[int, int]
     #: Passes over the held-out material the filler took (0 when none was used).
     material_passes: int = 0
+    #: The part of ``answer`` only the evidence supplies (the record's value, the helper's name,
+    #: the stated fact): the tokens ``farctx`` scores with the far part kept and removed.
+    answer_value: str = ""
 
     @property
     def evidence_distance_tokens(self) -> int:
@@ -84,6 +87,7 @@ class _Records:
         self.evidence = rec
         self.question = f"\nIn the registry above, what is the {field} of record {rid}?"
         self.answer = f"The {field} of record {rid} is {self.values[field]}."
+        self.value = self.values[field]
 
     def _record(self) -> tuple[int, str]:
         rng = self.rng
@@ -117,6 +121,7 @@ class _Code:
         self.question = (f"```\nUsing the module above, write one line of Python that prints the result of "
                          f"the helper documented as \"{self.doc}\" applied to {x}.")
         self.answer = f"print({name}({x}))"
+        self.value = name
 
     def _function(self) -> tuple[str, str, str]:
         rng = self.rng
@@ -157,6 +162,7 @@ class _Recall:
         self.evidence = self.turn[0]
         self.question = f"At the very start of this chat I told you my {thing}. What is my {thing}?"
         self.answer = f"Your {thing} is {value}."
+        self.value = str(value)
 
     def filler(self) -> tuple[str, str]:
         if self.material:  # held-out chats in a new seeded order each pass
@@ -254,7 +260,7 @@ def generate(kind: str, tok, length: int, *, seed: int, material=(),
         ev = (ev[0] + need, ev[1] + need)
     assert len(ids) == length, (len(ids), length)
     return LongPrompt(kind=kind, prompt_token_ids=ids, answer=spec.answer, evidence=ev,
-                      material_passes=getattr(spec, "passes", 0))
+                      material_passes=getattr(spec, "passes", 0), answer_value=spec.value)
 
 
 def _unit_overhead(tok, spec, chat_template_kwargs, base: int) -> int:

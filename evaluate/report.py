@@ -70,17 +70,25 @@ def _bucket_section(report: dict, k: int, conf: tuple[str, ...]) -> list[str]:
         lines += ["", "### How much the target uses far context", "",
                   f"- {pred['far_context']}; ratio = far removed / kept, difference = kept - far removed "
                   "(> 0: the target's output depends on the far part).", "",
-                  "| bucket | prompts probed | kept | far removed | ratio | difference |", "|---|---|---|---|---|---|"]
+                  "| bucket | prompts probed | kept | far removed | ratio | difference | answers scored | "
+                  "answer value kept | far removed | difference |", "|---|---|---|---|---|---|---|---|---|---|"]
         for name, d in rows:
-            f = d.get("far_context") or {}
-            diff = _fmt(f.get("difference"))
-            ci = (d.get("intervals") or {}).get("far_context_difference")
+            f, iv = d.get("far_context") or {}, d.get("intervals") or {}
             lines.append(f"| {name} | {_fmt(f.get('prompts'))} | {_fmt(f.get('confidence_kept'))} | "
                          f"{_fmt(f.get('confidence_far_removed'))} | {_fmt(f.get('ratio'))} | "
-                         f"{diff}{f' [{ci[0]:.3f}, {ci[1]:.3f}]' if ci else ''} |")
+                         f"{_with_ci(f.get('difference'), iv.get('far_context_difference'))} | "
+                         f"{_fmt(f.get('answer_prompts'))} | {_fmt(f.get('answer_value_kept'))} | "
+                         f"{_fmt(f.get('answer_value_removed'))} | "
+                         f"{_with_ci(f.get('answer_value_difference'), iv.get('answer_value_difference'))} |")
+        if pred.get("far_context_answers"):
+            lines += ["", f"- Answer value: {pred['far_context_answers']}."]
     elif pred.get("far_context_skipped"):
         lines += ["", f"- Far-context use not measured: {pred['far_context_skipped']}."]
     return lines
+
+
+def _with_ci(value, ci) -> str:
+    return f"{_fmt(value)}{f' [{ci[0]:.3f}, {ci[1]:.3f}]' if ci else ''}"
 
 
 def markdown(report: dict) -> str:

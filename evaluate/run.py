@@ -297,10 +297,11 @@ def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, 
         probs = {p["sample_id"]: [math.exp(lp[t].logprob) for t, lp in zip(o.token_ids, o.logprobs or [])]
                  for p, o in zip(prompts, outs)}
         if far is not None and bucket_prompts and cfg.far_context_keep_tokens:
-            bos = load_tokenizer(target, trust_remote_code=trust_remote_code).bos_token_id
+            tok = load_tokenizer(target, trust_remote_code=trust_remote_code)
             far.update(farctx.measure(llm, bucket_prompts, {p["sample_id"]: b for p, b in zip(prompts, base)}, probs,
                                       keep_tokens=cfg.far_context_keep_tokens,
-                                      probe_tokens=cfg.far_context_probe_tokens, bos_id=bos))
+                                      probe_tokens=cfg.far_context_probe_tokens, bos_id=tok.bos_token_id,
+                                      tok=tok if cfg.far_context_answers else None, max_len=engine.max_model_len))
     finally:
         close_llm(llm)
     diff = [p["sample_id"] for p, b in zip(prompts, base) if outputs[p["sample_id"]] != b]

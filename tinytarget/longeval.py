@@ -7,8 +7,10 @@ each decoded greedily for up to ``max_new_tokens`` tokens with a KV cache:
 - ``target_confidence``: the mean probability of the target's own output tokens (its top-1
   probability), pooled over the bucket's prompts, as ``evaluate.run.predictability`` pools it;
 - ``answer_found``: how many outputs hold the material's reference answer (``bucket_rows``' rule);
-- ``far_context``: ``evaluate.farctx``'s measure: the first ``probe_tokens`` output tokens scored
-  again after only the prompt's last ``keep_tokens`` tokens (``probes`` / ``summary``);
+- ``far_context``: ``evaluate.farctx``'s measures: the first ``probe_tokens`` output tokens scored
+  again after only the prompt's last ``keep_tokens`` tokens (``probes`` / ``summary``), and the
+  reference answer's value tokens after the whole prompt and after its last ``keep_tokens`` tokens
+  (``answer_probes``: ``answer_value_kept`` / ``answer_value_removed``);
 - ``intervals``: ``evaluate.intervals.bucket_intervals`` over the bucket's prompts.
 
 Trade-off: a plain transformers forward instead of a vLLM engine, so the build needs no engine and
@@ -81,6 +83,11 @@ def measure(model, hf_tok, material, *, buckets=BUCKETS, per_bucket: int = 4, ki
             n = len(r["continuation"])
             r["removed"] = continuation_probs(model, r["prompt_token_ids"][:-n], r["continuation"])
         far = farctx.per_prompt_sums(far_rows)
+        answers = farctx.answer_probes({bucket: ps}, hf_tok, keep_tokens=keep_tokens, bos_id=hf_tok.bos_token_id)
+        for r in answers:
+            r["kept"], r["removed"] = (continuation_probs(model, ctx, r["answer_ids"]) for ctx in r["contexts"])
+        for sid, sums in farctx.answer_sums(answers).items():
+            far.setdefault(sid, {}).update(sums)
         rows = bucket_rows(ps, [toks[p["sample_id"]] for p in ps], {}, hf_tok)
         for r in rows:
             vals = probs[r["sample_id"]]
@@ -88,9 +95,11 @@ def measure(model, hf_tok, material, *, buckets=BUCKETS, per_bucket: int = 4, ki
         out[str(bucket)] = _figures(rows, bucket=bucket, prompt_tokens=len(ps[0]["prompt_token_ids"]),
                                     keep_tokens=keep_tokens, probe_tokens=probe_tokens, resamples=resamples,
                                     seed=seed, seconds=time.perf_counter() - t0)
-        log.info("bucket %d: confidence %.4f, answers %s, far %s (%.0f s)", bucket,
-                 out[str(bucket)]["target_confidence"], out[str(bucket)]["answer_found"],
-                 out[str(bucket)]["far_context"].get("difference"), out[str(bucket)]["seconds"])
+        fig = out[str(bucket)]
+        log.info("bucket %d: confidence %.4f, answers %s, far %s, answer value %s -> %s (%.0f s)", bucket,
+                 fig["target_confidence"], fig["answer_found"], fig["far_context"].get("difference"),
+                 fig["far_context"].get("answer_value_kept"), fig["far_context"].get("answer_value_removed"),
+                 fig["seconds"])
     return out
 
 

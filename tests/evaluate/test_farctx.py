@@ -9,7 +9,10 @@ import json
 
 import pytest
 
-from eaglenest.evaluate.farctx import add_to_report, far_prompt, per_prompt_sums, probes, summary
+from eaglenest.errors import ConfigError
+from eaglenest.evaluate.farctx import (add_to_report, answer_probes, answer_sums, far_prompt, per_prompt_sums,
+                                       probes, summary, value_mask)
+from eaglenest.evaluate.intervals import bucket_intervals
 
 
 def test_far_prompt_keeps_bos_and_the_last_tokens():
@@ -53,6 +56,66 @@ def test_summary_and_report_fields():
     assert "keep_tokens=0" in add_to_report(report, {}, keep_tokens=0, probe_tokens=3, measured=True)["far_context_skipped"]
     assert "check_lossless" in add_to_report(report, {}, keep_tokens=8, probe_tokens=3,
                                              measured=False)["far_context_skipped"]
+
+
+@pytest.mark.parametrize("answer, value", [("The code of record 51234 is 4821.", "4821"),
+                                           ("print(merge_items_512(7))", "merge_items_512"),
+                                           ("Your favourite colour is dark green.", "dark green")])
+def test_value_mask_marks_the_value_tokens_only(tiny_target, answer, value):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    ids, mask = value_mask(tok, answer, value)
+    assert ids == tok(answer, add_special_tokens=False)["input_ids"] and len(mask) == len(ids)
+    on = [t for t, m in zip(ids, mask) if m]
+    assert on and value in tok.decode(on)  # the marked tokens spell the value ...
+    off = tok.decode([t for t, m in zip(ids, mask) if not m])
+    assert value not in off and len(tok.decode(on)) < len(answer)  # ... and the template is not marked
+    with pytest.raises(ConfigError, match="not in the answer"):
+        value_mask(tok, answer, "absent")
+
+
+def test_answer_probes_pair_the_whole_and_the_short_context(tiny_target):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    ids = [tok.bos_token_id] + list(range(100, 140))
+    prompts = [{"sample_id": "a", "prompt_token_ids": ids, "answer": "The code of record 1 is 42.", "answer_value": "42"},
+               {"sample_id": "chat", "prompt_token_ids": ids, "answer": None, "answer_value": None},
+               {"sample_id": "short", "prompt_token_ids": ids[:5], "answer": "Your pet is Rex.", "answer_value": "Rex"}]
+    (r,) = answer_probes({64: prompts}, tok, keep_tokens=8, bos_id=tok.bos_token_id)
+    assert r["sample_id"] == "a" and r["contexts"] == (ids, [tok.bos_token_id, *range(133, 140)])
+    assert sum(r["mask"]) >= 1 and len(r["mask"]) == len(r["answer_ids"]) and r["mask"][-1] == 1  # ends at the value
+    assert answer_probes({64: prompts}, tok, keep_tokens=8, bos_id=None, max_len=len(ids) + 2) == []  # no room
+    r["kept"] = [0.5] * len(r["mask"])
+    r["kept"][r["mask"].index(1)] = 0.9
+    r["removed"] = [0.5] * len(r["mask"])
+    r["removed"][r["mask"].index(1)] = 0.1
+    sums = answer_sums([r])["a"]  # only the value's tokens count: the template's 0.5s do not
+    n = sum(r["mask"])
+    assert sums["answer_tokens"] == n
+    assert sums["answer_kept_sum"] == pytest.approx(0.9 + 0.5 * (n - 1))
+    assert sums["answer_removed_sum"] == pytest.approx(0.1 + 0.5 * (n - 1))
+
+
+def test_answer_value_summary_and_paired_interval():
+    rows = [{"sample_id": "a", "far_kept_sum": 1.0, "far_removed_sum": 1.0, "far_tokens": 2,
+             "answer_kept_sum": 1.8, "answer_removed_sum": 0.2, "answer_tokens": 2},
+            {"sample_id": "b", "far_kept_sum": 1.0, "far_removed_sum": 0.9, "far_tokens": 2,
+             "answer_kept_sum": 0.9, "answer_removed_sum": 0.3, "answer_tokens": 1},
+            {"sample_id": "chat", "far_kept_sum": 1.0, "far_removed_sum": 1.0, "far_tokens": 2}]
+    s = summary(rows, keep_tokens=8, probe_tokens=2)
+    assert s["answer_prompts"] == 2 and s["answer_value_kept"] == pytest.approx(0.9)
+    assert s["answer_value_removed"] == pytest.approx(round(0.5 / 3, 4))
+    assert s["answer_value_difference"] == pytest.approx(round(2.2 / 3, 4), abs=1e-4)
+    assert "answer_prompts" not in summary(rows[2:], keep_tokens=8, probe_tokens=2)
+    iv = bucket_intervals(rows, resamples=200, seed=0)
+    lo, hi = iv["answer_value_difference"]  # over the two answered prompts: both differences are large
+    assert 0.59 <= lo <= hi <= 0.81, iv
+    report = {"context_buckets": {"64": {"per_prompt": [{"sample_id": "a"}]}}}
+    pred = add_to_report(report, {"a": rows[0]}, keep_tokens=8, probe_tokens=2, measured=True)
+    assert "value tokens" in pred["far_context_answers"]
+    assert report["context_buckets"]["64"]["far_context"]["answer_value_difference"] == pytest.approx(0.8)
 
 
 def test_tiny_target_loses_confidence_without_what_it_copies(tiny_target, root):

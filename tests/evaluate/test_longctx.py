@@ -52,6 +52,16 @@ def test_evidence_lies_far_back(tok, kind, length):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_answer_value_is_what_only_the_evidence_supplies(tok, kind):
+    p = generate(kind, tok, 1024, seed=5, material=MATERIAL)
+    assert p.answer_value and p.answer_value in p.answer
+    start, end = p.evidence
+    ids = p.prompt_token_ids
+    assert p.answer_value in tok.decode(ids[start:end])  # the evidence holds it
+    assert p.answer_value not in tok.decode(ids[end:])  # the question near the end does not
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_deterministic_per_seed(tok, kind):
     a = generate(kind, tok, 2048, seed=7, material=MATERIAL)
     b = generate(kind, tok, 2048, seed=7, material=MATERIAL)

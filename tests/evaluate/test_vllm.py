@@ -24,7 +24,7 @@ def test_evaluate_al_buckets_and_averages(tmp_path, tiny_target, random_draft, p
     # Two prompts per bucket: a generated records registry and held-out chats; the far-context
     # probe keeps 255 tokens, so at 256 it removes one token (kept and removed must agree: this
     # checks the prompt_logprobs alignment) and at 1024 three quarters of the prompt.
-    cfg = EvaluateConfig(max_tokens=24, context_buckets=(256, 1024), bucket_prompts=2, bucket_max_tokens=16,
+    cfg = EvaluateConfig(max_tokens=24, context_buckets=(256, 1024), bucket_prompts=2, bucket_max_tokens=24,
                          bucket_material=("records", "chat"), far_context_keep_tokens=255,
                          far_context_probe_tokens=4, bootstrap_resamples=200,
                          engine=EngineConfig(max_model_len=512, memory_fraction=0.1))
@@ -61,15 +61,19 @@ def test_evaluate_al_buckets_and_averages(tmp_path, tiny_target, random_draft, p
         assert row["measurement"] is False and "not a measurement" in row["note"]
         far = row["far_context"]
         assert far["prompts"] == 2 and 0 < far["confidence_far_removed"] <= 1 and 0 < far["confidence_kept"] <= 1
+        # The records prompt's reference answer: its value tokens scored with the far part kept and removed.
+        assert far["answer_prompts"] == 1 and 0 < far["answer_value_kept"] <= 1 and 0 < far["answer_value_removed"] <= 1
     near = r["context_buckets"]["256"]["far_context"]  # one token removed: the same continuation odds
-    assert abs(near["difference"]) < 0.05, near
+    assert abs(near["difference"]) < 0.05 and abs(near["answer_value_difference"]) < 0.05, near
     assert "last 255 tokens" in r["predictability"]["far_context"]
+    assert "last 255 tokens" in r["predictability"]["far_context_answers"]
     pngs = write_report(tmp_path, r)
     assert {p.name for p in pngs} == {"al_by_domain.png", "al_by_context.png", "acceptance_by_position.png"}
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
     md = (tmp_path / "report.md").read_text()
     assert "AL per-request" in md and "| 1024 | 1024 |" in md and "target_confidence" in md
     assert "ngram_al not measured" in md and "How much the target uses far context" in md
+    assert "answer value kept" in md and "- Answer value: mean probability" in md
     assert "Prompts per bucket: 2" in md and "not a measurement: 2 prompt(s) < 16" in md
     assert json.loads((tmp_path / "report.json").read_text())["overall"]["acceptance_length"] > 0
 

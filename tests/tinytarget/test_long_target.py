@@ -38,6 +38,8 @@ def test_builder_end_to_end_at_toy_size(tmp_path):
     bucket = prov["metrics"]["buckets"]["1024"]
     assert bucket["prompts"] == 4 and 0 < bucket["target_confidence"] <= 1
     assert {r["material"] for r in bucket["per_prompt"]} == {"records", "code", "recall", "chat"}
+    far = bucket["far_context"]  # the three answered kinds' value tokens, scored kept and far removed
+    assert far["answer_prompts"] == 3 and 0 < far["answer_value_kept"] <= 1 and 0 < far["answer_value_removed"] <= 1
     probe = prov["metrics"]["copy_probe"]  # the base copies nothing, and two steps do not change that
     assert {k: sorted(v) for k, v in probe.items()} == {"repeat": ["1024", "128", "512"], "copy": ["1024", "128", "512"]}
     assert all(f["loss"] > 3 and 0 <= f["accuracy"] < 0.2 for v in probe.values() for f in v.values())

@@ -16,7 +16,8 @@ def _fmt(x, spec: str = ".3f") -> str:
 def bucket_table(buckets: dict[str, dict], ratios: dict[str, float]) -> str:
     """Markdown table: per bucket confidence [95% interval], ratio to 1K, answers, far-context figures."""
     lines = ["| bucket | prompt tokens | prompts | target_confidence [95%] | / 1K | answers found | "
-             "far kept | far removed | difference |", "|---|---|---|---|---|---|---|---|---|"]
+             "far kept | far removed | difference | answer value kept | far removed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in sorted(buckets, key=int):
         f = buckets[b]
         ci = f["intervals"].get("target_confidence")
@@ -24,7 +25,8 @@ def bucket_table(buckets: dict[str, dict], ratios: dict[str, float]) -> str:
         far = f["far_context"]
         lines.append(f"| {int(b) // 1024}K | {f['prompt_tokens']} | {f['prompts']} | {conf} | {ratios[b]:.3f} | "
                      f"{f['answer_found']} | {_fmt(far.get('confidence_kept'))} | "
-                     f"{_fmt(far.get('confidence_far_removed'))} | {_fmt(far.get('difference'))} |")
+                     f"{_fmt(far.get('confidence_far_removed'))} | {_fmt(far.get('difference'))} | "
+                     f"{_fmt(far.get('answer_value_kept'))} | {_fmt(far.get('answer_value_removed'))} |")
     return "\n".join(lines)
 
 
@@ -93,7 +95,9 @@ transformers. `target_confidence`: mean probability of the model's own output to
 bootstrap over the bucket's prompts; few prompts, so a sketch, not a measurement; `evaluate al
 --recipe recipes/long_eval.yaml` has 16). `answers found`: outputs holding the reference answer
 (records, code, recall). Far context: the first 8 output tokens scored with the whole prompt (kept)
-and after only its last 512 tokens (removed), as `evaluate/farctx.py` does.
+and after only its last 512 tokens (removed), as `evaluate/farctx.py` does; `answer value`: the
+reference answer's value tokens (the record's field, the helper's name, the stated fact: what only
+the far evidence holds) teacher-forced after the whole prompt and after its last 512 tokens.
 
 {bucket_table(buckets, metrics["confidence_ratio_to_1k"])}
 

@@ -49,6 +49,7 @@ def test_builder_end_to_end_at_toy_size(tmp_path):
     assert stages[0]["final_answer_loss"] > 0 and stages[1]["final_answer_loss"] > 0
     card = (out / "README.md").read_text()
     assert "| 1K | 1024 | 4 |" in card and "whole build" in card and "| repeat | 512 |" in card
+    assert "answer value kept" in card and f"{far['answer_value_removed']:.3f} |" in card
     assert "--stages 256x1x1:repeat,1024x1x1x340 " in card  # the rebuild command names each stage's kinds
     text = "256x8x500:repeat,1024x4x600x340:copy+records+chat,2048x2x10"
     assert format_stages(parse_stages(text)) == text

@@ -8,6 +8,12 @@ the tiny target's shape (hidden 128, 4 heads, draft vocab 1024) unless --hidden 
 
     python bench/train_long.py                                  # 2K/8K/16K/32K, then CP=2 at 32K
     python bench/train_long.py --lengths 2048,4096 --hidden 512 --cp 0   # a wider draft
+    python bench/train_long.py --lengths 8192,32768 --doc-tokens 4096 --skip-compare --cp 0   # packed documents
+
+``--doc-tokens N`` packs documents of N tokens into each row (positions restart per document, as
+the packer does) and ``--window W`` gives the draft a sliding window; ``--skip-compare`` runs each
+length twice side by side, the chunked attention from key 0 (``skip_masked_keys`` off) and from
+the first key a chunk's documents and window let it see (the default), and prints the ratio.
 
 Printed per length: peak RSS, its increase over the process before the first step, MiB per 1K
 tokens, tokens/s, and the ratios to the shortest length; then a least-squares line of peak RSS
@@ -36,7 +42,8 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def measure(t: int, *, hidden: int, ttt_steps: int, chunk: int, steps: int, cp: int) -> dict:
+def measure(t: int, *, hidden: int, ttt_steps: int, chunk: int, steps: int, cp: int, doc_tokens: int = 0,
+            window: int = 0, skip: bool = True) -> dict:
     """One process (or one CP rank under torchrun-style env): ``steps`` trainer steps on a T-token row."""
     import torch
 
@@ -51,18 +58,21 @@ def measure(t: int, *, hidden: int, ttt_steps: int, chunk: int, steps: int, cp: 
     vocab, vd, heads = 2048, 1024, max(4, hidden // 128)
     tcfg = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=heads,
                 num_key_value_heads=heads, rms_norm_eps=1e-5, max_position_embeddings=2 * t, hidden_act="silu")
-    cfg = draft_config(tcfg, draft_vocab_size=vd, layer_ids=(2, 4, 5), flags=DraftFlags())
+    cfg = draft_config(tcfg, draft_vocab_size=vd, layer_ids=(2, 4, 5), flags=DraftFlags(), sliding_window=window)
     cfg.attn_chunk_tokens = chunk
     model = Eagle3Draft(cfg)
     init_weights(model, seed=0)
+    model.midlayer.self_attn.skip_masked_keys = skip
     objective = dist.shard(CPObjective(model) if split else TTTObjective(model), param_dtype="float32")
     g = torch.Generator().manual_seed(0)
     head = TargetHead(torch.ones(hidden), torch.randn(vocab, hidden, generator=g) * 0.05, 1e-5)
     ids = torch.arange(vd) * 2
     params = [p for p in objective.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
+    pos = torch.arange(t)[None]
+    doc = torch.div(pos, doc_tokens, rounding_mode="floor") if doc_tokens else torch.zeros(1, t, dtype=torch.long)
     row = Batch(input_ids=torch.randint(0, vocab, (1, t), generator=g), loss_mask=torch.ones(1, t, dtype=torch.bool),
-                doc_ids=torch.zeros(1, t, dtype=torch.long), position_ids=torch.arange(t)[None],
+                doc_ids=doc, position_ids=pos % doc_tokens if doc_tokens else pos,
                 aux=torch.randn(1, t, 3 * hidden, generator=g), last_hidden=torch.randn(1, t, hidden, generator=g))
 
     saved: dict[int, int] = {}
@@ -93,6 +103,7 @@ def measure(t: int, *, hidden: int, ttt_steps: int, chunk: int, steps: int, cp: 
         tokens = step()
         seconds.append(time.perf_counter() - t0)
     out = {"tokens": t, "hidden": hidden, "ttt_steps": ttt_steps, "cp": cp, "rank": dist.rank,
+           "doc_tokens": doc_tokens, "window": window, "skip_masked_keys": skip,
            "rank_tokens": tokens, "saved_activations_mib": round(sum(saved.values()) / 2**20, 1),
            "peak_rss_mib": round(rss_mib(), 1), "rss_before_mib": round(before, 1),
            "step_seconds": round(min(seconds[1:] or seconds), 2)}
@@ -100,11 +111,12 @@ def measure(t: int, *, hidden: int, ttt_steps: int, chunk: int, steps: int, cp: 
     return out
 
 
-def child(t: int, args, *, cp: int = 1) -> list[dict]:
+def child(t: int, args, *, cp: int = 1, skip: bool = True) -> list[dict]:
     """``measure`` in fresh processes: one, or ``cp`` ranks of a gloo group (FSDP2, as train launch)."""
     code = (f"import json,sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import train_long as b; "
             f"print(json.dumps(b.measure({t}, hidden={args.hidden}, ttt_steps={args.ttt_steps}, "
-            f"chunk={args.chunk}, steps={1 if t > 8192 else 2}, cp={cp})))")
+            f"chunk={args.chunk}, steps={1 if t > 8192 else 2}, cp={cp}, doc_tokens={args.doc_tokens}, "
+            f"window={args.window}, skip={skip})))")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "BENCH_THREADS": str(args.threads),
            "PYTHONWARNINGS": "ignore"}
     if cp > 1:
@@ -144,8 +156,14 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048, help="train.attn_chunk_tokens")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cp", type=int, default=2, help="CP ranks at the longest length (0: skip)")
+    ap.add_argument("--doc-tokens", type=int, default=0, help="documents of this many tokens per row (0: one)")
+    ap.add_argument("--window", type=int, default=0, help="the draft's sliding window (train.sliding_window)")
+    ap.add_argument("--skip-compare", action="store_true",
+                    help="each length with and without skipping masked keys, side by side")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
+    if args.skip_compare:
+        return skip_compare(lengths, args)
     rows = []
     for t in lengths:
         r = child(t, args)[0]
@@ -182,6 +200,19 @@ def main() -> None:
               f"{one['saved_activations_mib']}; "
               f"{t / secs:.1f} tokens/s for the pair on the same cores vs {one['tokens_per_second']} "
               f"(rank step seconds {', '.join(str(r['step_seconds']) for r in ranks)})")
+
+
+def skip_compare(lengths: list[int], args) -> None:
+    """Each length: the chunked attention from key 0, then from the first visible key (fresh processes)."""
+    print(f"hidden {args.hidden}, TTT steps {args.ttt_steps}, attention chunk {args.chunk}, documents of "
+          f"{args.doc_tokens or 'the whole row'} tokens, window {args.window or 'none'}, {args.threads} threads")
+    print("| tokens | step s, from key 0 | step s, skipping | speed-up | peak RSS MiB, from key 0 | skipping |")
+    print("|---|---|---|---|---|---|")
+    for t in lengths:
+        full, skip = child(t, args, skip=False)[0], child(t, args, skip=True)[0]
+        print(f"| {t} | {full['step_seconds']} | {skip['step_seconds']} | "
+              f"**{full['step_seconds'] / skip['step_seconds']:.2f}x** | {full['peak_rss_mib']} | "
+              f"{skip['peak_rss_mib']} |", flush=True)
 
 
 if __name__ == "__main__":

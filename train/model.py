@@ -226,6 +226,10 @@ class DraftAttention(nn.Module):
         self.chunk_tokens = int(getattr(cfg, "attn_chunk_tokens", 2048) or 2048)
         self.window = attention_window(cfg)
         self.rotary_dim = rotary_dim(cfg)
+        #: Chunked path: a query chunk attends only from the first step-0 key any of its queries
+        #: can see (its documents' starts, the window), not from position 0: linear cost in the row
+        #: for packed short documents or a window. False: every chunk from 0 (the bench's baseline).
+        self.skip_masked_keys = True
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -268,18 +272,20 @@ class DraftAttention(nn.Module):
             outs = []
             for s in range(0, t, self.chunk_tokens):
                 e = min(t, s + self.chunk_tokens)
-                # Causal: keys after the chunk's last query are masked anyway, so they are skipped.
+                # Causal: keys after the chunk's last query are masked anyway, so they are skipped;
+                # so are keys before every document and window of the chunk's queries.
                 end = start + e
-                outs.append(checkpoint(self._attend_chunk, q[:, :, s:e], keys[0][:, :, :end], vals[0][:, :, :end],
+                lo = first_visible_key(mask, start + s, end, window=self.window) if self.skip_masked_keys else 0
+                outs.append(checkpoint(self._attend_chunk, q[:, :, s:e], keys[0][:, :, lo:end], vals[0][:, :, lo:end],
                                        [kk[:, :, s:e] for kk in keys[1:]], [vv[:, :, s:e] for vv in vals[1:]],
-                                       mask, start + s, use_reentrant=False))
+                                       mask, start + s, lo, use_reentrant=False))
             out = torch.cat(outs, dim=2)
         b, _, tq, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, tq, self.num_heads * self.head_dim)), (k, v)
 
-    def _attend_chunk(self, q, k0, v0, dk, dv, doc_ids, start: int) -> torch.Tensor:
-        """Queries ``start..start+C`` against step-0 keys ``0..start+C``: mask rows built here."""
-        mask = chunk_doc_mask(doc_ids, start, start + q.shape[2], window=self.window)
+    def _attend_chunk(self, q, k0, v0, dk, dv, doc_ids, start: int, key_start: int = 0) -> torch.Tensor:
+        """Queries ``start..start+C`` against step-0 keys ``key_start..start+C``: mask rows built here."""
+        mask = chunk_doc_mask(doc_ids, start, start + q.shape[2], window=self.window, key_start=key_start)
         return self._attend(q, [k0, *dk], [v0, *dv], mask)
 
     def _attend(self, q, keys, vals, mask) -> torch.Tensor:
@@ -411,16 +417,32 @@ def causal_doc_mask(doc_ids: torch.Tensor, *, window: int = 0) -> torch.Tensor:
     return chunk_doc_mask(doc_ids, 0, doc_ids.shape[1], window=window)
 
 
-def chunk_doc_mask(doc_ids: torch.Tensor, start: int, end: int, *, window: int = 0) -> torch.Tensor:
-    """Rows ``start:end``, columns ``:end`` of :func:`causal_doc_mask` (later keys are all False),
-    [B, end-start, end], without building [T, T]."""
+def chunk_doc_mask(doc_ids: torch.Tensor, start: int, end: int, *, window: int = 0, key_start: int = 0) -> torch.Tensor:
+    """Rows ``start:end``, columns ``key_start:end`` of :func:`causal_doc_mask` (later keys are all
+    False), [B, end-start, end-key_start], without building [T, T]."""
     qi = torch.arange(start, end, device=doc_ids.device)[:, None]
-    ki = torch.arange(end, device=doc_ids.device)[None, :]
-    same = doc_ids[:, start:end, None] == doc_ids[:, None, :end]
+    ki = torch.arange(key_start, end, device=doc_ids.device)[None, :]
+    same = doc_ids[:, start:end, None] == doc_ids[:, None, key_start:end]
     seen = (ki <= qi) & same
     if window > 0:
         seen = seen & (qi - ki < window)
     return seen | (ki == qi)
+
+
+def first_visible_key(doc_ids: torch.Tensor, start: int, end: int, *, window: int = 0) -> int:
+    """The lowest key position that any query ``start..end-1`` may see under :func:`causal_doc_mask`:
+    a key before it is in none of the chunk's documents (in any row) or outside every query's
+    window, so the chunk's scores against it are all masked and can be skipped. Exact for any doc
+    ids (not only contiguous documents): the first occurrence of a doc id the chunk holds."""
+    lo = max(0, start - window + 1) if window > 0 else 0
+    if lo >= start:
+        return start
+    first = start
+    for b in range(doc_ids.shape[0]):
+        hit = torch.isin(doc_ids[b, lo:start], doc_ids[b, start:end]).nonzero()
+        if hit.numel():
+            first = min(first, lo + int(hit[0, 0]))
+    return first
 
 
 def init_weights(model: Eagle3Draft, *, seed: int, std: float = 0.02) -> None:
@@ -438,5 +460,5 @@ def init_weights(model: Eagle3Draft, *, seed: int, std: float = 0.02) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-__all__ = ["DraftFlags", "DraftShape", "apply_rotary", "draft_rope", "draft_shape", "num_parameters", "Eagle3Draft", "parallel_drafting", "attention_window", "causal_doc_mask", "chunk_doc_mask", "draft_config",
+__all__ = ["DraftFlags", "DraftShape", "apply_rotary", "draft_rope", "draft_shape", "num_parameters", "Eagle3Draft", "parallel_drafting", "attention_window", "causal_doc_mask", "chunk_doc_mask", "first_visible_key", "draft_config",
            "init_weights"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglenest.train.model import Eagle3Draft, causal_doc_mask, chunk_doc_mask, draft_config, init_weights
+from eaglenest.train.model import (Eagle3Draft, causal_doc_mask, chunk_doc_mask, draft_config, first_visible_key,
+                                   init_weights)
 from eaglenest.train.model import DraftFlags
 from eaglenest.train.ttt import Batch, ttt_loss
 
@@ -59,6 +60,53 @@ def test_chunked_attention_matches_dense(t, chunk, k, window):
     assert float(ra.loss) == pytest.approx(float(rb.loss), rel=1e-12)
     assert ra.step_correct == rb.step_correct and ra.step_count == rb.step_count
     assert ga.keys() == gb.keys()
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("window", [0, 4, 9])
+def test_first_visible_key_skips_only_masked_keys(window):
+    """Keys before ``first_visible_key`` are masked for every query of the chunk (so skipping them
+    changes nothing), and without a window it is the first visible key exactly; for contiguous
+    documents and for doc ids that recur further on."""
+    g = torch.Generator().manual_seed(window)
+    docs = [torch.tensor([[0] * 7 + [1] * 5 + [2] * 9 + [3] * 3 + [-1] * 4, [0] * 20 + [1] * 8]),
+            torch.randint(0, 3, (2, 28), generator=g)]  # ids that recur: not contiguous documents
+    for doc in docs:
+        dense = causal_doc_mask(doc, window=window)
+        for s in range(0, 28, 5):
+            e = min(28, s + 5)
+            lo = first_visible_key(doc, s, e, window=window)
+            seen = dense[:, s:e, :e].any(dim=(0, 1)).nonzero()
+            assert 0 <= lo <= s and not dense[:, s:e, :lo].any() and lo <= int(seen[0, 0])
+            if not window:
+                assert lo == int(seen[0, 0]), (doc, s, lo)
+            assert torch.equal(chunk_doc_mask(doc, s, e, window=window, key_start=lo), dense[:, s:e, lo:e])
+    one = docs[0][:1]  # document 2 starts at 12; the other row's document 0 spans 0..19
+    assert first_visible_key(one, 14, 19) == 12 and first_visible_key(one, 14, 19, window=2) == 13
+    assert first_visible_key(docs[0], 14, 19) == 0
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_skipping_masked_keys_gives_the_dense_loss_and_gradients(window):
+    """Rows of several packed documents (the long recipe's case): the chunked path skips the keys
+    before each chunk's documents and window, and still equals the dense path."""
+    t = 48
+    b = batch(t)
+    doc = torch.tensor([[0] * 9 + [1] * 14 + [2] * 11 + [3] * 14, [0] * 12 + [1] * 12 + [2] * 20 + [-1] * 4])
+    b = Batch(**{**b.__dict__, "doc_ids": doc, "loss_mask": doc >= 0})
+    probs = torch.softmax(torch.randn(2, t, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64), -1)
+    argmax = torch.randint(0, 256, (2, t), generator=torch.Generator().manual_seed(5))
+    assert [first_visible_key(doc, s, s + 8, window=window) for s in range(0, t, 8)] == (
+        [0, 0, 9, 23, 23, 24] if not window else [0, 4, 12, 23, 28, 36])  # keys skipped from the second chunk on
+    out = []
+    for c in (10_000, 8):
+        m = make(c, window)
+        res = ttt_loss(m, b, probs, argmax, num_steps=3, step_decay=0.8)
+        res.loss.backward()
+        out.append((res, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (ra, ga), (rb, gb) = out
+    assert float(ra.loss) == pytest.approx(float(rb.loss), rel=1e-12) and ra.step_correct == rb.step_correct
     for n in ga:
         torch.testing.assert_close(gb[n], ga[n], rtol=1e-10, atol=1e-12, msg=n)
 

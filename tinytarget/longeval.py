@@ -35,13 +35,22 @@ BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768)
 KINDS = ("records", "code", "recall", "chat")
 
 
-def greedy(model, ids: list[int], *, max_new_tokens: int, eos_id: int) -> tuple[list[int], list[float]]:
-    """Greedy continuation of ``ids`` and the probability of each output token (KV-cached decode)."""
+def greedy(model, ids: list[int], *, max_new_tokens: int, eos_id: int, forced: list[int] | None = None
+           ) -> tuple[list[int], list[float], list[float] | None]:
+    """Greedy continuation of ``ids``, the probability of each output token (KV-cached decode) and,
+    with ``forced``, the probability of each ``forced`` token teacher-forced after ``ids``, from
+    the same prefill (its cache extended by ``forced``, then cropped back before decoding)."""
     import torch
 
-    out_ids, probs = [], []
+    out_ids, probs, forced_probs = [], [], None
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        if forced:
+            cache = out.past_key_values
+            tail = model(input_ids=torch.tensor([forced]), past_key_values=cache, use_cache=True).logits[0, :-1]
+            p = torch.cat([out.logits[0, -1:], tail]).float().softmax(-1)
+            forced_probs = [float(p[i, t]) for i, t in enumerate(forced)]
+            cache.crop(len(ids))
         for _ in range(max_new_tokens):
             p = out.logits[0, -1].float().softmax(-1)
             t = int(p.argmax())
@@ -50,7 +59,7 @@ def greedy(model, ids: list[int], *, max_new_tokens: int, eos_id: int) -> tuple[
             if t == eos_id:
                 break
             out = model(input_ids=torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
-    return out_ids, probs
+    return out_ids, probs, forced_probs
 
 
 def continuation_probs(model, ids: list[int], cont: list[int]) -> list[float]:
@@ -73,20 +82,23 @@ def measure(model, hf_tok, material, *, buckets=BUCKETS, per_bucket: int = 4, ki
     for bucket, ps in prompts.items():
         t0 = time.perf_counter()
         toks, probs = {}, {}
+        answers = {r["sample_id"]: r for r in farctx.answer_probes({bucket: ps}, hf_tok, keep_tokens=keep_tokens,
+                                                                   bos_id=hf_tok.bos_token_id)}
         for p in ps:
-            toks[p["sample_id"]], probs[p["sample_id"]] = greedy(model, p["prompt_token_ids"],
-                                                                 max_new_tokens=max_new_tokens,
-                                                                 eos_id=hf_tok.eos_token_id)
+            a = answers.get(p["sample_id"])
+            toks[p["sample_id"]], probs[p["sample_id"]], kept = greedy(
+                model, p["prompt_token_ids"], max_new_tokens=max_new_tokens, eos_id=hf_tok.eos_token_id,
+                forced=a["answer_ids"] if a else None)
+            if a:  # the whole prompt's answer probabilities from the decode's own prefill
+                a["kept"] = kept
+                a["removed"] = continuation_probs(model, a["contexts"][1], a["answer_ids"])
         far_rows = farctx.probes({bucket: ps}, toks, probs, keep_tokens=keep_tokens, probe_tokens=probe_tokens,
                                  bos_id=hf_tok.bos_token_id)
         for r in far_rows:
             n = len(r["continuation"])
             r["removed"] = continuation_probs(model, r["prompt_token_ids"][:-n], r["continuation"])
         far = farctx.per_prompt_sums(far_rows)
-        answers = farctx.answer_probes({bucket: ps}, hf_tok, keep_tokens=keep_tokens, bos_id=hf_tok.bos_token_id)
-        for r in answers:
-            r["kept"], r["removed"] = (continuation_probs(model, ctx, r["answer_ids"]) for ctx in r["contexts"])
-        for sid, sums in farctx.answer_sums(answers).items():
+        for sid, sums in farctx.answer_sums(list(answers.values())).items():
             far.setdefault(sid, {}).update(sums)
         rows = bucket_rows(ps, [toks[p["sample_id"]] for p in ps], {}, hf_tok)
         for r in rows:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from eaglenest.evaluate.buckets import _prompt_seed
+from eaglenest.evaluate.longctx import generate
 from eaglenest.tinytarget import longdata, longeval
 from eaglenest.tinytarget.long import LongConfig, build, format_stages, main, parse_stages
 
@@ -56,6 +57,26 @@ def test_builder_end_to_end_at_toy_size(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(str(out))  # loads back
+
+
+def test_the_answer_scored_from_the_decode_prefill_leaves_the_decode_unchanged():
+    """``greedy(forced=...)`` scores the answer on the prefill's cache, crops it and decodes: the
+    same output and probabilities as a plain decode, and the answer's probabilities those of a
+    separate teacher-forced forward (to fp32 rounding)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(SHORT)
+    model = AutoModelForCausalLM.from_pretrained(SHORT, attn_implementation="sdpa").eval()
+    p = generate("records", tok, 600, seed=11)
+    answer = tok(p.answer, add_special_tokens=False)["input_ids"]
+    plain = longeval.greedy(model, p.prompt_token_ids, max_new_tokens=12, eos_id=tok.eos_token_id)
+    ids, probs, forced = longeval.greedy(model, p.prompt_token_ids, max_new_tokens=12, eos_id=tok.eos_token_id,
+                                         forced=answer)
+    assert plain[2] is None and ids == plain[0] and probs == pytest.approx(plain[1], abs=1e-5)
+    assert forced == pytest.approx(longeval.continuation_probs(model, p.prompt_token_ids, answer), abs=1e-4)
+    assert len(forced) == len(answer) and len(set(forced)) > 1
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -379,17 +379,56 @@ def build(out: Path, cfg: LongConfig) -> dict:
     metrics = {"train": train_stats, **measure(model, hf_tok, cfg)}
     save(model, out, cfg)
     metrics["build_seconds"] = round(time.perf_counter() - start, 1)
-    seeds = {"corpus_and_recall_turns": cfg.seed,
+    write_outputs(out, cfg, metrics, seeds=_seeds(cfg, train_stats))
+    return metrics
+
+
+def _seeds(cfg: LongConfig, train_stats: dict) -> dict:
+    return {"corpus_and_recall_turns": cfg.seed,
              "train_prompts": f"evaluate.longctx seeds {train_stats['train_prompt_seeds'][0]}.."
                               f"{train_stats['train_prompt_seeds'][1]} (packed prompts: "
                               f"{longdata.PACKED_SEED_BASE} + 64 x (seed - {longdata.TRAIN_SEED_BASE}) + j)",
              "positions": f"longpos:{cfg.seed}",
              "eval_prompts": "evaluate.buckets seed 0 (evaluate al's engine.seed=0)",
              "eval_material_and_held_out": EVAL_MATERIAL_SEED}
+
+
+def write_outputs(out: Path, cfg: LongConfig, metrics: dict, *, seeds: dict) -> None:
+    """The model card and ``provenance.json`` beside the weights."""
     write_long_card(out, cfg=cfg, metrics=metrics, seeds=seeds, base_metrics=_base_metrics(cfg.base),
                     phases=[(ph.name, ", ".join(f"{k} {_show(v)}" for k, v in ph.settings)) for ph in cfg.phases])
     write_provenance(out, config=dataclasses.asdict(cfg), inputs={"base": cfg.base, "seeds": seeds},
                      extra={"metrics": metrics})
+
+
+#: The keys of a build's metrics that ``measure`` produces (what ``--remeasure`` replaces).
+MEASURED = ("buckets", "confidence_ratio_to_1k", "copy_probe", "held_out")
+
+
+def remeasure(out: Path, cfg: LongConfig) -> dict:
+    """Measure the build at ``out`` again with this code (after the measurement changed) and rewrite
+    its card and provenance; the weights and the training figures stay. ``cfg`` must be the
+    configuration it was built with (the same recipe and flags)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = out / "provenance.json"
+    if not path.is_file():
+        raise ConfigError(f"--remeasure: {out} has no provenance.json (not a build of this command)")
+    prov = json.loads(path.read_text())
+    built, mine = prov.get("config") or {}, json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    differ = sorted(k for k in set(built) | set(mine) if built.get(k) != mine.get(k))
+    if differ or "train" not in (prov.get("metrics") or {}):
+        raise ConfigError(f"--remeasure: {out} was built with other settings ({', '.join(differ) or 'no training record'}); "
+                          "give the recipe and flags it was built with")
+    start = time.perf_counter()
+    torch.set_num_threads(cfg.num_threads)
+    model = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="sdpa").eval()
+    metrics = {k: v for k, v in prov["metrics"].items() if k not in MEASURED}
+    metrics.update(measure(model, AutoTokenizer.from_pretrained(str(out)), cfg))
+    metrics["remeasured"] = {"seconds": round(time.perf_counter() - start, 1),
+                             "built_by": prov.get("code_version"), "built_unix": prov.get("created_unix")}
+    write_outputs(out, cfg, metrics, seeds=(prov.get("inputs") or {}).get("seeds") or {})
     return metrics
 
 
@@ -445,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="resume a --recipe build at this phase, --base being the output of the phases before it")
     p.add_argument("--measure-only", action="store_true",
                    help="measure --base as it is (no training, nothing written) and print the figures")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure the build at --out again (same recipe and flags) and rewrite its card and "
+                        "provenance; weights and training figures stay"),
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -478,6 +520,14 @@ def main(argv: list[str] | None = None) -> int:
         model = AutoModelForCausalLM.from_pretrained(cfg.base, attn_implementation="sdpa").eval()
         figures = measure(model, AutoTokenizer.from_pretrained(cfg.base), cfg)
         print(json.dumps(figures, indent=1))
+        return 0
+    if args.remeasure:
+        try:
+            metrics = remeasure(Path(args.out), cfg)
+        except ConfigError as exc:
+            print(f"python -m eaglenest.tinytarget.long: error: {exc}", file=sys.stderr)
+            return 2
+        log.info("measured %s again; confidence / 1K: %s", args.out, metrics["confidence_ratio_to_1k"])
         return 0
     metrics = build(args.out, cfg)
     log.info("wrote %s in %.0f s; confidence / 1K: %s", args.out, metrics["build_seconds"],

@@ -4,6 +4,7 @@ apart from the evaluation's. All CPU, one thread, plain transformers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -11,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from eaglenest.errors import ConfigError
 from eaglenest.evaluate.buckets import _prompt_seed
 from eaglenest.evaluate.longctx import generate
 from eaglenest.tinytarget import longdata, longeval
-from eaglenest.tinytarget.long import LongConfig, build, format_stages, main, parse_stages
+from eaglenest.tinytarget.long import LongConfig, build, format_stages, main, parse_stages, remeasure
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ROOT / "assets" / "tiny-target"
@@ -57,6 +59,18 @@ def test_builder_end_to_end_at_toy_size(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(str(out))  # loads back
+
+    # --remeasure: the figures again from the saved weights (a doctored figure is replaced by the
+    # measured one), the training record kept; a configuration other than the build's is refused.
+    measured = bucket["target_confidence"]
+    prov["metrics"]["buckets"]["1024"]["target_confidence"] = 0.123
+    (out / "provenance.json").write_text(json.dumps(prov))
+    with pytest.raises(ConfigError, match="other settings .*stages"):
+        remeasure(out, dataclasses.replace(cfg, stages=parse_stages("256x1x2")))
+    again = remeasure(out, cfg)
+    assert again["buckets"]["1024"]["target_confidence"] == pytest.approx(measured, abs=2e-4)
+    assert again["train"] == prov["metrics"]["train"] and again["remeasured"]["seconds"] > 0
+    assert json.loads((out / "provenance.json").read_text())["metrics"]["buckets"]["1024"]["target_confidence"] != 0.123
 
 
 def test_the_answer_scored_from_the_decode_prefill_leaves_the_decode_unchanged():

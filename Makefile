@@ -50,7 +50,8 @@ tiny-target: $(STAMP)
 # recipe's phases, measured figures and build times in docs/long_context.md, which says where it
 # still falls short).
 tiny-target-long: $(STAMP)
-	$(BIN)/python -m eaglenest.tinytarget.long --recipe recipes/tiny_target/long.yaml --out assets/tiny-target-long
+	$(BIN)/python -m eaglenest.tinytarget.long --recipe recipes/tiny_target/long.yaml --out assets/tiny-target-long \
+		--phase-dir runs/tiny-target-long-phases
 
 clean-run:
 	rm -rf runs/toy

@@ -320,12 +320,15 @@ def train_long(model, hf_tok, cfg: LongConfig, *, first_row: int = 0, phase: str
             "train_prompt_seeds": [longdata.TRAIN_SEED_BASE + row0, longdata.TRAIN_SEED_BASE + first_row - 1]}
 
 
-def train_phases(model, hf_tok, cfg: LongConfig) -> dict:
+def train_phases(model, hf_tok, cfg: LongConfig, *, phase_dir: Path | None = None) -> dict:
     """Every phase of ``cfg`` in turn on ``model``; the long prompts' seeds run on across phases
-    (no prompt is trained twice), each phase has a fresh optimizer and schedule."""
+    (no prompt is trained twice), each phase has a fresh optimizer and schedule. With ``phase_dir``
+    each finished phase's model is saved to ``phase_dir/NAME``, the ``--base`` of a build resumed
+    at the next phase (``--from-phase``)."""
     stats, seconds, tokens, first_row = [], 0.0, 0, 0
     phases = cfg.training_phases()
     names = [n for n, _ in phases]
+    earlier = _base_metrics(cfg.base).get("train", {}).get("stages", []) if cfg.from_phase else []
     for name, phase_cfg in phases:
         if cfg.from_phase and names.index(name) < names.index(cfg.from_phase):
             first_row += sum(s.batch_size * s.num_steps for s in phase_cfg.stages)  # trained in --base
@@ -337,11 +340,25 @@ def train_phases(model, hf_tok, cfg: LongConfig) -> dict:
         stats += out["stages"]
         seconds += out["train_seconds"]
         tokens += out["tokens_seen"]
+        if phase_dir is not None and cfg.phases:
+            _save_phase(model, phase_dir / name, cfg, name, [*earlier, *stats])
+            later = names[names.index(name) + 1:]
+            if later:
+                log.info("phase %s saved: resume with --from-phase %s --base %s", name, later[0], phase_dir / name)
     out = {"stages": stats, "train_seconds": round(seconds, 1), "rows": first_row, "tokens_seen": tokens,
            "train_prompt_seeds": [longdata.TRAIN_SEED_BASE, longdata.TRAIN_SEED_BASE + first_row - 1]}
     if cfg.from_phase:  # the earlier phases' figures, from the base's own provenance
-        out["earlier_phases"] = _base_metrics(cfg.base).get("train", {}).get("stages", [])
+        out["earlier_phases"] = earlier
     return out
+
+
+def _save_phase(model, out: Path, cfg: LongConfig, name: str, stages: list[dict]) -> None:
+    """A finished phase's model with a provenance whose training record a resumed build reads."""
+    attn = model.config._attn_implementation
+    save(model, out, cfg)
+    model.config._attn_implementation = attn  # the next phase trains as the whole build does
+    write_provenance(out, config=dataclasses.asdict(cfg), inputs={"base": cfg.base, "phase": name},
+                     extra={"metrics": {"train": {"stages": stages}}})
 
 
 def measure(model, hf_tok, cfg: LongConfig) -> dict:
@@ -365,8 +382,9 @@ def save(model, out: Path, cfg: LongConfig) -> None:
             shutil.copyfile(Path(cfg.base) / name, out / name)
 
 
-def build(out: Path, cfg: LongConfig) -> dict:
-    """Train, measure and write the long-context target to ``out``; returns the metrics."""
+def build(out: Path, cfg: LongConfig, *, phase_dir: Path | None = None) -> dict:
+    """Train, measure and write the long-context target to ``out``; returns the metrics. With
+    ``phase_dir``, each finished phase is saved there too (``train_phases``)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -375,7 +393,7 @@ def build(out: Path, cfg: LongConfig) -> dict:
     torch.set_num_threads(cfg.num_threads)
     hf_tok = AutoTokenizer.from_pretrained(cfg.base)
     model = load_base(cfg)
-    train_stats = train_phases(model, hf_tok, cfg)
+    train_stats = train_phases(model, hf_tok, cfg, phase_dir=phase_dir)
     metrics = {"train": train_stats, **measure(model, hf_tok, cfg)}
     save(model, out, cfg)
     metrics["build_seconds"] = round(time.perf_counter() - start, 1)
@@ -484,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="resume a --recipe build at this phase, --base being the output of the phases before it")
     p.add_argument("--measure-only", action="store_true",
                    help="measure --base as it is (no training, nothing written) and print the figures")
+    p.add_argument("--phase-dir", type=Path, default=None,
+                   help="save each finished phase of a --recipe build to DIR/NAME (resume a stopped build "
+                        "with --from-phase NEXT --base DIR/NAME)")
     p.add_argument("--remeasure", action="store_true",
                    help="measure the build at --out again (same recipe and flags) and rewrite its card and "
                         "provenance; weights and training figures stay"),
@@ -529,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         log.info("measured %s again; confidence / 1K: %s", args.out, metrics["confidence_ratio_to_1k"])
         return 0
-    metrics = build(args.out, cfg)
+    metrics = build(args.out, cfg, phase_dir=args.phase_dir)
     log.info("wrote %s in %.0f s; confidence / 1K: %s", args.out, metrics["build_seconds"],
              metrics["confidence_ratio_to_1k"])
     return 0

@@ -292,7 +292,7 @@ def test_a_build_resumed_at_a_phase_gives_the_weights_of_the_whole_build(tmp_pat
     whole.write_text(head + phases)
     first.write_text(head + phases.split("  - name: two")[0])
     argv = ["--seed", str(TEST_SEED), "--eval-prompts", "4"]
-    assert main(["--recipe", str(whole), "--out", str(tmp_path / "a"), *argv]) == 0
+    assert main(["--recipe", str(whole), "--out", str(tmp_path / "a"), "--phase-dir", str(tmp_path / "ph"), *argv]) == 0
     assert main(["--recipe", str(first), "--out", str(tmp_path / "b1"), *argv]) == 0
     assert main(["--recipe", str(whole), "--from-phase", "two", "--base", str(tmp_path / "b1"),
                  "--out", str(tmp_path / "b2"), *argv]) == 0
@@ -302,6 +302,16 @@ def test_a_build_resumed_at_a_phase_gives_the_weights_of_the_whole_build(tmp_pat
     prov = json.loads((tmp_path / "b2" / "provenance.json").read_text())["metrics"]["train"]
     assert [s["phase"] for s in prov["stages"]] == ["two"] and [s["phase"] for s in prov["earlier_phases"]] == ["one"]
     assert "resumed at phase two" in (tmp_path / "b2" / "README.md").read_text()
+    # --phase-dir: the whole build saved each phase; its first phase is the cut recipe's build, and
+    # resuming from it gives the whole build again
+    ph1 = load_file(str(tmp_path / "ph" / "one" / "model.safetensors"))
+    assert all((ph1[k] == b1[k]).all() for k in b1) and (tmp_path / "ph" / "two" / "config.json").is_file()
+    assert main(["--recipe", str(whole), "--from-phase", "two", "--base", str(tmp_path / "ph" / "one"),
+                 "--out", str(tmp_path / "b3"), *argv]) == 0
+    b3 = load_file(str(tmp_path / "b3" / "model.safetensors"))
+    assert all((a[k] == b3[k]).all() for k in a)
+    earlier = json.loads((tmp_path / "b3" / "provenance.json").read_text())["metrics"]["train"]["earlier_phases"]
+    assert [s["phase"] for s in earlier] == ["one"]
     # resuming needs the earlier phases' output, and a phase the recipe has
     assert main(["--recipe", str(whole), "--from-phase", "two", "--out", str(tmp_path / "c")]) == 2
     assert main(["--recipe", str(whole), "--from-phase", "three", "--base", str(tmp_path / "b1"),

@@ -354,9 +354,7 @@ def train_phases(model, hf_tok, cfg: LongConfig, *, phase_dir: Path | None = Non
 
 def _save_phase(model, out: Path, cfg: LongConfig, name: str, stages: list[dict]) -> None:
     """A finished phase's model with a provenance whose training record a resumed build reads."""
-    attn = model.config._attn_implementation
     save(model, out, cfg)
-    model.config._attn_implementation = attn  # the next phase trains as the whole build does
     write_provenance(out, config=dataclasses.asdict(cfg), inputs={"base": cfg.base, "phase": name},
                      extra={"metrics": {"train": {"stages": stages}}})
 
@@ -374,8 +372,10 @@ def measure(model, hf_tok, cfg: LongConfig) -> dict:
 
 def save(model, out: Path, cfg: LongConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    attn = model.config._attn_implementation
     model.config._attn_implementation = None  # not part of the published config
     model.save_pretrained(str(out))
+    model.config._attn_implementation = attn  # a model saved between phases trains on as before
     _add_legacy_dtype(out / "config.json")
     for name in TOKENIZER_FILES:
         if (Path(cfg.base) / name).is_file():  # the required ones were checked before training
@@ -423,13 +423,20 @@ def write_outputs(out: Path, cfg: LongConfig, metrics: dict, *, seeds: dict) -> 
 MEASURED = ("buckets", "confidence_ratio_to_1k", "copy_probe", "held_out")
 
 
+def measure_saved(path: Path, cfg: LongConfig) -> dict:
+    """``measure`` on the model saved at ``path`` (sdpa attention, ``cfg.num_threads`` threads)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(cfg.num_threads)
+    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa").eval()
+    return measure(model, AutoTokenizer.from_pretrained(str(path)), cfg)
+
+
 def remeasure(out: Path, cfg: LongConfig) -> dict:
     """Measure the build at ``out`` again with this code (after the measurement changed) and rewrite
     its card and provenance; the weights and the training figures stay. ``cfg`` must be the
     configuration it was built with (the same recipe and flags)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = out / "provenance.json"
     if not path.is_file():
         raise ConfigError(f"--remeasure: {out} has no provenance.json (not a build of this command)")
@@ -440,10 +447,8 @@ def remeasure(out: Path, cfg: LongConfig) -> dict:
         raise ConfigError(f"--remeasure: {out} was built with other settings ({', '.join(differ) or 'no training record'}); "
                           "give the recipe and flags it was built with")
     start = time.perf_counter()
-    torch.set_num_threads(cfg.num_threads)
-    model = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="sdpa").eval()
     metrics = {k: v for k, v in prov["metrics"].items() if k not in MEASURED}
-    metrics.update(measure(model, AutoTokenizer.from_pretrained(str(out)), cfg))
+    metrics.update(measure_saved(out, cfg))
     metrics["remeasured"] = {"seconds": round(time.perf_counter() - start, 1),
                              "built_by": prov.get("code_version"), "built_unix": prov.get("created_unix")}
     write_outputs(out, cfg, metrics, seeds=(prov.get("inputs") or {}).get("seeds") or {})
@@ -534,13 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m eaglenest.tinytarget.long: error: {exc}", file=sys.stderr)
         return 2
     if args.measure_only:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        torch.set_num_threads(cfg.num_threads)
-        model = AutoModelForCausalLM.from_pretrained(cfg.base, attn_implementation="sdpa").eval()
-        figures = measure(model, AutoTokenizer.from_pretrained(cfg.base), cfg)
-        print(json.dumps(figures, indent=1))
+        print(json.dumps(measure_saved(Path(cfg.base), cfg), indent=1))
         return 0
     if args.remeasure:
         try:

@@ -345,10 +345,14 @@ def train_phases(model, hf_tok, cfg: LongConfig, *, phase_dir: Path | None = Non
             later = names[names.index(name) + 1:]
             if later:
                 log.info("phase %s saved: resume with --from-phase %s --base %s", name, later[0], phase_dir / name)
-    out = {"stages": stats, "train_seconds": round(seconds, 1), "rows": first_row, "tokens_seen": tokens,
+    # A resumed build's record is the whole build's: the earlier phases' stages (from the base's own
+    # provenance) first, their seconds and tokens counted in
+    seconds += sum(s["seconds"] for s in earlier)
+    tokens += sum(s["seq_len_tokens"] * s["batch_size"] * s["num_steps"] for s in earlier)
+    out = {"stages": [*earlier, *stats], "train_seconds": round(seconds, 1), "rows": first_row, "tokens_seen": tokens,
            "train_prompt_seeds": [longdata.TRAIN_SEED_BASE, longdata.TRAIN_SEED_BASE + first_row - 1]}
-    if cfg.from_phase:  # the earlier phases' figures, from the base's own provenance
-        out["earlier_phases"] = earlier
+    if cfg.from_phase:
+        out["resumed_at"] = cfg.from_phase
     return out
 
 
@@ -413,10 +417,27 @@ def _seeds(cfg: LongConfig, train_stats: dict) -> dict:
 
 def write_outputs(out: Path, cfg: LongConfig, metrics: dict, *, seeds: dict) -> None:
     """The model card and ``provenance.json`` beside the weights."""
-    write_long_card(out, cfg=cfg, metrics=metrics, seeds=seeds, base_metrics=_base_metrics(cfg.base),
+    root = root_base(cfg)
+    write_long_card(out, cfg=cfg, metrics=metrics, seeds=seeds, base_metrics=_base_metrics(root), root_base=root,
                     phases=[(ph.name, ", ".join(f"{k} {_show(v)}" for k, v in ph.settings)) for ph in cfg.phases])
-    write_provenance(out, config=dataclasses.asdict(cfg), inputs={"base": cfg.base, "seeds": seeds},
+    write_provenance(out, config=dataclasses.asdict(cfg), inputs={"base": cfg.base, "root_base": root, "seeds": seeds},
                      extra={"metrics": metrics})
+
+
+def root_base(cfg: LongConfig) -> str:
+    """The model the whole build started from. A resumed build's ``--base`` holds the earlier
+    phases (a saved phase or a build of the recipe cut after them): its own provenance names the
+    model those started from, followed back through builds that were themselves resumed."""
+    base, resumed = cfg.base, bool(cfg.from_phase)
+    for _ in range(len(cfg.phases) + 1):
+        if not resumed:
+            return base
+        path = Path(base) / "provenance.json"
+        config = (json.loads(path.read_text()).get("config") or {}) if path.is_file() else {}
+        if not config.get("base"):
+            return base  # not a build of this command: the base is all there is to name
+        base, resumed = config["base"], bool(config.get("from_phase"))
+    return base
 
 
 #: The keys of a build's metrics that ``measure`` produces (what ``--remeasure`` replaces).

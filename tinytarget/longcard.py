@@ -50,7 +50,8 @@ def phases_text(phases: list[tuple[str, str]]) -> str:
 
 
 def write_long_card(outdir: str | Path, *, cfg, metrics: dict, seeds: dict, base_metrics: dict,
-                    phases: list[tuple[str, str]] = ()) -> Path:
+                    phases: list[tuple[str, str]] = (), root_base: str = "") -> Path:
+    root_base = root_base or cfg.base  # the model the whole build started from (a resumed build's differs)
     train, buckets = metrics["train"], metrics["buckets"]
     stages = "\n".join(f"| {s.get('phase', 'train')} | {s['seq_len_tokens']} | {s['batch_size']} | {s['num_steps']} | {s['seconds']:.0f} | "
                        f"{s['final_loss']:.3f} | {s['final_answer_loss']:.3f} |" for s in train["stages"])
@@ -73,6 +74,11 @@ def write_long_card(outdir: str | Path, *, cfg, metrics: dict, seeds: dict, base
                    f"    --answer-weight {cfg.answer_weight:g} --token-weight {cfg.token_weight:g} --weight-decay {cfg.weight_decay:g} "
                    f"--adam-beta2 {cfg.adam_beta2:g} --warmup-steps {cfg.warmup_steps} --peak-lr {cfg.peak_lr:g} "
                    f"--min-lr-ratio {cfg.min_lr_ratio:g} --row-kinds {','.join(cfg.row_kinds)}")
+    if train.get("resumed_at"):
+        took = (f"resumed at phase `{train['resumed_at']}`, the rest of the build (its phases, measurement, writing) "
+                f"took **{metrics['build_seconds']:.0f} s** on this machine (the earlier phases' seconds are in the table)")
+    else:
+        took = f"the whole build (training, measurement, writing) took **{metrics['build_seconds']:.0f} s** on this machine"
     text = f"""---
 license: apache-2.0
 library_name: transformers
@@ -82,7 +88,7 @@ tags: [eaglenest, test-fixture, synthetic, long-context]
 
 # eaglenest tiny target, long context
 
-The tiny target (`{cfg.base}`, trained on 256-token rows) continued to work at up to
+The tiny target (`{root_base}`, trained on 256-token rows) continued to work at up to
 {cfg.max_positions} tokens: same shape, tokenizer and chat format, RoPE base {cfg.rope_theta:g}
 (the tiny target's: 1e4). A test fixture for long-context drafting; it knows only eaglenest's toy domains.
 `docs/long_context.md` says what was tried and why this recipe.
@@ -115,7 +121,7 @@ a random span repeated once, far apart, within corpus text.
 
 ## Training
 
-Continued from `{cfg.base}` with AdamW (betas 0.9/{cfg.adam_beta2:g}, weight decay {cfg.weight_decay}), peak lr
+Continued from `{root_base}` with AdamW (betas 0.9/{cfg.adam_beta2:g}, weight decay {cfg.weight_decay}), peak lr
 {cfg.peak_lr}, {cfg.warmup_steps} warmup steps then one cosine to {cfg.min_lr_ratio} x peak over the
 stages. Rows: long material of `evaluate.longctx`'s kinds (records, code, recall) with its answer,
 and short corpus documents packed long ({cfg.raw_fraction:.0%} raw text), round-robin; loss =
@@ -126,8 +132,7 @@ skipped position ids (one random gap, reaching up to {cfg.max_positions}). {cfg.
 |---|---|---|---|---|---|---|
 {stages}
 
-{train['tokens_seen']} tokens in {train['train_seconds']:.0f} s; the whole build (training, measurement,
-writing) took **{metrics['build_seconds']:.0f} s** on this machine.
+{train['tokens_seen']} tokens in {train['train_seconds']:.0f} s of training; {took}.
 
 Seeds: {", ".join(f"{k} {v}" for k, v in seeds.items())}. The training prompts' seeds and the
 evaluation's never meet (`eaglenest.tinytarget.longdata.TRAIN_SEED_BASE`).

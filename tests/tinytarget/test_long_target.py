@@ -300,8 +300,15 @@ def test_a_build_resumed_at_a_phase_gives_the_weights_of_the_whole_build(tmp_pat
     assert a.keys() == b2.keys() and all((a[k] == b2[k]).all() for k in a)
     assert any((a[k] != b1[k]).any() for k in a)  # the second phase changed the model
     prov = json.loads((tmp_path / "b2" / "provenance.json").read_text())["metrics"]["train"]
-    assert [s["phase"] for s in prov["stages"]] == ["two"] and [s["phase"] for s in prov["earlier_phases"]] == ["one"]
-    assert "resumed at phase two" in (tmp_path / "b2" / "README.md").read_text()
+    # a resumed build's record is the whole build's: every phase's stages, seconds counted in, and
+    # the model the first phase started from named on its card and in its provenance
+    whole_train = json.loads((tmp_path / "a" / "provenance.json").read_text())["metrics"]["train"]
+    assert [s["phase"] for s in prov["stages"]] == ["one", "two"] and prov["resumed_at"] == "two"
+    assert prov["tokens_seen"] == whole_train["tokens_seen"] and prov["rows"] == whole_train["rows"]
+    assert prov["train_seconds"] == pytest.approx(sum(s["seconds"] for s in prov["stages"]), abs=0.2)
+    card = (tmp_path / "b2" / "README.md").read_text()
+    assert "resumed at phase two" in card and f"The tiny target (`{SHORT}`" in card
+    assert json.loads((tmp_path / "b2" / "provenance.json").read_text())["inputs"]["root_base"] == str(SHORT)
     # --phase-dir: the whole build saved each phase; its first phase is the cut recipe's build, and
     # resuming from it gives the whole build again
     ph1 = load_file(str(tmp_path / "ph" / "one" / "model.safetensors"))
@@ -310,8 +317,9 @@ def test_a_build_resumed_at_a_phase_gives_the_weights_of_the_whole_build(tmp_pat
                  "--out", str(tmp_path / "b3"), *argv]) == 0
     b3 = load_file(str(tmp_path / "b3" / "model.safetensors"))
     assert all((a[k] == b3[k]).all() for k in a)
-    earlier = json.loads((tmp_path / "b3" / "provenance.json").read_text())["metrics"]["train"]["earlier_phases"]
-    assert [s["phase"] for s in earlier] == ["one"]
+    b3_prov = json.loads((tmp_path / "b3" / "provenance.json").read_text())
+    assert [s["phase"] for s in b3_prov["metrics"]["train"]["stages"]] == ["one", "two"]
+    assert b3_prov["inputs"]["root_base"] == str(SHORT)  # through the saved phase's own provenance
     # resuming needs the earlier phases' output, and a phase the recipe has
     assert main(["--recipe", str(whole), "--from-phase", "two", "--out", str(tmp_path / "c")]) == 2
     assert main(["--recipe", str(whole), "--from-phase", "three", "--base", str(tmp_path / "b1"),

@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.stamp-install
 FLAVOUR := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 RECIPE ?= recipes/toy.yaml
 
-.PHONY: install demo test clean-run tiny-target tiny-target-long
+.PHONY: install demo long-demo test clean-run tiny-target tiny-target-long
 
 install: $(STAMP)
 
@@ -31,6 +31,12 @@ demo: $(STAMP)
 	$(BIN)/train run --recipe $(RECIPE)
 	$(BIN)/serve export --recipe $(RECIPE)
 	$(BIN)/evaluate al --recipe $(RECIPE)
+
+# The long-context lifecycle: the same five stages on the long-context tiny target, long composed
+# chats, rows up to the longest sample, AL per context bucket 1K-32K (recipes/long.yaml says what it
+# runs and how long it takes; docs/long_context.md).
+long-demo: $(STAMP)
+	$(MAKE) demo RECIPE=recipes/long.yaml
 
 # Two parts: whole test files spread over TEST_WORKERS processes (pytest-xdist), then the tests
 # marked `serial` alone (they bound how fast a killed process is noticed, so they must not share

@@ -432,8 +432,7 @@ def root_base(cfg: LongConfig) -> str:
     for _ in range(len(cfg.phases) + 1):
         if not resumed:
             return base
-        path = Path(base) / "provenance.json"
-        config = (json.loads(path.read_text()).get("config") or {}) if path.is_file() else {}
+        config = _provenance(base).get("config") or {}
         if not config.get("base"):
             return base  # not a build of this command: the base is all there is to name
         base, resumed = config["base"], bool(config.get("from_phase"))
@@ -485,10 +484,15 @@ def _show(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _provenance(model: str) -> dict:
+    """A model folder's provenance.json (empty when absent)."""
+    path = Path(model) / "provenance.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def _base_metrics(base: str) -> dict:
     """The base model's short held-out figures, from its provenance.json (empty when absent)."""
-    path = Path(base) / "provenance.json"
-    return json.loads(path.read_text()).get("metrics", {}) if path.is_file() else {}
+    return _provenance(base).get("metrics", {})
 
 
 #: Command-line flags of LongConfig fields: (flag, field, type, help).

@@ -15,6 +15,13 @@ conversation holds at most about its target (the last answer may run to ``max_to
 when the target's answers are shorter than budgeted: lower ``answer_tokens`` towards the target's
 mean answer length to land closer.
 
+The ``documents`` rule takes no rows: it generates long single-turn prompts, a registry of
+records or a module of helper functions (``eaglenest.material``, the kinds the evaluation's context
+buckets are made of) with a closing question about a record or helper near the start, each filled
+to about its target length (the question's answer budgeted as above). Seeds are named after the
+domain, length and index, never the evaluation's, so no training document is an evaluation prompt;
+the target answers on-policy at ingest like any prompt.
+
 Pure: an Arrow record batch of the domain's rows in, one of conversations out. The turn order of a
 conversation is a seeded shuffle of the rows in content-hash order, so neither file order nor a
 random state changes what is composed; conversations of one domain may share prompts (each draws
@@ -27,6 +34,7 @@ import random
 from typing import Callable
 
 from eaglenest.errors import ManifestError
+from eaglenest.material import DOCUMENT_KINDS, document
 from eaglenest.text import content_key
 
 #: Template tokens one user turn plus its answer add beyond their text (role markers, end marks);
@@ -60,17 +68,22 @@ def fact(rng: random.Random) -> tuple[str, str, str]:
 
 
 def compose(batch, *, domain: str, rule: str, target_tokens: list[int], per_length: int,
-            answer_tokens: int, count_tokens: Callable[[str], int], seed: int = 0):
+            answer_tokens: int, count_tokens: Callable[[str], int], seed: int = 0,
+            kinds: list[str] | None = None):
     """The conversations of ``domain`` (a ``pyarrow.RecordBatch`` with :data:`COLUMNS`), as a batch
-    of the same columns: ``per_length`` conversations per entry of ``target_tokens``.
+    of the same columns: ``per_length`` conversations per entry of ``target_tokens`` (``documents``:
+    per kind and length, ``batch`` unused).
 
     Raises :class:`ManifestError` naming ``domains.<domain>.compose...`` when the rows are empty
     or a target length cannot hold the fact, one prompt and the question."""
     import pyarrow as pa
 
     where = f"domains.{domain}.compose"
+    if rule == "documents":
+        return _documents(domain=domain, kinds=list(kinds or DOCUMENT_KINDS), target_tokens=target_tokens,
+                          per_length=per_length, answer_tokens=answer_tokens, count_tokens=count_tokens, seed=seed)
     if rule != "long_chat":
-        raise ManifestError(f"{where}.rule: {rule!r} is not a composition rule (known: long_chat)")
+        raise ManifestError(f"{where}.rule: {rule!r} is not a composition rule (known: long_chat, documents)")
     rows = batch.to_pylist()
     units = [([r["prompt"], *(r.get("later_turns") or [])], r.get("system") or "") for r in rows
              if r.get("prompt")]
@@ -107,6 +120,29 @@ def compose(batch, *, domain: str, rule: str, target_tokens: list[int], per_leng
     return pa.RecordBatch.from_pydict(out, schema=schema())
 
 
+def _documents(*, domain: str, kinds: list[str], target_tokens: list[int], per_length: int, answer_tokens: int,
+               count_tokens: Callable[[str], int], seed: int):
+    """The ``documents`` rule: ``per_length`` documents of each kind per target length, one user
+    turn each, its text within the length less the answer's budget and a turn's overhead."""
+    import pyarrow as pa
+
+    out = {c: [] for c in COLUMNS}
+    for length in target_tokens:
+        for index in range(per_length):
+            for kind in kinds:
+                try:
+                    text, _ = document(kind, seed=f"{domain}:{length}:{index}:{seed}",
+                                       tokens=length - answer_tokens - TURN_OVERHEAD_TOKENS, count_tokens=count_tokens)
+                except ValueError as exc:
+                    raise ManifestError(f"domains.{domain}.compose.target_tokens: {length}: {exc}; raise it "
+                                        "(or lower compose.answer_tokens)") from None
+                out["prompt"].append(text)
+                out["system"].append("")
+                out["later_turns"].append([])
+                out["source"].append(f"compose:documents:{kind}:{length}")
+    return pa.RecordBatch.from_pydict(out, schema=schema())
+
+
 def rows_batch(rows: list[dict]):
     """Loaded source rows (``pool.load_source``'s dicts) as the record batch :func:`compose` reads."""
     import pyarrow as pa
@@ -133,7 +169,7 @@ def apply(manifest, loaded: dict[str, list[dict]], *, count_tokens: Callable[[st
                 if not any(content_key(t) in held_out for t in [r["prompt"], *(r.get("later_turns") or [])])]
         batch = compose(rows_batch(rows), domain=name, rule=c.rule, target_tokens=c.target_tokens,
                         per_length=c.per_length, answer_tokens=c.answer_tokens or manifest.generation.max_tokens,
-                        count_tokens=count_tokens, seed=manifest.generation.seed)
+                        count_tokens=count_tokens, seed=manifest.generation.seed, kinds=c.kinds)
         out[name] = batch.to_pylist()
     return out
 

@@ -18,6 +18,7 @@ from typing import Literal
 
 from eaglenest.config import build, load_yaml, to_dict
 from eaglenest.errors import ManifestError
+from eaglenest.material import DOCUMENT_KINDS
 
 MANIFEST_VERSION = 1
 
@@ -62,7 +63,11 @@ class Compose:
     """A composition rule: the domain's prompts become long conversations (``compose.py``)."""
 
     #: ``long_chat``: a multi-turn chat whose first turn states a fact and whose last asks it back.
-    rule: Literal["long_chat"] = "long_chat"
+    #: ``documents``: generated long documents (a registry of records, a module of helpers) whose
+    #: closing question needs a record or helper near their start; the domain gives no sources.
+    rule: Literal["long_chat", "documents"] = "long_chat"
+    #: ``documents`` only: which kinds, each ``per_length`` times per length (null: records and code).
+    kinds: list[str] | None = None
     #: Token lengths to compose conversations for (prompt turns + budgeted answers), e.g. [2048, 8192].
     target_tokens: list[int] = dataclasses.field(default_factory=list)
     #: Conversations composed per target length.
@@ -160,6 +165,8 @@ class Manifest:
         for dom in d["domains"].values():  # likewise: domains without a composition rule keep theirs
             if dom.get("compose") is None:
                 dom.pop("compose", None)
+            elif dom["compose"].get("kinds") is None:  # and long_chat rules without kinds
+                dom["compose"].pop("kinds", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -234,8 +241,12 @@ def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
             p.append(f"{where}.held_out_count: {d.held_out_count} is negative")
         if d.raw_fraction is not None:
             p += _fraction(f"{where}.raw_fraction", d.raw_fraction)
-        if not d.sources:
+        generated = d.compose is not None and d.compose.rule == "documents"
+        if not d.sources and not generated:
             p.append(f"{where}.sources: at least one source is required")
+        if d.sources and generated:
+            p.append(f"{where}.sources: compose.rule documents generates its prompts; give no sources "
+                     "(sources: [])")
         if d.compose is not None:
             p += _check_compose(f"{where}.compose", d.compose)
         for i, s in enumerate(d.sources):
@@ -256,6 +267,16 @@ def _check_compose(where: str, c: Compose) -> list[str]:
         p.append(f"{where}.per_length: {c.per_length} is not in [1, 10000]")
     if c.answer_tokens is not None and c.answer_tokens < 1:
         p.append(f"{where}.answer_tokens: must be at least 1")
+    if c.kinds is not None and c.rule != "documents":
+        p.append(f"{where}.kinds: only compose.rule documents has kinds")
+    elif c.kinds is not None:
+        if not c.kinds:
+            p.append(f"{where}.kinds: give at least one of {', '.join(DOCUMENT_KINDS)} (or leave it out)")
+        for i, k in enumerate(c.kinds):
+            if k not in DOCUMENT_KINDS:
+                p.append(f"{where}.kinds[{i}]: {k!r} is not a document kind ({', '.join(DOCUMENT_KINDS)})")
+        if len(set(c.kinds)) != len(c.kinds):
+            p.append(f"{where}.kinds: kinds repeat; give each once (per_length sets how many)")
     return p
 
 

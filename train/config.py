@@ -266,6 +266,10 @@ class TrainConfig:
     #: batch_rows rows make one optimizer step.
     pack_tokens: int = 512
     batch_rows: int = 4
+    #: Rows are filled to this many tokens (0: pack_tokens); a sample longer than it gets a row of its
+    #: own, up to pack_tokens. With a few long samples among many short ones (the long recipe), short
+    #: rows keep the optimizer steps an epoch of short samples needs while the long ones stay whole.
+    row_tokens: int = 0
     #: None: use run.seed. Seeds the init, the sample order and packing.
     seed: int | None = None
     #: EAGLE-3.1 options (vLLM reads them from the exported config.json).
@@ -341,6 +345,10 @@ class TrainConfig:
                              "log_every_steps", "num_threads", "prefetch_batches", "attn_chunk_tokens"), 1)
         _at_least("", self, ("warmup_steps", "num_steps", "weight_decay", "grad_clip", "target_chunk_tokens"), 0)
         _at_least("", self, ("context_parallel",), 1)
+        _at_least("", self, ("row_tokens",), 0)
+        if self.row_tokens > self.pack_tokens:
+            raise ConfigError(f"train.row_tokens: {self.row_tokens} exceeds train.pack_tokens={self.pack_tokens} "
+                              "(the longest row); lower it, or 0 to fill rows to pack_tokens")
         if self.context_parallel > 1 and (self.family != "eagle3" or self.source != "table"):
             raise ConfigError(f"train.context_parallel={self.context_parallel}: only train.family=eagle3 with "
                               f"train.source=table splits rows over ranks yet, got family={self.family}, "

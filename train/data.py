@@ -26,8 +26,8 @@ global plan identical for any world size, which is what makes a 2-rank trajector
 1-rank one and makes resume a matter of skipping ``step`` batches.
 
 Packing: each epoch shuffles sample order with ``seed + epoch``, then fills rows of at most
-``pack_tokens`` tokens greedily (a longer sample is truncated to ``pack_tokens``). Documents in a
-row carry their own ids and restart rotary positions at 0, so nothing attends across documents.
+``row_tokens`` tokens greedily (0: ``pack_tokens``); a sample longer than that has a row of its own,
+truncated to ``pack_tokens``. Documents in a row carry their own ids and restart rotary positions at 0, so nothing attends across documents.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class FeatureShards:
     object store alike."""
 
     def __init__(self, uri: str, *, version: int | str | None, split: str, pack_tokens: int,
-                 batch_rows: int, seed: int, read_threads: int | None = None, table: str = "features",
+                 batch_rows: int, seed: int, row_tokens: int = 0, read_threads: int | None = None, table: str = "features",
                  batch_dtype: str = "float32", profile: ReadProfile | None = None, direct: bool = False):
         self.uri, self.table = uri, table
         #: What provenance names as the run's input table.
@@ -93,7 +93,7 @@ class FeatureShards:
             raise StoreError(f"features v{self.version}: no rows to train on "
                              f"(check train.split={split!r} and the table version)")
         self.lengths = small.column("num_tokens").to_numpy()[self.offsets].astype(np.int64)
-        self.pack_tokens, self.batch_rows, self.seed = pack_tokens, batch_rows, seed
+        self.pack_tokens, self.batch_rows, self.seed, self.row_tokens = pack_tokens, batch_rows, seed, row_tokens
         # vLLM concatenates aux states in ascending layer order; reorder if the table does not.
         self.aux_order = aux_order(self.meta.layer_ids)
         if batch_dtype not in ("float32", "stored"):
@@ -136,7 +136,7 @@ class FeatureShards:
     def plan(self, epoch: int) -> list[list[list[int]]]:
         """Global batches -> rows -> eligible-row indices, for one epoch."""
         return plan_batches(self.lengths, pack_tokens=self.pack_tokens, batch_rows=self.batch_rows,
-                            seed=self.seed, epoch=epoch)
+                            seed=self.seed, epoch=epoch, row_tokens=self.row_tokens)
 
     def read(self, rows: list[list[int]]) -> Batch:
         """Read and collate ``rows`` (eligible-row indices): pack each row, pad to the longest.
@@ -286,14 +286,17 @@ class BatchArenas:
         return out
 
 
-def plan_batches(lengths, *, pack_tokens: int, batch_rows: int, seed: int, epoch: int) -> list[list[list[int]]]:
+def plan_batches(lengths, *, pack_tokens: int, batch_rows: int, seed: int, epoch: int,
+                 row_tokens: int = 0) -> list[list[list[int]]]:
     """One epoch's plan over samples of ``lengths``: a seeded shuffle, samples packed greedily into
-    rows of at most ``pack_tokens`` (longer ones truncated), ``batch_rows`` rows per global batch."""
+    rows of at most ``row_tokens`` (0: ``pack_tokens``), ``batch_rows`` rows per global batch. A sample
+    longer than ``row_tokens`` has a row of its own, truncated to ``pack_tokens``."""
+    fill = row_tokens or pack_tokens
     order = np.random.default_rng(seed + epoch).permutation(len(lengths))
     rows, cur, used = [], [], 0
     for i in order.tolist():
         n = min(int(lengths[i]), pack_tokens)
-        if cur and used + n > pack_tokens:
+        if cur and used + n > fill:
             rows.append(cur)
             cur, used = [], 0
         cur.append(i)

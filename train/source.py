@@ -69,7 +69,9 @@ def open_source(cfg: TrainConfig, store_uri: str, *, table: str, seed: int, targ
         s = cfg.stream
         return StreamShards(store_uri, featurestore=featurestore, target=target_dir, split=cfg.split,
                             pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed, depth=s.depth,
+                            row_tokens=cfg.row_tokens,
                             devices=s.devices, transport=s.transport, engines=s.engines, addr=s.addr,
                             timeout_s=s.timeout_s, trust_remote_code=trust_remote_code)
     return FeatureShards(store_uri, version=cfg.table_version, split=cfg.split, table=table,
-                         pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed, batch_dtype="stored")
+                         pack_tokens=cfg.pack_tokens, batch_rows=cfg.batch_rows, seed=seed, batch_dtype="stored",
+                         row_tokens=cfg.row_tokens)

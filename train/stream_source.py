@@ -45,7 +45,7 @@ class StreamShards:
     """The table-less data source: a plan from ``prompts``, tensors from a live engine."""
 
     def __init__(self, store_uri: str, *, featurestore, target: str, split: str, pack_tokens: int,
-                 batch_rows: int, seed: int, depth: int, devices: str = "", trust_remote_code: bool = False,
+                 batch_rows: int, seed: int, depth: int, row_tokens: int = 0, devices: str = "", trust_remote_code: bool = False,
                  transport: str = "unix", engines: int = 1, addr: str = "", timeout_s: float = 1800.0):
         if featurestore is None:
             raise ConfigError("train.source=stream needs the recipe's featurestore section (engine, layer_ids)")
@@ -72,6 +72,7 @@ class StreamShards:
         if longest + 1 > featurestore.engine.max_model_len:
             raise StoreError(f"a conversation has {longest} tokens: raise featurestore.engine.max_model_len")
         self.split, self.pack_tokens, self.batch_rows, self.seed = split, pack_tokens, batch_rows, seed
+        self.row_tokens = row_tokens
         self.target, self.engine, self.depth, self.devices = target, featurestore.engine, depth, devices
         self.window = featurestore.batch_size
         self.transport, self.num_engines, self.addr, self.timeout_s = transport, engines, addr, timeout_s
@@ -90,7 +91,7 @@ class StreamShards:
     def plan(self, epoch: int) -> list[list[list[int]]]:
         """Exactly the table path's plan (same algorithm, same inputs: lengths in sample-id order)."""
         return plan_batches(self.lengths, pack_tokens=self.pack_tokens, batch_rows=self.batch_rows,
-                            seed=self.seed, epoch=epoch)
+                            seed=self.seed, epoch=epoch, row_tokens=self.row_tokens)
 
     def loss_token_counts(self, vocab_size: int) -> np.ndarray:
         """Per-target-id counts of loss tokens: what the table path counts by SQL."""

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from eaglenest.train.config import TrainConfig
-from eaglenest.train.data import FeatureShards
+from eaglenest.errors import ConfigError
+from eaglenest.train.data import FeatureShards, plan_batches
 from eaglenest.train.loop import train
 
 
@@ -64,3 +65,31 @@ def test_a_long_row_trains_with_chunked_attention_as_the_dense_path_does(tmp_pat
     assert sum(lengths) > 128  # the first run took the chunked path
     # the same row, the same loss; and the step that followed it, from the same gradients
     assert first[128] == pytest.approx(first[2048], rel=1e-4)
+
+
+def test_row_tokens_fills_short_rows_and_gives_a_long_sample_its_own_row():
+    # 2 long samples among 20 short ones: rows of 300 for the short, a whole row for each long one
+    lengths = [100] * 20 + [900, 1500]
+    for epoch in range(3):
+        plan = plan_batches(lengths, pack_tokens=1200, batch_rows=1, seed=7, epoch=epoch, row_tokens=300)
+        rows = [row for batch in plan for row in batch]
+        assert sorted(i for row in rows for i in row) == list(range(22))  # every sample once
+        for row in rows:
+            if any(lengths[i] > 300 for i in row):
+                assert len(row) == 1  # a long sample alone
+            else:
+                assert sum(lengths[i] for i in row) <= 300
+        short = [row for row in rows if all(lengths[i] <= 300 for i in row)]
+        assert len(rows) - len(short) == 2
+        assert 7 <= len(short) <= 9  # 3 per row; a long sample may close one early (twice at most)
+        # the same plan as pack_tokens alone when row_tokens is 0 or pack_tokens
+        same = plan_batches(lengths, pack_tokens=1200, batch_rows=1, seed=7, epoch=epoch)
+        assert same == plan_batches(lengths, pack_tokens=1200, batch_rows=1, seed=7, epoch=epoch, row_tokens=1200)
+        assert len(same) < len(rows)
+
+
+def test_row_tokens_above_pack_tokens_is_refused():
+    with pytest.raises(ConfigError, match="train.row_tokens"):
+        TrainConfig(pack_tokens=512, row_tokens=1024)
+    with pytest.raises(ConfigError, match="train.row_tokens"):
+        TrainConfig(row_tokens=-1)

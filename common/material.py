@@ -171,8 +171,8 @@ def evidence_at(rng: random.Random, spec, units: int) -> int:
     return 0 if spec.pad_after_evidence else max(1, round(rng.uniform(0.03, 0.12) * units))
 
 
-def document(kind: str, *, seed: str, tokens: int, count_tokens: Callable[[str], int]) -> tuple[str, str]:
-    """``(user message, reference answer)`` of a ``kind`` document (one of :data:`DOCUMENT_KINDS`):
+def document(kind: str, *, seed: str, tokens: int, count_tokens: Callable[[str], int]) -> str:
+    """The user message of a ``kind`` document (one of :data:`DOCUMENT_KINDS`):
     filler units while the message stays within ``tokens`` by ``count_tokens`` (text only, no chat
     template), the evidence 3-12% of the way in, the question last. Drawn from
     ``random.Random(f"document:{kind}:{seed}")``: the evaluation draws from ``longctx:...`` seeds,
@@ -193,4 +193,4 @@ def document(kind: str, *, seed: str, tokens: int, count_tokens: Callable[[str],
             break
         units.append(unit)
         total += cost
-    return spec.messages(units, evidence_at(rng, spec, len(units)))[0]["content"], spec.answer
+    return spec.messages(units, evidence_at(rng, spec, len(units)))[0]["content"]

@@ -131,8 +131,8 @@ def _documents(*, domain: str, kinds: list[str], target_tokens: list[int], per_l
         for index in range(per_length):
             for kind in kinds:
                 try:
-                    text, _ = document(kind, seed=f"{domain}:{length}:{index}:{seed}",
-                                       tokens=length - answer_tokens - TURN_OVERHEAD_TOKENS, count_tokens=count_tokens)
+                    text = document(kind, seed=f"{domain}:{length}:{index}:{seed}",
+                                    tokens=length - answer_tokens - TURN_OVERHEAD_TOKENS, count_tokens=count_tokens)
                 except ValueError as exc:
                     raise ManifestError(f"domains.{domain}.compose.target_tokens: {length}: {exc}; raise it "
                                         "(or lower compose.answer_tokens)") from None

@@ -27,7 +27,8 @@ global plan identical for any world size, which is what makes a 2-rank trajector
 
 Packing: each epoch shuffles sample order with ``seed + epoch``, then fills rows of at most
 ``row_tokens`` tokens greedily (0: ``pack_tokens``); a sample longer than that has a row of its own,
-truncated to ``pack_tokens``. Documents in a row carry their own ids and restart rotary positions at 0, so nothing attends across documents.
+truncated to ``pack_tokens``. Documents in a row carry their own ids and restart rotary positions at
+0, so nothing attends across documents.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class FeatureShards:
     object store alike."""
 
     def __init__(self, uri: str, *, version: int | str | None, split: str, pack_tokens: int,
-                 batch_rows: int, seed: int, row_tokens: int = 0, read_threads: int | None = None, table: str = "features",
+                 batch_rows: int, seed: int, row_tokens: int = 0, read_threads: int | None = None,
+                 table: str = "features",
                  batch_dtype: str = "float32", profile: ReadProfile | None = None, direct: bool = False):
         self.uri, self.table = uri, table
         #: What provenance names as the run's input table.

@@ -45,8 +45,9 @@ class StreamShards:
     """The table-less data source: a plan from ``prompts``, tensors from a live engine."""
 
     def __init__(self, store_uri: str, *, featurestore, target: str, split: str, pack_tokens: int,
-                 batch_rows: int, seed: int, depth: int, row_tokens: int = 0, devices: str = "", trust_remote_code: bool = False,
-                 transport: str = "unix", engines: int = 1, addr: str = "", timeout_s: float = 1800.0):
+                 batch_rows: int, seed: int, depth: int, row_tokens: int = 0, devices: str = "",
+                 trust_remote_code: bool = False, transport: str = "unix", engines: int = 1, addr: str = "",
+                 timeout_s: float = 1800.0):
         if featurestore is None:
             raise ConfigError("train.source=stream needs the recipe's featurestore section (engine, layer_ids)")
         if not store.exists(store_uri, store.PROMPTS):

@@ -57,8 +57,8 @@ class EvaluateConfig:
     far_context_keep_tokens: int = 512
     far_context_probe_tokens: int = 8
     #: Also score the generated material's reference answers (records / code / recall) on their
-    #: value tokens with the far part kept and removed (``farctx.answer_probes``): two prefills more
-    #: per such prompt.
+    #: value tokens with the far part kept and removed (``farctx.answer_probes``): a short prefill and
+    #: one request per answer token reading the prompt from the prefix cache, per such prompt.
     far_context_answers: bool = True
     #: Also decode without speculation and report whether outputs are token-for-token identical.
     check_lossless: bool = True

@@ -23,8 +23,10 @@ gap on the generated material (records / code / recall): the reference answer is
 after the whole prompt and after its last ``keep_tokens`` tokens, and only the tokens of the part
 that only the evidence supplies (``LongPrompt.answer_value``: the record's value, the helper's
 name, the stated fact) are scored. A target that reads the evidence gives those tokens a high
-probability with the far part and a low one without it. Cost: two prefills per such prompt (the
-whole prompt again, and the short one).
+probability with the far part and a low one without it. Cost: the short context's prefill, and one
+request per scored answer token after the whole prompt that reads the prompt from vLLM's prefix
+cache (``prefix_probs``: the no-speculation pass has just decoded it), so a 32K prompt is not
+prefilled a second time.
 """
 
 from __future__ import annotations
@@ -121,6 +123,28 @@ def continuation_probs(llm, pairs: list[tuple[list[int], list[int]]]) -> list[li
     return res
 
 
+def prefix_probs(llm, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    """The probability of each continuation token after its context, like ``continuation_probs``, for
+    contexts the engine has just decoded: one request per continuation token (the context and the
+    tokens before it), each returning the log-probability of exactly that token (vLLM's
+    ``logprob_token_ids``). The context's KV is read from the prefix cache (whole blocks; the rest,
+    under a block plus the continuation, is computed), where ``prompt_logprobs`` would prefill the whole
+    context again. A context no longer cached is prefilled once by its first request, its others
+    reading it after (the scheduler takes them in order)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts, params = [], []
+    for ctx, cont in pairs:
+        for i, t in enumerate(cont):
+            prompts.append(TokensPrompt(prompt_token_ids=list(ctx) + list(cont[:i])))
+            params.append(SamplingParams(temperature=0.0, max_tokens=1, logprob_token_ids=[t], detokenize=False))
+    if not prompts:
+        return [[] for _ in pairs]
+    outs = iter(llm.generate(prompts, params, use_tqdm=False))
+    return [[math.exp(next(outs).outputs[0].logprobs[0][t].logprob) for t in cont] for _, cont in pairs]
+
+
 def score(llm, rows: list[dict]) -> None:
     """Fill each row's ``removed``: the probability of each continuation token after the short context
     (one prefill per row, vLLM ``prompt_logprobs``)."""
@@ -130,11 +154,12 @@ def score(llm, rows: list[dict]) -> None:
 
 
 def score_answers(llm, rows: list[dict]) -> None:
-    """Fill each answer row's ``kept`` and ``removed`` (two prefills per row)."""
-    pairs = [(ctx, r["answer_ids"]) for r in rows for ctx in r["contexts"]]
-    probs = continuation_probs(llm, pairs)
-    for i, r in enumerate(rows):
-        r["kept"], r["removed"] = probs[2 * i], probs[2 * i + 1]
+    """Fill each answer row's ``kept`` (after the whole prompt, read from the prefix cache:
+    ``prefix_probs``) and ``removed`` (after the short context: one prefill of it)."""
+    kept = prefix_probs(llm, [(r["contexts"][0], r["answer_ids"]) for r in rows])
+    removed = continuation_probs(llm, [(r["contexts"][1], r["answer_ids"]) for r in rows])
+    for r, k, m in zip(rows, kept, removed):
+        r["kept"], r["removed"] = k, m
 
 
 def answer_sums(rows: list[dict]) -> dict[str, dict]:
@@ -158,17 +183,14 @@ def per_prompt_sums(rows: list[dict]) -> dict[str, dict]:
 
 
 def measure(llm, bucket_prompts: dict, outputs: dict, probs: dict, *, keep_tokens: int, probe_tokens: int,
-            bos_id: int | None, tok=None, max_len: int | None = None) -> dict[str, dict]:
-    """Score every bucket prompt's continuation with the far part removed, and with ``tok`` the
-    reference answers' value tokens with it kept and removed; per-prompt sums."""
+            bos_id: int | None, answers: list[dict] | None = None) -> dict[str, dict]:
+    """Score every bucket prompt's continuation with the far part removed; per-prompt sums, with those
+    of ``answers`` (rows ``score_answers`` filled, each bucket's right after its decode)."""
     rows = probes(bucket_prompts, outputs, probs, keep_tokens=keep_tokens, probe_tokens=probe_tokens, bos_id=bos_id)
     score(llm, rows)
     out = per_prompt_sums(rows)
-    if tok is not None:
-        answers = answer_probes(bucket_prompts, tok, keep_tokens=keep_tokens, bos_id=bos_id, max_len=max_len)
-        score_answers(llm, answers)
-        for sid, sums in answer_sums(answers).items():
-            out.setdefault(sid, {}).update(sums)
+    for sid, sums in answer_sums(answers or []).items():
+        out.setdefault(sid, {}).update(sums)
     return out
 
 

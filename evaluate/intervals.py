@@ -8,6 +8,13 @@ interval is the 2.5th and 97.5th percentiles of the recomputed figures. Prompts,
 draft rounds, are what is resampled: the tokens of one prompt are not independent draws, and a
 bucket's claim is about prompts of its length.
 
+Each longer bucket's AL is also put against the shortest bucket's (``al_ratio_to_shortest``, the
+"flat from 1K to 32K" claim) with an interval of that ratio: bucket prompts are paired (prompt ``i``
+asks the same question at every length, ``evaluate.buckets``), so a resample draws prompt indices
+once and recomputes both buckets' AL on them, which cancels what the questions themselves
+contribute; buckets that are not paired (different counts, rows without ``pair``) are resampled
+independently (a wider interval).
+
 Trade-off: a percentile interval from few prompts is too narrow (one prompt gives a zero-width
 interval), so a bucket with fewer than ``MIN_BUCKET_PROMPTS`` prompts is flagged "not a
 measurement" however narrow its interval looks. Pure Python and seeded: the same per-prompt figures
@@ -129,7 +136,56 @@ def add_intervals(report: dict, *, resamples: int, seed: int, min_prompts: int =
             row["note"] = f"not a measurement: {counts[bucket]} prompt(s) < {min_prompts}"
     report["bucket_intervals"] = {"level": LEVEL, "method": METHOD, "resamples": resamples, "seed": seed,
                                   "min_prompts": min_prompts, "prompts_per_bucket": counts}
+    return add_ratio_intervals(report, resamples=resamples, seed=seed)
+
+
+def add_ratio_intervals(report: dict, *, resamples: int, seed: int | str, level: float = LEVEL) -> dict:
+    """Put ``al_ratio_to_shortest`` (pooled AL / the shortest bucket's) and its interval on every
+    longer context bucket of ``report``; record how in ``report["bucket_intervals"]``."""
+    buckets = sorted((report.get("context_buckets") or {}).items(), key=lambda kv: int(kv[0]))
+    if len(buckets) < 2:
+        return report
+    (base_key, base), paired_all = buckets[0], True
+    keys = FIGURES["acceptance_length"]
+    base_rows = base.get("per_prompt") or []
+    for key, row in buckets[1:]:
+        rows = row.get("per_prompt") or []
+        if not base.get("acceptance_length") or row.get("acceptance_length") is None:
+            continue
+        row["al_ratio_to_shortest"] = round(row["acceptance_length"] / base["acceptance_length"], 4)
+        by_pair = {r.get("pair"): r for r in base_rows}
+        paired = (bool(rows) and len(rows) == len(base_rows) and len(by_pair) == len(base_rows)
+                  and all(r.get("pair") is not None and r.get("pair") in by_pair for r in rows))
+        paired_all &= paired
+        first = [by_pair[r["pair"]] for r in rows] if paired else base_rows
+        ci = _ratio_interval(first, rows, keys, paired=paired, resamples=resamples,
+                             seed=f"{seed}:{key}:ratio", level=level)
+        if ci is not None:
+            row.setdefault("intervals", {})["al_ratio_to_shortest"] = ci
+    report.setdefault("bucket_intervals", {})["ratio_to_shortest"] = {
+        "bucket": base_key, "paired": paired_all,
+        "method": "the same prompt indices drawn for both buckets (paired prompts)" if paired_all
+        else "each bucket's prompts drawn independently (prompts not paired)"}
     return report
+
+
+def _ratio_interval(first: list[dict], rows: list[dict], keys: tuple[str, str, float], *, paired: bool,
+                    resamples: int, seed: str, level: float) -> list[float] | None:
+    """Interval of figure(rows) / figure(first): one index draw for both when ``paired``, else one each."""
+    nk, dk, offset = keys
+    cols = [(_column(r, nk), _column(r, dk)) for r in (first, rows)]
+    if any(num is None or den is None or not sum(den) for num, den in cols):
+        return None
+    a, b = (ratio_stat(num, den, offset) for num, den in cols)
+    rng = random.Random(f"{seed}:second")
+
+    def ratio(idx: list[int]) -> float | None:
+        other = idx if paired else [rng.randrange(len(rows)) for _ in range(len(rows))]
+        x, y = a(idx), b(other)
+        return None if not x or y is None else y / x
+
+    ci = bootstrap(len(first), ratio, resamples=resamples, seed=seed, level=level)
+    return None if ci is None else [round(ci[0], 4), round(ci[1], 4)]
 
 
 def spec_counts(metrics) -> dict:

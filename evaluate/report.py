@@ -52,7 +52,12 @@ def _bucket_section(report: dict, k: int, conf: tuple[str, ...]) -> list[str]:
                      f"{how['resamples']} resamples, seed {how['seed']}.")
     lines.append("- **evidence >=**: the fewest tokens between a prompt's evidence and its end (records, code, "
                  "recall); **answer found**: share of those prompts whose output holds the reference answer.")
-    head = ["bucket", "prompt_tokens", "prompts", "AL pooled", "AL per-request", *[f"{c}" for c in conf],
+    ratio = how.get("ratio_to_shortest") or {}
+    if ratio:
+        lines.append(f"- **AL / {ratio['bucket']}**: the bucket's pooled AL over the shortest bucket's; interval: "
+                     f"{ratio['method']}.")
+    head = ["bucket", "prompt_tokens", "prompts", "AL pooled", f"AL / {ratio.get('bucket', 'shortest')}",
+            "AL per-request", *[f"{c}" for c in conf],
             "evidence >=", "answer found", "accept rate"] + [f"pos {i + 1}" for i in range(k)] + ["note"]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, d in rows:
@@ -61,6 +66,7 @@ def _bucket_section(report: dict, k: int, conf: tuple[str, ...]) -> list[str]:
         found = [p["answer_found"] for p in per if p.get("answer_found") is not None]
         pos = list(d.get("acceptance_by_position") or []) + [None] * k
         cells = [name, _fmt(d.get("prompt_tokens")), _fmt(d["prompts"]), _ci(d, "acceptance_length"),
+                 _ci(d, "al_ratio_to_shortest") if "al_ratio_to_shortest" in d else "-",
                  _fmt(d.get("acceptance_length_per_request")), *[_ci(d, c) for c in conf],
                  _fmt(min(dist) if dist else None), f"{sum(found)}/{len(found)}" if found else "-",
                  _fmt(d["acceptance_rate"]), *[_fmt(x) for x in pos[:k]], d.get("note") or ""]

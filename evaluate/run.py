@@ -288,20 +288,27 @@ def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, 
     (``evaluate.farctx``) into it."""
     llm = make_llm(target, engine, trust_remote_code=trust_remote_code)
     try:
+        probing = far is not None and bool(bucket_prompts) and bool(cfg.far_context_keep_tokens)
+        tok = load_tokenizer(target, trust_remote_code=trust_remote_code) if probing else None
         prompts = [p for ps in groups.values() for p in ps]
         outs = [r.outputs[0] for r in _decode(llm, prompts, cfg, logprobs=0)]
-        for ps in bucket_prompts.values():
+        answers = []
+        for length, ps in bucket_prompts.items():
             prompts += ps
             outs += [r.outputs[0] for r in _decode(llm, ps, cfg, max_tokens=cfg.bucket_max_tokens, logprobs=0)]
+            if probing and cfg.far_context_answers:  # now, while the engine's prefix cache holds these prompts
+                rows = farctx.answer_probes({length: ps}, tok, keep_tokens=cfg.far_context_keep_tokens,
+                                            bos_id=tok.bos_token_id, max_len=engine.max_model_len)
+                farctx.score_answers(llm, rows)
+                answers += rows
         base = [list(o.token_ids) for o in outs]
         probs = {p["sample_id"]: [math.exp(lp[t].logprob) for t, lp in zip(o.token_ids, o.logprobs or [])]
                  for p, o in zip(prompts, outs)}
-        if far is not None and bucket_prompts and cfg.far_context_keep_tokens:
-            tok = load_tokenizer(target, trust_remote_code=trust_remote_code)
+        if probing:
             far.update(farctx.measure(llm, bucket_prompts, {p["sample_id"]: b for p, b in zip(prompts, base)}, probs,
                                       keep_tokens=cfg.far_context_keep_tokens,
                                       probe_tokens=cfg.far_context_probe_tokens, bos_id=tok.bos_token_id,
-                                      tok=tok if cfg.far_context_answers else None, max_len=engine.max_model_len))
+                                      answers=answers))
     finally:
         close_llm(llm)
     diff = [p["sample_id"] for p, b in zip(prompts, base) if outputs[p["sample_id"]] != b]

@@ -48,11 +48,11 @@ COPY_SPAN = 64
 #: uniformly between them (drawing up to 96 and capping gave 3 rows in 4 the same period: run V).
 REPEAT_SPAN = (8, 96)
 #: Seeds of training prompts are TRAIN_SEED_BASE + row index. The evaluation's per-prompt seeds
-#: (``evaluate.buckets._prompt_seed``) are ``(seed * 1000003 + bucket) * 1000003 + i``: for
-#: engine seed 0 and buckets >= 1024 they are >= 1024 * 1000003 > TRAIN_SEED_BASE + any row here.
+#: (``evaluate.buckets._prompt_seed``) are ``(seed * 1000003 + 2**20) * 1000003 + i`` (the same
+#: at every bucket length): for engine seed 0 they are >= 2**20 * 1000003 > TRAIN_SEED_BASE + any row here.
 TRAIN_SEED_BASE = 1_000_000
 #: Packed prompts (several per row) take seeds from PACKED_SEED_BASE up, at most 64 per row: below
-#: the evaluation's smallest (1024 * 1000003) for the first 12 million rows, and above the unpacked.
+#: the evaluation's smallest (2**20 * 1000003) for the first 12 million rows, and above the unpacked.
 PACKED_SEED_BASE = 200_000_000
 #: Held-out chats used as the ``recall`` kind's middle turns in training rows.
 NUM_MATERIAL = 256

@@ -38,16 +38,17 @@ def test_evaluate_uses_the_ingest_kwargs_unless_set(tmp_path, root, caplog):
     manifest.write_text(f"name: m\nlicence: CC0-1.0\ngeneration:\n  reasoning: 'on'\ndomains:\n  a:\n"
                         f"    cap_prompts: 4\n    sources:\n      - path: {root}/recipes/data/arithmetic.jsonl\n"
                         f"        provenance: test\n")
-    base = [f"ingest.manifest={manifest}", "ingest.chat_template_kwargs={custom: 1}"]
+    # A work dir of its own: a store left in the recipe's (after `make demo`) would decide instead.
+    base = [f"run.workdir={tmp_path / 'run'}", f"ingest.manifest={manifest}", "ingest.chat_template_kwargs={custom: 1}"]
     cfg = evaluate_config(load_recipe(root / "recipes/toy.yaml", base))
     assert cfg.chat_template_kwargs == {"custom": 1, "enable_thinking": True}
     cfg = evaluate_config(load_recipe(root / "recipes/toy.yaml", base + ["evaluate.chat_template_kwargs={}"]))
     assert cfg.chat_template_kwargs == {}  # set explicitly: the template's defaults
     with caplog.at_level(logging.WARNING):
-        cfg = evaluate_config(load_recipe(root / "recipes/toy.yaml", [f"ingest.manifest={tmp_path}/none.yaml",
+        cfg = evaluate_config(load_recipe(root / "recipes/toy.yaml", [base[0], f"ingest.manifest={tmp_path}/none.yaml",
                                                                       "ingest.chat_template_kwargs={custom: 1}"]))
     assert cfg.chat_template_kwargs == {"custom": 1} and "manifest not read" in caplog.text
-    assert evaluate_config(load_recipe(root / "recipes/toy.yaml")).chat_template_kwargs == {}
+    assert evaluate_config(load_recipe(root / "recipes/toy.yaml", base[:1])).chat_template_kwargs == {}
 
 
 def _manifest_file(tmp_path, root, reasoning: str):

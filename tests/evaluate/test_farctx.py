@@ -1,7 +1,8 @@
 """The far-context measure (``evaluate.farctx``): which contexts are scored, how the figures are
 summed, and, on the tiny target, that removing what a copy task needs lowers the confidence.
 
-The vLLM side (``prompt_logprobs`` on the lossless check's engine) runs in ``test_vllm.py``."""
+The vLLM side (the lossless check's engine) runs in ``test_vllm.py``; ``prefix_probs`` against a
+``prompt_logprobs`` prefill runs here."""
 
 from __future__ import annotations
 
@@ -167,3 +168,36 @@ def _copy_row(tok, model, prompt: str):
                     keep_tokens=6, probe_tokens=12, bos_id=tok.bos_token_id)
     row["removed"] = _probs(model, row["prompt_token_ids"][:-len(out)], out)
     return ids, row
+
+
+@pytest.mark.slow
+def test_prefix_probs_equal_a_prompt_logprobs_prefill(tiny_target):
+    """The cached path (one request per answer token over the decoded prompt's cached blocks) gives the
+    same probabilities as a ``prompt_logprobs`` prefill of the whole context, for a context just
+    decoded, one never seen (cold cache), and a continuation that is the target's own output (its
+    blocks cached by the decode too)."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eaglenest.engine import EngineConfig, close_llm, make_llm
+    from eaglenest.evaluate.farctx import continuation_probs, prefix_probs
+
+    llm = make_llm(str(tiny_target), EngineConfig(max_model_len=512, max_num_seqs=8, memory_fraction=0.1))
+    try:
+        rng = random.Random(0)
+        ctxs = [[1] + [rng.randrange(3, 500) for _ in range(n)] for n in (255, 300)]  # 256: whole blocks
+        out = llm.generate([TokensPrompt(prompt_token_ids=ctxs[0])],
+                           SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+        own = list(out[0].outputs[0].token_ids)
+        pairs = [(ctxs[0], own[:35]), (ctxs[0], [7, 8, 9] + own[:20]), (ctxs[1], own[:12]), (ctxs[1], [])]
+        cached = prefix_probs(llm, pairs)
+        full = continuation_probs(llm, pairs[:3]) + [[]]
+        assert [len(c) for c in cached] == [len(c) for _, c in pairs]
+        for a, b in zip(cached, full):
+            assert a == pytest.approx(b, abs=1e-4)
+        assert max(cached[0]) > 0.5 and min(cached[1][:3]) < 0.5  # the own output is likely, the foreign not
+        assert prefix_probs(llm, []) == []
+    finally:
+        close_llm(llm)

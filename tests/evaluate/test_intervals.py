@@ -99,13 +99,52 @@ def test_add_intervals_flags_buckets_with_fewer_than_16_prompts(report):
     assert full["measurement"] is True and "note" not in full
     for row in (small, full):
         ivals = row["intervals"]
+        ratio = {"al_ratio_to_shortest"} if row is small else set()  # against 1024, the shortest
         assert set(ivals) == {"acceptance_length", "ngram_al", "target_confidence", "far_context_kept",
-                              "far_context_removed", "far_context_difference"}
+                              "far_context_removed", "far_context_difference"} | ratio
         for key in ("acceptance_length", "ngram_al", "target_confidence"):
             assert ivals[key][0] <= row[key] <= ivals[key][1], key
         assert ivals["far_context_difference"][0] > 0  # kept is always above removed in this data
     assert report["bucket_intervals"]["prompts_per_bucket"] == {"2048": 3, "1024": 16}
     assert report["bucket_intervals"]["resamples"] == 300 and report["bucket_intervals"]["level"] == 0.95
+
+
+def _paired(n, seed, shift):
+    """A bucket whose prompt i is prompt i of another with ``shift`` more accepted tokens per round share."""
+    rng = random.Random(seed)
+    per = []
+    for i in range(n):
+        rounds = 10 + 20 * (i % 4)  # prompts differ a lot between them ...
+        acc = round(rounds * (0.2 + 0.5 * (i % 4) / 3 + shift))  # ... and little between buckets
+        per.append({"sample_id": f"p{i}", "pair": i, "draft_rounds": rounds,
+                    "accepted_tokens": acc + rng.randint(0, 1)})
+    return {"prompts": n, "acceptance_length": 1 + sum(p["accepted_tokens"] for p in per) / sum(p["draft_rounds"]
+                                                                                              for p in per),
+            "per_prompt": per}
+
+
+def test_ratio_to_the_shortest_bucket_pairs_prompts():
+    report = {"context_buckets": {"2048": _paired(16, 1, -0.05), "1024": _paired(16, 2, 0.0),
+                                  "4096": _paired(16, 3, 0.0)}}
+    add_intervals(report, resamples=1000, seed=0)
+    b = report["context_buckets"]
+    assert "al_ratio_to_shortest" not in b["1024"] and report["bucket_intervals"]["ratio_to_shortest"] == {
+        "bucket": "1024", "paired": True, "method": "the same prompt indices drawn for both buckets (paired prompts)"}
+    for key in ("2048", "4096"):
+        assert b[key]["al_ratio_to_shortest"] == round(b[key]["acceptance_length"] / b["1024"]["acceptance_length"], 4)
+        lo, hi = b[key]["intervals"]["al_ratio_to_shortest"]
+        assert lo <= b[key]["al_ratio_to_shortest"] <= hi
+    # Paired draws cancel the spread between prompts: the 2048 bucket is below 1024's for sure, 4096 is not.
+    assert b["2048"]["intervals"]["al_ratio_to_shortest"][1] < 1.0
+    assert b["4096"]["intervals"]["al_ratio_to_shortest"][0] <= 1.0 <= b["4096"]["intervals"]["al_ratio_to_shortest"][1]
+    paired_width = hi - lo
+    # Without pairs (old reports, unequal counts) each bucket is drawn on its own: a wider interval.
+    for row in b.values():
+        for p in row["per_prompt"]:
+            p.pop("pair")
+    add_intervals(report, resamples=1000, seed=0)
+    lo, hi = b["4096"]["intervals"]["al_ratio_to_shortest"]
+    assert report["bucket_intervals"]["ratio_to_shortest"]["paired"] is False and hi - lo > 3 * paired_width
 
 
 def test_report_and_plot_show_intervals_and_the_flag(report, tmp_path):
@@ -126,7 +165,11 @@ def test_report_and_plot_show_intervals_and_the_flag(report, tmp_path):
     md = markdown(saved)
     assert "Prompts per bucket: 3, 16" in md and "not a measurement: 3 prompt(s) < 16" in md
     lo, hi = saved["context_buckets"]["1024"]["intervals"]["acceptance_length"]
-    assert f"| 1024 | 1024 | 16 | {saved['context_buckets']['1024']['acceptance_length']:.3f} [{lo:.3f}, {hi:.3f}] |" in md
+    al = saved["context_buckets"]["1024"]["acceptance_length"]
+    assert f"| 1024 | 1024 | 16 | {al:.3f} [{lo:.3f}, {hi:.3f}] | - |" in md
+    r_lo, r_hi = saved["context_buckets"]["2048"]["intervals"]["al_ratio_to_shortest"]
+    assert f"| {saved['context_buckets']['2048']['al_ratio_to_shortest']:.3f} [{r_lo:.3f}, {r_hi:.3f}] |" in md
+    assert "**AL / 1024**" in md and "drawn independently" in md  # 3 prompts against 16: not paired
     assert md.index("| 1024 | 1024 |") < md.index("| 2048 | 1024 |")
     assert "How much the target uses far context" in md and "| 1024 | 16 |" in md
 

@@ -102,6 +102,15 @@ def test_buckets_mix_kinds_identically(tok):
         assert [r["answer"] is None for r in rows] == [False, False, False, True, False]
         assert all(r["evidence_distance_tokens"] >= 0.75 * bucket for r in rows if r["answer"])
     assert out[1024][0]["prompt_token_ids"] != out[1024][4]["prompt_token_ids"]  # prompts differ
+    # Paired across buckets: prompt i asks the same question at every length, with more context before it.
+    for i, (short, long) in enumerate(zip(out[1024], out[2048])):
+        assert short["pair"] == long["pair"] == i and short["answer"] == long["answer"]
+        end = tok.decode(short["prompt_token_ids"][-12:])
+        assert tok.decode(long["prompt_token_ids"][-12:]) == end
+        assert short["prompt_token_ids"] != long["prompt_token_ids"][-1024:] or short["material"] == "chat"
+    # A chat prompt is the same conversation cut further back: its latest turns are common to both.
+    chat_short, chat_long = out[1024][3]["prompt_token_ids"], out[2048][3]["prompt_token_ids"]
+    assert chat_long[-900:] == chat_short[-900:] and chat_long[-1100:] != chat_short[-1100:]
     # Generated kinds need no held-out material; chat does.
     assert build_bucket_prompts(tok, [], (1024,), per_bucket=1, max_positions=4096, max_tokens=32, kinds=("code",))
     with pytest.raises(ConfigError, match="no held-out material"):

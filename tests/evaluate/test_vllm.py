@@ -62,7 +62,9 @@ def test_evaluate_al_buckets_and_averages(tmp_path, tiny_target, random_draft, p
         far = row["far_context"]
         assert far["prompts"] == 2 and 0 < far["confidence_far_removed"] <= 1 and 0 < far["confidence_kept"] <= 1
         # The records prompt's reference answer: its value tokens scored with the far part kept and removed.
-        assert far["answer_prompts"] == 1 and 0 < far["answer_value_kept"] <= 1 and 0 < far["answer_value_removed"] <= 1
+        # (The demo's target cannot retrieve at all: its value-token odds may round to 0.)
+        assert far["answer_prompts"] == 1 and per[0]["answer_tokens"] >= 1
+        assert 0 <= far["answer_value_kept"] <= 1 and 0 <= far["answer_value_removed"] <= 1
     near = r["context_buckets"]["256"]["far_context"]  # one token removed: the same continuation odds
     assert abs(near["difference"]) < 0.05 and abs(near["answer_value_difference"]) < 0.05, near
     assert "last 255 tokens" in r["predictability"]["far_context"]

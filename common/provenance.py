@@ -82,12 +82,29 @@ def redact(obj: Any) -> Any:
     return walk(obj)
 
 
+def command_line(argv: list[str] | None = None) -> list[str]:
+    """The command as a user would retype it: ``python -m <module> ...`` for a module run (not the
+    module file's absolute path), and a program under the working directory relative to it, so a
+    provenance file names no machine's paths for the project's own commands."""
+    if argv is None:
+        orig = list(getattr(sys, "orig_argv", None) or [])
+        at = orig.index("-m") if "-m" in orig[1:3] else -1
+        argv = ["python", "-m", orig[at + 1], *sys.argv[1:]] if 0 < at < len(orig) - 1 else list(sys.argv)
+    argv = list(argv)
+    if argv and Path(argv[0]).is_absolute():
+        try:
+            argv[0] = str(Path(argv[0]).relative_to(Path.cwd()))
+        except ValueError:
+            pass
+    return argv
+
+
 def write_provenance(outdir: str | Path, *, config: Any, inputs: dict[str, Any] | None = None,
                      argv: list[str] | None = None, extra: dict[str, Any] | None = None) -> Path:
     """Write ``outdir/provenance.json`` and return its path."""
     record = {
         "code_version": code_version(),
-        "argv": list(sys.argv if argv is None else argv),
+        "argv": command_line(argv),
         "config": config,
         "inputs": inputs or {},
         "packages": package_versions(),

@@ -130,10 +130,13 @@ def prefix_probs(llm, pairs: list[tuple[list[int], list[int]]]) -> list[list[flo
     ``logprob_token_ids``). The context's KV is read from the prefix cache (whole blocks; the rest,
     under a block plus the continuation, is computed), where ``prompt_logprobs`` would prefill the whole
     context again. A context no longer cached is prefilled once by its first request, its others
-    reading it after (the scheduler takes them in order)."""
+    reading it after (the scheduler takes them in order). An engine without prefix caching (some
+    hybrid models) gets ``continuation_probs`` instead: one prefill per pair, not one per token."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if not prefix_caching(llm):
+        return continuation_probs(llm, pairs) if pairs else []
     prompts, params = [], []
     for ctx, cont in pairs:
         for i, t in enumerate(cont):
@@ -143,6 +146,12 @@ def prefix_probs(llm, pairs: list[tuple[list[int], list[int]]]) -> list[list[flo
         return [[] for _ in pairs]
     outs = iter(llm.generate(prompts, params, use_tqdm=False))
     return [[math.exp(next(outs).outputs[0].logprobs[0][t].logprob) for t in cont] for _, cont in pairs]
+
+
+def prefix_caching(llm) -> bool:
+    """Whether ``llm`` (a ``vllm.LLM``) caches prompt prefixes (an engine that does not say is taken to)."""
+    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    return bool(getattr(cache, "enable_prefix_caching", True))
 
 
 def score(llm, rows: list[dict]) -> None:

@@ -182,7 +182,7 @@ def test_prefix_probs_equal_a_prompt_logprobs_prefill(tiny_target):
     from vllm.inputs import TokensPrompt
 
     from eaglenest.engine import EngineConfig, close_llm, make_llm
-    from eaglenest.evaluate.farctx import continuation_probs, prefix_probs
+    from eaglenest.evaluate.farctx import continuation_probs, prefix_caching, prefix_probs
 
     llm = make_llm(str(tiny_target), EngineConfig(max_model_len=512, max_num_seqs=8, memory_fraction=0.1))
     try:
@@ -199,5 +199,16 @@ def test_prefix_probs_equal_a_prompt_logprobs_prefill(tiny_target):
             assert a == pytest.approx(b, abs=1e-4)
         assert max(cached[0]) > 0.5 and min(cached[1][:3]) < 0.5  # the own output is likely, the foreign not
         assert prefix_probs(llm, []) == []
+        assert prefix_caching(llm)
+    finally:
+        close_llm(llm)
+    # Without prefix caching each token's request would prefill the whole context: one prefill per pair.
+    llm = make_llm(str(tiny_target), EngineConfig(max_model_len=512, max_num_seqs=8, memory_fraction=0.1),
+                   enable_prefix_caching=False)
+    try:
+        assert not prefix_caching(llm)
+        uncached = prefix_probs(llm, pairs)
+        for a, b in zip(uncached, cached):
+            assert a == pytest.approx(b, abs=1e-4)
     finally:
         close_llm(llm)

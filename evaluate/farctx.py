@@ -136,7 +136,7 @@ def prefix_probs(llm, pairs: list[tuple[list[int], list[int]]]) -> list[list[flo
     from vllm.inputs import TokensPrompt
 
     if not prefix_caching(llm):
-        return continuation_probs(llm, pairs) if pairs else []
+        return continuation_probs(llm, pairs)
     prompts, params = [], []
     for ctx, cont in pairs:
         for i, t in enumerate(cont):

@@ -148,12 +148,12 @@ def add_ratio_intervals(report: dict, *, resamples: int, seed: int | str, level:
     (base_key, base), paired_all = buckets[0], True
     keys = FIGURES["acceptance_length"]
     base_rows = base.get("per_prompt") or []
+    by_pair = {r.get("pair"): r for r in base_rows}
     for key, row in buckets[1:]:
         rows = row.get("per_prompt") or []
         if not base.get("acceptance_length") or row.get("acceptance_length") is None:
             continue
         row["al_ratio_to_shortest"] = round(row["acceptance_length"] / base["acceptance_length"], 4)
-        by_pair = {r.get("pair"): r for r in base_rows}
         paired = (bool(rows) and len(rows) == len(base_rows) and len(by_pair) == len(base_rows)
                   and all(r.get("pair") is not None and r.get("pair") in by_pair for r in rows))
         paired_all &= paired

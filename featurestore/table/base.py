@@ -157,6 +157,13 @@ def rolled_back(uri: str, name: str, latest: int) -> str | None:
     newest = max(v for v in (recorded, hint, latest) if v is not None)
     if newest <= latest:
         return None
+    # A writer may have committed (manifest, then record) between the caller's listing and the
+    # record read above: that is a newer version, not a lost one. List again before saying so.
+    try:
+        if objects.dataset(table_uri(uri, name)).version >= newest:
+            return None
+    except (ValueError, OSError):
+        pass
     return (f"table '{name}' in {uri} is rolled back: version {newest} was committed but the newest "
             f"manifest is version {latest} (a file under {name}.lance/_versions was deleted?). Its rows "
             f"are not readable; restore the manifest from a backup, or accept the loss with "

@@ -23,7 +23,7 @@ import pytest
 
 from eaglenest.errors import StoreError
 from eaglenest.featurestore import cli
-from eaglenest.featurestore.table import fragments, lease, maintenance, store, versions
+from eaglenest.featurestore.table import base, fragments, lease, maintenance, store, versions
 from eaglenest.featurestore.capture.writer import FeatureWriter
 
 FS_TESTS = Path(__file__).resolve().parent.parent / "featurestore"
@@ -325,6 +325,22 @@ def test_deleted_latest_manifest_is_a_detected_rollback(tmp_path, capsys):
     new = versions.restore(uri, store.FEATURES, latest - 1)
     assert maintenance.verify(uri, store.FEATURES)["ok"] and store.dataset(uri, store.FEATURES).version == new
     assert len(_ids(uri)) == 8
+
+
+def test_a_commit_between_listing_and_check_is_not_a_rollback(tmp_path):
+    """A reader listed version N, then a writer committed N + 1 (manifest and head record) before
+    the reader's rollback check: that is a newer version, not a lost one (CI saw this race)."""
+    uri, m = str(tmp_path), H.meta()
+    store.append(uri, store.FEATURES, H.table(["a"], m), meta=m)
+    listed = store.latest_version(uri, store.FEATURES)
+    store.append(uri, store.FEATURES, H.table(["b"], m), meta=m)
+    assert base.head_version(uri, store.FEATURES) == listed + 1
+    assert base.rolled_back(uri, store.FEATURES, listed) is None
+    # The same gap with the newer manifest really gone is still a rollback.
+    newest = max((store.table_path(uri, store.FEATURES) / "_versions").glob("*.manifest"),
+                 key=lambda p: p.stat().st_mtime_ns)
+    newest.unlink()
+    assert f"version {listed + 1} was committed" in base.rolled_back(uri, store.FEATURES, listed)
 
 
 def test_disk_full_while_writing_commits_nothing_and_resumes(tmp_path):

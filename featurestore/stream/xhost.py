@@ -36,6 +36,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import socket
 import threading
 import time
 
@@ -80,6 +81,21 @@ def _unpack(raw: bytes):
     return pos.tolist(), steps.tolist(), seqs
 
 
+def _wait_reachable(host: str, port: int, timeout_s: float, what: str) -> None:
+    """Wait until something listens at host:port (the trainer's rank 0 may start later), else one
+    line: a TCPStore client that never connects logs its C++ frames to stderr before it raises."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(5.0, max(timeout_s, 0.1))).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise StoreError(f"{what}: nothing listens there after {timeout_s:.0f} s "
+                                 f"({exc.strerror or exc}); is the trainer's rank 0 running?") from None
+            time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
+
+
 class Group:
     """This stream's TCPStore and gloo group (never the default process group), plus the abort flag."""
 
@@ -89,6 +105,8 @@ class Group:
         host, port = parse_addr(addr)
         self.addr, self.who, self.timeout_s = addr, who, timeout_s
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        if not is_master:
+            _wait_reachable(host, port, timeout_s, f"capture stream ({who}): cannot reach the stream store at {addr}")
         try:
             self.store = dist.TCPStore(host, port, is_master=is_master, timeout=self.timeout,
                                        wait_for_workers=False)

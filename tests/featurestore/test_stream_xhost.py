@@ -297,6 +297,33 @@ def _all_gone(pids, timeout_s):
     return False
 
 
+def test_an_engine_waits_for_the_store_then_fails_in_one_line():
+    """An engine host started before the trainer's rank 0 waits for its store; a dead address is
+    one error line, without the C++ frames a TCPStore client logs when it never connects."""
+    import subprocess
+    from eaglenest.featurestore.stream.xhost import Group
+
+    addr = free_addr()
+    host, port = addr.rsplit(":", 1)
+    late = threading.Timer(0.8, lambda: masters.append(torch.distributed.TCPStore(
+        host, int(port), is_master=True, wait_for_workers=False)))
+    masters: list = []
+    late.start()
+    t0 = time.monotonic()
+    g = Group(addr, is_master=False, timeout_s=20, who="engine 0")
+    late.join()
+    assert masters and 0.7 < time.monotonic() - t0 < 10
+    masters[0].set("k", "v")
+    assert g.get("k") == b"v"
+    dead = free_addr()
+    with pytest.raises(StoreError, match=f"cannot reach the stream store at {dead}: nothing listens"):
+        Group(dead, is_master=False, timeout_s=0.5, who="engine 0")
+    p = subprocess.run([sys.executable, "-m", "eaglenest.featurestore.cli", "stream-serve", "--addr", dead,
+                        "--engine-rank", "0", "--timeout-s", "1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "frame #" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1].startswith("featurestore: error: capture stream (engine 0): cannot reach")
+
+
 @pytest.mark.slow
 def test_killed_rank_ends_engines_and_other_rank(tmp_path, victim=0):
     """SIGKILL of trainer rank 0 (it hosts the store) mid-stream: both engines and the other rank

@@ -15,6 +15,7 @@ through the environment.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -45,6 +46,14 @@ class EngineConfig:
     seed: int = 0
     #: Devices one engine spans (vLLM tensor parallelism), e.g. 8 for a large MoE target.
     tensor_parallel_size: int = 1
+    #: CPU only: vLLM's CPU worker runs on every usable core, the frontend sharing one. vLLM's default
+    #: (False) leaves one core to the frontend: 1 worker thread on a 2-core machine. Long prefills
+    #: scale with the threads (a 16K-token prefill 1.93x faster with 2 than with 1 on 2 cores, the
+    #: same tokens: ``bench/cpu_threads.py``). Split-KV attention is turned off with it (unless
+    #: VLLM_CPU_ATTN_SPLIT_KV is set), so outputs under speculation stay identical to the target's
+    #: alone. A user's own VLLM_CPU_OMP_THREADS_BIND or VLLM_CPU_NUM_OF_RESERVED_CPU wins. Leave it
+    #: off where engines or processes share the cores.
+    cpu_all_cores: bool = False
 
     def check(self, where: str) -> None:
         """Refuse values vLLM would reject only once its engine starts (a traceback, a log written),
@@ -245,11 +254,40 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
     kwargs = {**engine_kwargs(cfg, model, trust_remote_code=trust_remote_code), **extra}
     log.info("starting vLLM engine for %s", model)
     try:
-        return LLM(model=model, **kwargs)
+        with cpu_all_cores(cfg.cpu_all_cores and not has_cuda()):
+            return LLM(model=model, **kwargs)
     except ValueError as exc:  # a hub checkpoint with its own code: vLLM reads its config in process
         if trust_remote_code or not is_refusal(exc):
             raise
         raise refusal(model) from None
+
+
+#: How a user pins vLLM's CPU worker threads themselves (``engine.cpu_all_cores`` then does nothing).
+CPU_THREAD_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+
+
+@contextlib.contextmanager
+def cpu_all_cores(on: bool):
+    """While ``on``, vLLM's automatic CPU binding reserves no core for the frontend, so the CPU
+    worker of the engine started inside this block gets every usable core. The engine-core process
+    reads the setting when it is spawned; it is undone once the block ends."""
+    if not on or any(k in os.environ for k in CPU_THREAD_ENV):
+        yield
+        return
+    # Split-KV attention divides one sequence's keys among the threads: a decode step (one query)
+    # and a verification step (k + 1 queries) then sum in different orders, and a greedy near-tie
+    # can flip between the target alone and the target under speculation (1 of 111 outputs at 32K).
+    # Unsplit, each query's sum has one order whatever the thread count: outputs identical again.
+    added = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    if "VLLM_CPU_ATTN_SPLIT_KV" not in os.environ:
+        added["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
+    os.environ.update(added)
+    log.info("vLLM CPU worker on every usable core (engine.cpu_all_cores)")
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def close_llm(llm) -> None:

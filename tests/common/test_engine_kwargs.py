@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from eaglenest.engine import EngineConfig, engine_kwargs, has_cuda
+from eaglenest.engine import CPU_THREAD_ENV, EngineConfig, cpu_all_cores, engine_kwargs, has_cuda
 
 
 def _checkpoint(path, **cfg):
@@ -30,3 +31,29 @@ def test_a_float32_mla_target_gets_the_reference_cpu_mla_backend(tmp_path):
     assert "attention_backend" not in engine_kwargs(EngineConfig(), bf16)
     assert "attention_backend" not in engine_kwargs(EngineConfig(dtype="bfloat16"), mla)
     assert "attention_backend" not in engine_kwargs(EngineConfig(), str(tmp_path / "missing"))
+
+
+
+def test_cpu_all_cores_reach_the_engine_core_through_vllms_reserved_cores(monkeypatch):
+    """``engine.cpu_all_cores`` reserves no core for vLLM's frontend while the engine core is
+    spawned (vLLM reads VLLM_CPU_NUM_OF_RESERVED_CPU there), and nothing after; off, or a user's own
+    binding, leaves vLLM's environment alone."""
+    for k in (*CPU_THREAD_ENV, "VLLM_CPU_ATTN_SPLIT_KV"):
+        monkeypatch.delenv(k, raising=False)
+    with cpu_all_cores(True):  # and one summation order per query, whatever the threads
+        assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and os.environ["VLLM_CPU_ATTN_SPLIT_KV"] == "0"
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ and "VLLM_CPU_ATTN_SPLIT_KV" not in os.environ
+    monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", "1")  # a user's choice is kept
+    with cpu_all_cores(True):
+        assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and os.environ["VLLM_CPU_ATTN_SPLIT_KV"] == "1"
+    assert os.environ["VLLM_CPU_ATTN_SPLIT_KV"] == "1"
+    monkeypatch.delenv("VLLM_CPU_ATTN_SPLIT_KV")
+    with pytest.raises(RuntimeError):  # undone when the engine fails to start too
+        with cpu_all_cores(True):
+            raise RuntimeError("engine failed")
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ
+    with cpu_all_cores(False):
+        assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    with cpu_all_cores(True):
+        assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ

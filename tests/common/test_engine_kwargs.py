@@ -33,7 +33,6 @@ def test_a_float32_mla_target_gets_the_reference_cpu_mla_backend(tmp_path):
     assert "attention_backend" not in engine_kwargs(EngineConfig(), str(tmp_path / "missing"))
 
 
-
 def test_cpu_all_cores_reach_the_engine_core_through_vllms_reserved_cores(monkeypatch):
     """``engine.cpu_all_cores`` reserves no core for vLLM's frontend while the engine core is
     spawned (vLLM reads VLLM_CPU_NUM_OF_RESERVED_CPU there), and nothing after; off, or a user's own

@@ -9,11 +9,13 @@ the tiny target's shape (hidden 128, 4 heads, draft vocab 1024) unless --hidden 
     python bench/train_long.py                                  # 2K/8K/16K/32K, then CP=2 at 32K
     python bench/train_long.py --lengths 2048,4096 --hidden 512 --cp 0   # a wider draft
     python bench/train_long.py --lengths 8192,32768 --doc-tokens 4096 --skip-compare --cp 0   # packed documents
+    python bench/train_long.py --lengths 2048 --doc-tokens 128 --ttt-steps 7 --chunk 2048 --chunk-compare 256
 
 ``--doc-tokens N`` packs documents of N tokens into each row (positions restart per document, as
 the packer does) and ``--window W`` gives the draft a sliding window; ``--skip-compare`` runs each
 length twice side by side, the chunked attention from key 0 (``skip_masked_keys`` off) and from
-the first key a chunk's documents and window let it see (the default), and prints the ratio.
+the first key a chunk's documents and window let it see (the default), and prints the ratio;
+``--chunk-compare C`` runs each length at ``--chunk`` and at C query tokens per chunk, arms alternated.
 
 Printed per length: peak RSS, its increase over the process before the first step, MiB per 1K
 tokens, tokens/s, and the ratios to the shortest length; then a least-squares line of peak RSS
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,10 +163,15 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=0, help="the draft's sliding window (train.sliding_window)")
     ap.add_argument("--skip-compare", action="store_true",
                     help="each length with and without skipping masked keys, side by side")
+    ap.add_argument("--chunk-compare", type=int, default=0, metavar="C",
+                    help="each length at --chunk and at C query tokens per chunk, side by side, --rounds times")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of --chunk-compare (arms alternated)")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.skip_compare:
         return skip_compare(lengths, args)
+    if args.chunk_compare:
+        return chunk_compare(lengths, args)
     rows = []
     for t in lengths:
         r = child(t, args)[0]
@@ -213,6 +221,28 @@ def skip_compare(lengths: list[int], args) -> None:
         print(f"| {t} | {full['step_seconds']} | {skip['step_seconds']} | "
               f"**{full['step_seconds'] / skip['step_seconds']:.2f}x** | {full['peak_rss_mib']} | "
               f"{skip['peak_rss_mib']} |", flush=True)
+
+
+def chunk_compare(lengths: list[int], args) -> None:
+    """Each length at two attention chunk sizes (fresh processes, arms alternated each round): a row no
+    longer than one chunk is attended densely, so for rows of short documents the chunk sets the cost."""
+    a, b = args.chunk, args.chunk_compare
+    print(f"hidden {args.hidden}, TTT steps {args.ttt_steps}, documents of {args.doc_tokens or 'the whole row'} "
+          f"tokens, window {args.window or 'none'}, {args.threads} threads, {args.rounds} round(s)")
+    print(f"| tokens | step s, chunk {a} | step s, chunk {b} | chunk {a} / chunk {b} (median [min, max]) "
+          f"| peak RSS MiB, chunk {a} | chunk {b} |")
+    print("|---|---|---|---|---|---|")
+    for t in lengths:
+        runs: dict[int, list[dict]] = {a: [], b: []}
+        for r in range(args.rounds):
+            for c in ((a, b) if r % 2 == 0 else (b, a)):
+                runs[c].append(child(t, argparse.Namespace(**{**vars(args), "chunk": c}))[0])
+        sa = [x["step_seconds"] for x in runs[a]]
+        sb = [x["step_seconds"] for x in runs[b]]
+        ratios = sorted(x / y for x, y in zip(sa, sb))
+        print(f"| {t} | {median(sa)} | {median(sb)} | **{median(ratios):.2f}x** "
+              f"[{ratios[0]:.2f}, {ratios[-1]:.2f}] | {max(x['peak_rss_mib'] for x in runs[a])} | "
+              f"{max(x['peak_rss_mib'] for x in runs[b])} |", flush=True)
 
 
 if __name__ == "__main__":

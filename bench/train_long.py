@@ -114,11 +114,12 @@ def measure(t: int, *, hidden: int, ttt_steps: int, chunk: int, steps: int, cp: 
     return out
 
 
-def child(t: int, args, *, cp: int = 1, skip: bool = True) -> list[dict]:
-    """``measure`` in fresh processes: one, or ``cp`` ranks of a gloo group (FSDP2, as train launch)."""
+def child(t: int, args, *, cp: int = 1, skip: bool = True, chunk: int = 0) -> list[dict]:
+    """``measure`` in fresh processes: one, or ``cp`` ranks of a gloo group (FSDP2, as train launch).
+    ``chunk`` overrides ``--chunk``."""
     code = (f"import json,sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import train_long as b; "
             f"print(json.dumps(b.measure({t}, hidden={args.hidden}, ttt_steps={args.ttt_steps}, "
-            f"chunk={args.chunk}, steps={1 if t > 8192 else 2}, cp={cp}, doc_tokens={args.doc_tokens}, "
+            f"chunk={chunk or args.chunk}, steps={1 if t > 8192 else 2}, cp={cp}, doc_tokens={args.doc_tokens}, "
             f"window={args.window}, skip={skip})))")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "BENCH_THREADS": str(args.threads),
            "PYTHONWARNINGS": "ignore"}
@@ -217,7 +218,7 @@ def skip_compare(lengths: list[int], args) -> None:
     print("| tokens | step s, from key 0 | step s, skipping | speed-up | peak RSS MiB, from key 0 | skipping |")
     print("|---|---|---|---|---|---|")
     for t in lengths:
-        full, skip = child(t, args, skip=False)[0], child(t, args, skip=True)[0]
+        (full,), (skip,) = side_by_side(t, args, [{"skip": False}, {"skip": True}], rounds=1)
         print(f"| {t} | {full['step_seconds']} | {skip['step_seconds']} | "
               f"**{full['step_seconds'] / skip['step_seconds']:.2f}x** | {full['peak_rss_mib']} | "
               f"{skip['peak_rss_mib']} |", flush=True)
@@ -233,16 +234,22 @@ def chunk_compare(lengths: list[int], args) -> None:
           f"| peak RSS MiB, chunk {a} | chunk {b} |")
     print("|---|---|---|---|---|---|")
     for t in lengths:
-        runs: dict[int, list[dict]] = {a: [], b: []}
-        for r in range(args.rounds):
-            for c in ((a, b) if r % 2 == 0 else (b, a)):
-                runs[c].append(child(t, argparse.Namespace(**{**vars(args), "chunk": c}))[0])
-        sa = [x["step_seconds"] for x in runs[a]]
-        sb = [x["step_seconds"] for x in runs[b]]
+        ra, rb = side_by_side(t, args, [{"chunk": a}, {"chunk": b}], rounds=args.rounds)
+        sa, sb = [x["step_seconds"] for x in ra], [x["step_seconds"] for x in rb]
         ratios = sorted(x / y for x, y in zip(sa, sb))
-        print(f"| {t} | {median(sa)} | {median(sb)} | **{median(ratios):.2f}x** "
-              f"[{ratios[0]:.2f}, {ratios[-1]:.2f}] | {max(x['peak_rss_mib'] for x in runs[a])} | "
-              f"{max(x['peak_rss_mib'] for x in runs[b])} |", flush=True)
+        print(f"| {t} | {median(sa):.2f} | {median(sb):.2f} | **{median(ratios):.2f}x** "
+              f"[{ratios[0]:.2f}, {ratios[-1]:.2f}] | {max(x['peak_rss_mib'] for x in ra)} | "
+              f"{max(x['peak_rss_mib'] for x in rb)} |", flush=True)
+
+
+def side_by_side(t: int, args, arms: list[dict], *, rounds: int) -> list[list[dict]]:
+    """``child`` once per arm (its keyword overrides) for ``rounds`` rounds, the order reversed every
+    other round; one list of results per arm."""
+    runs: list[list[dict]] = [[] for _ in arms]
+    for r in range(rounds):
+        for i in (range(len(arms)) if r % 2 == 0 else reversed(range(len(arms)))):
+            runs[i].append(child(t, args, **arms[i])[0])
+    return runs
 
 
 if __name__ == "__main__":

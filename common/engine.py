@@ -127,15 +127,16 @@ def quiet_vllm() -> Path | None:
 def _tracker_reports_to(log_path: Path) -> None:
     """Start this process's multiprocessing resource tracker with its stderr on ``log_path``.
 
-    vLLM stops an engine by giving its EngineCore process 5 s, then killing it; on CPU its worker
-    takes about that long to exit, so the EngineCore is usually killed before it unlinks the shared
-    memory of its message queue. The tracker (shared by the engine processes, started by the first
-    process that needs it) unlinks what they left when this process exits, and reports each leak
-    on its stderr: two lines per kind, printed after the command's own last line (a failed
-    capture's one error line was no longer the last). Those reports are vLLM's bookkeeping, so
-    they go where vLLM's INFO lines go. Letting the EngineCore finish instead (``shutdown(timeout=30)``) removes
-    the leak but costs 3.5-8 s per engine on this project's 2-core machine. A tracker already
-    running (started by something earlier) keeps its stderr."""
+    vLLM stops an engine by giving its EngineCore process a grace (5 s by default, 1 s from
+    :func:`close_llm`), then killing it; on CPU its worker alone takes ~3 s to exit, so the
+    EngineCore is killed before it unlinks the shared memory of its message queue. The tracker
+    (shared by the engine processes, started by the first process that needs it) unlinks what they
+    left when this process exits, and reports each leak on its stderr: two lines per kind, printed
+    after the command's own last line (a failed capture's one error line was no longer the last).
+    Those reports are vLLM's bookkeeping, so they go where vLLM's INFO lines go. Letting the
+    EngineCore finish instead (``shutdown(timeout=30)``) removes the leak but costs 3.5-8 s per
+    engine on this project's 2-core machine. A tracker already running (started by something
+    earlier) keeps its stderr."""
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     saved = os.dup(2)
     try:
@@ -290,11 +291,22 @@ def cpu_all_cores(on: bool):
             os.environ.pop(k, None)
 
 
-def close_llm(llm) -> None:
-    """Stop an engine's background processes now rather than at interpreter exit."""
+#: Seconds :func:`close_llm` gives a stopping engine before vLLM kills its processes. vLLM's own
+#: grace is 5 s, and on CPU an engine always used all of it (its worker takes ~3 s to leave, its
+#: EngineCore longer), so every stage, evaluation pass and test engine waited 5 s for nothing: by
+#: the time an engine is closed, everything it produced has been returned (a capture is flushed
+#: first: ``featurestore.stream.producer``). vLLM kills the EngineCore and its worker with it, and
+#: the resource tracker unlinks the shared memory they held (:func:`_tracker_reports_to`).
+#: ``bench/engine_close.py`` measures both graces side by side.
+ENGINE_STOP_GRACE_S = 1.0
+
+
+def close_llm(llm, *, grace_s: float | None = ENGINE_STOP_GRACE_S) -> None:
+    """Stop an engine's background processes now rather than at interpreter exit, giving them
+    ``grace_s`` seconds (None: vLLM's default) before they are killed."""
     if llm is None:
         return
     try:
-        llm.llm_engine.engine_core.shutdown()
+        llm.llm_engine.engine_core.shutdown(timeout=grace_s)
     except Exception:  # noqa: BLE001 - best effort; process exit cleans up as well
         log.debug("engine shutdown raised", exc_info=True)

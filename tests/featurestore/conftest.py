@@ -1,8 +1,21 @@
-"""Feature-store test fixtures: the synthetic-row helper module on sys.path (also for subprocesses)."""
+"""Feature-store test fixtures: the helper modules on sys.path (also for subprocesses), and the
+captured store the streaming tests share."""
 
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
+
+from stream_helpers import captured_store  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def stream_store(tmp_path_factory, tiny_target) -> str:
+    """A store with 12 conversations captured by the table path (one engine start), which the
+    streaming tests stream again and compare against: several captures per rank, so a kill lands
+    mid-share."""
+    return captured_store(str(tmp_path_factory.mktemp("stream") / "store"), str(tiny_target), 12)

@@ -1,6 +1,7 @@
 """The streaming bypass with real vLLM engines: the table's batches, bounded in flight, clean shutdown.
 
-Four engine starts in all: one table capture (module fixture) and one stream per test.
+One engine start per test (the stream's), besides the table capture shared with
+test_stream_xhost.py (``conftest.stream_store``).
 """
 
 import json
@@ -10,34 +11,16 @@ import threading
 import time
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
+from stream_helpers import FS
 
-from eaglenest.engine import EngineConfig
+from eaglenest.engine import ENGINE_STOP_GRACE_S, EngineConfig
 from eaglenest.errors import StoreError
-from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.table import store
-from eaglenest.featurestore.capture.build import capture
-from eaglenest.featurestore.config import FeaturestoreConfig
 
 # Kills engines and bounds how soon the other side fails: run alone, not beside other tests.
 pytestmark = pytest.mark.serial
-
-# max_num_seqs=1: one request per forward pass in both paths, so the fp32 numerics are the same.
-FS = FeaturestoreConfig(batch_size=8, engine=EngineConfig(max_model_len=512, memory_fraction=0.1, max_num_seqs=1))
-
-
-def _prompts(n, seed=0):
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        p, r = rng.integers(3, 2000, 10 + 3 * i).tolist(), rng.integers(3, 2000, 16 + i).tolist()
-        rows.append({"sample_id": f"s-{i:03d}", "domain": f"d{i % 2}", "source": "synthetic", "split": "train",
-                     "mode": "raw", "messages_json": "[]", "prompt_token_ids": p, "response_token_ids": r,
-                     "finish_reason": "length", "gen_params_id": "g0"})
-    return pa.Table.from_pylist(rows, schema=S.PROMPTS_SCHEMA)
-
 
 def test_channel_frames_order_credits_and_dead_producer(tmp_path):
     """Publisher -> Channel without an engine: every dtype bit-exact, handed out in tag order, at
@@ -72,12 +55,9 @@ def test_channel_frames_order_credits_and_dead_producer(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def captured(tmp_path_factory, tiny_target):
-    """A store with 6 conversations captured to the features table by the table path."""
-    uri = str(tmp_path_factory.mktemp("stream") / "store")
-    store.append(uri, store.PROMPTS, _prompts(6))
-    capture(target=str(tiny_target), store_uri=uri, cfg=FS)
-    return uri
+def captured(stream_store):
+    """The shared store: 12 conversations captured to the features table by the table path."""
+    return stream_store
 
 
 def _group_gone(pids, timeout_s=30.0) -> bool:
@@ -142,9 +122,9 @@ def test_stream_batches_equal_table_bounded_and_early_close(captured, tiny_targe
 def test_slow_consumer_gets_every_capture_to_the_end(tiny_target):
     """The stream's tail. vLLM hands a finished request's states to the connector one engine step
     after the step that finished it, so the last window's captures are published after
-    ``generate()`` has returned, each waiting for a credit, and vLLM gives an engine 5 s to finish
-    its step once it is asked to shut down. Here the consumer holds its second capture for longer
-    than that: a producer that closes its engine when ``generate()`` returns loses the last capture
+    ``generate()`` has returned, each waiting for a credit, and a closing engine gets a grace of
+    ``ENGINE_STOP_GRACE_S`` (1 s) to finish its step. Here the consumer holds its second capture for
+    longer than that: a producer that closes its engine when ``generate()`` returns loses the last capture
     ('the engine closed the connection after 3 of 4 captures'); it must wait until all are out."""
     from eaglenest.featurestore.stream.local import CaptureStream
 
@@ -158,7 +138,7 @@ def test_slow_consumer_gets_every_capture_to_the_end(tiny_target):
         got = []
         for ids, hidden in stream:
             if not got:
-                time.sleep(8)
+                time.sleep(3 * ENGINE_STOP_GRACE_S)
             got.append((ids, hidden))
         proc = stream.proc
     assert [ids.tolist() for ids, _ in got] == seqs
@@ -181,9 +161,9 @@ def test_train_from_stream_equals_table_then_producer_killed(captured, tiny_targ
     ref_loss = [json.loads(x)["loss"] for x in (ref.outdir / "metrics.jsonl").read_text().splitlines()]
     metrics = tmp_path / "stream" / "metrics.jsonl"
     killed = {}
-    # The consumer is held before its 5th capture until the producer is dead: 12 captures are
-    # scheduled, at most 2 (credits) + 2 (the engine's current window) more can reach it, so the
-    # stream cannot end before the kill however fast the trainer or slow the killer. (A kill timed
+    # The consumer is held before its 5th capture until the producer is dead: >= 10 captures are
+    # scheduled (10 steps of a row each), at most 2 (credits) + 2 (the engine's current window) more
+    # can reach it, so the stream cannot end before the kill however fast the trainer or slow the killer. (A kill timed
     # by polling the metrics raced the trainer: ~2 steps after the 2nd line the engine has sent all.)
     from eaglenest.featurestore.stream.local import CaptureStream
 

@@ -147,7 +147,7 @@ def run_rank(argv) -> int:
     from eaglenest.launch import dump_stacks_on_sigusr1
     from eaglenest.train.data import FeatureShards, rank_rows
     from eaglenest.train.stream_source import StreamShards
-    from test_stream import FS
+    from stream_helpers import FS
 
     dump_stacks_on_sigusr1()  # as in every eaglenest command: the test asks a stuck rank where it is
     uri, target, addr, rank, world, engines, out, sleep_s = argv
@@ -359,16 +359,10 @@ def test_killed_rank_ends_engines_and_other_rank(tmp_path, victim=0):
 
 
 @pytest.fixture(scope="module")
-def captured(tmp_path_factory, tiny_target):
-    """A store with 12 conversations captured to the features table by the table path."""
-    from eaglenest.featurestore.table import store
-    from eaglenest.featurestore.capture.build import capture
-    from test_stream import FS, _prompts
-
-    uri = str(tmp_path_factory.mktemp("xstream") / "store")
-    store.append(uri, store.PROMPTS, _prompts(12))  # several captures per rank: a kill lands mid-share
-    capture(target=str(tiny_target), store_uri=uri, cfg=FS)
-    return uri
+def captured(stream_store):
+    """The shared store (``conftest.stream_store``): 12 conversations, several captures per rank, so
+    a kill lands mid-share."""
+    return stream_store
 
 
 def _stream_job(tmp_path, captured, tiny_target, *, sleep_s):

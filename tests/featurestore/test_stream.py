@@ -54,12 +54,6 @@ def test_channel_frames_order_credits_and_dead_producer(tmp_path):
     chan.close()
 
 
-@pytest.fixture(scope="module")
-def captured(stream_store):
-    """The shared store: 12 conversations captured to the features table by the table path."""
-    return stream_store
-
-
 def _group_gone(pids, timeout_s=30.0) -> bool:
     import psutil
 
@@ -74,21 +68,21 @@ def _group_gone(pids, timeout_s=30.0) -> bool:
 
 
 @pytest.mark.slow
-def test_stream_batches_equal_table_bounded_and_early_close(captured, tiny_target):
+def test_stream_batches_equal_table_bounded_and_early_close(stream_store, tiny_target):
     import psutil
 
     from eaglenest.train.data import FeatureShards
     from eaglenest.train.stream_source import StreamShards
 
     kw = dict(split="train", pack_tokens=64, batch_rows=2, seed=3)
-    table = FeatureShards(captured, version=None, **kw)
+    table = FeatureShards(stream_store, version=None, **kw)
     depth = 2
-    src = StreamShards(captured, featurestore=FS, target=str(tiny_target), depth=depth, **kw)
+    src = StreamShards(stream_store, featurestore=FS, target=str(tiny_target), depth=depth, **kw)
     assert src.meta == table.meta  # same feature set identity, computed without a table
     assert [src.plan(e) for e in (0, 1)] == [table.plan(e) for e in (0, 1)]
     assert np.array_equal(src.loss_token_counts(2048)[:2048],
                           np.bincount(np.concatenate([np.asarray(r["input_ids"])[np.asarray(r["loss_mask"]) == 1]
-                                                      for r in store.read(captured, store.FEATURES).to_pylist()]),
+                                                      for r in store.read(stream_store, store.FEATURES).to_pylist()]),
                                       minlength=2048))
     # Two epochs scheduled, one consumed: the producer is still busy when the trainer stops.
     schedule = [(e, rows) for e in (0, 1) for rows in table.plan(e)]
@@ -147,7 +141,7 @@ def test_slow_consumer_gets_every_capture_to_the_end(tiny_target):
 
 
 @pytest.mark.slow
-def test_train_from_stream_equals_table_then_producer_killed(captured, tiny_target, tmp_path, monkeypatch):
+def test_train_from_stream_equals_table_then_producer_killed(stream_store, tiny_target, tmp_path, monkeypatch):
     import psutil
 
     from eaglenest.train.config import StateConfig, StreamConfig, TrainConfig
@@ -156,7 +150,7 @@ def test_train_from_stream_equals_table_then_producer_killed(captured, tiny_targ
     common = dict(num_epochs=2, num_steps=10, warmup_steps=1, pack_tokens=64, batch_rows=1, draft_vocab_size=256,
                   ttt_steps=2, state=StateConfig(every_steps=0), log_every_steps=1, num_threads=1,
                   stream=StreamConfig(depth=2))
-    ref = train(TrainConfig(output_subdir="table", **common), store_uri=captured, workdir=str(tmp_path),
+    ref = train(TrainConfig(output_subdir="table", **common), store_uri=stream_store, workdir=str(tmp_path),
                 target_dir=str(tiny_target), seed=0)
     ref_loss = [json.loads(x)["loss"] for x in (ref.outdir / "metrics.jsonl").read_text().splitlines()]
     metrics = tmp_path / "stream" / "metrics.jsonl"
@@ -197,7 +191,7 @@ def test_train_from_stream_equals_table_then_producer_killed(captured, tiny_targ
     killer = threading.Thread(target=kill_producer_after_two_steps, daemon=True)
     killer.start()
     with pytest.raises(StoreError, match=r"producer \(pid \d+\) was killed by signal 9"):
-        train(TrainConfig(output_subdir="stream", source="stream", **common), store_uri=captured,
+        train(TrainConfig(output_subdir="stream", source="stream", **common), store_uri=stream_store,
               workdir=str(tmp_path), target_dir=str(tiny_target), seed=0, featurestore=FS)
     killer.join(timeout=5)
     assert "pids" in killed, "the stream finished before the producer could be killed"

@@ -358,19 +358,12 @@ def test_killed_rank_ends_engines_and_other_rank(tmp_path, victim=0):
                 p.kill()
 
 
-@pytest.fixture(scope="module")
-def captured(stream_store):
-    """The shared store (``conftest.stream_store``): 12 conversations, several captures per rank, so
-    a kill lands mid-share."""
-    return stream_store
-
-
-def _stream_job(tmp_path, captured, tiny_target, *, sleep_s):
+def _stream_job(tmp_path, stream_store, tiny_target, *, sleep_s):
     addr = free_addr()
     procs, logs = {}, {}
     for r in (0, 1):
         logs[f"rank{r}"] = tmp_path / f"rank{r}.log"
-        procs[f"rank{r}"] = _start([HERE, "rank", captured, str(tiny_target), addr, str(r), "2", "2",
+        procs[f"rank{r}"] = _start([HERE, "rank", stream_store, str(tiny_target), addr, str(r), "2", "2",
                                     str(tmp_path / f"rank{r}.json"), str(sleep_s)], logs[f"rank{r}"])
         time.sleep(0.5 if r == 0 else 0)
     for e in (0, 1):
@@ -381,10 +374,10 @@ def _stream_job(tmp_path, captured, tiny_target, *, sleep_s):
 
 
 @pytest.mark.slow
-def test_two_engines_two_ranks_equal_table_batches_clean_end(captured, tiny_target, tmp_path):
+def test_two_engines_two_ranks_equal_table_batches_clean_end(stream_store, tiny_target, tmp_path):
     import json
 
-    procs, logs = _stream_job(tmp_path, captured, tiny_target, sleep_s=0.0)
+    procs, logs = _stream_job(tmp_path, stream_store, tiny_target, sleep_s=0.0)
     try:
         codes = _exits(procs, logs, 600)
         assert codes == dict.fromkeys(procs, 0), {n: logs[n].read_text()[-1500:] for n in logs}
@@ -400,12 +393,12 @@ def test_two_engines_two_ranks_equal_table_batches_clean_end(captured, tiny_targ
 
 
 @pytest.mark.slow
-def test_killed_engine_fails_both_ranks_quickly(captured, tiny_target, tmp_path):
+def test_killed_engine_fails_both_ranks_quickly(stream_store, tiny_target, tmp_path):
     import json
     import os
     import signal
 
-    procs, logs = _stream_job(tmp_path, captured, tiny_target, sleep_s=2.0)
+    procs, logs = _stream_job(tmp_path, stream_store, tiny_target, sleep_s=2.0)
     try:
         for r in (0, 1):  # both ranks streaming: what follows measures failure, not an engine's start
             assert _wait_progress(tmp_path / f"rank{r}.json.progress", 1, 600), \

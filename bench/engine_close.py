@@ -10,6 +10,8 @@ then ``close_llm(llm, grace_s=...)``. Prints per round the seconds ``close_llm``
 the seconds until every engine process (EngineCore, its worker) was gone, the ratio default / short,
 then the median [min, max] ratio, and whether both arms decoded the same tokens. Every stage that
 runs an engine (ingest, capture, evaluation's two passes, the stream producer) closes it this way.
+The engines here run in vLLM's own processes (``engine.in_process: false``, CUDA's default); an
+engine in the caller's process (CPU's default) has no process to wait for.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from eaglenest.engine import EngineConfig, close_llm, make_llm
 def main():
     target, grace = sys.argv[1], None if sys.argv[2] == "default" else float(sys.argv[2])
     from vllm import SamplingParams
-    llm = make_llm(target, EngineConfig(max_model_len=512, memory_fraction=0.1, max_num_seqs=4))
+    llm = make_llm(target, EngineConfig(max_model_len=512, memory_fraction=0.1, max_num_seqs=4, in_process=False))
     outs = llm.generate(["one two three", "a b c d", "x", "hello"], SamplingParams(max_tokens=24, temperature=0),
                         use_tqdm=False)
     engine = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -54,6 +55,20 @@ class EngineConfig:
     #: alone. A user's own VLLM_CPU_OMP_THREADS_BIND or VLLM_CPU_NUM_OF_RESERVED_CPU wins. Leave it
     #: off where engines or processes share the cores.
     cpu_all_cores: bool = False
+    #: Run the engine inside this process (vLLM's in-process engine core, its worker in the same
+    #: thread) rather than in the EngineCore and worker processes vLLM starts by default. null: in
+    #: process on CPU with one rank, vLLM's processes on CUDA or with tensor parallelism. On CPU an
+    #: engine then starts ~3x sooner (no two spawned interpreters importing torch and vLLM:
+    #: ``bench/engine_start.py``) and runs on this process's threads (``cpu_all_cores`` binds the
+    #: threads of vLLM's worker process only). With its own processes the engine computes while
+    #: this process encodes and writes what it returned (CUDA, large targets).
+    in_process: bool | None = None
+
+    def uses_own_process(self, *, cuda: bool) -> bool:
+        """Whether the engine runs in vLLM's own processes (see ``in_process``)."""
+        if self.in_process is None:
+            return cuda or self.tensor_parallel_size > 1
+        return not self.in_process
 
     def check(self, where: str) -> None:
         """Refuse values vLLM would reject only once its engine starts (a traceback, a log written),
@@ -63,6 +78,9 @@ class EngineConfig:
                 raise ConfigError(f"{where}.{key}: must be >= {low}, got {getattr(self, key)}")
         if not 0 < self.memory_fraction <= 1:
             raise ConfigError(f"{where}.memory_fraction: must be in (0, 1], got {self.memory_fraction}")
+        if self.in_process and self.tensor_parallel_size > 1:
+            raise ConfigError(f"{where}.in_process: an engine of {self.tensor_parallel_size} ranks needs its own "
+                              "processes; set it to false or null")
 
 
 #: Environment variables through which a user already chose how vLLM logs (then left alone).
@@ -254,8 +272,12 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
 
     kwargs = {**engine_kwargs(cfg, model, trust_remote_code=trust_remote_code), **extra}
     log.info("starting vLLM engine for %s", model)
+    cuda = has_cuda()
     try:
-        with cpu_all_cores(cfg.cpu_all_cores and not has_cuda()):
+        if cfg.uses_own_process(cuda=cuda):
+            with cpu_all_cores(cfg.cpu_all_cores and not cuda):
+                return LLM(model=model, **kwargs)
+        with in_process_engine(cpu=not cuda):
             return LLM(model=model, **kwargs)
     except ValueError as exc:  # a hub checkpoint with its own code: vLLM reads its config in process
         if trust_remote_code or not is_refusal(exc):
@@ -289,6 +311,44 @@ def cpu_all_cores(on: bool):
     finally:
         for k in added:
             os.environ.pop(k, None)
+
+
+@contextlib.contextmanager
+def in_process_engine(*, cpu: bool):
+    """Start the vLLM engine made inside this block in this process, and undo what its start does
+    to the process beyond the engine: vLLM's CPU worker replaces ``torch.set_num_threads`` with a
+    no-op (meant for its own bound worker process), the engine core seeds the global random
+    generators, freezes the garbage collector's heap and caches vLLM's environment variables
+    (later engines in the process would see today's values). On CPU, split-KV attention is turned
+    off for the process (a user's own VLLM_CPU_ATTN_SPLIT_KV wins): with several threads it sums a
+    decode step and a verification step in different orders, and a greedy near-tie could flip
+    between the target alone and under speculation (see :func:`cpu_all_cores`). vLLM reads it at
+    every step, so it stays set."""
+    import random
+
+    import numpy as np
+    import torch
+    from vllm import envs
+
+    if cpu:
+        os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
+    saved_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    saved = (torch.set_num_threads, torch.get_rng_state(), np.random.get_state(), random.getstate())
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved_env
+        torch.set_num_threads = saved[0]
+        torch.set_rng_state(saved[1])
+        np.random.set_state(saved[2])
+        random.setstate(saved[3])
+        gc.unfreeze()
+        envs.disable_envs_cache()
 
 
 #: Seconds :func:`close_llm` gives a stopping engine before vLLM kills its processes. vLLM's own

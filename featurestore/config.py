@@ -31,6 +31,9 @@ class FeaturestoreConfig:
     def __post_init__(self) -> None:
         check_name(self.table)  # a table name is one identifier, never a path
         self.engine.check("featurestore.engine")
+        if self.engine.in_process:  # the capture engine's connector needs vLLM's own processes
+            raise ConfigError("featurestore.engine.in_process: capture runs its engine in vLLM's own processes; "
+                              "set it to null (or false)")
         dup = sorted({i for i in self.layer_ids if list(self.layer_ids).count(i) > 1})
         if dup:
             raise ConfigError(f"featurestore.layer_ids: duplicate ids {dup}; give distinct layers (vLLM convention)")

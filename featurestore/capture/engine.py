@@ -16,6 +16,7 @@ and the window, not a batch, is what bounds memory (``max_in_flight`` sequences 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -68,9 +69,16 @@ def capture_llm(target: str, capture_ids: list[int], engine: EngineConfig, *, sp
                 trust_remote_code: bool = False):
     """A vLLM engine whose ``extract_hidden_states`` proposer hands ``capture_ids`` (aux layers +
     the last) to the eaglenest connector, which spools them under ``spool`` (``extra``: more
-    connector settings, e.g. the stream's publish socket)."""
+    connector settings, e.g. the stream's publish socket). The engine runs in vLLM's own processes
+    whatever ``engine.in_process`` says by default: the connector writes a request's states in the
+    engine step after the one that finished it, which an engine stepped by its caller (in process)
+    would not take while the caller waits for them; and with its own processes the engine computes
+    the next captures while the caller encodes and writes this one."""
+    if engine.in_process:
+        raise ConfigError("featurestore.engine.in_process: a capture engine runs in vLLM's own processes "
+                          "(its connector hands states over in the engine's next step); set it to null or false")
     return make_llm(
-        target, engine, trust_remote_code=trust_remote_code,
+        target, dataclasses.replace(engine, in_process=False), trust_remote_code=trust_remote_code,
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,

@@ -21,6 +21,7 @@ import gc
 import json
 import logging
 import os
+import random
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
@@ -324,8 +325,6 @@ def in_process_engine(*, cpu: bool):
     decode step and a verification step in different orders, and a greedy near-tie could flip
     between the target alone and under speculation (see :func:`cpu_all_cores`). vLLM reads it at
     every step, so it stays set."""
-    import random
-
     import numpy as np
     import torch
     from vllm import envs

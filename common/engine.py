@@ -20,6 +20,7 @@ import dataclasses
 import gc
 import json
 import logging
+import math
 import os
 import random
 from multiprocessing import resource_tracker
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     #: Longest sequence (prompt + output) the engine accepts.
     max_model_len: int = 4096
-    #: KV-cache share of RAM (CPU) or device memory (CUDA).
+    #: KV-cache share of RAM (CPU) or device memory (CUDA). An in-process CPU engine gets exactly this
+    #: share for its KV cache (``cpu_kv_cache_bytes``); vLLM's own worker process takes its RSS out of it.
     memory_fraction: float = 0.15
     max_num_seqs: int = 64
     #: "auto" runs the target in its own checkpoint dtype (config.json), unlike vLLM's "auto", which
@@ -54,7 +56,9 @@ class EngineConfig:
     #: same tokens: ``bench/cpu_threads.py``). Split-KV attention is turned off with it (unless
     #: VLLM_CPU_ATTN_SPLIT_KV is set), so outputs under speculation stay identical to the target's
     #: alone. A user's own VLLM_CPU_OMP_THREADS_BIND or VLLM_CPU_NUM_OF_RESERVED_CPU wins. Leave it
-    #: off where engines or processes share the cores.
+    #: off where engines or processes share the cores. It binds vLLM's worker *process*: an engine
+    #: in this process (``in_process``) runs on this process's torch threads (every core by default,
+    #: split-KV off) either way.
     cpu_all_cores: bool = False
     #: Run the engine inside this process (vLLM's in-process engine core, its worker in the same
     #: thread) rather than in the EngineCore and worker processes vLLM starts by default. null: in
@@ -278,6 +282,8 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
         if cfg.uses_own_process(cuda=cuda):
             with cpu_all_cores(cfg.cpu_all_cores and not cuda):
                 return LLM(model=model, **kwargs)
+        if not cuda and "kv_cache_memory_bytes" not in kwargs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(cfg.memory_fraction)
         with in_process_engine(cpu=not cuda):
             return LLM(model=model, **kwargs)
     except ValueError as exc:  # a hub checkpoint with its own code: vLLM reads its config in process
@@ -312,6 +318,17 @@ def cpu_all_cores(on: bool):
     finally:
         for k in added:
             os.environ.pop(k, None)
+
+
+def cpu_kv_cache_bytes(memory_fraction: float) -> int:
+    """The KV cache of an in-process CPU engine: ``memory_fraction`` of the memory of the NUMA node
+    vLLM's worker would run on. vLLM's CPU worker sizes its cache as that share minus its process's
+    RSS, which in its own process is the worker (~0.6 GB on the tiny target) but in process would be
+    everything the stage holds (a 1.2 GB share went negative beside a long-context ingest's 1.4 GB)."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+    node = get_allowed_cpu_list()[0].numa_node
+    return math.ceil(get_memory_node_info(node).total_memory * memory_fraction)
 
 
 @contextlib.contextmanager

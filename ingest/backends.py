@@ -69,8 +69,9 @@ class LocalBackend:
     """An in-process ``vllm.LLM`` (the default).
 
     Streaming requests go through vLLM's own ``LLM.enqueue_chat`` / ``LLM.enqueue`` (so the chat
-    template is rendered exactly as ``LLM.chat`` renders it) and the engine's ``step()``; the engine
-    core runs in its own process, so it keeps generating while this process writes and commits.
+    template is rendered exactly as ``LLM.chat`` renders it) and the engine's ``step()``. An engine
+    core in its own process (``engine.in_process: false``, CUDA's default) keeps generating while this
+    process writes and commits; one in this process (CPU's default) waits for them.
     """
 
     def __init__(self, llm, *, max_in_flight: int = 0, chat_template_kwargs: dict | None = None):

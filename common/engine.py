@@ -331,6 +331,19 @@ def cpu_kv_cache_bytes(memory_fraction: float) -> int:
     return math.ceil(get_memory_node_info(node).total_memory * memory_fraction)
 
 
+#: vLLM's warnings at an in-process start that only say the engine shares this process (its kernels
+#: registered again by a second engine, its own calls to the thread setter it has just disabled,
+#: the global seed, whose state :func:`in_process_engine` puts back): dropped from its handlers.
+NOISY_LOGGERS = ("triton_utils.dispatcher", "v1.worker.cpu_worker", "engine.arg_utils")
+IN_PROCESS_NOISE = ("is already registered. Overwriting", "doesn't allow to use `torch.set_num_threads`",
+                    "Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False")
+
+
+def _not_noise(record: logging.LogRecord) -> bool:
+    msg = record.getMessage()
+    return not any(n in msg for n in IN_PROCESS_NOISE)
+
+
 @contextlib.contextmanager
 def in_process_engine(*, cpu: bool):
     """Start the vLLM engine made inside this block in this process, and undo what its start does
@@ -352,9 +365,14 @@ def in_process_engine(*, cpu: bool):
     saved = (torch.set_num_threads, torch.get_rng_state(), np.random.get_state(), random.getstate())
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     envs.disable_envs_cache()
+    loggers = [logging.getLogger(f"vllm.{name}") for name in NOISY_LOGGERS]
+    for lg in loggers:
+        lg.addFilter(_not_noise)
     try:
         yield
     finally:
+        for lg in loggers:
+            lg.removeFilter(_not_noise)
         if saved_env is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         else:

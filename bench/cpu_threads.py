@@ -16,13 +16,15 @@ the threads, not the model).
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# The arm runner the engine benches share (bench/ is not a package: loaded from the file beside this one).
+_spec = importlib.util.spec_from_file_location("_bench_arms", Path(__file__).with_name("arms.py"))
+arms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(arms)
 
 ARM = """
 import json, random, sys, time
@@ -49,12 +51,8 @@ if __name__ == "__main__":
 
 
 def run_arm(target: str, tokens: int, decode: int, all_cores: bool, seed: int) -> dict:
-    p = subprocess.run([sys.executable, "-c", ARM, target, str(tokens), str(decode), "1" if all_cores else "0",
-                        str(seed)], capture_output=True, text=True, cwd=ROOT, check=False)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if p.returncode != 0 or line is None:
-        raise SystemExit(f"arm all_cores={all_cores} failed:\n{p.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return arms.run_arm(ARM, target, str(tokens), str(decode), "1" if all_cores else "0", str(seed),
+                        label=f"all_cores={all_cores}")
 
 
 def main() -> int:

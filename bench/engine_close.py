@@ -17,13 +17,15 @@ engine in the caller's process (CPU's default) has no process to wait for.
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# The arm runner the engine benches share (bench/ is not a package: loaded from the file beside this one).
+_spec = importlib.util.spec_from_file_location("_bench_arms", Path(__file__).with_name("arms.py"))
+arms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(arms)
 
 ARM = """
 import json, sys, time
@@ -52,12 +54,7 @@ if __name__ == "__main__":
 
 
 def run_arm(target: str, grace: str) -> dict:
-    p = subprocess.run([sys.executable, "-c", ARM, target, grace], capture_output=True, text=True, cwd=ROOT,
-                       check=False)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if p.returncode != 0 or line is None:
-        raise SystemExit(f"arm grace={grace} failed:\n{p.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return arms.run_arm(ARM, target, grace, label=f"grace={grace}")
 
 
 def main() -> int:

@@ -16,13 +16,15 @@ its worker), each importing torch and vLLM, before the model loads.
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# The arm runner the engine benches share (bench/ is not a package: loaded from the file beside this one).
+_spec = importlib.util.spec_from_file_location("_bench_arms", Path(__file__).with_name("arms.py"))
+arms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(arms)
 
 ARM = """
 import json, sys, time
@@ -50,12 +52,7 @@ ARMS = ("own_processes", "in_process")
 
 
 def run_arm(target: str, arm: str) -> dict:
-    p = subprocess.run([sys.executable, "-c", ARM, target, arm], capture_output=True, text=True, cwd=ROOT,
-                       check=False)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if p.returncode != 0 or line is None:
-        raise SystemExit(f"arm {arm} failed:\n{p.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return arms.run_arm(ARM, target, arm, label=arm)
 
 
 def _spread(xs: list[float]) -> str:

@@ -63,7 +63,7 @@ class EngineConfig:
     #: Run the engine inside this process (vLLM's in-process engine core, its worker in the same
     #: thread) rather than in the EngineCore and worker processes vLLM starts by default. null: in
     #: process on CPU with one rank, vLLM's processes on CUDA or with tensor parallelism. On CPU an
-    #: engine then starts ~3x sooner (no two spawned interpreters importing torch and vLLM:
+    #: engine then starts ~4x sooner (no two spawned interpreters importing torch and vLLM:
     #: ``bench/engine_start.py``) and runs on this process's threads (``cpu_all_cores`` binds the
     #: threads of vLLM's worker process only). With its own processes the engine computes while
     #: this process encodes and writes what it returned (CUDA, large targets).

@@ -333,7 +333,7 @@ def cpu_kv_cache_bytes(memory_fraction: float) -> int:
 
 #: vLLM's warnings at an in-process start that only say the engine shares this process (its kernels
 #: registered again by a second engine, its own calls to the thread setter it has just disabled,
-#: the global seed, whose state :func:`in_process_engine` puts back): dropped from its handlers.
+#: the global seed, whose state :func:`in_process_engine` puts back): dropped at those loggers.
 NOISY_LOGGERS = ("triton_utils.dispatcher", "v1.worker.cpu_worker", "engine.arg_utils")
 IN_PROCESS_NOISE = ("is already registered. Overwriting", "doesn't allow to use `torch.set_num_threads`",
                     "Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False")

@@ -8,6 +8,8 @@ import os
 import pytest
 
 from eaglenest.engine import CPU_THREAD_ENV, EngineConfig, cpu_all_cores, engine_kwargs, has_cuda
+from eaglenest.errors import ConfigError
+from eaglenest.featurestore.config import FeaturestoreConfig
 
 
 def _checkpoint(path, **cfg):
@@ -56,3 +58,19 @@ def test_cpu_all_cores_reach_the_engine_core_through_vllms_reserved_cores(monkey
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     with cpu_all_cores(True):
         assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ
+
+
+def test_where_an_engine_runs_and_what_is_refused():
+    """null: in process on CPU with one rank; vLLM's own processes on CUDA or with tensor
+    parallelism. An in-process engine of several ranks, or an in-process capture engine (its
+    connector hands states over in the engine's next step), is refused before anything starts."""
+    assert not EngineConfig().uses_own_process(cuda=False)
+    assert EngineConfig().uses_own_process(cuda=True)
+    assert EngineConfig(tensor_parallel_size=2).uses_own_process(cuda=False)
+    assert EngineConfig(in_process=False).uses_own_process(cuda=False)
+    assert not EngineConfig(in_process=True).uses_own_process(cuda=True)
+    with pytest.raises(ConfigError, match=r"x\.in_process: an engine of 2 ranks needs its own processes"):
+        EngineConfig(in_process=True, tensor_parallel_size=2).check("x")
+    with pytest.raises(ConfigError, match=r"featurestore\.engine\.in_process: capture runs its engine"):
+        FeaturestoreConfig(engine=EngineConfig(in_process=True))
+    assert FeaturestoreConfig(engine=EngineConfig(in_process=False)).engine.in_process is False

@@ -4,8 +4,9 @@
 
 Runs the target alone, then with the EAGLE-3 draft, on the same token-id prompts (the tokenizer is
 not needed: ``skip_tokenizer_init``), compares greedy token ids and reads acceptance length
-AL = 1 + accepted / drafts from ``llm.get_metrics()``. vLLM spawns an engine process, hence the
-``__main__`` guard. This is a smoke check for the train/serve boundary; the evaluate stage owns
+AL = 1 + accepted / drafts from ``llm.get_metrics()``. The engines are built as every stage builds
+them (``eaglenest.engine.make_llm``: the checkpoint's dtype, in this process on CPU) and closed
+before the next starts. This is a smoke check for the train/serve boundary; the evaluate stage owns
 the real lossless and AL measurements.
 """
 
@@ -16,23 +17,28 @@ import gc
 import json
 import sys
 
-from eaglenest.engine import speculative_config
+from eaglenest.engine import EngineConfig, close_llm, make_llm, speculative_config
 from eaglenest.errors import EaglenestError
 from eaglenest.featurestore.table import store
-from eaglenest.hf import check_remote_code
 
 
 def _engine(target: str, *, draft: str | None, num_spec: int, mem: float, max_len: int,
             trust_remote_code: bool = False):
-    from vllm import LLM
+    extra = {"speculative_config": speculative_config(draft, num_spec)} if draft else {}
+    return make_llm(target, EngineConfig(max_model_len=max_len, memory_fraction=mem),
+                    trust_remote_code=trust_remote_code, disable_log_stats=False, skip_tokenizer_init=True,
+                    **extra)
 
-    check_remote_code(target, trust_remote_code=trust_remote_code)
-    kw = dict(model=target, dtype="float32", gpu_memory_utilization=mem, max_model_len=max_len,
-              enforce_eager=True, disable_log_stats=False, skip_tokenizer_init=True, seed=0,
-              trust_remote_code=trust_remote_code)
-    if draft:
-        kw["speculative_config"] = speculative_config(draft, num_spec)
-    return LLM(**kw)
+
+def _run(target: str, prompts: list[list[int]], max_tokens: int, **kw) -> tuple[list[list[int]], dict]:
+    """Greedy token ids for ``prompts`` and the engine's spec-decode metrics; the engine is closed."""
+    llm = _engine(target, **kw)
+    try:
+        return _generate(llm, prompts, max_tokens), spec_metrics(llm)
+    finally:
+        close_llm(llm)
+        del llm
+        gc.collect()
 
 
 def _generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -57,17 +63,9 @@ def spec_metrics(llm) -> dict[str, float]:
 
 def check(target: str, draft: str, prompts: list[list[int]], *, max_tokens: int = 64, num_spec: int = 3,
           mem: float = 0.15, max_len: int = 2048, trust_remote_code: bool = False) -> dict:
-    llm = _engine(target, draft=None, num_spec=num_spec, mem=mem, max_len=max_len,
-                  trust_remote_code=trust_remote_code)
-    base = _generate(llm, prompts, max_tokens)
-    del llm
-    gc.collect()
-    llm = _engine(target, draft=draft, num_spec=num_spec, mem=mem, max_len=max_len,
-                  trust_remote_code=trust_remote_code)
-    spec = _generate(llm, prompts, max_tokens)
-    metrics = spec_metrics(llm)
-    del llm
-    gc.collect()
+    kw = dict(num_spec=num_spec, mem=mem, max_len=max_len, trust_remote_code=trust_remote_code)
+    base, _ = _run(target, prompts, max_tokens, draft=None, **kw)
+    spec, metrics = _run(target, prompts, max_tokens, draft=draft, **kw)
     same = sum(a == b for a, b in zip(base, spec))
     return {"prompts": len(prompts), "identical_outputs": same, "lossless": same == len(prompts), **metrics}
 

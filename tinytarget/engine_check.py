@@ -1,7 +1,7 @@
 """Smoke-check the tiny target under real vLLM: chat per domain, raw completion, 32k context.
 
-``python -m eaglenest.tinytarget.engine_check [--model assets/tiny-target]`` starts one engine (about
-20 s on CPU), answers a few prompts per domain from ``recipes/data`` with greedy ``LLM.chat``,
+``python -m eaglenest.tinytarget.engine_check [--model assets/tiny-target]`` starts one engine as the
+stages do (``eaglenest.engine.make_llm``: the checkpoint's dtype, in this process on CPU), answers a few prompts per domain from ``recipes/data`` with greedy ``LLM.chat``,
 completes a raw-text prompt with ``LLM.generate``, and checks every chat answer stopped at
 ``<|end|>``. ``--max-model-len 32768`` checks that vLLM accepts the full advertised context.
 Not part of the fast test suite: it needs the ``cpu`` (or ``cuda``) extra and starts an engine.
@@ -15,17 +15,24 @@ import logging
 import sys
 from pathlib import Path
 
-from eaglenest.errors import require
+from eaglenest.engine import EngineConfig, close_llm, make_llm
 
 log = logging.getLogger(__name__)
 
 
 def run_check(model: str, prompts_dir: Path, *, num_per_domain: int, max_model_len: int,
               gpu_memory_utilization: float) -> dict:
-    vllm = require("vllm", "cpu")
-    llm = vllm.LLM(model=model, dtype="float32", max_model_len=max_model_len, enforce_eager=True,
-                   gpu_memory_utilization=gpu_memory_utilization, seed=0)
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=200)
+    llm = make_llm(model, EngineConfig(max_model_len=max_model_len, memory_fraction=gpu_memory_utilization))
+    try:
+        return _answers(llm, prompts_dir, num_per_domain=num_per_domain, max_model_len=max_model_len)
+    finally:
+        close_llm(llm)
+
+
+def _answers(llm, prompts_dir: Path, *, num_per_domain: int, max_model_len: int) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=200)
     report: dict = {"max_model_len": max_model_len, "chat": {}}
     for path in sorted(prompts_dir.glob("*.jsonl")):
         recs = [json.loads(line) for line in path.read_text().splitlines()[:num_per_domain]]

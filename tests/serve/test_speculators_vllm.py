@@ -90,13 +90,11 @@ def exports(tmp_path_factory, root, tiny_target):
 
 
 def _run(model: str, prompts, **extra) -> tuple[list[list[int]], dict]:
-    from vllm import LLM
-
-    from eaglenest.engine import close_llm
+    from eaglenest.engine import EngineConfig, close_llm, make_llm
     from eaglenest.serve.draft_check import _generate, spec_metrics
 
-    llm = LLM(model=model, dtype="float32", gpu_memory_utilization=0.15, max_model_len=512, enforce_eager=True,
-              disable_log_stats=False, skip_tokenizer_init=True, seed=0, **extra)
+    llm = make_llm(model, EngineConfig(dtype="float32", memory_fraction=0.15, max_model_len=512),
+                   disable_log_stats=False, skip_tokenizer_init=True, **extra)
     try:
         return _generate(llm, prompts, MAX_TOKENS), spec_metrics(llm)
     finally:

@@ -146,7 +146,9 @@ def test_untouched_table_reads_identically_and_second_check_reads_nothing(table,
     ds = store.dataset(uri, store.FEATURES)
     with SampleReader(ds, integrity="off") as plain, SampleReader(ds) as checked:
         rows = list(range(ds.count_rows()))
-        for a, b in zip(plain.read(rows), checked.read(rows)):
+        got_plain, got_checked = list(plain.read(rows)), list(checked.read(rows))
+        assert len(rows) > 0 and [a.index for a in got_plain] == [b.index for b in got_checked] == rows
+        for a, b in zip(got_plain, got_checked, strict=True):
             assert torch.equal(a.aux_stored(), b.aux_stored()) and torch.equal(a.last_stored(), b.last_stored())
     seen = _counting(monkeypatch)
     first = integrity.check_version(ds)  # the commit's stamps, or one re-read if the commit was racy
@@ -168,7 +170,8 @@ def test_copied_store_is_rechecked_once_then_trusted(table, tmp_path, monkeypatc
     seen = _counting(monkeypatch)
     copied = _read_all(copy)
     assert sorted(seen) == sorted(p.name for _, p in files)  # one full re-check, through the trainer
-    for a, b in zip(reference, copied):
+    assert len(copied) == len(reference) > 0
+    for a, b in zip(reference, copied, strict=True):
         assert torch.equal(a.aux, b.aux) and torch.equal(a.last_hidden, b.last_hidden)
     seen.clear()
     _read_all(copy)

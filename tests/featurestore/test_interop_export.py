@@ -156,7 +156,10 @@ def test_fp8_table_comes_back_dequantized_as_its_own_feature_set(setup):
     back = S.feature_meta(store.dataset(uri, "back").schema)
     assert back.storage == "raw" and back.dtype == "bfloat16" and back.feature_set_id != m.feature_set_id
     rows = {r["sample_id"]: r for r in I.table_rows(uri, "features")}
-    for r in I.table_rows(uri, "back"):
+    got = I.table_rows(uri, "back")
+    assert sorted(r["sample_id"] for r in got) == sorted(rows)
+    for r in got:
         T = r["num_tokens"]
-        want = S.decode_fp8(rows[r["sample_id"]]["aux_hidden"], (T, 3, I.HIDDEN)).to(torch.bfloat16)
-        assert torch.equal(S.torch_from_blob(r["aux_hidden"], (T, 3, I.HIDDEN), "bfloat16"), want)
+        for col, shape in (("aux_hidden", (T, 3, I.HIDDEN)), ("last_hidden", (T, I.HIDDEN))):
+            want = S.decode_fp8(rows[r["sample_id"]][col], shape).to(torch.bfloat16)
+            assert torch.equal(S.torch_from_blob(r[col], shape, "bfloat16"), want), col

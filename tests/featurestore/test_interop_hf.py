@@ -46,14 +46,14 @@ def test_tensor_columns_round_trip(tmp_path, target, dtype, storage):
     assert len(ds) == len(rows)
     for got in ds:
         r, T = rows[got["sample_id"]], int(got["num_tokens"])
-        if storage == "fp8_e4m3":
-            aux = S.decode_fp8(r["aux_hidden"], (T, 3, m.hidden_size)).to(torch.bfloat16).float()
-        else:
-            aux = S.torch_from_blob(r["aux_hidden"], (T, 3, m.hidden_size), dtype)
-        assert got["aux_hidden"].shape == (T, 3, m.hidden_size)
-        # bit for bit: float32/float16 as stored, bfloat16 widened exactly (narrowing gives the stored bits)
-        assert torch.equal(torch.from_numpy(got["aux_hidden"]).to(aux.dtype), aux)
-        assert got["last_hidden"].shape == (T, m.hidden_size)
+        for col, shape in (("aux_hidden", (T, 3, m.hidden_size)), ("last_hidden", (T, m.hidden_size))):
+            if storage == "fp8_e4m3":
+                want = S.decode_fp8(r[col], shape).to(torch.bfloat16).float()
+            else:
+                want = S.torch_from_blob(r[col], shape, dtype)
+            assert got[col].shape == shape, col
+            # bit for bit: float32/float16 as stored, bfloat16 widened exactly (narrowing gives the stored bits)
+            assert torch.equal(torch.from_numpy(got[col]).to(want.dtype), want), col
 
 
 #: The child: peak anonymous memory growth of ``featurestore export --format hf --with-tensors`` of each

@@ -177,10 +177,16 @@ def test_trainer_reader_reads_s3_bit_exactly(s3, tmp_path):
     order = [4, 0, 5, 2]
     with SampleReader(store.dataset(local, store.FEATURES)) as a, SampleReader(store.dataset(remote, store.FEATURES)) as b:
         assert all(v is None for f in b._files.values() for v in f.values())  # no local file: Lance's blob reader
-        for x, y in zip(a.read(order), b.read(order)):
-            assert np.array_equal(x.input_ids, y.input_ids)
-            assert x.aux_stored().view(-1).numpy().tobytes() == y.aux_stored().view(-1).numpy().tobytes()
-            assert x.last_stored().view(-1).numpy().tobytes() == y.last_stored().view(-1).numpy().tobytes()
+        xs, ys = list(a.read(order)), list(b.read(order))
+        assert [x.index for x in xs] == [y.index for y in ys] == order
+        rows = t.to_pylist()
+        for x, y in zip(xs, ys, strict=True):
+            written = rows[y.index]  # the bytes appended, not only what the local reader says
+            assert list(y.input_ids) == list(x.input_ids) == written["input_ids"]
+            assert y.aux_stored().view(-1).numpy().tobytes() == x.aux_stored().view(-1).numpy().tobytes() \
+                == written["aux_hidden"]
+            assert y.last_stored().view(-1).numpy().tobytes() == x.last_stored().view(-1).numpy().tobytes() \
+                == written["last_hidden"]
 
 
 def test_recipe_storage_options_reach_lance_and_pyarrow(s3, monkeypatch):

@@ -33,7 +33,10 @@ T = TypeVar("T")
 
 
 def short_text(text: str, limit: int = 80) -> str:
-    """``text`` cut to at most ``limit`` characters (ending in '...'), for messages that echo input."""
+    """``text`` cut to at most ``limit`` characters (ending in '...'), for messages that echo input;
+    a newline or another control character is escaped (``\\n``), so the message stays one line."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -102,6 +105,24 @@ def _yaml():
             finally:
                 self._depth -= 1
 
+        def construct_mapping(self, node, deep=False):
+            # PyYAML keeps the last of two equal keys without a word, and reads `yes:`, `1:` or `~:` as
+            # True, 1 and None (then equal to `1:`, or turned into the text "None" by a config).
+            seen: set[str] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if not isinstance(key, str):
+                    text = key_node.value if isinstance(key_node, yaml.ScalarNode) else type(key).__name__
+                    raise _Refused(f"line {line}: the key {short_text(str(text), 40)} is read as "
+                                   f"{type(key).__name__}, not text; quote it")
+                if key in seen:
+                    raise _Refused(f"line {line}: the key {short(key, 40)} is given twice")
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
     return yaml, Loader
 
 
@@ -147,6 +168,34 @@ def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError) -> di
     return data
 
 
+#: Scalars a command line means as numbers or booleans (YAML 1.2's core schema). PyYAML reads YAML
+#: 1.1, where ``0601`` is octal 385, ``12:30`` is 750 (base 60), ``1_000`` is 1000 and yes/no/on/off
+#: are booleans: in an override those stay the text typed.
+_CORE_SCALAR = re.compile(r"true|True|TRUE|false|False|FALSE|[-+]?(0|[1-9][0-9]*)"
+                          r"|[-+]?(\.[0-9]+|[0-9]+\.[0-9]*)([eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
+                          r"|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)")
+#: Where YAML would start a comment: a '#' at the start or after a space.
+_COMMENT = re.compile(r"(^|\s)#")
+
+
+def override_value(raw: str) -> Any:
+    """The value of ``section.key=raw``: YAML (``[1, 2]``, ``{a: 1}``, ``null``, ``3``, ``1e-4``,
+    ``true``), except that YAML 1.1's other numbers and booleans (``0601``, ``12:30``, ``yes``) and
+    plain text holding `` #`` stay the text typed (a comment would silently drop the rest)."""
+    text = raw.strip()
+    if text == "":
+        return ""
+    if _COMMENT.search(text) and text[0] not in "[{'\"":
+        return raw
+    try:
+        value = parse_yaml(raw)
+    except InvalidYAML:  # not YAML (or refused, e.g. an alias): the plain string
+        return raw
+    if isinstance(value, (bool, int, float)) and not _CORE_SCALAR.fullmatch(text):
+        return raw
+    return value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Return a copy of ``data`` with ``a.b.c=value`` overrides applied (values parsed as YAML)."""
     out = copy.deepcopy(data)
@@ -157,10 +206,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         keys = dotted.strip().split(".")
         if not all(keys):
             raise ConfigError(f"override {short(item)} has an empty key")
-        try:
-            value = parse_yaml(raw) if raw != "" else ""
-        except InvalidYAML:  # not YAML (or refused, e.g. an alias): the plain string
-            value = raw
+        value = override_value(raw)
         node = out
         for k in keys[:-1]:
             nxt = node.get(k)

@@ -51,6 +51,11 @@ class Recipe:
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
     """Load, override and validate a recipe. Raises :class:`ConfigError` naming the bad key."""
+    if path is not None and not str(path).strip():
+        raise ConfigError("--recipe: empty path")
+    if path is None and not Path(DEFAULT_RECIPE).is_file():
+        raise ConfigError(f"{DEFAULT_RECIPE}: file not found (the default recipe, read from the current "
+                          "directory: run from an eaglenest checkout or give --recipe)")
     path = str(path or DEFAULT_RECIPE)
     data = apply_overrides(load_yaml(path), list(overrides or []))
     unknown = sorted(map(str, set(data) - set(SECTIONS)))

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from eaglenest.config import apply_overrides, build
+from eaglenest.config import apply_overrides, build, load_yaml
 from eaglenest.errors import ConfigError
 from eaglenest.recipe import load_recipe
 
@@ -59,3 +59,60 @@ def test_recipe_overrides_are_validated(root, monkeypatch):
         load_recipe("recipes/toy.yaml", ["train.no_such_key=1"])
     with pytest.raises(ConfigError, match="bogus: unknown recipe section"):
         load_recipe("recipes/toy.yaml", ["bogus.x=1"])
+
+
+@pytest.mark.parametrize("raw,value", [
+    ("0601", "0601"), ("007", "007"), ("12:30", "12:30"), ("1_000", "1_000"), ("0x1F", "0x1F"),  # YAML 1.1 numbers
+    ("yes", "yes"), ("off", "off"),  # YAML 1.1 booleans
+    ("/tmp/x #y", "/tmp/x #y"), ("#1", "#1"),  # a comment would drop the rest silently
+    ("3", 3), ("-2", -2), ("0", 0), ("1.5", 1.5), (".5", 0.5), ("1.0e-4", 1e-4), ("true", True), ("False", False),
+    ("null", None), ("~", None), ("", ""), ("  ", ""), ("[1, 2]", [1, 2]), ("{a: 1}", {"a": 1}),
+    ('"run #3"', "run #3"), ("a#b", "a#b"),
+])
+def test_override_values_are_yaml_core_scalars_or_the_text_typed(raw, value):
+    """``train.track.run_name=0601`` is the name typed, not 385 (YAML 1.1 octal); a number that looks
+    like one (``3``, ``1.5``) is still a number."""
+    out = apply_overrides({}, [f"a.b={raw}"])["a"]["b"]
+    assert out == value and type(out) is type(value)
+
+
+def test_run_name_override_keeps_leading_zeros(root, monkeypatch):
+    monkeypatch.chdir(root)
+    assert load_recipe("recipes/toy.yaml", ["train.track.run_name=0601"]).train.track.run_name == "0601"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("run:\n  workdir: /tmp/a\nrun:\n  target: x\n", "line 3: the key 'run' is given twice"),
+    ("train:\n  num_epochs: 3\n  num_epochs: 4\n", "line 3: the key 'num_epochs' is given twice"),
+    ("domains:\n  yes: {}\n", "line 2: the key yes is read as bool, not text; quote it"),
+    ("domains:\n  1: {}\n  '1': {}\n", "line 2: the key 1 is read as int, not text"),
+    ("domains:\n  ~: {}\n", "line 2: the key ~ is read as NoneType"),
+])
+def test_repeated_and_non_text_keys_are_refused(tmp_path, text, message):
+    """PyYAML keeps the last of two equal keys without a word (a second ``run:`` would drop the
+    first's workdir), and turns ``yes:`` / ``1:`` / ``~:`` into True / 1 / None."""
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_yaml(p)
+    assert message in str(err.value) and str(p) in str(err.value)
+
+
+def test_merge_keys_may_repeat_a_key_they_bring(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("c:\n  <<: {a: 1, b: 2}\n  a: 3\n")
+    assert load_yaml(p) == {"c": {"a": 3, "b": 2}}
+
+
+def test_control_characters_in_an_echoed_key_stay_on_one_line():
+    with pytest.raises(ConfigError) as err:
+        build(Outer, {"required": "r", "inner": {"na\nme": 1}})
+    assert "\n" not in str(err.value) and "inner.na\\nme: unknown key" in str(err.value)
+
+
+def test_default_recipe_outside_a_checkout_says_how_to_give_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="default recipe.*give --recipe"):
+        load_recipe()
+    with pytest.raises(ConfigError, match="--recipe: empty path"):
+        load_recipe("")

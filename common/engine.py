@@ -33,6 +33,11 @@ from eaglenest.paths import read_json_object
 
 log = logging.getLogger(__name__)
 
+#: Bounds vLLM enforces only once an engine runs, checked at config time: ``SamplingParams``'
+#: temperature, and the engine seed (vLLM seeds numpy with it, which takes [0, 2**32 - 1]).
+MAX_TEMPERATURE = 2.0
+MAX_SEED = 2**32 - 1
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
@@ -81,6 +86,8 @@ class EngineConfig:
         for key, low in (("max_model_len", 16), ("max_num_seqs", 1), ("tensor_parallel_size", 1)):
             if getattr(self, key) < low:
                 raise ConfigError(f"{where}.{key}: must be >= {low}, got {getattr(self, key)}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"{where}.seed: must be in [0, {MAX_SEED}], got {self.seed}")
         if not 0 < self.memory_fraction <= 1:
             raise ConfigError(f"{where}.memory_fraction: must be in (0, 1], got {self.memory_fraction}")
         if self.in_process and self.tensor_parallel_size > 1:

@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 
 from eaglenest.errors import ConfigError
+from eaglenest.paths import user_path
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def check_target(target: str | Path) -> None:
     model directory (no such directory, or no ``config.json`` in it). A hub id (``name`` or
     ``namespace/name``) is left to transformers."""
     text = str(target)
-    root = Path(text).expanduser()
+    root = user_path(text, "run.target", error=ConfigError, resolve=False)  # a NUL, ~nosuchuser, a loop: one line
     if root.exists():
         if not root.is_dir() or not (root / "config.json").is_file():
             raise ConfigError(f"run.target: {text} is not a model directory (no config.json in it)")

@@ -9,11 +9,14 @@ before the command has accepted all of its input passes ``keep=False``: the dire
 are removed again, so a refused command leaves nothing behind. Every output folder is then made by
 :func:`make_dir`, which turns what the OS refuses (read-only filesystem, permissions, disk full, a
 file in the way) into the project's one line naming the key to change. Object-store URIs
-(``s3://...``) are left to their own client: only local paths are checked.
+(``s3://...``) are left to their own client: only local paths are checked. A path a user typed goes
+through :func:`user_path` first, which turns what ``pathlib`` raises on awkward paths (a NUL byte, an
+unknown user in ``~``, a symlink loop, a name too long) into that same one line.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -22,15 +25,51 @@ from pathlib import Path
 from eaglenest.errors import EaglenestError, StoreError
 
 
-def _shown(path: str | Path) -> str:
-    text = str(path)
+def shown_path(path: str | Path) -> str:
+    """``path`` for an error line: control characters escaped, at most 120 characters."""
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(path))  # a NUL or newline stays visible
     return text if len(text) <= 120 else "..." + text[-117:]  # the end of a path says the most
+
+
+#: What the OS says of a path no one can use, in the words of an error line.
+_AWKWARD = {errno.ELOOP: "symlink loop", errno.ENAMETOOLONG: "name too long"}
+
+
+def user_path(path: str | Path, key: str, *, error: type[EaglenestError], base_dir: str | Path | None = None,
+              resolve: bool = True) -> Path:
+    """``path`` as given under ``key``: ``~`` expanded, made absolute against ``base_dir`` (when given
+    and ``path`` is relative) and, with ``resolve``, its symlinks resolved. A path the OS cannot take
+    (a NUL byte, an unknown user in ``~``, a symlink loop, a name too long) is ``error`` naming
+    ``key`` and the path, one line; a path that does not exist is fine (the caller says what it needs)."""
+    text = str(path)
+    try:
+        if "\0" in text:
+            raise ValueError("embedded null byte")
+        p = Path(text).expanduser()
+        if base_dir is not None and not p.is_absolute():
+            p = Path(base_dir) / p
+        if resolve:
+            p = p.resolve()
+        try:
+            os.stat(p)
+        except OSError as exc:  # a missing path, or one the caller's own check reports (permissions)
+            if exc.errno in _AWKWARD:
+                raise
+    except ValueError:
+        why = "contains a NUL byte"
+    except RuntimeError as exc:  # pathlib's words for a loop met while resolving, and for ~user
+        why = "symlink loop" if "loop" in str(exc).lower() else "unknown user in ~"
+    except OSError as exc:
+        why = _AWKWARD[exc.errno]
+    else:
+        return p
+    raise error(f"{key}: {shown_path(text)}: {why}") from None
 
 
 def _refusal(exc: OSError, path: str | Path, key: str, error: type[EaglenestError]) -> EaglenestError:
     if isinstance(exc, FileExistsError):
-        return error(f"{key}: {_shown(path)} is a file, not a directory")
-    return error(f"{key}: cannot write to {_shown(path)} ({exc.strerror or type(exc).__name__})")
+        return error(f"{key}: {shown_path(path)} is a file, not a directory")
+    return error(f"{key}: cannot write to {shown_path(path)} ({exc.strerror or type(exc).__name__})")
 
 
 def _missing(p: Path) -> list[Path]:
@@ -45,7 +84,7 @@ def _missing(p: Path) -> list[Path]:
 def make_dir(path: str | Path, key: str, *, error: type[EaglenestError] = StoreError) -> Path:
     """Create directory ``path`` and its parents (an existing one is fine); an OS refusal is
     ``error`` naming ``key``, one line. Returns the path."""
-    p = Path(path).expanduser()
+    p = user_path(path, key, error=error, resolve=False)
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -61,7 +100,7 @@ def ensure_writable(path: str | Path, key: str, *, error: type[EaglenestError] =
     text = str(path)
     if "://" in text:
         return
-    p = Path(text).expanduser()
+    p = user_path(text, key, error=error, resolve=False)
     created = _missing(p)
     try:
         make_dir(p, key, error=error)

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Literal
 
 from eaglenest.config import short
-from eaglenest.engine import EngineConfig
+from eaglenest.engine import MAX_TEMPERATURE, EngineConfig
 from eaglenest.errors import ConfigError
 
 #: Context buckets of the issue: prompt lengths in tokens (1K .. 32K).
@@ -116,3 +116,13 @@ class EvaluateConfig:
                               f"got {short(self.parity_min_identical)}")
         if self.bucket_prompts < 1 or self.throughput_prompts < 1:
             raise ConfigError("evaluate.bucket_prompts / evaluate.throughput_prompts: must be >= 1")
+        # What vLLM's SamplingParams refuses only once an engine runs: max_tokens >= 1, temperature in [0, 2].
+        for key in ("max_tokens", "bucket_max_tokens", "throughput_max_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"evaluate.{key}: must be >= 1, got {short(getattr(self, key))}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
+            raise ConfigError(f"evaluate.temperature: must be in [0, {MAX_TEMPERATURE:g}], "
+                              f"got {short(self.temperature)}")
+        if self.max_prompts_per_domain < 0:
+            raise ConfigError(f"evaluate.max_prompts_per_domain: must be >= 0 (0: all), "
+                              f"got {short(self.max_prompts_per_domain)}")

@@ -3,6 +3,7 @@ only when a subcommand runs: it pulls in the feature store and pyarrow."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -13,8 +14,8 @@ from eaglenest.hf import check_remote_code
 from eaglenest.ingest import compose, contamination
 from eaglenest.ingest.backends import chat_kwargs
 from eaglenest.ingest.build import build
-from eaglenest.ingest.manifest import ManifestProblems, load_manifest
-from eaglenest.ingest.pool import load_pool, load_source
+from eaglenest.ingest.manifest import Dedup, ManifestProblems, input_file, load_manifest
+from eaglenest.ingest.pool import build_pool, load_pool, load_source
 from eaglenest.paths import ensure_writable
 from eaglenest.provenance import write_json_atomic, write_provenance
 
@@ -26,16 +27,7 @@ def cmd_validate(recipe, args) -> int:
     path = args.manifest or recipe.ingest.manifest
     try:
         m = load_manifest(path)
-        # The rows of local sources too (an empty file, a bad JSON line, a missing column), which
-        # `ingest build` would refuse: hub datasets are left to `ingest build` (a download).
-        problems = []
-        for name, d in m.domains.items():
-            for i, src in enumerate(d.sources):
-                if src.path:
-                    try:
-                        load_source(src, where=f"domains.{name}.sources[{i}]")
-                    except ManifestError as exc:
-                        problems.append(str(exc))
+        problems = read_inputs(m, path)
         if problems:
             raise ManifestProblems(problems)
     except ManifestProblems as exc:
@@ -47,6 +39,41 @@ def cmd_validate(recipe, args) -> int:
         return 2
     print(f"{path}: ok ({len(m.domains)} domains, manifest hash {m.content_hash()})")
     return 0
+
+
+def read_inputs(m, path) -> list[str]:
+    """Every problem ``ingest build`` would find reading the manifest's local files, one line each:
+    the rows of local sources (an empty file, a bad JSON line, a missing column), the evaluation files,
+    and an empty pool. Hub datasets are left to ``ingest build`` (a download)."""
+    problems, loaded = [], {}
+    for name, d in m.domains.items():
+        for i, src in enumerate(d.sources):
+            if src.path:
+                try:
+                    loaded.setdefault(name, []).extend(load_source(src, where=f"domains.{name}.sources[{i}]"))
+                except ManifestError as exc:
+                    problems.append(str(exc))
+    for kind in ("mt_bench", "speed_bench"):
+        for i, file in enumerate(getattr(m.contamination, kind)):
+            key = f"contamination.{kind}[{i}]"
+            try:
+                contamination.load_eval_prompts(input_file(file, None, key=key), where=key)
+            except ManifestError as exc:
+                problems.append(str(exc))
+    # The pool as `ingest build` finds it before its token caps and contamination check (those need
+    # the target's tokenizer), when every row is here (no hub source, no composing): empty is empty.
+    if not problems and all(d.compose is None and all(s.path for s in d.sources) for d in m.domains.values()):
+        report: dict = {}
+        if not build_pool(dataclasses.replace(m, dedup=Dedup()), loaded, count_tokens=lambda _: 0, report=report):
+            problems.append(empty_pool(path, report, contaminated=0))
+    return problems
+
+
+def empty_pool(path, pool_report: dict, contaminated: int) -> str:
+    """The one line for a manifest whose prompt pool is empty (``pool_report``: build_pool's counts)."""
+    n = {k: sum(c[k] for c in pool_report.get("domains", {}).values()) for k in ("rows", "empty", "kept")}
+    return (f"{path}: the prompt pool is empty ({n['rows']} rows read: {n['empty']} empty, {n['kept']} kept "
+            f"after dedup and caps, {contaminated} of them contaminated)")
 
 
 def check_long(manifest, recipe) -> None:
@@ -74,13 +101,11 @@ def cmd_build(recipe, args) -> int:
                      trust_remote_code=recipe.run.trust_remote_code)
     pool, report = contamination.check(pool, manifest)
     if not pool:
-        n = {k: sum(c[k] for c in pool_report["domains"].values()) for k in ("rows", "empty", "kept")}
-        raise ManifestError(f"{args.manifest or recipe.ingest.manifest}: the prompt pool is empty ({n['rows']} "
-                            f"rows read: {n['empty']} empty, {n['kept']} kept after dedup and caps, "
-                            f"{report['contaminated']} of them contaminated)")
+        raise ManifestError(empty_pool(args.manifest or recipe.ingest.manifest, pool_report, report["contaminated"]))
     check_long(manifest, recipe)  # composed conversations: positions and memory, before any engine
     out = recipe.run.path("ingest")
-    ensure_writable(out, "run.workdir")  # before any engine starts or anything is committed
+    # Before any engine starts or anything is committed; not kept: run.store may still be refused.
+    ensure_writable(out, "run.workdir", keep=False)
     ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
     stats = build(manifest, pool, target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.ingest,
                   off_policy=recipe.run.off_policy, trust_remote_code=recipe.run.trust_remote_code,

@@ -15,36 +15,37 @@ near-duplicate removal (:mod:`eaglenest.ingest.neardup`, MinHash + LSH) is built
 from __future__ import annotations
 
 import collections
-import json
 import logging
 from pathlib import Path
 
 from eaglenest.errors import ManifestError
-from eaglenest.ingest.manifest import Manifest, resolve_path
+from eaglenest.ingest.manifest import Manifest, input_file
 from eaglenest.ingest.neardup import jaccard, shingles
-from eaglenest.ingest.pool import PoolEntry
+from eaglenest.ingest.pool import PoolEntry, json_kind, json_lines, read_text, text_value
 from eaglenest.text import content_key
 
 log = logging.getLogger(__name__)
 
 
 def load_eval_prompts(path: str | Path, *, where: str) -> list[str]:
+    """The prompts of one evaluation file (JSONL; see the module docstring). Prompts must be strings
+    of valid Unicode, as in a source; anything else is a ManifestError naming ``where``, file and line."""
     out = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise ManifestError(f"{where}: line {i + 1} of {path} is not JSON") from None
+    for n, row in json_lines(read_text(Path(path), str(path), where), str(path), where):
+        at = f"{where}: line {n} of {path}"
+        if not isinstance(row, dict):
+            raise ManifestError(f"{at} is {json_kind(row)}, not an object")
         if isinstance(row.get("turns"), list):
-            out += [str(t) for t in row["turns"]]
+            out += [text_value(t, f"turn {j}", at) for j, t in enumerate(row["turns"])]
         elif isinstance(row.get("messages"), list):
-            out += [str(m.get("content", "")) for m in row["messages"] if m.get("role") == "user"]
+            if not all(isinstance(m, dict) for m in row["messages"]):
+                raise ManifestError(f"{at}: 'messages' is not a list of messages")
+            out += [text_value(m.get("content"), f"message {j} (user) content", at)
+                    for j, m in enumerate(row["messages"]) if m.get("role") == "user"]
         elif "prompt" in row:
-            out.append(str(row["prompt"]))
+            out.append(text_value(row["prompt"], "column 'prompt'", at))
         else:
-            raise ManifestError(f"{where}: line {i + 1} of {path} has no 'turns', 'messages' or 'prompt'")
+            raise ManifestError(f"{at} has no 'turns', 'messages' or 'prompt'")
     return out
 
 
@@ -70,7 +71,8 @@ def check(pool: list[PoolEntry], manifest: Manifest, *, base_dir=None) -> tuple[
     evals: list[str] = []
     for kind in ("mt_bench", "speed_bench"):
         for i, path in enumerate(getattr(c, kind)):
-            evals += load_eval_prompts(resolve_path(path, base_dir), where=f"contamination.{kind}[{i}]")
+            key = f"contamination.{kind}[{i}]"
+            evals += load_eval_prompts(input_file(path, base_dir, key=key), where=key)
     eval_keys = {content_key(t) for t in evals}
     threshold = c.near_duplicate_threshold
     near_eval = NearIndex(evals) if threshold else None

@@ -13,12 +13,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
-from eaglenest.config import build, load_yaml, to_dict
+from eaglenest.config import build, load_yaml, short_text, to_dict
+from eaglenest.engine import MAX_TEMPERATURE
 from eaglenest.errors import ManifestError
 from eaglenest.material import DOCUMENT_KINDS
+from eaglenest.paths import shown_path, user_path
 
 MANIFEST_VERSION = 1
 
@@ -75,6 +78,9 @@ class Compose:
     #: Tokens budgeted for each answer while composing (null: generation.max_tokens, an upper bound).
     answer_tokens: int | None = None
 
+
+#: Domain names: they go into sample ids (``<domain>-<hash>``) and file names.
+DOMAIN_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 #: Longest composed conversation accepted (tokens); an engine's positions are checked at build time.
 MAX_COMPOSE_TOKENS = 1 << 20
@@ -177,6 +183,8 @@ def load_manifest(path: str | Path, *, base_dir: str | Path | None = None) -> Ma
     if isinstance(gen, dict) and isinstance(gen.get("reasoning"), bool):  # YAML 1.1 reads `off` as False
         gen["reasoning"] = "on" if gen["reasoning"] else "off"
     problems: list[str] = []
+    if data.get("held_out_fraction") is not None and data.get("held_out_count") is not None:  # as in a domain
+        problems.append("held_out_count: give held_out_fraction or held_out_count, not both")
     manifest = build(Manifest, data, error=ManifestError, problems=problems)
     if manifest is not None:
         problems += check(manifest, base_dir=base_dir)
@@ -205,8 +213,8 @@ def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
     g = m.generation
     if g.max_tokens < 1:
         p.append("generation.max_tokens: must be at least 1")
-    if g.temperature < 0:
-        p.append(f"generation.temperature: {g.temperature} is negative")
+    if not 0.0 <= g.temperature <= MAX_TEMPERATURE:  # vLLM's SamplingParams bounds (NaN fails too)
+        p.append(f"generation.temperature: {g.temperature} is not in [0, {MAX_TEMPERATURE:g}]")
     c = m.contamination
     if c.near_duplicate_threshold is not None and not 0.0 < c.near_duplicate_threshold <= 1.0:
         p.append(f"contamination.near_duplicate_threshold: {c.near_duplicate_threshold} is not in (0, 1]")
@@ -219,12 +227,14 @@ def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
         p.append(f"dedup.num_perm: {dd.num_perm} is not in [8, 1024]")
     for kind in ("mt_bench", "speed_bench"):
         for i, path in enumerate(getattr(c, kind)):
-            if not resolve_path(path, base_dir).is_file():
-                p.append(f"contamination.{kind}[{i}]: file not found: {path}")
+            try:
+                input_file(path, base_dir, key=f"contamination.{kind}[{i}]")
+            except ManifestError as exc:
+                p.append(str(exc))
     for name, d in m.domains.items():
-        where = f"domains.{name}"
-        if not name.replace("_", "").replace("-", "").isalnum():
-            p.append(f"{where}: domain names use letters, digits, '-' and '_'")
+        where = f"domains.{short_text(name)}"  # a name with a newline stays one line
+        if not DOMAIN_NAME.fullmatch(name):  # ASCII: names go into sample ids and file names
+            p.append(f"{where}: domain names use ASCII letters, digits, '-' and '_'")
         if d.cap_prompts is None and d.cap_tokens is None:
             p.append(f"{where}.cap_prompts: required key is missing (give cap_prompts and/or cap_tokens)")
         for key in ("cap_prompts", "cap_tokens"):
@@ -294,16 +304,27 @@ def _check_source(where: str, s: Source, m: Manifest, base_dir: str | Path | Non
         if not s.provenance:
             p.append(f"{where}.provenance: required (or set allow_unlicensed: true)")
     if s.path:
-        path = resolve_path(s.path, base_dir)
-        if not path.is_file():
-            p.append(f"{where}.path: file not found: {s.path}")
-        elif path.suffix not in (".jsonl", ".json", ".parquet"):
-            p.append(f"{where}.path: {path.suffix or 'no suffix'} is not .jsonl, .json or .parquet")
+        try:
+            path = input_file(s.path, base_dir, key=f"{where}.path")
+        except ManifestError as exc:
+            p.append(str(exc))
+        else:
+            if path.suffix not in (".jsonl", ".json", ".parquet"):
+                p.append(f"{where}.path: {path.suffix or 'no suffix'} is not .jsonl, .json or .parquet")
     return p
 
 
-def resolve_path(path: str, base_dir: str | Path | None) -> Path:
-    """A source path made absolute (``~`` expanded, symlinks resolved) against ``base_dir`` or cwd."""
-    p = Path(path).expanduser()
-    p = p if p.is_absolute() or base_dir is None else Path(base_dir) / p
-    return p.resolve()
+def resolve_path(path: str, base_dir: str | Path | None, *, key: str) -> Path:
+    """A source path made absolute (``~`` expanded, symlinks resolved) against ``base_dir`` or cwd;
+    one the OS cannot take (a NUL byte, a symlink loop, ...) is a ManifestError naming ``key``."""
+    return user_path(path, key, error=ManifestError, base_dir=base_dir)
+
+
+def input_file(path: str, base_dir: str | Path | None, *, key: str) -> Path:
+    """:func:`resolve_path` of a file to read; ManifestError naming ``key`` if it is not one."""
+    p = resolve_path(path, base_dir, key=key)
+    if p.is_dir():
+        raise ManifestError(f"{key}: {shown_path(path)} is a directory, not a file")
+    if not p.is_file():
+        raise ManifestError(f"{key}: file not found: {shown_path(path)}")
+    return p

@@ -25,7 +25,7 @@ from eaglenest.errors import ManifestError, require
 from eaglenest.hf import load_tokenizer
 from eaglenest.text import content_key, normalise
 from eaglenest.ingest import compose
-from eaglenest.ingest.manifest import Manifest, Source, resolve_path
+from eaglenest.ingest.manifest import Manifest, Source, input_file
 from eaglenest.ingest.neardup import NearDupIndex
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,7 @@ def _unit(key: str, salt: str) -> float:
 def _read_rows(src: Source, where: str, base_dir) -> tuple[list, str]:
     """The raw rows of one source; unreadable data (binary, not UTF-8, corrupt) is a ManifestError."""
     if src.path:
-        p = resolve_path(src.path, base_dir)
-        if not p.is_file():
-            raise ManifestError(f"{where}.path: file not found: {src.path}")
+        p = input_file(src.path, base_dir, key=f"{where}.path")
         if p.suffix == ".parquet":
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -71,36 +69,41 @@ def _read_rows(src: Source, where: str, base_dir) -> tuple[list, str]:
             except (pa.ArrowException, OSError) as exc:
                 raise ManifestError(f"{where}.path: {src.path} is not a readable Parquet file "
                                     f"({_short(exc)})") from None
-        data = p.read_bytes()
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            line = data.count(b"\n", 0, exc.start) + 1
-            raise ManifestError(f"{where}.path: {src.path} line {line} is not UTF-8 text "
-                                f"(byte {exc.start}; binary file?)") from None
+        text = read_text(p, src.path, f"{where}.path")
         if p.suffix == ".jsonl":
-            return _json_lines(text, src.path, where), str(src.path)
+            return [row for _, row in json_lines(text, src.path, f"{where}.path")], str(src.path)
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ManifestError(f"{where}.path: {src.path} is not valid JSON ({exc})") from None
         if not isinstance(rows, list):
-            raise ManifestError(f"{where}.path: {src.path} holds {_kind(rows)}, not a list of rows")
+            raise ManifestError(f"{where}.path: {src.path} holds {json_kind(rows)}, not a list of rows")
         return rows, str(src.path)
     datasets = require("datasets")
     ds = datasets.load_dataset(src.hf_id, src.hf_config or None, split=src.hf_split)
     return list(ds), f"hf:{src.hf_id}/{src.hf_config or 'default'}/{src.hf_split}"
 
 
-def _json_lines(text: str, path: str, where: str) -> list:
+def read_text(p: Path, path: str, key: str) -> str:
+    """The UTF-8 text of file ``p`` (``path`` as the user wrote it); ManifestError naming ``key`` if not."""
+    data = p.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ManifestError(f"{key}: {path} line {line} is not UTF-8 text (byte {exc.start}; binary file?)") from None
+
+
+def json_lines(text: str, path: str, key: str) -> list[tuple[int, object]]:
+    """``(line number, value)`` of every non-blank JSONL line; a bad line is a ManifestError naming ``key``."""
     rows = []
     for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 etc. may sit inside a string
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            rows.append((n, json.loads(line)))
         except json.JSONDecodeError as exc:
-            raise ManifestError(f"{where}.path: {path} line {n} is not valid JSON ({exc.msg}, "
+            raise ManifestError(f"{key}: {path} line {n} is not valid JSON ({exc.msg}, "
                                 f"column {exc.colno})") from None
     return rows
 
@@ -111,7 +114,7 @@ def _short(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _kind(value) -> str:
+def json_kind(value) -> str:
     """What a non-string value is, in JSON words (errors name the type, never echo the value)."""
     if value is None:
         return "null"
@@ -128,21 +131,27 @@ def _kind(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def _text(value, what: str, where: str, *, null_ok: bool = False) -> str:
-    """``value`` if it is a string ('' for null when ``null_ok``); otherwise a ManifestError."""
+def text_value(value, what: str, where: str, *, null_ok: bool = False) -> str:
+    """``value`` if it is a string of valid Unicode ('' for null when ``null_ok``); otherwise a
+    ManifestError. JSON escapes can spell a lone surrogate (``"\\ud800"``), which no UTF-8 writer takes."""
     if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ManifestError(f"{where}: {what} is not valid Unicode text (a lone surrogate)") from None
         return value
     if value is None and null_ok:
         return ""
-    raise ManifestError(f"{where}: {what} is {_kind(value)}, not a string")
+    raise ManifestError(f"{where}: {what} is {json_kind(value)}, not a string")
 
 
 def load_source(src: Source, *, where: str, base_dir: str | Path | None = None) -> list[dict]:
     """Rows of one source as dicts with ``prompt``, ``system``, ``later_turns`` (I/O edge).
 
-    Prompts and message contents must be strings (a null, number, list or object is refused, never
-    turned into the text "None" or "42"); a null system prompt counts as no system prompt. A source
-    with no rows at all is an error.
+    Prompts and message contents must be strings of valid Unicode (a null, number, list, object or
+    lone surrogate is refused, never turned into the text "None" or "42"); a null system prompt counts
+    as no system prompt, a conversation without a user turn as an empty prompt (counted, never kept).
+    A source with no rows at all is an error.
     """
     rows, label = _read_rows(src, where, base_dir)
     if not rows:
@@ -152,25 +161,23 @@ def load_source(src: Source, *, where: str, base_dir: str | Path | None = None) 
         col = src.messages_field or src.field
         key = "messages_field" if src.messages_field else "field"
         if not isinstance(row, dict):
-            raise ManifestError(f"{where}.{key}: row {i} of {label} is {_kind(row)}, not an object")
+            raise ManifestError(f"{where}.{key}: row {i} of {label} is {json_kind(row)}, not an object")
         if col not in row:
             raise ManifestError(f"{where}.{key}: row {i} of {label} has no column '{col}'")
-        system = (_text(row.get(src.system_field), f"column '{src.system_field}'",
-                        f"{where}.system_field: row {i} of {label}", null_ok=True)
+        system = (text_value(row.get(src.system_field), f"column '{src.system_field}'",
+                             f"{where}.system_field: row {i} of {label}", null_ok=True)
                   if src.system_field else "")
         if src.messages_field:
             msgs = row[col]
             if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
                 raise ManifestError(f"{where}.messages_field: row {i} of {label} is not a list of messages")
             at = f"{where}.messages_field: row {i} of {label}"
-            said = {r: [_text(m.get("content"), f"message {j} ({r}) content", at)
+            said = {r: [text_value(m.get("content"), f"message {j} ({r}) content", at)
                         for j, m in enumerate(msgs) if m.get("role") == r] for r in ("system", "user")}
             system = system or next(iter(said["system"]), "")
-            turns = said["user"]
-            if not turns:
-                continue
+            turns = said["user"] or [""]  # no user turn: an empty row (counted as such, never kept)
         else:
-            turns = [_text(row[col], f"column '{col}'", f"{where}.field: row {i} of {label}")]
+            turns = [text_value(row[col], f"column '{col}'", f"{where}.field: row {i} of {label}")]
         out.append({"prompt": turns[0], "later_turns": turns[1:], "system": system, "source": label})
     return out
 

@@ -47,11 +47,29 @@ def recipe(root):
     (ingest_main, ["build", "ingest.engine.tensor_parallel_size=0"], "ingest.engine.tensor_parallel_size"),
     (featurestore_main, ["capture", "featurestore.engine.max_num_seqs=0"], "featurestore.engine.max_num_seqs"),
     (evaluate_main, ["al", "evaluate.engine.memory_fraction=1.5"], "evaluate.engine.memory_fraction"),
+    (ingest_main, ["build", "ingest.engine.seed=-1"], "ingest.engine.seed"),  # numpy, seeded with it, refuses
+    (evaluate_main, ["al", "evaluate.engine.seed=4294967296"], "evaluate.engine.seed"),
 ])
 def test_engine_settings_are_checked_before_an_engine_starts(tmp_path, capsys, recipe, main, argv, key):
     work = tmp_path / "work"
     assert main([*argv, recipe, f"run.workdir={work}"]) == 2
     assert _one_line(capsys).startswith(f"{main.__module__.split('.')[1]}: error: {key}: must be")
+    assert not work.exists()
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("max_tokens", "0", "must be >= 1, got 0"),
+    ("max_tokens", "-1", "must be >= 1, got -1"),
+    ("temperature", "-1.0", "must be in [0, 2], got -1.0"),
+    ("temperature", "1e300", "must be in [0, 2], got 1e+300"),
+    ("bucket_max_tokens", "-1", "must be >= 1, got -1"),
+    ("throughput_max_tokens", "0", "must be >= 1, got 0"),
+    ("max_prompts_per_domain", "-1", "must be >= 0 (0: all), got -1"),
+])
+def test_sampling_values_vllm_refuses_are_refused_before_an_engine_starts(tmp_path, capsys, recipe, key, value, says):
+    work = tmp_path / "work"
+    assert evaluate_main(["al", recipe, f"run.workdir={work}", f"evaluate.{key}={value}"]) == 2
+    assert _one_line(capsys) == f"evaluate: error: evaluate.{key}: {says}"
     assert not work.exists()
 
 
@@ -80,6 +98,56 @@ def test_ingest_validate_reads_local_sources(tmp_path, capsys, recipe, data, say
     assert len(lines) == 2 and lines[0].startswith("domains.d.sources[0]") and says in lines[0], lines
     assert str(src) in lines[0] and lines[1] == f"ingest: error: {m}: 1 problem(s)"
     assert not work.exists()
+
+
+@pytest.mark.parametrize("data, rows, empty", [
+    ('{"messages": [{"role": "assistant", "content": "hi"}]}\n', 1, 1),
+    ('{"messages": []}\n', 1, 1),
+    ('{"messages": [{"role": "user", "content": "  "}]}\n{"messages": [{"role": "user", "content": ""}]}\n', 2, 2),
+])
+def test_ingest_validate_reports_an_empty_pool_as_build_does(tmp_path, capsys, recipe, data, rows, empty):
+    # Before: validate said ok, and build said "0 rows read" of a source with rows (skipped uncounted).
+    src = tmp_path / "src.jsonl"
+    src.write_text(data)
+    m = tmp_path / "m.yaml"
+    m.write_text(f"name: t\nlicence: CC0-1.0\ndomains:\n  d:\n    cap_prompts: 5\n    sources:\n"
+                 f"      - path: {src}\n        messages_field: messages\n        provenance: test\n")
+    work = tmp_path / "work"
+    says = (f"{m}: the prompt pool is empty ({rows} rows read: {empty} empty, 0 kept after dedup and caps, "
+            "0 of them contaminated)")
+    assert ingest_main(["validate", recipe, f"--manifest={m}", f"run.workdir={work}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [says, f"ingest: error: {m}: 1 problem(s)"]
+    assert ingest_main(["build", recipe, f"--manifest={m}", f"run.workdir={work}"]) == 2
+    assert _one_line(capsys) == f"ingest: error: {says}"
+    assert not work.exists()
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("run.target", "~nosuchuser_eaglenest/x", "~nosuchuser_eaglenest/x: unknown user in ~"),
+    ("run.workdir", "~nosuchuser_eaglenest/x", "~nosuchuser_eaglenest/x/ingest: unknown user in ~"),
+    ("run.store", "~nosuchuser_eaglenest/x", "~nosuchuser_eaglenest/x: unknown user in ~"),
+    ("run.target", "{tmp}/loop", "{tmp}/loop: symlink loop"),
+    ("run.workdir", "{tmp}/loop/w", "{tmp}/loop/w/ingest: symlink loop"),
+    ("run.workdir", "{tmp}/" + "w" * 5000, "/ingest: name too long"),
+])
+def test_awkward_run_paths_are_one_line_naming_the_key(tmp_path, capsys, recipe, key, value, says):
+    # Before: RuntimeError / OSError tracebacks from expanduser, mkdir and the writability check.
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    before = _files(tmp_path)
+    argv = ["build", recipe, f"run.workdir={tmp_path / 'work'}", f"{key}={value.format(tmp=tmp_path)}"]
+    assert ingest_main(argv) == 2
+    line = _one_line(capsys)
+    assert line.startswith(f"ingest: error: {key}: ") and line.endswith(says.format(tmp=tmp_path)), line
+    assert len(line) < 200 and _files(tmp_path) == before
+
+
+def test_a_store_refused_after_the_workdir_check_leaves_no_workdir(tmp_path, capsys, recipe):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    work = tmp_path / "x" / "wd"
+    assert ingest_main(["build", recipe, f"run.workdir={work}", f"run.store={afile / 'store'}"]) == 2
+    assert _one_line(capsys) == f"ingest: error: run.store: cannot write to {afile / 'store'} (Not a directory)"
+    assert _files(tmp_path) == ["afile"]  # before: x/wd/ingest was left behind
 
 
 @pytest.mark.parametrize("verb", [["show"], ["versions"], ["compact"], ["restore", "--v", "1"],

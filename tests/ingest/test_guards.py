@@ -81,6 +81,46 @@ def test_near_duplicates_of_heldout_prompts_are_flagged(tmp_path):
     assert contamination.check(off, _manifest(tmp_path))[1]["contaminated"] == 0
 
 
+@pytest.mark.parametrize("data, says", [
+    (b'{"turns": ["caf\xe9"]}\n', "line 1 is not UTF-8 text"),
+    (b'{"prompt": "a"}\n[1, 2]\n', "line 2 of {f} is a list, not an object"),
+    (b'{"messages": ["x"]}\n', "line 1 of {f}: 'messages' is not a list of messages"),
+    (b'{"turns": ["a", null]}\n', "line 1 of {f}: turn 1 is null, not a string"),  # was the prompt "None"
+    (b'{"turns": [1]}\n', "line 1 of {f}: turn 0 is a number, not a string"),
+    (b'{"messages": [{"role": "user", "content": 7}]}\n', "message 0 (user) content is a number"),
+    (b'{"prompt": "\\ud800"}\n', "line 1 of {f}: column 'prompt' is not valid Unicode text (a lone surrogate)"),
+])
+def test_an_eval_file_that_is_not_prompts_is_refused_by_validate_and_build_alike(tmp_path, capsys, data, says):
+    # Before: `ingest validate` said ok, `ingest build` crashed (UnicodeDecodeError, AttributeError,
+    # UnicodeEncodeError) or turned a null turn into the prompt "None".
+    from eaglenest.ingest.cli import main
+
+    bad = tmp_path / "eval.jsonl"
+    bad.write_bytes(data)
+    with pytest.raises(ManifestError, match=r"^contamination\.mt_bench\[0\]: "):
+        contamination.load_eval_prompts(bad, where="contamination.mt_bench[0]")
+    src = tmp_path / "src.jsonl"
+    src.write_text('{"prompt": "a"}\n')
+    m = tmp_path / "m.yaml"
+    m.write_text(f"name: t\nlicence: x\ncontamination:\n  mt_bench: [{bad}]\ndomains:\n  d:\n    cap_prompts: 5\n"
+                 f"    sources:\n      - path: {src}\n        provenance: p\n")
+    work = tmp_path / "work"
+    want = f"contamination.mt_bench[0]: {says.format(f=bad)}" if "{f}" in says else says
+    assert main(["validate", "--manifest", str(m), f"run.workdir={work}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("contamination.mt_bench[0]: ") and want in lines[0], lines
+    assert main(["build", "--manifest", str(m), f"run.workdir={work}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ingest: error: contamination.mt_bench[0]: ") and want in lines[0]
+    assert not work.exists()
+
+
+def test_a_line_separator_inside_an_eval_prompt_is_not_a_line_break(tmp_path):
+    path = tmp_path / "eval.jsonl"
+    path.write_text('{"prompt": "a\u2028b"}\n{"turns": ["c\u0085d"]}\n', encoding="utf-8")  # JSON allows both raw
+    assert contamination.load_eval_prompts(path, where="w") == ["a\u2028b", "c\u0085d"]
+
+
 DISK_FULL = textwrap.dedent("""
     import random, resource, signal, sys
     from eaglenest.config import build as b

@@ -123,3 +123,47 @@ def test_token_cap_and_heldout_count(tmp_path, src):
     rows = [{"prompt": f"p {i}", "system": "", "source": "s"} for i in range(20)]
     pool = build_pool(man, {"math": rows}, count_tokens=lambda t: 3)  # 3 tokens each: 3 fit in 10
     assert len(pool) == 3 and sum(e.split == "heldout" for e in pool) == 2
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (lambda t: t + "held_out_fraction: 0.5\nheld_out_count: 1\n",  # the count silently won
+     "held_out_count: give held_out_fraction or held_out_count, not both"),
+    (lambda t: t + "generation:\n  temperature: 3.0\n", "generation.temperature: 3.0 is not in [0, 2]"),
+    (lambda t: t.replace("  math:", "  é:"), "domains.é: domain names use ASCII letters, digits, '-' and '_'"),
+    (lambda t: t.replace("  math:", "  ١٢٣:"), "domains.١٢٣: domain names use ASCII letters"),
+    (lambda t: t.replace("  math:", "  ａｂ:"), "domains.ａｂ: domain names use ASCII letters"),
+    (lambda t: t.replace("  math:", '  "a\\nb":'), "domains.a\\nb: domain names use ASCII letters"),
+])
+def test_rules_that_were_too_loose_are_refused(tmp_path, capsys, src, edit, expected):
+    code, err, work = _run(tmp_path, capsys, edit(GOOD.format(src=src)))
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+    assert not work.exists()
+
+
+def _awkward_paths(tmp_path):
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    (tmp_path / "adir").mkdir()
+    return [(str(tmp_path / "loop1"), "symlink loop"), ("/tmp/a\\0b.jsonl", "contains a NUL byte"),
+            ("~nosuchuser_eaglenest/a.jsonl", "unknown user in ~"), ("/tmp/" + "a" * 5000 + ".jsonl", "name too long"),
+            (str(tmp_path / "adir"), "is a directory, not a file")]
+
+
+@pytest.mark.parametrize("verb", ["validate", "build"])
+def test_awkward_paths_are_one_line_naming_the_key(tmp_path, capsys, src, verb):
+    # Before: tracebacks (RuntimeError "Symlink loop", ValueError "embedded null byte", RuntimeError
+    # "Could not determine home directory", OSError ENAMETOOLONG) and "file not found" for a directory.
+    for path, why in _awkward_paths(tmp_path):
+        quoted = '"' + path + '"'  # YAML double quotes: \0 is a NUL
+        contaminated = GOOD.format(src=src) + f"contamination:\n  mt_bench: [{quoted}]\n"
+        for text, key in ((GOOD.format(src=quoted), "domains.math.sources[0].path"),
+                          (contaminated, "contamination.mt_bench[0]")):
+            m = tmp_path / "m.yaml"
+            m.write_text(text)
+            work = tmp_path / "work"
+            assert main([verb, "--manifest", str(m), f"run.workdir={work}"]) == 2
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert len(lines) == (2 if verb == "validate" else 1), lines
+            assert lines[0].startswith(f"{key}: " if verb == "validate" else f"ingest: error: {key}: "), lines
+            assert lines[0].endswith(why) and len(lines[0]) < 250 and "\0" not in lines[0], lines
+            assert not work.exists()

@@ -1,6 +1,9 @@
+import pytest
+
 from eaglenest.config import build
-from eaglenest.ingest.manifest import Manifest
-from eaglenest.ingest.pool import build_pool, content_key, normalise
+from eaglenest.errors import ManifestError
+from eaglenest.ingest.manifest import Manifest, Source
+from eaglenest.ingest.pool import build_pool, content_key, load_source, normalise
 
 
 def _manifest(cap=100, held=0.25, raw=0.2):
@@ -52,3 +55,32 @@ def test_heldout_choice_is_stable_when_sources_grow():
     small = {e.sample_id: e.split for e in build_pool(m, {"a": _rows(50)})}
     big = {e.sample_id: e.split for e in build_pool(m, {"a": _rows(300)})}
     assert all(big[k] == v for k, v in small.items())
+
+
+@pytest.mark.parametrize("line, at", [
+    ('{"prompt": "\\ud800"}', "field: row 1 of {f}: column 'prompt'"),
+    ('{"prompt": "a", "sys": "\\udfff x"}', "system_field: row 1 of {f}: column 'sys'"),
+    ('{"msgs": [{"role": "user", "content": "\\ud83d"}]}', "messages_field: row 1 of {f}: message 0 (user) content"),
+])
+def test_a_lone_surrogate_is_refused_when_a_row_is_read(tmp_path, line, at):
+    # JSON escapes can spell one; it passed `ingest validate` and crashed `ingest build` (UnicodeEncodeError).
+    path = tmp_path / "src.jsonl"
+    path.write_text('{"prompt": "ok", "msgs": [{"role": "user", "content": "ok"}]}\n' + line + "\n")
+    src = Source(path=str(path), system_field="sys", messages_field="msgs" if "msgs" in line else "")
+    want = f"d.{at.format(f=path)} is not valid Unicode text (a lone surrogate)"
+    with pytest.raises(ManifestError) as exc:
+        load_source(src, where="d")
+    assert str(exc.value) == want
+
+
+def test_rows_without_a_user_turn_are_counted_as_empty(tmp_path):
+    # They were skipped uncounted: an empty pool said "0 rows read" of a source with rows.
+    path = tmp_path / "src.jsonl"
+    path.write_text('{"m": [{"role": "assistant", "content": "hi"}]}\n{"m": []}\n'
+                    '{"m": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}\n')
+    rows = load_source(Source(path=str(path), messages_field="m"), where="d")
+    assert [r["prompt"] for r in rows] == ["", "", "q"] and rows[2]["system"] == "s"
+    report: dict = {}
+    pool = build_pool(_manifest(), {"a": rows}, report=report)
+    assert [e.prompt for e in pool] == ["q"]
+    assert report["domains"]["a"] == {"rows": 3, "empty": 2, "exact_duplicates": 0, "near_duplicates": 0, "kept": 1}

@@ -23,9 +23,9 @@ from eaglenest.featurestore.table import store
 
 
 def _engine(target: str, *, draft: str | None, num_spec: int, mem: float, max_len: int,
-            trust_remote_code: bool = False):
+            trust_remote_code: bool = False, dtype: str = "auto"):
     extra = {"speculative_config": speculative_config(draft, num_spec)} if draft else {}
-    return make_llm(target, EngineConfig(max_model_len=max_len, memory_fraction=mem),
+    return make_llm(target, EngineConfig(max_model_len=max_len, memory_fraction=mem, dtype=dtype),
                     trust_remote_code=trust_remote_code, disable_log_stats=False, skip_tokenizer_init=True,
                     **extra)
 

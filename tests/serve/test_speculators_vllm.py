@@ -13,7 +13,6 @@ must be equal, not merely close.
 
 from __future__ import annotations
 
-import gc
 import json
 
 import pytest
@@ -89,25 +88,16 @@ def exports(tmp_path_factory, root, tiny_target):
             for fmt in ("vllm", "speculators")}, prompts
 
 
-def _run(model: str, prompts, **extra) -> tuple[list[list[int]], dict]:
-    from eaglenest.engine import EngineConfig, close_llm, make_llm
-    from eaglenest.serve.draft_check import _generate, spec_metrics
+def _run(model: str, prompts, draft: str | None = None) -> tuple[list[list[int]], dict]:
+    from eaglenest.serve.draft_check import _run as run
 
-    llm = make_llm(model, EngineConfig(dtype="float32", memory_fraction=0.15, max_model_len=512),
-                   disable_log_stats=False, skip_tokenizer_init=True, **extra)
-    try:
-        return _generate(llm, prompts, MAX_TOKENS), spec_metrics(llm)
-    finally:
-        close_llm(llm)
-        del llm
-        gc.collect()
+    return run(model, prompts, MAX_TOKENS, draft=draft, num_spec=K, mem=0.15, max_len=512, dtype="float32")
 
 
 def test_speculators_export_serves_like_the_default(exports, tiny_target):
     drafts, prompts = exports
     base, _ = _run(str(tiny_target), prompts)
-    default, m_default = _run(str(tiny_target), prompts, speculative_config={
-        "method": "eagle3", "model": str(drafts["vllm"]), "num_speculative_tokens": K})
+    default, m_default = _run(str(tiny_target), prompts, draft=str(drafts["vllm"]))  # method eagle3, K tokens
     spec, m_spec = _run(str(drafts["speculators"]), prompts)  # target and K from the draft's config.json
     print(f"\nAL default export {m_default['acceptance_length']:.4f}, speculators export "
           f"{m_spec['acceptance_length']:.4f} ({m_spec['spec_decode_num_drafts']:.0f} drafts)")

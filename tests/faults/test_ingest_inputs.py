@@ -21,6 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from eaglenest.featurestore.table import store as fs
+
 MANIFEST = """\
 name: hostile
 licence: CC0-1.0
@@ -310,6 +312,16 @@ def test_some_requests_failing_warn_and_keep_the_rest(root, tmp_path, tiny_targe
     warnings = [x for x in p.stderr.splitlines() if x.startswith("ingest: warning: ")]
     assert len(warnings) == 1 and f"{stats['failed']} of {stats['failed'] + stats['regenerated']} requests failed" \
         in warnings[0]
+    # The rest are kept: the prompts table holds exactly the regenerated rows, each with its response,
+    # and none of the failed requests.
+    rows = fs.read(str(tmp_path / "work" / "store"), fs.PROMPTS).to_pylist()
+    assert len(rows) == stats["regenerated"] > 0
+    assert all(r["response_token_ids"] and r["finish_reason"] == "stop" for r in rows)
+    prompts = [json.loads(r["messages_json"])[0]["content"] for r in rows]
+    assert all(x.startswith("good prompt ") for x in prompts), prompts
+    written = json.loads((tmp_path / "work" / "ingest" / "stats.json").read_text())
+    failed = {f["sample_id"] for f in written["failures"]}
+    assert len(failed) == stats["failed"] and not failed & {r["sample_id"] for r in rows}
 
 
 # -- two ingests at once (issue 10, case 2) -----------------------------------------------------------

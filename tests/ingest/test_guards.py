@@ -40,8 +40,8 @@ def mt_bench(tmp_path) -> str:
     return str(path)
 
 
-def _manifest(tmp_path, **contam):
-    return build(Manifest, {"name": "t", "licence": "x", "held_out_fraction": 0.3, "raw_fraction": 0.0,
+def _manifest(tmp_path, held_out_fraction=0.3, **contam):
+    return build(Manifest, {"name": "t", "licence": "x", "held_out_fraction": held_out_fraction, "raw_fraction": 0.0,
                             "contamination": contam,
                             "domains": {"a": {"cap_prompts": 100, "sources": [{"path": "x", "provenance": "p"}]}}})
 
@@ -55,18 +55,21 @@ def test_mt_bench_and_speed_bench_prompts_are_dropped_from_training(tmp_path, mt
     rows.append({"prompt": "  " + mt[0]["turns"][0].upper() + " ", "system": "", "source": "s"})  # same, reformatted
     rows.append({"prompt": "x", "later_turns": [mt[3]["turns"][1]], "system": "", "source": "s"})  # a later turn
     rows.append({"prompt": "summarise the SPEED bench passage about rivers.", "system": "", "source": "s"})
-    m = _manifest(tmp_path, mt_bench=[mt_bench], speed_bench=[str(speed)])
+    # No held-out split: every planted row is a training prompt, so each of the three checks (MT-Bench first
+    # turn, MT-Bench later turn, SPEED-Bench) must catch its own row.
+    m = _manifest(tmp_path, held_out_fraction=0.0, mt_bench=[mt_bench], speed_bench=[str(speed)])
     pool = build_pool(m, {"a": rows})
-    n_train = sum(e.split == "train" for e in pool)
+    planted = {e.sample_id for e in pool if not e.prompt.startswith("ordinary")}
+    assert len(planted) == 3 and all(e.split == "train" for e in pool)
     kept, report = contamination.check(pool, m)
     assert report["eval_prompts"] == sum(len(q["turns"]) for q in mt) + 1
-    bad = {e.sample_id for e in pool if e.split == "train"} - {e.sample_id for e in kept}
-    held_bad = sum(e.split == "heldout" and not e.prompt.startswith("ordinary") for e in pool)
-    assert report["contaminated"] == len(bad) == 3 - held_bad
-    assert len(kept) == len(pool) - len(bad) and n_train - len(bad) == sum(e.split == "train" for e in kept)
+    assert report["contaminated"] == 3 and report["by_reason"] == {"exact:eval": 3}
+    assert set(report["sample_ids"]) == planted
+    assert {e.sample_id for e in pool} - {e.sample_id for e in kept} == planted
+    assert len(kept) == len(pool) - 3
     with pytest.raises(ManifestError, match="^contamination: "):
-        contamination.check(pool, _manifest(tmp_path, mt_bench=[mt_bench], speed_bench=[str(speed)],
-                                            action="error"))
+        contamination.check(pool, _manifest(tmp_path, held_out_fraction=0.0, mt_bench=[mt_bench],
+                                            speed_bench=[str(speed)], action="error"))
 
 
 def test_near_duplicates_of_heldout_prompts_are_flagged(tmp_path):

@@ -31,6 +31,8 @@ from eaglenest.errors import ConfigError
 from eaglenest.evaluate.offline import load_draft
 from eaglenest.serve.export import export_draft
 from eaglenest.train import peagle
+from eaglenest.train.checkpoint import read_info
+from eaglenest.train.config import recommended_num_speculative_tokens
 
 _spec = importlib.util.spec_from_file_location(
     "_eaglenest_test_arch_helpers_peagle", Path(__file__).parent.parent / "archs" / "arch_helpers.py")
@@ -92,9 +94,11 @@ def test_peagle_speculators_export_as_vllm_reads_it(trained, tmp_path):
     raw = json.loads((draft / "config.json").read_text())
     assert raw["speculators_model_type"] == "peagle" and raw["architectures"] == ["PEagleSpeculator"]
     assert raw["speculators_config"]["algorithm"] == "peagle" and raw["mask_token_id"] == 0
+    # K: what the export states (its proposal; the family's recommended K for this checkpoint) is what vLLM drafts.
+    k = raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    assert k == recommended_num_speculative_tokens(read_info(trained.work / "train")["train_config"]) >= 1
     target, spec, hf = H.as_vllm_reads_it(draft)
-    assert spec == {"method": "eagle3", "parallel_drafting": True, "model": str(draft),
-                    "num_speculative_tokens": spec["num_speculative_tokens"]}
+    assert spec == {"method": "eagle3", "parallel_drafting": True, "model": str(draft), "num_speculative_tokens": k}
     assert Path(target) == Path(trained.target)
     assert hf["architectures"] == ["PeagleLlamaForCausalLM"] and hf["pard_token"] == 0
     assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]

@@ -93,25 +93,13 @@ def test_ingest_refuses_to_add_responses_of_another_target(tmp_path, tiny_target
     assert store.read(str(work / "store"), store.PROMPTS).num_rows == 3  # nothing added
 
 
-def test_train_refuses_features_of_another_target(tmp_path, tiny_target, other, capsys):
+def test_train_refuses_features_of_another_target(tmp_path, tiny_target, other, capsys, one_row_features):
     """A features table whose identity names another target's weights is refused by train run."""
-    import numpy as np
-
     from eaglenest.pipeline.train_cli import main
 
     work = tmp_path / "run"
-    uri = str(work / "store")
-    comps = {"weights_sha256": policy.target_id(str(tiny_target))}
-    meta = S.FeatureMeta(target=str(tiny_target), layer_ids=(2, 4, 5), last_layer_id=8, hidden_size=128,
-                         dtype="float32", feature_set_id="x", identity=json.dumps(comps))
-    T = 6
-    row = {"sample_id": "s0", "domain": "d", "source": "s", "split": "train", "mode": "chat",
-           "gen_params_id": "g", "num_tokens": T, "num_loss_tokens": T - 1, "input_ids": list(range(3, 3 + T)),
-           "loss_mask": [0] + [1] * (T - 1),
-           "aux_hidden": S.encode_tensor(np.zeros((T, 3, 128), "<f4"), "float32"),
-           "last_hidden": S.encode_tensor(np.zeros((T, 128), "<f4"), "float32")}
-    store.append(uri, "features", pa.Table.from_pylist([row], schema=S.features_schema(meta)), meta=meta)
+    one_row_features(str(work / "store"), tiny_target)
     rc = main(["run", f"run.workdir={work}", f"run.target={other}", "train.num_steps=1"])
     err = capsys.readouterr().err
     assert rc == 2 and "hidden states of" in err and "run.off_policy=true" in err
-    assert not (work / "train" / "checkpoint").exists()
+    assert not (work / "train").exists()  # refused before the trainer wrote anything

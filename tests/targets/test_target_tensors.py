@@ -82,16 +82,27 @@ def test_nested_checkpoint_gives_the_same_tensors(tmp_path, tiny_target):
     assert nested["config"]["torch_dtype"] == flat["config"]["torch_dtype"]
 
 
-def test_target_keys_override_reaches_training(tmp_path, tiny_target, capsys):
-    """``run.target_keys.*`` reaches ``train run``: a wrong name is refused, naming the key."""
+def test_target_keys_override_reaches_training(tmp_path, tiny_target, capsys, one_row_features):
+    """``run.target_keys.*`` reaches ``train run``: a wrong name is refused, naming the key; a valid one is
+    the tensor the trained checkpoint records."""
     from eaglenest.pipeline.train_cli import main
 
-    rc = main(["run", "--dry-run", f"run.workdir={tmp_path}", "run.target_keys.norm=model.nope"])
-    assert rc == 0  # the dry run validates the recipe only
-    store_dir = tmp_path / "store"
-    assert not store_dir.exists()
-    with pytest.raises(ConfigError, match="run.target_keys.norm: .* no tensor 'model.nope'"):
-        load_target_tensors(tiny_target, keys={"norm": "model.nope"})
+    work = tmp_path / "run"
+    one_row_features(str(work / "store"), tiny_target)
+    base = ["run", f"run.workdir={work}", f"run.target={tiny_target}", "train.num_steps=1"]
+    rc = main(base + ["run.target_keys.norm=model.nope"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "run.target_keys.norm:" in err and "no tensor 'model.nope'" in err
+    assert not (work / "train" / "checkpoint.json").exists()
+    # Not the tensor the name rule finds, so the checkpoint can only record it if the override reached training.
+    norm = "model.layers.7.post_attention_layernorm.weight"
+    found = load_target_tensors(tiny_target)["keys"]
+    assert found["norm"] == "model.norm.weight" != norm
+    rc = main(base + [f"run.target_keys.norm={norm}"])
+    assert rc == 0, capsys.readouterr().err
+    info = json.loads((work / "train" / "checkpoint.json").read_text())
+    assert info["target_keys"] == {**found, "norm": norm}
 
 
 # Hub shapes (config.json values of the released checkpoints).

@@ -10,6 +10,7 @@ import json
 import re
 from pathlib import Path
 
+import jinja2
 import pytest
 
 from eaglenest.tinytarget import corpus, prompts
@@ -112,7 +113,7 @@ def test_chat_template_and_assistant_mask(hf_tok):
     assert mask[first:first + n] == [1] * n  # one contiguous span
     assert hf_tok.decode(ids[first:first + n]) == "So 2 + 3 = 5.<|end|>"
     assert hf_tok.convert_ids_to_tokens(ids[first - 1]) == "Ċ"  # the newline after <|assistant|>
-    with pytest.raises(Exception):
+    with pytest.raises(jinja2.exceptions.TemplateError, match="^unknown role: tool$"):
         hf_tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
 

@@ -2,9 +2,10 @@
 
     featurestore capture [k=v ...]   hidden states for every on-policy conversation not yet stored
     featurestore show [k=v ...]      tables, versions and counts per domain
-    featurestore versions | tags | diff A B | checkout V | restore V    versions of featurestore.table
-    featurestore verify | compact | gc --older-than-hours N             maintenance
-    featurestore query "SELECT ..." [--out f.csv|f.parquet] [--attach name=file] [--with-tensors]
+    featurestore versions | tags [--create NAME [--version V] | --delete NAME]   versions of featurestore.table
+    featurestore diff --a A --b B | checkout --v V | restore --v V     (V: a version number or a tag)
+    featurestore verify [--version V] | compact | gc --older-than-hours N    maintenance
+    featurestore query --sql "SELECT ..." [--out f.csv|f.parquet] [--attach name=file] [--with-tensors]
     featurestore stream-serve --addr HOST:PORT --engine-rank I [--target DIR]   one engine host of a
                                      cross-host capture stream (train.stream.transport=gloo)
     featurestore export --format speculators|specforge|hf --out DIR [--version V]   to a peer trainer

@@ -16,7 +16,7 @@ from eaglenest.featurestore import schema
 from eaglenest.featurestore.capture import build
 from eaglenest.featurestore.read import query
 from eaglenest.featurestore.stream import xhost
-from eaglenest.featurestore.table import maintenance, objects, store, versions
+from eaglenest.featurestore.table import integrity, maintenance, names, objects, store, versions
 from eaglenest.hf import check_remote_code
 from eaglenest.paths import ensure_writable
 from eaglenest.provenance import write_json_atomic, write_provenance
@@ -63,9 +63,9 @@ def cmd_show(recipe, args) -> int:
     for name in (store.PROMPTS, store.FEATURES):
         if not store.exists(uri, name):
             continue
-        ds = store.dataset(uri, name)
-        cols = ["domain", "split"]
-        t = ds.to_table(columns=cols)
+        ds = integrity.checked_dataset(uri, name)  # a damaged file: one line naming it, not its rows
+        with store.unreadable(uri, name, ds.version):
+            t = ds.to_table(columns=["domain", "split"])
         counts = collections.Counter(zip(t.column("domain").to_pylist(), t.column("split").to_pylist()))
         info = {"version": ds.version, "rows": ds.count_rows(),
                 "versions": [v["version"] for v in ds.versions()], "tags": sorted(ds.tags.list()),
@@ -82,8 +82,8 @@ def _print(obj) -> int:
     return 0
 
 
-def _ver(text):
-    return None if text is None else int(text) if str(text).isdigit() else text
+def _ver(text, what: str = "--version"):
+    return names.version_arg(text, what)
 
 
 def _t(recipe):
@@ -101,6 +101,8 @@ def cmd_versions(recipe, args) -> int:
 
 
 def cmd_tags(recipe, args) -> int:
+    if args.version is not None and not args.create:
+        raise ConfigError("tags: --version goes with --create NAME (the version the new tag points at)")
     if args.create:
         versions.set_tag(*_t(recipe), args.create, _ver(args.version))
     if args.delete:
@@ -109,15 +111,16 @@ def cmd_tags(recipe, args) -> int:
 
 
 def cmd_diff(recipe, args) -> int:
-    return _print(versions.diff(*_t(recipe), _ver(args.a), _ver(args.b)))
+    return _print(versions.diff(*_t(recipe), _ver(args.a, "--a"), _ver(args.b, "--b")))
 
 
 def cmd_checkout(recipe, args) -> int:
-    return _print(versions.summary(*_t(recipe), _ver(args.v)))
+    return _print(versions.summary(*_t(recipe), _ver(args.v, "--v")))
 
 
 def cmd_restore(recipe, args) -> int:
-    return _print({"restored": _ver(args.v), "new_version": versions.restore(*_t(recipe), _ver(args.v))})
+    v = _ver(args.v, "--v")
+    return _print({"restored": v, "new_version": versions.restore(*_t(recipe), v)})
 
 
 def cmd_verify(recipe, args) -> int:
@@ -145,11 +148,13 @@ def cmd_query(recipe, args) -> int:
     attach = dict(a.split("=", 1) for a in args.attach or [])
     pinned = {recipe.featurestore.table: _ver(args.version)} if args.version else None
     kw = {"versions": pinned, "with_tensors": args.with_tensors, "attach": attach}
+    query.check_read_only(args.sql)  # the statement before the store: bad input is named first
+    uri = _store_must_exist(recipe)
     if args.out:  # streamed into the file batch by batch (bounded memory, whatever the table's size)
-        rows = query.write_query(recipe.run.store_uri, args.sql, args.out, **kw)
+        rows = query.write_query(uri, args.sql, args.out, **kw)
         print(f"{rows} rows -> {args.out}")
         return 0
-    table = query.run_query(recipe.run.store_uri, args.sql, **kw)
+    table = query.run_query(uri, args.sql, **kw)
     print(table.to_pandas().to_string(index=False, max_rows=args.max_rows))
     return 0
 

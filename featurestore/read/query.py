@@ -26,18 +26,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from pathlib import Path
 
 import pyarrow as pa
 
+from eaglenest.config import short_text
 from eaglenest.errors import ConfigError, StoreError, require
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.table import objects, store
+from eaglenest.featurestore.table import integrity, objects, store
 
 log = logging.getLogger(__name__)
 
 #: About how many bytes of tensor columns one batch of a streamed query holds (rows are never split).
 BATCH_BYTES = 8 * 2**20
+#: ``--attach NAME=FILE``: NAME is a plain SQL identifier; FILE is read by its suffix.
+ATTACH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+READERS = {".parquet": "read_parquet", ".csv": "read_csv_auto", ".json": "read_json_auto", ".jsonl": "read_json_auto"}
+#: How much of a DuckDB error (which may echo the query's text) the one-line error keeps.
+ERROR_CHARS = 300
 
 
 def check_read_only(sql: str) -> None:
@@ -46,7 +53,7 @@ def check_read_only(sql: str) -> None:
     try:
         stmts = duckdb.extract_statements(sql)
     except duckdb.Error as exc:
-        raise ConfigError(f"query: cannot parse SQL ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(f"query: cannot parse SQL ({short_text(str(exc).splitlines()[0], ERROR_CHARS)})") from None
     if len(stmts) != 1:
         raise ConfigError(f"query: exactly one statement allowed, got {len(stmts)}")
     kind = stmts[0].type
@@ -69,27 +76,55 @@ def _connect(uri: str, *, versions: dict[str, int | str] | None = None, with_ten
     """:func:`connect`, and how many rows of the tensor tables make a batch (None: no tensors)."""
     import duckdb
 
+    names = tables_in(uri)
+    _check_attach(attach or {}, names)  # before any table is read
     con = duckdb.connect(":memory:")
-    batch_rows = None
-    for name in tables_in(uri):
-        ds = store.dataset(uri, name, (versions or {}).get(name))
-        if with_tensors and any(c in S.TENSOR_COLUMNS for c in ds.schema.names):
-            view = _tensor_view(uri, ds)  # scanned batch by batch, never materialised
-            batch_rows = min(batch_rows or view.batch_rows, view.batch_rows)
-            con.register(name, view)
-            continue
-        cols = [c for c in ds.schema.names if c not in S.TENSOR_COLUMNS]
-        con.register(name, ds.to_table(columns=cols, **store.BYTES))
-    for name, path in (attach or {}).items():
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"query: attached file {path} does not exist")
-        fn = "read_parquet" if p.suffix == ".parquet" else "read_csv_auto" if p.suffix == ".csv" else "read_json_auto"
-        if not name.isidentifier():
-            raise ConfigError(f"query: attached table name '{name}' must be an identifier")
-        con.execute(f"CREATE TEMP TABLE {name} AS SELECT * FROM {fn}('{_q(str(p))}')")
-    con.execute("SET enable_external_access = false")
+    try:
+        batch_rows = None
+        for name in names:
+            # Every data file held to its CRC first (one stat each once stamped): a damaged file is one
+            # line naming it, not rows read back silently or a Lance traceback.
+            ds = integrity.checked_dataset(uri, name, (versions or {}).get(name))
+            with store.unreadable(uri, name, ds.version):
+                if with_tensors and any(c in S.TENSOR_COLUMNS for c in ds.schema.names):
+                    view = _tensor_view(uri, ds)  # scanned batch by batch, never materialised
+                    batch_rows = min(batch_rows or view.batch_rows, view.batch_rows)
+                    con.register(name, view)
+                    continue
+                cols = [c for c in ds.schema.names if c not in S.TENSOR_COLUMNS]
+                con.register(name, ds.to_table(columns=cols, **store.BYTES))
+        for name, path in (attach or {}).items():
+            try:
+                con.execute(f"CREATE TEMP TABLE {name} AS SELECT * FROM {READERS[Path(path).suffix]}('{_q(path)}')")
+            except duckdb.Error as exc:  # not the format its suffix says, or damaged
+                raise ConfigError(f"--attach {short_text(f'{name}={path}')}: cannot read it "
+                                  f"({short_text(str(exc).splitlines()[0], ERROR_CHARS)})") from None
+        con.execute("SET enable_external_access = false")
+    except BaseException:
+        con.close()
+        raise
     return con, batch_rows
+
+
+def _check_attach(attach: dict[str, str], tables: list[str]) -> None:
+    """Refuse an ``--attach NAME=FILE`` DuckDB would: a name that is no plain identifier, a SQL
+    keyword or a store table's, a file that is not there or not .parquet/.csv/.json/.jsonl."""
+    import duckdb
+
+    reserved = {k for (k,) in duckdb.sql("SELECT keyword_name FROM duckdb_keywords() "
+                                         "WHERE keyword_category = 'reserved'").fetchall()}
+    for name, path in attach.items():
+        item = f"--attach {short_text(f'{name}={path}')}"
+        if not ATTACH_NAME.fullmatch(name) or name.lower() in reserved:
+            raise ConfigError(f"{item}: the name must be a plain identifier (letters, digits, '_'; "
+                              "not a SQL keyword)")
+        if name.lower() in {t.lower() for t in tables}:
+            raise ConfigError(f"{item}: '{name}' is a table of the store already (tables: "
+                              f"{', '.join(tables)}); attach the file under another name")
+        if Path(path).suffix not in READERS:
+            raise ConfigError(f"{item}: use a .parquet, .csv, .json or .jsonl file")
+        if not Path(path).is_file():
+            raise ConfigError(f"{item}: no such file")
 
 
 def _rows_per_batch(ds) -> int:
@@ -157,9 +192,27 @@ def run_query(uri: str, sql: str, **kw) -> pa.Table:
         result = con.sql(sql)
         return result.to_arrow_table() if result is not None else pa.table({})
     except Exception as exc:
-        raise StoreError(f"query failed: {str(exc).splitlines()[0]}") from None
+        raise _failed(exc, uri, kw.get("with_tensors", False)) from None
     finally:
         con.close()
+
+
+def _failed(exc: BaseException, uri: str, with_tensors: bool) -> StoreError:
+    """A DuckDB error as one bounded line (it may echo the query), with the hint it calls for."""
+    import duckdb
+
+    # A Lance error inside the tensor view arrives wrapped, with Python's traceback after "Detail:".
+    text = (str(exc).splitlines() or [type(exc).__name__])[0].split(" Detail: Python exception:")[0]
+    hint = ""
+    if isinstance(exc, duckdb.CatalogException) and "does not exist" in text:
+        hint = (f"; the store {uri} has tables: {', '.join(tables_in(uri)) or 'none'} (run.store or "
+                "run.workdir picks the store; `featurestore capture` writes the features table)")
+    elif not with_tensors and isinstance(exc, duckdb.BinderException) and \
+            any(f'"{c}"' in text for c in S.TENSOR_COLUMNS):
+        hint = f"; the tensor columns ({', '.join(S.TENSOR_COLUMNS)}) are there only with --with-tensors"
+    elif "LanceError" in text:
+        hint = "; `featurestore verify` names the damaged fragment and file"
+    return StoreError(f"query failed: {short_text(text, ERROR_CHARS)}{hint}")
 
 
 def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
@@ -188,7 +241,7 @@ def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
         except OSError as exc:
             raise StoreError(f"--out {out}: cannot write ({exc.strerror or str(exc).splitlines()[0]})") from None
         except Exception as exc:  # DuckDB's errors (binder, conversion) as one line
-            raise StoreError(f"query failed: {str(exc).splitlines()[0]}") from None
+            raise _failed(exc, uri, kw.get("with_tensors", False)) from None
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -103,7 +103,8 @@ def dataset(uri: str, name: str, version: int | str | None = None, *, allow_roll
         ds = objects.dataset(table_uri(uri, name), version)
     except (ValueError, OSError) as exc:
         raise StoreError(_missing_version(uri, name, version)
-                         or f"table '{name}' in {uri}: cannot open version {version!r} "
+                         or f"table '{name}' in {uri}: cannot open "
+                            f"{'its latest version' if version is None else f'version {version!r}'} "
                             f"({str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__})") from None
     base = S.PROMPTS_SCHEMA if name == PROMPTS else S.FEATURES_SCHEMA
     # A version number past the latest, or an unknown tag, is a user error, not a traceback.

@@ -24,6 +24,9 @@ change then gets a ctime at least the probe's, hence different, even with coarse
 timestamps: a write in the same tick as the commit cannot hide (the "racy git" problem; such a
 file gets no stamp and is fully checked once). The read itself is bracketed by two ``fstat``-s;
 a file that changed meanwhile gets no stamp either.
+The verbs that read rows (``show``, ``checkout``, ``diff``, ``compact``, ``query``, ``export``) hold
+their version to the same check first (:func:`checked_dataset`): a damaged file is never printed,
+exported, or rewritten by ``compact`` under a fresh CRC (which would launder it).
 Checked once, when a version is opened for training: a file damaged later, mid-run, is seen by the
 next run (or as a short read / Lance error, which name the fragment too).
 What it does not see: corruption beneath the filesystem after the stamp was written (media bit rot
@@ -35,7 +38,9 @@ Decisions: a missing data file, a size unlike its stamp's, or a CRC unlike its s
 a sidecar** (tables committed before checksums existed, or a commit interrupted between Lance's
 commit and the sidecar) is read unchecked with one warning per table version giving the count:
 refusing would leave such a table untrainable with no repair path, and ``featurestore verify``
-lists those files. A read-only store keeps its successful checks in this process's memory only.
+lists those files. A sidecar that is there but cannot be read (a directory, no permission) or holds
+no CRC-32 is refused naming it (:func:`read_sidecar`), and ``verify`` reports it the same way.
+A read-only store keeps its successful checks in this process's memory only.
 Data files are immutable in Lance, so a stamp never has to be invalidated, only replaced.
 """
 
@@ -45,19 +50,23 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 import zlib
 from pathlib import Path
 
+from eaglenest.config import short_text
 from eaglenest.errors import StoreError
 from eaglenest.featurestore.table import objects
-from eaglenest.featurestore.table.base import table_path
+from eaglenest.featurestore.table.base import dataset, table_path
 
 log = logging.getLogger(__name__)
 
 CRC_DIR = "_eaglenest_crc"
 VERIFY_HINT = "run `featurestore verify` for a full report"
+#: What a sidecar holds: the CRC-32 as 8 lowercase hex digits (:func:`crc_and_stat`).
+CRC_TEXT = re.compile(r"[0-9a-f]{8}")
 
 #: Successful checks of a read-only store: (path, stat key) -> CRC; valid in this process only.
 _MEMORY: dict[tuple[str, tuple], str] = {}
@@ -185,6 +194,33 @@ def record_checksums(uri: str, name: str, fragments) -> None:
                 write_stamp(crc_dir, Path(df.path).name, Stamp.of(st, crc), probe_ns=probe_ns)
 
 
+def read_sidecar(crc_dir: Path, file_name: str) -> str | None:
+    """The CRC-32 recorded for a data file; None when it has no sidecar (the documented unchecked
+    case). A sidecar that is there but cannot be read (a directory, no permission) or holds no
+    CRC-32 is a :class:`ValueError` naming it: ``verify`` reports it, the read paths refuse."""
+    path = crc_dir / f"{file_name}.crc"
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"its checksum sidecar {path} cannot be read "
+                         f"({getattr(exc, 'strerror', None) or type(exc).__name__})") from None
+    if not CRC_TEXT.fullmatch(text):
+        raise ValueError(f"its checksum sidecar {path} holds no CRC-32 (garbled: {short_text(text, 40)!r})")
+    return text
+
+
+def checked_dataset(uri: str, name: str, version: int | str | None = None, **kw):
+    """:func:`base.dataset`, with every data file of the opened version held to its sidecar
+    (:func:`check_version`; one ``stat`` per stamped file): what the verbs that read rows use
+    (``show``, ``checkout``, ``diff``, ``compact``, ``query``, ``export``), so a damaged file is
+    refused with one line naming it, never read back, copied out or rewritten with a fresh CRC."""
+    ds = dataset(uri, name, version, **kw)
+    check_version(ds, table=name)
+    return ds
+
+
 def check_version(ds, *, table: str | None = None) -> Report:
     """Hold every data file of ``ds`` (a pinned Lance version of a local table) to its sidecar.
 
@@ -214,8 +250,10 @@ def check_version(ds, *, table: str | None = None) -> Report:
             except FileNotFoundError:
                 raise StoreError(f"{where} is missing; {VERIFY_HINT}") from None
             try:
-                want = (crc_dir / f"{name}.crc").read_text().strip()
-            except FileNotFoundError:
+                want = read_sidecar(crc_dir, name)
+            except ValueError as exc:
+                raise StoreError(f"{where}: {exc}; {VERIFY_HINT}") from None
+            if want is None:
                 report.unchecked.append(df.path)
                 continue
             stamp = read_stamp(crc_dir, name)

@@ -63,12 +63,17 @@ def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
                 continue
             table_dir = base.table_path(uri, name)
             path = data_path(table_dir, df.path)
-            side = table_dir / CRC_DIR / f"{Path(df.path).name}.crc"
             if not path.is_file():
                 problems.append(f"fragment {fid}: data file {df.path} is missing")
-            elif not side.is_file():
+                continue
+            try:
+                want = integrity.read_sidecar(table_dir / CRC_DIR, Path(df.path).name)
+            except ValueError as exc:  # there but unreadable or garbled: as the read paths refuse it
+                problems.append(f"fragment {fid}: data file {df.path}: {exc}")
+                continue
+            if want is None:
                 unchecked.append(df.path)
-            elif crc_file(path) != side.read_text().strip():
+            elif crc_file(path) != want:
                 problems.append(f"fragment {fid}: data file {df.path} fails its checksum (corrupt)")
         try:
             tbl = frag.to_table(**base.BYTES)  # blob columns as bytes
@@ -103,11 +108,14 @@ def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
 
 def compact(uri: str, name: str, *, target_rows_per_fragment: int = 1 << 20) -> dict:
     """Rewrite small fragments into larger ones (a new version; old versions still read), under
-    the table's writer lease."""
+    the table's writer lease. Every data file is first held to its checksum
+    (:func:`integrity.checked_dataset`): compacting a damaged file would rewrite its bad bytes under
+    a fresh, valid CRC, and a later ``gc`` would delete the intact original."""
     with lease.hold(uri, name, purpose="featurestore compact", wait_s=lease.MAINTENANCE_WAIT_S):
-        ds = base.dataset(uri, name)
+        ds = integrity.checked_dataset(uri, name)
         before = len(ds.get_fragments())
-        metrics = ds.optimize.compact_files(target_rows_per_fragment=target_rows_per_fragment)
+        with base.unreadable(uri, name, ds.version):
+            metrics = ds.optimize.compact_files(target_rows_per_fragment=target_rows_per_fragment)
         ds = base.dataset(uri, name, allow_rolled_back=True)
         base.record_head(uri, name, ds.version)
         record_checksums(uri, name, ds.get_fragments())
@@ -118,6 +126,9 @@ def compact(uri: str, name: str, *, target_rows_per_fragment: int = 1 << 20) -> 
 
 #: Uncommitted data files younger than this are never deleted by ``gc`` (hours).
 GRACE_HOURS = 1.0
+#: ``gc --older-than-hours`` beyond this (100 years) is taken as this: no version is older, and
+#: Lance and ``timedelta`` overflow on values not far above it.
+MAX_HOURS = 100 * 365.25 * 24
 
 
 def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRACE_HOURS) -> dict:
@@ -137,7 +148,7 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
         # A version a live training run reads (lease.pin) stays, and so does every newer one:
         # Lance removes versions by age, so the cut-off moves back to the oldest pinned version.
         pinned = lease.pinned_versions(uri, name)
-        older_than = dt.timedelta(hours=older_than_hours)
+        older_than = dt.timedelta(hours=min(older_than_hours, MAX_HOURS))
         stamps = {int(v["version"]): v["timestamp"] for v in listed}
         if pinned & set(stamps):
             oldest = min(stamps[p] for p in pinned if p in stamps)
@@ -150,7 +161,7 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
         ds = base.dataset(uri, name)
         live = referenced_files(uri, name, ds)
         data_dir = objects.join(base.table_uri(uri, name), "data")
-        cutoff = time.time() - grace_hours * 3600
+        cutoff = time.time() - min(grace_hours, MAX_HOURS) * 3600
         swept, swept_bytes = 0, 0
         for e in objects.listdir(data_dir):  # local directory or object-store prefix alike
             if e.is_file and e.name not in live and e.mtime_s is not None and e.mtime_s < cutoff:

@@ -12,9 +12,12 @@ restore); history is kept, nothing is deleted.
 from __future__ import annotations
 
 import collections
+import logging
 
 from eaglenest.errors import StoreError
-from eaglenest.featurestore.table import base, fragments, lease
+from eaglenest.featurestore.table import base, fragments, integrity, lease
+
+log = logging.getLogger(__name__)
 
 
 def list_versions(uri: str, name: str) -> list[dict]:
@@ -33,15 +36,24 @@ def list_versions(uri: str, name: str) -> list[dict]:
 
 def set_tag(uri: str, name: str, tag: str, version: int | str | None) -> int:
     """Point ``tag`` at ``version`` (latest when None), under the table's tags lock (so ``gc``
-    cannot drop the version between the check and the tag; a running capture does not block it)."""
+    cannot drop the version between the check and the tag; a running capture does not block it).
+    An existing tag is moved, with a warning naming both versions: the old one loses the tag's
+    protection from ``gc``."""
     base.check_tag(tag)
     with lease.hold(uri, name, purpose="featurestore tags", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
         ds = base.dataset(uri, name, allow_rolled_back=version is not None)
         v = int(base.dataset(uri, name, version).version)
-        if tag in ds.tags.list():
-            ds.tags.update(tag, v)
-        else:
-            ds.tags.create(tag, v)
+        old = ds.tags.list().get(tag)
+        try:
+            if old is not None:
+                ds.tags.update(tag, v)
+            else:
+                ds.tags.create(tag, v)
+        except (OSError, ValueError) as exc:  # Lance's own ref rules, should names.TAG fall behind them
+            raise StoreError(f"table '{name}': cannot set tag {tag!r} ({str(exc).splitlines()[0][:200]})") from None
+    if old is not None and int(old["version"]) != v:
+        log.warning("tag '%s' of table '%s' moved from version %s to version %d (version %s loses the tag's "
+                    "protection from `featurestore gc`)", tag, name, old["version"], v, old["version"])
     return v
 
 
@@ -56,8 +68,9 @@ def delete_tag(uri: str, name: str, tag: str) -> None:
 
 def summary(uri: str, name: str, version: int | str | None = None) -> dict:
     """Row counts per domain/split, fragment count and lineage at one version (a read-only checkout)."""
-    ds = base.dataset(uri, name, version)
-    t = ds.to_table(columns=["domain", "split"])
+    ds = integrity.checked_dataset(uri, name, version)
+    with base.unreadable(uri, name, ds.version):
+        t = ds.to_table(columns=["domain", "split"])
     counts = collections.Counter(zip(t.column("domain").to_pylist(), t.column("split").to_pylist()))
     return {"table": name, "version": ds.version, "rows": t.num_rows, "fragments": len(ds.get_fragments()),
             "counts": {f"{d}/{s}": n for (d, s), n in sorted(counts.items())},
@@ -67,6 +80,7 @@ def summary(uri: str, name: str, version: int | str | None = None) -> dict:
 def diff(uri: str, name: str, a: int | str, b: int | str) -> dict:
     """Sample ids added and removed going from version ``a`` to ``b``, with per-domain deltas."""
     def ids(v):
+        integrity.checked_dataset(uri, name, v)
         t = base.read(uri, name, version=v, columns=["sample_id", "domain"])
         return dict(zip(t.column("sample_id").to_pylist(), t.column("domain").to_pylist()))
 
@@ -88,7 +102,13 @@ def restore(uri: str, name: str, version: int | str) -> int:
     loss is accepted: the new version becomes the recorded head."""
     with lease.hold(uri, name, purpose="featurestore restore", wait_s=lease.MAINTENANCE_WAIT_S):
         ds = base.dataset(uri, name, version)
-        ds.restore()
+        try:
+            ds.restore()  # reads the latest manifest to number the new version
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"table '{name}' in {uri}: cannot restore version {ds.version} "
+                             f"({str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}); "
+                             f"is the latest manifest under {name}.lance/_versions damaged? "
+                             "`featurestore verify` checks it") from None
         new = int(base.dataset(uri, name, allow_rolled_back=True).version)
         base.record_head(uri, name, new, force=True)
     return new

@@ -11,6 +11,11 @@ import re
 import unicodedata
 
 
+#: Domain names (a manifest's domains, an import's ``--domain``): ASCII letters, digits, '-' and '_',
+#: since they go into sample ids (``<domain>-<hash>``) and file names.
+DOMAIN_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
 def normalise(text: str) -> str:
     """Unicode NFKC, unified newlines, trimmed trailing spaces."""
     text = unicodedata.normalize("NFKC", text).replace("\r\n", "\n").replace("\r", "\n")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +21,7 @@ from eaglenest.engine import MAX_TEMPERATURE
 from eaglenest.errors import ManifestError
 from eaglenest.material import DOCUMENT_KINDS
 from eaglenest.paths import shown_path, user_path
+from eaglenest.text import DOMAIN_NAME
 
 MANIFEST_VERSION = 1
 
@@ -78,9 +78,6 @@ class Compose:
     #: Tokens budgeted for each answer while composing (null: generation.max_tokens, an upper bound).
     answer_tokens: int | None = None
 
-
-#: Domain names: they go into sample ids (``<domain>-<hash>``) and file names.
-DOMAIN_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 #: Longest composed conversation accepted (tokens); an engine's positions are checked at build time.
 MAX_COMPOSE_TOKENS = 1 << 20

@@ -57,6 +57,6 @@ def cmd_import(recipe, args) -> int:
         args.src, recipe.run.store_uri, recipe.featurestore.table, target=recipe.run.target,
         layer_ids=recipe.featurestore.layer_ids, domain=args.domain, off_policy=recipe.run.off_policy,
         budget_bytes=int(recipe.featurestore.write_buffer_mb * (1 << 20)),
-        trust_remote_code=recipe.run.trust_remote_code, **kw)
+        trust_remote_code=recipe.run.trust_remote_code, storage=recipe.featurestore.storage, **kw)
     print(json.dumps(summary, indent=2))
     return 0

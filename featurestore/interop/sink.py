@@ -20,12 +20,14 @@ import dataclasses
 import hashlib
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 from tqdm import tqdm
 
+from eaglenest.config import short, short_text
 from eaglenest.errors import ConfigError, SchemaError, StoreError
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.capture.build import target_facts
@@ -33,8 +35,11 @@ from eaglenest.featurestore.capture.engine import resolve_layer_ids
 from eaglenest.featurestore.capture.identity import identity_hash, weights_hash
 from eaglenest.featurestore.capture.writer import FeatureWriter
 from eaglenest.featurestore.interop.source import EXPORT_RECORD, SAMPLES, STRING_COLUMNS
-from eaglenest.featurestore.table import lease, store
+from eaglenest.featurestore.table import lease, objects, store
+from eaglenest.hf import load_config
 from eaglenest.provenance import code_version
+from eaglenest.target import language_config
+from eaglenest.text import DOMAIN_NAME
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +54,147 @@ def dtype_of(tensor, where: str) -> str:
     return name
 
 
+_META_FIELDS = {"target": str, "layer_ids": list, "last_layer_id": int, "hidden_size": int, "dtype": str}
+
+
+def check_domain(domain, where: str) -> str:
+    if not isinstance(domain, str) or not DOMAIN_NAME.fullmatch(domain):
+        raise ConfigError(f"{where}: domain {short(domain)} must be ASCII letters, digits, '-' or '_' (it goes into "
+                          "sample ids and file names)")
+    return domain
+
+
+def check_table(name: str) -> None:
+    """An import writes a features table: ``prompts`` is refused up front (as export refuses it)."""
+    if not store.is_features(name):
+        raise StoreError(f"table '{name}' holds prompts, not features: import into a features table "
+                         "(featurestore.table=NAME)")
+
+
+def _json(path: Path | str, text: str, what: str):
+    try:
+        return json.loads(text)
+    except ValueError as exc:  # JSONDecodeError
+        raise SchemaError(f"{path}: not valid JSON ({short_text(str(exc))}); {what}") from None
+
+
 def read_record(src: Path) -> tuple[dict | None, dict[int, dict]]:
-    """The dump's ``eaglenest_export.json`` and per-index sample lines (empty for a foreign dump)."""
+    """The dump's ``eaglenest_export.json`` and per-index sample lines (empty for a foreign dump),
+    validated: a bad record or line is refused with one line naming the file (and line) and key."""
     rec_path, lines_path = src / EXPORT_RECORD, src / SAMPLES
-    record = json.loads(rec_path.read_text()) if rec_path.is_file() else None
+    record = None
+    if rec_path.is_file():
+        record = _json(rec_path, rec_path.read_bytes().decode("utf-8", "replace"),
+                       "an eaglenest export's record (remove it to import the dump as a foreign one)")
+        if not isinstance(record, dict):
+            raise SchemaError(f"{rec_path}: holds a JSON {type(record).__name__}, expected an object")
+        record_meta(record, rec_path)
+        rows = record.get("rows")
+        if rows is not None and (type(rows) is not int or rows < 0):
+            raise SchemaError(f"{rec_path}: key 'rows' is {short(rows)}, expected a row count")
     samples: dict[int, dict] = {}
     if lines_path.is_file():
-        for line in lines_path.read_text().splitlines():
-            if line.strip():
-                d = json.loads(line)
-                samples[int(d["index"])] = d
+        for n, line in enumerate(lines_path.read_bytes().decode("utf-8", "replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{lines_path}:{n}"
+            d = _json(where, line, "one JSON object per exported sample")
+            if not isinstance(d, dict):
+                raise SchemaError(f"{where}: holds a JSON {type(d).__name__}, expected an object")
+            bad = [k for k in ("file",) + STRING_COLUMNS if not isinstance(d.get(k), str)]
+            if type(d.get("index")) is not int or d["index"] < 0:
+                bad.insert(0, "index")
+            if bad:
+                raise SchemaError(f"{where}: key {bad[0]!r} is missing or not a "
+                                  f"{'sample index' if bad[0] == 'index' else 'string'}")
+            if not d["sample_id"]:
+                raise SchemaError(f"{where}: key 'sample_id' is empty")
+            check_domain(d["domain"], f"{where}: key 'domain'")
+            if d["index"] in samples:
+                raise SchemaError(f"{where}: sample index {d['index']} is listed twice")
+            samples[d["index"]] = d
     return record, samples
+
+
+def record_meta(record: dict, where: Path | str) -> S.FeatureMeta:
+    """The ``FeatureMeta`` an eaglenest export recorded, checked key by key."""
+    fm = record.get("feature_meta")
+    if not isinstance(fm, dict):
+        raise SchemaError(f"{where}: key 'feature_meta' is missing or not an object (an eaglenest export records "
+                          "its table's FeatureMeta there)")
+    for key, kind in _META_FIELDS.items():
+        v = fm.get(key)
+        if type(v) is not kind or (kind is list and not all(type(i) is int for i in v)):
+            raise SchemaError(f"{where}: key 'feature_meta.{key}' is {short(v)}, expected a "
+                              f"{'list of ints' if kind is list else kind.__name__}")
+    if fm["dtype"] not in S._DTYPES or fm.get("storage", "raw") not in S.STORAGES or fm["hidden_size"] < 1:
+        raise SchemaError(f"{where}: feature_meta dtype {short(fm['dtype'])}, storage {short(fm.get('storage'))} or "
+                          f"hidden_size {fm['hidden_size']} is not one eaglenest stores")
+    if not isinstance(fm.get("identity", ""), str) or not isinstance(fm.get("feature_set_id", ""), str):
+        raise SchemaError(f"{where}: keys 'feature_meta.identity' and 'feature_set_id' must be strings")
+    try:
+        comps = json.loads(fm.get("identity") or "{}")
+    except ValueError:
+        comps = None
+    if not isinstance(comps, dict):
+        raise SchemaError(f"{where}: key 'feature_meta.identity' is not a JSON object")
+    return S.FeatureMeta.from_json(json.dumps(fm))
+
+
+def check_rows(record: dict | None, samples: dict[int, dict], found: int, src: Path, what: str) -> None:
+    """An eaglenest export's row count against what the dump holds: a partial copy is refused."""
+    rows = None if record is None else record.get("rows")
+    if rows is not None and rows != found:
+        raise StoreError(f"--src {src}: {EXPORT_RECORD} says rows: {rows}, the dump holds {found} {what} "
+                         "(a partial copy?); nothing was imported")
+    if samples and len(samples) != found:
+        raise StoreError(f"--src {src}: {SAMPLES} lists {len(samples)} samples, the dump holds {found} {what} "
+                         "(a partial copy?); nothing was imported")
+
+
+def target_vocab(target: str, record: dict | None, *, trust_remote_code: bool = False) -> int | None:
+    """The target's vocabulary size, which every token id must be below. A foreign dump needs the
+    target anyway (its shapes); an eaglenest export whose target cannot be read is imported without
+    the check (a warning says so)."""
+    try:
+        path = Path(target) / "config.json"
+        cfg = json.loads(path.read_text()) if path.is_file() else \
+            load_config(target, trust_remote_code=trust_remote_code).to_dict()
+        vocab = language_config(cfg).get("vocab_size")
+        if type(vocab) is int and vocab > 0:
+            return vocab
+        problem = f"its config has vocab_size {short(vocab)}"
+    except Exception as exc:  # noqa: BLE001 - a missing or unreadable config, whatever raised it
+        problem = short_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    if record is None:
+        raise ConfigError(f"run.target: {target}: cannot read the target's vocabulary size ({problem}); an import "
+                          "checks every token id against it")
+    log.warning("run.target %s: cannot read the vocabulary size (%s); token ids are not checked against it",
+                target, problem)
+    return None
+
+
+def check_tokens(ids, vocab: int | None, where: str) -> np.ndarray:
+    """Token ids (a numpy array or a list) as int64, refusing no tokens, a non-integer dtype and ids
+    outside ``0..vocab-1``, before any cast (a cast would wrap 2^40 to 0)."""
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        raise SchemaError(f"{where}: the sample has no tokens; nothing was imported")
+    if arr.dtype.kind not in "iu":
+        raise SchemaError(f"{where}: input_ids are {arr.dtype}, expected integers")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or (vocab is not None and hi >= vocab):
+        bad = lo if lo < 0 else hi
+        raise SchemaError(f"{where}: token id {bad} is outside the target's vocabulary "
+                          f"(0..{'' if vocab is None else vocab - 1}); is run.target the dump's target?")
+    return arr.astype(np.int64)
+
+
+def check_storage(storage: str) -> None:
+    """An import stores the dump's tensors as they are (``raw``); fp8 is a capture-time choice."""
+    if storage != "raw":
+        raise ConfigError(f"featurestore.storage={short_text(str(storage))}: an import stores the dump's tensors "
+                          "raw (bit-exact); set featurestore.storage=raw")
 
 
 def string_columns(samples: dict[int, dict], index: int, input_ids: np.ndarray, *, domain: str,
@@ -88,7 +223,7 @@ def check_ids(ids: list[tuple[str, str]], existing: set[str], name: str) -> None
 
 def check_target(record: dict | None, target: str, *, off_policy: bool) -> None:
     """A dump that records its target's weights hash must match ``run.target`` (when local)."""
-    comps = json.loads((record or {}).get("feature_meta", {}).get("identity") or "{}")
+    comps = {} if record is None else record_meta(record, EXPORT_RECORD).identity_components
     have = comps.get("weights_sha256")
     if not have or not Path(target).is_dir():
         return
@@ -131,36 +266,72 @@ def dump_digest(files: list[Path], root: Path) -> str:
 
 def feature_row(strings: dict, input_ids: np.ndarray, loss_mask: np.ndarray, aux, last, meta: S.FeatureMeta,
                 where: str) -> dict:
-    """One features row from decoded tensors (torch, the table dtype), refusing non-finite values."""
+    """One features row from decoded tensors (torch, the table dtype), refusing non-finite values and
+    tensors whose dtype or element count is not the table's (``input_ids``: checked by :func:`check_tokens`)."""
     import torch
 
-    for what, t in (("aux", aux), ("last", last)):
+    T, n_aux, H = len(input_ids), len(meta.layer_ids), meta.hidden_size
+    for what, t, shape in (("aux", aux, (T, n_aux, H)), ("last", last, (T, H))):
+        if t.numel() != int(np.prod(shape)):
+            raise SchemaError(f"{where}: {what} hidden states hold {t.numel()} values, the table needs "
+                              f"{' x '.join(map(str, shape))}; nothing was imported")
+        if _DTYPES.get(str(t.dtype)) != meta.dtype:
+            raise SchemaError(f"{where}: {what} hidden states are {t.dtype}, the table stores {meta.dtype}; "
+                              "nothing was imported")
         if not bool(torch.isfinite(t).all()):
             raise SchemaError(f"{where}: {what} hidden states hold NaN or inf; nothing was imported")
-    return {**strings, "num_tokens": int(len(input_ids)), "num_loss_tokens": int(loss_mask.sum()),
+    if input_ids.dtype.kind not in "iu" or (T and (input_ids.min() < 0 or input_ids.max() > np.iinfo(np.int32).max)):
+        raise SchemaError(f"{where}: token ids do not fit the table's int32 input_ids; nothing was imported")
+    return {**strings, "num_tokens": T, "num_loss_tokens": int(loss_mask.sum()),
             "input_ids": input_ids.astype(np.int32), "loss_mask": loss_mask.astype(np.uint8),
-            "aux_hidden": S.encode_value(S.to_numpy(aux.contiguous()), meta),
-            "last_hidden": S.encode_value(S.to_numpy(last.contiguous()), meta)}
+            "aux_hidden": S.encode_value(S.to_numpy(aux.reshape(T, n_aux, H).contiguous()), meta),
+            "last_hidden": S.encode_value(S.to_numpy(last.reshape(T, H).contiguous()), meta)}
 
 
 def commit_rows(uri: str, name: str, meta: S.FeatureMeta, rows: Iterable[dict], *, total: int,
                 lineage: dict, budget_bytes: int, desc: str) -> int:
-    """Write ``rows`` as fragments and commit them once, under the writer lease; the new version."""
+    """Write ``rows`` as fragments and commit them once, under the writer lease; the new version.
+
+    A table this import created (it did not exist when the lease was taken) is removed again when
+    the import fails before its commit, so a refused dump leaves neither an empty table nor its
+    fragments behind (a killed process cannot clean up: that leaves the empty table and the
+    fragments to ``featurestore gc``)."""
     with lease.hold(uri, name, purpose="featurestore import", wait_s=lease.MAINTENANCE_WAIT_S):
-        if store.exists(uri, name):
+        created = not store.exists(uri, name)
+        if not created:
             have = S.feature_meta(store.dataset(uri, name).schema)
             if have != meta:
                 raise SchemaError(f"table '{name}' holds another feature set ({have.feature_set_id}, layers "
                                   f"{list(have.layer_ids)}, {have.dtype}) than the dump ({meta.feature_set_id}, "
                                   f"layers {list(meta.layer_ids)}, {meta.dtype}); import into a new table "
                                   "(featurestore.table=NAME)")
-        writer = FeatureWriter(uri, name, meta, budget=budget_bytes)
-        for row in tqdm(rows, total=total, desc=desc, unit="sample"):
-            writer.add(row)
-        version = writer.commit({**lineage, "code_version": code_version(), "feature_set_id": meta.feature_set_id})
+        try:
+            writer = FeatureWriter(uri, name, meta, budget=budget_bytes)
+            for row in tqdm(rows, total=total, desc=desc, unit="sample"):
+                writer.add(row)
+            version = writer.commit({**lineage, "code_version": code_version(),
+                                     "feature_set_id": meta.feature_set_id})
+        except BaseException:  # an error or Ctrl-C: nothing was committed
+            if created:
+                _remove_uncommitted(uri, name)
+            raise
     if version is None:
         raise StoreError("the dump holds no samples; nothing was imported")
     return version
+
+
+def _remove_uncommitted(uri: str, name: str) -> None:
+    """Remove table ``name`` if it holds nothing committed (its first, empty version only): the
+    import that created it failed. The caller holds the table's writer lease."""
+    if objects.is_remote(uri) or not store.exists(uri, name):
+        return
+    try:
+        ds = store.dataset(uri, name, allow_rolled_back=True)
+        if ds.count_rows() or len(ds.versions()) > 1:
+            return
+        shutil.rmtree(store.table_path(uri, name))
+    except Exception as exc:  # noqa: BLE001 - cleanup must not hide the import's own error
+        log.warning("could not remove the empty table '%s' this import created: %s", name, exc)
 
 
 def require_dir(src: str | Path, fmt: str) -> Path:

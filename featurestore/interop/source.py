@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+from safetensors import SafetensorError
 
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema as S
@@ -112,13 +113,19 @@ def target_vocab_size(target: str) -> int:
                           "mapping needs the target's vocabulary size (set run.target to the local target)") from None
 
 
+def check_draft_vocab(draft_vocab_size: int, target_vocab: int) -> None:
+    """Called before an export writes anything (and again by :func:`vocab_mapping`)."""
+    if not 0 < draft_vocab_size <= target_vocab:
+        raise ConfigError(f"--draft-vocab-size (default train.draft_vocab_size): {draft_vocab_size} must be in "
+                          f"1..{target_vocab} (the target's vocabulary size), or 0 for no vocabulary mapping")
+
+
 def vocab_mapping(counts: dict[int, int], draft_vocab_size: int, target_vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """``(d2t int64 [draft_vocab_size], t2d bool [target_vocab])`` by eaglenest's rule (module docstring)."""
-    if not 0 < draft_vocab_size <= target_vocab:
-        raise ConfigError(f"train.draft_vocab_size: {draft_vocab_size} must be in 1..{target_vocab} "
-                          "(the target's vocabulary size)")
-    if counts and max(counts) >= target_vocab:
-        raise StoreError(f"token id {max(counts)} is outside the target's vocabulary of {target_vocab}: "
+    check_draft_vocab(draft_vocab_size, target_vocab)
+    bad = [t for t in (min(counts, default=0), max(counts, default=0)) if not 0 <= t < target_vocab]
+    if bad:
+        raise StoreError(f"token id {bad[0]} is outside the target's vocabulary 0..{target_vocab - 1}: "
                          "is run.target the table's target?")
     ranked = sorted(counts, key=lambda t: (-counts[t], t))[:draft_vocab_size]
     chosen = set(ranked)
@@ -151,9 +158,9 @@ def staged_export(src: Source, out: str | Path, *, purpose: str) -> Iterator[Pat
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)
-    except OSError as exc:
-        raise StoreError(f"--out {out}: writing the export failed ({exc.strerror or exc}); nothing was left "
-                         "at --out") from None
+    except (OSError, SafetensorError) as exc:  # safetensors' writer reports a full disk as its own error
+        text = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise StoreError(f"--out {out}: writing the export failed ({text}); nothing was left at --out") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -29,17 +29,19 @@ import gzip
 import io
 import json
 import re
+import zipfile
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from eaglenest.errors import ConfigError, SchemaError, StoreError
-from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.interop import sink
 from eaglenest.featurestore.interop.source import (
+    EXPORT_RECORD,
     SAMPLES,
     Source,
+    check_draft_vocab,
     export_record,
     finish_export,
     iter_samples,
@@ -109,6 +111,10 @@ def export(src: Source, out: str | Path, *, draft_vocab_size: int | None = None,
     if weight.shape != (src.meta.hidden_size,):
         raise SchemaError(f"run.target {target}: final norm of shape {list(weight.shape)}, the table's hidden size "
                           f"is {src.meta.hidden_size}: is it the table's target?")
+    vocab = target_vocab_size(target) if draft_vocab_size else None
+    if vocab is not None:
+        check_draft_vocab(draft_vocab_size, vocab)  # before a file is written
+    width = len(src.meta.layer_ids) * src.meta.hidden_size
     with staged_export(src, out, purpose="featurestore export") as tmp:
         with open(tmp / SAMPLES, "w") as lines:
             for i, row in enumerate(tqdm(iter_samples(src), total=src.rows, desc="specforge features",
@@ -119,12 +125,11 @@ def export(src: Source, out: str | Path, *, draft_vocab_size: int | None = None,
                 torch.save({"input_ids": torch.from_numpy(row["input_ids"].astype(np.int64)),
                             "loss_mask": torch.from_numpy(row["loss_mask"].astype(np.int64)),
                             "hidden_state": apply_norm(row["last"], weight, eps).unsqueeze(0),
-                            "aux_hidden_state": row["aux"].reshape(T, -1).unsqueeze(0).contiguous(),
+                            "aux_hidden_state": row["aux"].reshape(T, width).unsqueeze(0).contiguous(),
                             PRENORM_KEY: row["last"].unsqueeze(0)}, path)
                 lines.write(sample_line(i, _rel(i), row))
         mapping = None
-        if draft_vocab_size:
-            vocab = target_vocab_size(target)
+        if vocab is not None:
             d2t, t2d = vocab_mapping(loss_token_counts(src), draft_vocab_size, vocab)
             torch.save({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)}, tmp / "vocab_mapping.pt")
             mapping = {"draft_vocab_size": draft_vocab_size, "target_vocab_size": vocab, "file": "vocab_mapping.pt"}
@@ -159,8 +164,8 @@ def _load(path: Path) -> dict:
         if path.name.endswith(".gz"):
             with gzip.open(path, "rb") as f:
                 data = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
-        else:
-            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        else:  # torch.save's zip format is memory-mapped; the legacy format (not a zip) cannot be
+            data = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as exc:  # torch raises many kinds (pickle, zip, EOF) for a bad file
         raise StoreError(f"{path}: unreadable feature file ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); nothing was imported") from None
@@ -169,84 +174,128 @@ def _load(path: Path) -> dict:
     return data
 
 
-def _parts(data: dict, where: str) -> tuple:
-    """(input_ids, loss_mask, hidden_state [T, H], aux [T, n*H]) of one file, checked."""
+def _parts(data: dict, where: str, vocab: int | None) -> tuple:
+    """(input_ids int64 numpy [T], loss_mask [T], hidden_state [T, H], aux [T, n*H], eaglenest_last_hidden
+    [T, H] or None) of one file, checked: tensors, integer token ids in the vocabulary, ``T > 0``, shapes
+    and dtypes (pass 1 refuses a bad file with this before anything is written)."""
+    import torch
+
     missing = [k for k in KEYS if k not in data]
     if missing:
         raise SchemaError(f"{where}: missing key(s) {missing} (SpecForge files hold {list(KEYS)})")
+    for k in KEYS + ((PRENORM_KEY,) if PRENORM_KEY in data else ()):
+        if not isinstance(data[k], torch.Tensor):
+            raise SchemaError(f"{where}: key '{k}' holds a {type(data[k]).__name__}, expected a tensor")
     ids, mask = data["input_ids"].reshape(-1), data["loss_mask"].reshape(-1)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise SchemaError(f"{where}: key 'input_ids' is {ids.dtype}, expected integer token ids")
+    tok = sink.check_tokens(ids.numpy(), vocab, where)
     hs, aux = data["hidden_state"], data["aux_hidden_state"]
     hs = hs[0] if hs.dim() == 3 and hs.shape[0] == 1 else hs
     aux = aux[0] if aux.dim() == 3 and aux.shape[0] == 1 else aux
-    T = ids.numel()
+    T = len(tok)
     if hs.dim() != 2 or hs.shape[0] != T or aux.dim() != 2 or aux.shape[0] != T or mask.numel() != T:
         raise SchemaError(f"{where}: shapes input_ids {list(ids.shape)}, loss_mask {list(mask.shape)}, hidden_state "
                           f"{list(data['hidden_state'].shape)}, aux_hidden_state {list(data['aux_hidden_state'].shape)}"
                           f"; expected [T], [T], [1, T, H], [1, T, n_aux * H]")
-    if aux.shape[1] % hs.shape[1] or aux.shape[1] == 0:
-        raise SchemaError(f"{where}: aux_hidden_state width {aux.shape[1]} is not a multiple of H = {hs.shape[1]}")
+    H = hs.shape[1]
+    if H == 0 or aux.shape[1] % H or aux.shape[1] == 0:
+        raise SchemaError(f"{where}: aux_hidden_state width {aux.shape[1]} is not a multiple of H = {H}")
+    sink.dtype_of(hs, where)
     if aux.dtype != hs.dtype:
         raise SchemaError(f"{where}: aux_hidden_state is {aux.dtype}, hidden_state {hs.dtype}")
-    return ids, mask, hs, aux
+    if mask.dtype.is_complex or not bool(((mask == 0) | (mask == 1)).all()):
+        raise SchemaError(f"{where}: loss_mask holds values other than 0/1")
+    pre = data.get(PRENORM_KEY)
+    if pre is not None:
+        pre = pre[0] if pre.dim() == 3 and pre.shape[0] == 1 else pre
+        if tuple(pre.shape) != (T, H):
+            raise SchemaError(f"{where}: key '{PRENORM_KEY}' has shape {list(data[PRENORM_KEY].shape)}, expected "
+                              f"[1, {T}, {H}] (as hidden_state)")
+        if pre.dtype != hs.dtype:
+            raise SchemaError(f"{where}: key '{PRENORM_KEY}' is {pre.dtype}, hidden_state {hs.dtype}")
+    return tok, mask.to(torch.uint8).numpy(), hs, aux, pre
+
+
+def _check_complete(files: list[tuple[int, Path]], record: dict | None, samples: dict, src: Path) -> None:
+    """An eaglenest export lists its files (``eaglenest_samples.jsonl``) and rows: a partial copy is refused."""
+    have = {i: p.relative_to(src).as_posix() for i, p in files}
+    listed = sorted(samples.items())
+    missing = [d["file"] for i, d in listed if have.get(i) not in (d["file"], d["file"] + ".gz")]
+    if missing:
+        raise StoreError(f"--src {src}: {len(missing)} of {len(listed)} files listed in {SAMPLES} are missing "
+                         f"(first: {missing[0]}; a partial copy?); nothing was imported")
+    extra = [p for i, p in have.items() if samples and i not in samples]
+    if extra:
+        raise StoreError(f"{src / extra[0]}: not listed in {SAMPLES} (files of another dump?); nothing was imported")
+    sink.check_rows(record, samples, len(files), src, "feature files")
 
 
 def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_ids=(), domain: str = "imported",
                 norm_key: str = "", off_policy: bool = False, budget_bytes: int = 128 << 20,
-                trust_remote_code: bool = False) -> dict:
+                trust_remote_code: bool = False, storage: str = "raw") -> dict:
     """Bring a SpecForge feature directory (module docstring) into table ``name`` as one new version."""
+    sink.check_table(name)
+    sink.check_domain(domain, "--domain")
+    sink.check_storage(storage)
+    if 0 in tuple(layer_ids or ()):
+        raise ConfigError("featurestore.layer_ids: layer id 0 (the embedding output) has no SpecForge name (its aux "
+                          "layers are vLLM ids >= 1, SpecForge's id + 1); give the dump's layers")
     src = sink.require_dir(src_dir, FORMAT)
     record, samples = sink.read_record(src)
     sink.check_target(record, target, off_policy=off_policy)
     files = _files(src)
+    _check_complete(files, record, samples, src)
+    vocab = sink.target_vocab(target, record, trust_remote_code=trust_remote_code)
     first, ids, prenorm = None, [], True
     for i, path in tqdm(files, desc="checking specforge dump", unit="sample"):
-        data = _load(path)
-        tok, mask, hs, aux = _parts(data, str(path))
-        if not np.isin(mask.numpy(), (0, 1)).all():
-            raise SchemaError(f"{path}: loss_mask holds values other than 0/1")
+        tok, _, hs, aux, pre = _parts(_load(path), str(path), vocab)
         shape = (aux.shape[1] // hs.shape[1], hs.shape[1], sink.dtype_of(hs, str(path)))
         if first is None:
             first = shape
         elif shape != first:
             raise SchemaError(f"{path}: [n_aux, H, dtype] = {list(shape)}, the dump's first file has {list(first)}; "
                               "nothing was imported")
-        prenorm = prenorm and PRENORM_KEY in data
-        strings = sink.string_columns(samples, i, tok.numpy(), domain=domain, source=f"{FORMAT}:{path.relative_to(src)}")
+        prenorm = prenorm and pre is not None
+        strings = sink.string_columns(samples, i, tok, domain=domain, source=f"{FORMAT}:{path.relative_to(src)}")
         ids.append((strings["sample_id"], str(path)))
     sink.check_ids(ids, store.sample_ids(uri, name), name)
     n_aux, H, dtype = first
     if record is not None:
-        meta = sink.as_raw(S.FeatureMeta.from_json(json.dumps(record["feature_meta"])), FORMAT)
+        meta = sink.as_raw(sink.record_meta(record, src / EXPORT_RECORD), FORMAT)
         if (len(meta.layer_ids), meta.hidden_size, meta.dtype) != (n_aux, H, dtype):
             raise SchemaError(f"--src {src}: files hold [n_aux, H, dtype] = {[n_aux, H, dtype]}, but "
-                              f"eaglenest_export.json says {[len(meta.layer_ids), meta.hidden_size, meta.dtype]}")
+                              f"{EXPORT_RECORD} says {[len(meta.layer_ids), meta.hidden_size, meta.dtype]}")
     else:
         meta = sink.import_meta(fmt=FORMAT, target=target, layer_ids=layer_ids, n_aux=n_aux, hidden=H, dtype=dtype,
                                 ids=[s for s, _ in ids], dump_digest=sink.dump_digest([p for _, p in files], src),
                                 trust_remote_code=trust_remote_code)
+    if 0 in meta.layer_ids:
+        raise ConfigError("featurestore.layer_ids: layer id 0 (the embedding output) has no SpecForge name; give the "
+                          "dump's layers (vLLM ids >= 1)")
     weight = None if prenorm else final_norm(target, norm_key)[0]
     if weight is not None and not bool((weight != 0).all()):
         raise SchemaError(f"run.target {target}: its final norm weight has zeros; the unnormed last hidden state "
                           "cannot be recovered from SpecForge's hidden_state")
-    version = sink.commit_rows(uri, name, meta, _rows(files, src, samples, domain, meta, weight), total=len(files),
-                               lineage={"imported_from": str(src.resolve()), "format": FORMAT,
-                                        "last_hidden": "exact" if prenorm else "hidden_state / final norm weight",
-                                        "export_of": None if record is None else {
-                                            k: record.get(k) for k in ("table", "table_version", "feature_set_id")}},
+    version = sink.commit_rows(uri, name, meta, _rows(files, src, samples, domain, meta, weight, vocab),
+                               total=len(files), lineage={
+                                   "imported_from": str(src.resolve()), "format": FORMAT,
+                                   "last_hidden": "exact" if prenorm else "hidden_state / final norm weight",
+                                   "export_of": None if record is None else {
+                                       k: record.get(k) for k in ("table", "table_version", "feature_set_id")}},
                                budget_bytes=budget_bytes, desc="importing specforge dump")
     return {"table": name, "version": version, "rows": len(files), "feature_set_id": meta.feature_set_id,
             "layer_ids": list(meta.layer_ids), "dtype": meta.dtype, "last_hidden_exact": prenorm}
 
 
-def _rows(files, src: Path, samples: dict, domain: str, meta, weight):
+def _rows(files, src: Path, samples: dict, domain: str, meta, weight, vocab):
     for i, path in files:
-        data = _load(path)
-        tok, mask, hs, aux = _parts(data, str(path))
-        T = tok.numel()
+        tok, mask, hs, aux, pre = _parts(_load(path), str(path), vocab)
+        T = len(tok)
         if weight is None:
-            last = data[PRENORM_KEY].reshape(T, -1)
+            last = pre
         else:  # RMSNorm(hs / w) * w == hs up to eps: a scaled copy of the unnormed state (module docstring)
             last = (hs.float() / weight).to(hs.dtype)
-        strings = sink.string_columns(samples, i, tok.numpy(), domain=domain, source=f"{FORMAT}:{path.relative_to(src)}")
-        yield sink.feature_row(strings, tok.numpy().astype(np.int64), mask.numpy().astype(np.uint8),
-                               aux.reshape(T, len(meta.layer_ids), meta.hidden_size), last, meta, str(path))
+        strings = sink.string_columns(samples, i, tok, domain=domain, source=f"{FORMAT}:{path.relative_to(src)}")
+        yield sink.feature_row(strings, tok, mask, aux.reshape(T, len(meta.layer_ids), meta.hidden_size), last, meta,
+                               str(path))

@@ -31,11 +31,12 @@ import numpy as np
 from tqdm import tqdm
 
 from eaglenest.errors import SchemaError, StoreError
-from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.interop import sink
+from eaglenest.featurestore.interop import hf, sink
 from eaglenest.featurestore.interop.source import (
+    EXPORT_RECORD,
     SAMPLES,
     Source,
+    check_draft_vocab,
     export_record,
     finish_export,
     iter_samples,
@@ -68,6 +69,9 @@ def export(src: Source, out: str | Path, *, draft_vocab_size: int | None = None,
     import torch
     from safetensors.torch import save_file
 
+    vocab = target_vocab_size(target or src.meta.target) if draft_vocab_size else None
+    if vocab is not None:
+        check_draft_vocab(draft_vocab_size, vocab)  # before a file is written
     with staged_export(src, out, purpose="featurestore export") as tmp:
         (tmp / HS_DIR).mkdir()
         with open(tmp / SAMPLES, "w") as lines:
@@ -81,18 +85,25 @@ def export(src: Source, out: str | Path, *, draft_vocab_size: int | None = None,
         features = datasets.Features({"input_ids": datasets.List(datasets.Value("int64")),
                                       "loss_mask": datasets.List(datasets.Value("int64")),
                                       "seq_len": datasets.Value("int64")})
-        ds = datasets.Dataset.from_generator(_token_rows, features=features, gen_kwargs={"src": src},
-                                             cache_dir=str(tmp / ".hf_cache"), writer_batch_size=1000,
-                                             fingerprint=f"eaglenest-{src.meta.feature_set_id}-{src.version}")
-        ds.set_format("torch")
-        ds.save_to_disk(str(tmp))
-        del ds
-        shutil.rmtree(tmp / ".hf_cache", ignore_errors=True)
+        fingerprint = f"eaglenest-{src.meta.feature_set_id}-{src.version}"
+        if src.rows:
+            ds = datasets.Dataset.from_generator(_token_rows, features=features, gen_kwargs={"src": src},
+                                                 cache_dir=str(tmp / ".hf_cache"), writer_batch_size=1000,
+                                                 fingerprint=fingerprint)
+            ds.set_format("torch")
+            ds.save_to_disk(str(tmp))
+            del ds
+            shutil.rmtree(tmp / ".hf_cache", ignore_errors=True)
+        else:  # an empty version: save_to_disk writes no shard (load_from_disk then fails); hf's writer
+            # gives one empty shard, a loadable empty dataset, as the hf and specforge exports do
+            hf.write_dataset_dir(iter(()), features, tmp, max_shard_size="500MB", writer_batch_size=1000,
+                                 fingerprint=fingerprint)
+            state = json.loads((tmp / "state.json").read_text())
+            (tmp / "state.json").write_text(json.dumps({**state, "_format_type": "torch"}, indent=2, sort_keys=True))
         counts = loss_token_counts(src)
         torch.save(counts, tmp / "token_freq.pt")
         mapping = None
-        if draft_vocab_size:
-            vocab = target_vocab_size(target or src.meta.target)
+        if vocab is not None:
             d2t, t2d = vocab_mapping(counts, draft_vocab_size, vocab)
             np.save(tmp / f"d2t-{draft_vocab_size}.npy", d2t)
             np.save(tmp / f"t2d-{draft_vocab_size}.npy", t2d)
@@ -120,6 +131,8 @@ def _check_header(path: Path, T: int, where: str) -> tuple:
             hs = f.get_slice("hidden_states")
             shape, dtype = tuple(hs.get_shape()), hs.get_dtype()
             token_ids = f.get_tensor("token_ids")
+            if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex:
+                raise SchemaError(f"{where}: token_ids are {token_ids.dtype}, expected integer token ids")
     except SchemaError:
         raise
     except Exception as exc:  # safetensors' own header errors (SafetensorError), I/O errors
@@ -135,32 +148,45 @@ def _check_header(path: Path, T: int, where: str) -> tuple:
 
 
 def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_ids=(), domain: str = "imported",
-                off_policy: bool = False, budget_bytes: int = 128 << 20, trust_remote_code: bool = False) -> dict:
+                off_policy: bool = False, budget_bytes: int = 128 << 20, trust_remote_code: bool = False,
+                storage: str = "raw") -> dict:
     """Bring a speculators data directory (module docstring) into table ``name`` as one new version."""
     import datasets
 
+    sink.check_table(name)
+    sink.check_domain(domain, "--domain")
+    sink.check_storage(storage)
     src = sink.require_dir(src_dir, FORMAT)
     try:
         data = datasets.load_from_disk(str(src)).with_format(None)
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        raise StoreError(f"--src {src}: not a datasets save_to_disk directory ({str(exc).splitlines()[0][:200]})"
-                         "; speculators keeps input_ids and loss_mask there") from None
+    except (FileNotFoundError, ValueError, OSError, IndexError, KeyError, TypeError) as exc:  # datasets' kinds
+        if isinstance(exc, IndexError) and _no_data_files(src):  # save_to_disk of an empty dataset
+            raise StoreError(f"--src {src}: the dump holds no samples; nothing was imported") from None
+        text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise StoreError(f"--src {src}: not a datasets save_to_disk directory ({text}); speculators keeps "
+                         "input_ids and loss_mask there") from None
+    if not isinstance(data, datasets.Dataset):
+        raise SchemaError(f"--src {src}: holds a {type(data).__name__}, expected one dataset (speculators' layout)")
     missing = {"input_ids", "loss_mask"} - set(data.column_names)
     if missing:
         raise SchemaError(f"--src {src}: the dataset lacks column(s) {sorted(missing)}")
+    if len(data) == 0:
+        raise StoreError(f"--src {src}: the dump holds no samples; nothing was imported")
     record, samples = sink.read_record(src)
     sink.check_target(record, target, off_policy=off_policy)
+    sink.check_rows(record, samples, len(data), src, "dataset rows")
+    vocab = sink.target_vocab(target, record, trust_remote_code=trust_remote_code)
     # Pass 1: every file present, readable, shaped and typed alike, token ids equal to the row's.
     first, ids, files = None, [], []
     for i in tqdm(range(len(data)), desc="checking speculators dump", unit="sample"):
         row, where = data[i], f"{src / _hs_name(i)}"
-        input_ids = np.asarray(row["input_ids"], dtype=np.int64)
+        input_ids = sink.check_tokens(row["input_ids"], vocab, f"{src}: dataset row {i}")
         mask = np.asarray(row["loss_mask"])
         n_aux, H, dtype, token_ids = _check_header(src / _hs_name(i), len(input_ids), where)
-        if not np.array_equal(token_ids.numpy().astype(np.int64), input_ids):
+        if token_ids.shape != input_ids.shape or not np.array_equal(token_ids.numpy(), input_ids):
             raise SchemaError(f"{where}: token_ids differ from the dataset row {i}'s input_ids")
-        if mask.shape != input_ids.shape or not np.isin(mask, (0, 1)).all():
-            raise SchemaError(f"dataset row {i}: loss_mask must be {len(input_ids)} values of 0/1")
+        if mask.shape != input_ids.shape or mask.dtype.kind not in "biuf" or not np.isin(mask, (0, 1)).all():
+            raise SchemaError(f"{src}: dataset row {i}: loss_mask must be {len(input_ids)} values of 0/1")
         if first is None:
             first = (n_aux, H, dtype)
         elif (n_aux, H, dtype) != first:
@@ -172,7 +198,7 @@ def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_
     sink.check_ids(ids, store.sample_ids(uri, name), name)
     n_aux, H, dtype = first
     meta = _meta(record, n_aux, H, dtype, target, layer_ids, [s for s, _ in ids], files, src, trust_remote_code)
-    version = sink.commit_rows(uri, name, meta, _rows(data, src, samples, domain, meta), total=len(data),
+    version = sink.commit_rows(uri, name, meta, _rows(data, src, samples, domain, meta, vocab), total=len(data),
                                lineage={"imported_from": str(src.resolve()), "format": FORMAT,
                                         "export_of": _export_of(record)},
                                budget_bytes=budget_bytes, desc="importing speculators dump")
@@ -180,12 +206,19 @@ def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_
             "layer_ids": list(meta.layer_ids), "dtype": meta.dtype}
 
 
+def _no_data_files(src: Path) -> bool:
+    try:
+        return json.loads((src / "state.json").read_text()).get("_data_files") == []
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _meta(record, n_aux, H, dtype, target, layer_ids, ids, files, src, trust_remote_code):
     if record is not None:
-        meta = S.FeatureMeta.from_json(json.dumps(record["feature_meta"]))
+        meta = sink.record_meta(record, src / EXPORT_RECORD)
         if (len(meta.layer_ids), meta.hidden_size, meta.dtype) != (n_aux, H, dtype):
             raise SchemaError(f"--src {src}: files hold [n_aux, H, dtype] = {[n_aux, H, dtype]}, but "
-                              f"eaglenest_export.json says {[len(meta.layer_ids), meta.hidden_size, meta.dtype]}")
+                              f"{EXPORT_RECORD} says {[len(meta.layer_ids), meta.hidden_size, meta.dtype]}")
         return sink.as_raw(meta, FORMAT)
     return sink.import_meta(fmt=FORMAT, target=target, layer_ids=layer_ids, n_aux=n_aux, hidden=H, dtype=dtype,
                             ids=ids, dump_digest=sink.dump_digest(files, src), trust_remote_code=trust_remote_code)
@@ -195,12 +228,12 @@ def _export_of(record: dict | None):
     return None if record is None else {k: record.get(k) for k in ("table", "table_version", "feature_set_id")}
 
 
-def _rows(data, src: Path, samples: dict, domain: str, meta):
+def _rows(data, src: Path, samples: dict, domain: str, meta, vocab):
     from safetensors.torch import load_file
 
     for i in range(len(data)):
         row = data[i]
-        input_ids = np.asarray(row["input_ids"], dtype=np.int64)
+        input_ids = sink.check_tokens(row["input_ids"], vocab, f"{src}: dataset row {i}")
         hs = load_file(str(src / _hs_name(i)))["hidden_states"]
         strings = sink.string_columns(samples, i, input_ids, domain=domain, source=f"{FORMAT}:{_hs_name(i)}")
         yield sink.feature_row(strings, input_ids, np.asarray(row["loss_mask"], dtype=np.uint8), hs[:, :-1],

@@ -138,6 +138,10 @@ def test_cli_export_then_import_and_a_refusal(tmp_path, capsys):
                      "featurestore.table=back", *keys]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == 5
     I.assert_same_rows(uri, "features", "back")
+    # the recipe's storage reaches the import: fp8 would not be bit-exact, so it is refused, not ignored
+    assert cli.main(["import", "--format", "specforge", "--src", str(tmp_path / "sf"), "featurestore.table=fp8",
+                     "featurestore.storage=fp8_e4m3", *keys]) == 2
+    assert "featurestore.storage=fp8_e4m3" in capsys.readouterr().err and not store.exists(uri, "fp8")
     # a bad dump: exit 2, one line naming the file, nothing committed
     next((tmp_path / "sf").rglob("data_1.ckpt")).write_bytes(b"not a checkpoint")
     assert cli.main(["import", "--format", "specforge", "--src", str(tmp_path / "sf"),

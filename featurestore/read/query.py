@@ -35,6 +35,7 @@ from eaglenest.config import short_text
 from eaglenest.errors import ConfigError, StoreError, require
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.table import integrity, objects, store
+from eaglenest.paths import shown_path
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +98,18 @@ def _connect(uri: str, *, versions: dict[str, int | str] | None = None, with_ten
             try:
                 con.execute(f"CREATE TEMP TABLE {name} AS SELECT * FROM {READERS[Path(path).suffix]}('{_q(path)}')")
             except duckdb.Error as exc:  # not the format its suffix says, or damaged
-                raise ConfigError(f"--attach {short_text(f'{name}={path}')}: cannot read it "
+                raise ConfigError(f"{_attach_item(name, path)}: cannot read it "
                                   f"({short_text(str(exc).splitlines()[0], ERROR_CHARS)})") from None
         con.execute("SET enable_external_access = false")
     except BaseException:
         con.close()
         raise
     return con, batch_rows
+
+
+def _attach_item(name: str, path: str) -> str:
+    """``--attach NAME=FILE`` for an error line: bounded, the end of the path kept (its file name)."""
+    return f"--attach {short_text(name, 40)}={shown_path(path)}"
 
 
 def _check_attach(attach: dict[str, str], tables: list[str]) -> None:
@@ -114,7 +120,7 @@ def _check_attach(attach: dict[str, str], tables: list[str]) -> None:
     reserved = {k for (k,) in duckdb.sql("SELECT keyword_name FROM duckdb_keywords() "
                                          "WHERE keyword_category = 'reserved'").fetchall()}
     for name, path in attach.items():
-        item = f"--attach {short_text(f'{name}={path}')}"
+        item = _attach_item(name, path)
         if not ATTACH_NAME.fullmatch(name) or name.lower() in reserved:
             raise ConfigError(f"{item}: the name must be a plain identifier (letters, digits, '_'; "
                               "not a SQL keyword)")

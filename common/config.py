@@ -275,6 +275,19 @@ def _collect(tp: Any, value: Any, where: str, error: type[ConfigError], problems
         return None
 
 
+def _leaf_name(tp: Any) -> str:
+    """How an error names scalar type ``tp`` ('' for a type that is not a scalar)."""
+    if tp is type(None):
+        return "null"
+    if get_origin(tp) is Literal:
+        return ", ".join(map(repr, get_args(tp)))
+    return tp.__name__ if tp in (int, float, str, bool) else ""
+
+
+def _one_of(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
@@ -311,6 +324,9 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
                 return _convert(arg, value, where, error)
             except ConfigError as exc:
                 last = exc
+        leaves = [_leaf_name(a) for a in args]
+        if all(leaves):  # scalars only: name every type the key takes, not just the last one tried
+            raise error(f"{where}: expected {_one_of(leaves)}, got {short(value)}")
         raise last or error(f"{where}: invalid value {short(value)}")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):

@@ -116,3 +116,11 @@ def test_default_recipe_outside_a_checkout_says_how_to_give_one(tmp_path, monkey
         load_recipe()
     with pytest.raises(ConfigError, match="--recipe: empty path"):
         load_recipe("")
+
+
+def test_a_union_key_names_every_type_it_takes(root, monkeypatch):
+    monkeypatch.chdir(root)
+    with pytest.raises(ConfigError, match=r"train\.table_version: expected int, str or null, got 1\.5"):
+        load_recipe("recipes/toy.yaml", ["train.table_version=1.5"])
+    with pytest.raises(ConfigError, match=r"train\.sliding_window: expected int or 'auto', got 1\.5"):
+        load_recipe("recipes/toy.yaml", ["train.sliding_window=1.5"])

@@ -128,8 +128,8 @@ def cmd_throughput(recipe, args) -> int:
 
 def cmd_compare(recipe, args) -> int:
     _check_target(recipe)
-    out = recipe.run.path(args.out or "compare")
-    print(compare(args.a, args.b, recipe=recipe, outdir=out))
+    out = _out(recipe.run.path(args.out or "compare"), args)  # before any draft is evaluated
+    print(compare(args.a, args.b, recipe=recipe, outdir=out, key="--out" if args.out else "run.workdir"))
     return 0
 
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from eaglenest.errors import EaglenestError
+from eaglenest.paths import make_dir, shown_path
 from eaglenest.evaluate.run import evaluate_al
 from eaglenest.evaluate.settings import evaluate_config
 from eaglenest.provenance import write_json_atomic
@@ -27,7 +28,25 @@ def _report(path: Path) -> dict:
                              f"({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})") from None
     if not isinstance(data, dict) or not isinstance(data.get("overall"), dict) or "draft" not in data:
         raise EaglenestError(f"compare: {path} is not an `evaluate al` report.json (no 'draft' and 'overall')")
+    check_report(data, path)
     return data
+
+
+def check_report(data: dict, path: str | Path) -> None:
+    """The fields :func:`side_by_side` reads have their types, or one line naming the file and key."""
+    for section in ("domains", "context_buckets"):
+        rows = data.get(section)
+        if rows is not None and not isinstance(rows, dict):
+            raise EaglenestError(f"compare: {shown_path(path)}: {section}: not an object of groups")
+    rows = {"overall": data["overall"], **{f"{s}.{k}": v for s in ("domains", "context_buckets")
+                                           for k, v in (data.get(s) or {}).items()}}
+    for key, row in rows.items():
+        if not isinstance(row, dict):
+            raise EaglenestError(f"compare: {shown_path(path)}: {key}: not an object")
+        for name in ("acceptance_length", "acceptance_length_per_request"):
+            x = row.get(name)
+            if x is not None and (not isinstance(x, (int, float)) or isinstance(x, bool)):
+                raise EaglenestError(f"compare: {shown_path(path)}: {key}.{name}: not a number, got {str(x)[:40]!r}")
 
 
 def _load(spec: str, recipe) -> dict:
@@ -66,10 +85,10 @@ def side_by_side(a: dict, b: dict, *, names: tuple[str, str] = ("A", "B")) -> st
     return "\n".join(lines) + "\n"
 
 
-def compare(spec_a: str, spec_b: str, *, recipe, outdir: Path) -> str:
+def compare(spec_a: str, spec_b: str, *, recipe, outdir: Path, key: str = "--out") -> str:
     a, b = _load(spec_a, recipe), _load(spec_b, recipe)
     md = side_by_side(a, b)
-    outdir.mkdir(parents=True, exist_ok=True)
+    make_dir(outdir, key)
     write_json_atomic(outdir / "compare.json", {"a": a, "b": b, "inputs": [spec_a, spec_b]})
     (outdir / "compare.md").write_text(md, encoding="utf-8")
     return md

@@ -32,19 +32,20 @@ result matches vLLM's served figures exactly unless a near-tie argmax flips betw
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from eaglenest.errors import ConfigError
 from eaglenest.evaluate.al import SpecCounters, per_request_summary
 from eaglenest.evaluate.prompts import render
 from eaglenest.hf import load_causal_lm, load_tokenizer
+from eaglenest.paths import read_json_object, shown_path
 from eaglenest.serve import fp8
 from eaglenest.train import dflash, peagle
-from eaglenest.train.checkpoint import INFO, load_checkpoint
+from eaglenest.train.checkpoint import INFO, WEIGHTS, load_checkpoint
 from eaglenest.train.model import Eagle3Draft, chunk_doc_mask
 from eaglenest.train.target import load_target_tensors
 
@@ -68,25 +69,34 @@ def load_draft(draft: str | Path, target_dir: str | Path):
 
     path = Path(draft)
     if (path / INFO).is_file():
-        return load_checkpoint(path, target_dir=target_dir)[0].eval()
+        return _checkpoint_draft(path, target_dir).eval()
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise ConfigError(f"evaluate.draft: {draft} is neither an exported draft (config.json + "
                           f"model.safetensors) nor a draft checkpoint ({INFO})")
-    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    redo = "export the draft again (`serve export`)"
+    raw = read_json_object(path / "config.json", error=ConfigError, then=redo)
     # vLLM's ids: top level (exports since serve/formats.py; eagle_config's are SGLang's, id - 1),
     # else eagle_config's (older exports wrote vLLM's ids there).
-    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+    nested = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
         raise ConfigError(f"evaluate.draft: {path / 'config.json'} has no eagle_aux_hidden_state_layer_ids")
-    cfg = LlamaConfig.from_dict(raw)
-    cfg.eagle_aux_layer_ids = [int(i) for i in ids]
-    model = Eagle3Draft(cfg)
-    state = load_file(str(path / "model.safetensors"))
-    if fp8.is_fp8_state(state):  # FP8 export: weights = codes * per-channel scale
-        state = fp8.dequantise_state(state)
-    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        cfg = LlamaConfig.from_dict(raw)
+        cfg.eagle_aux_layer_ids = [int(i) for i in ids]
+        model = Eagle3Draft(cfg)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"evaluate.draft: {shown_path(path / 'config.json')}: not a draft config "
+                          f"({_why(exc)}); {redo}") from None
+    try:
+        state = load_file(str(path / "model.safetensors"))
+        if fp8.is_fp8_state(state):  # FP8 export: weights = codes * per-channel scale
+            state = fp8.dequantise_state(state)
+        state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except (OSError, SafetensorError, KeyError, RuntimeError) as exc:  # truncated, or shapes off the config
+        raise ConfigError(f"evaluate.draft: {shown_path(path / 'model.safetensors')}: unreadable or not "
+                          f"matching config.json ({_why(exc)}); {redo}") from None
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:
         raise ConfigError(f"evaluate.draft: {path} weights do not match its config "
@@ -94,6 +104,24 @@ def load_draft(draft: str | Path, target_dir: str | Path):
     with torch.no_grad():  # vLLM shares the target's embeddings with the draft
         model.embed_tokens.weight.copy_(load_target_tensors(target_dir, only=("embed",))["embed"])
     return model.eval()
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:120]}" if text else type(exc).__name__
+
+
+def _checkpoint_draft(path: Path, target_dir: str | Path):
+    """:func:`load_checkpoint`, with a damaged checkpoint as one line naming its file."""
+    redo = "the checkpoint is damaged: train again (`train run`)"
+    try:
+        return load_checkpoint(path, target_dir=target_dir)[0]
+    except (OSError, SafetensorError, RuntimeError) as exc:  # weights truncated, missing, or shapes off
+        raise ConfigError(f"evaluate.draft: {shown_path(path / WEIGHTS)}: unreadable or not matching {INFO} "
+                          f"({_why(exc)}); {redo}") from None
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:  # checkpoint.json lacks what it needs
+        raise ConfigError(f"evaluate.draft: {shown_path(path / INFO)}: not a draft checkpoint record "
+                          f"({_why(exc)}); {redo}") from None
 
 
 def load_target(target_dir: str | Path, *, trust_remote_code: bool = False):

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 
 from eaglenest.engine import draft_num_speculative_tokens
 from eaglenest.errors import ConfigError, ManifestError
 from eaglenest.ingest.manifest import load_manifest
-from eaglenest.serve.push import check_repo_id, plan_push, push_draft, resolve_token
+from eaglenest.serve.push import check_repo_id, plan_push, push_draft, read_report, resolve_token
 from eaglenest.serve.server import Server
 from eaglenest.train.config import recommended_num_speculative_tokens
 
@@ -50,8 +49,7 @@ def cmd_push(recipe, args) -> int:
     r, s = recipe.run, recipe.serve
     check_repo_id(s.hub_repo_id)
     draft = r.path(s.draft_subdir)
-    report_path = r.path("eval", "report.json")  # where `evaluate al` writes it
-    report = json.loads(report_path.read_text()) if report_path.is_file() else None
+    report = read_report(r.path("eval", "report.json"))  # where `evaluate al` writes it
     name, licences = _licences(recipe.ingest.manifest)
     plan = plan_push(draft, repo_id=s.hub_repo_id, revision=s.hub_revision, visibility=s.hub_visibility,
                      licences=licences, manifest_name=name, report=report)  # no draft: exit 2 here

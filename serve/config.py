@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 from typing import Literal
 
 from eaglenest.config import short
@@ -47,6 +48,13 @@ class ServeConfig:
             value = getattr(self, name)
             if not value or value.startswith("/") or ".." in value.split("/"):
                 raise ConfigError(f"serve.{name}: a relative path inside run.workdir, got {short(value)}")
+            if posixpath.normpath(value) == ".":
+                raise ConfigError(f"serve.{name}: a folder inside run.workdir, not run.workdir itself, "
+                                  f"got {short(value)}")
+        draft, ckpt = (posixpath.normpath(v).split("/") for v in (self.draft_subdir, self.checkpoint_subdir))
+        if draft[:len(ckpt)] == ckpt or ckpt[:len(draft)] == draft:
+            raise ConfigError(f"serve.draft_subdir: {short(self.draft_subdir)} would overwrite the checkpoint "
+                              f"(serve.checkpoint_subdir={short(self.checkpoint_subdir)}); choose another folder")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port: 0..65535, got {short(self.port)}")
         if not self.host or any(c.isspace() for c in self.host):

@@ -50,16 +50,22 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from transformers import LlamaConfig
 
 from eaglenest.engine import RECOMMENDED_K
-from eaglenest.errors import ConfigError
+from eaglenest.errors import ConfigError, StoreError
+from eaglenest.paths import make_dir, shown_path, user_path
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.serve import formats, fp8
-from eaglenest.train.checkpoint import WEIGHTS, read_info
+from eaglenest.train.checkpoint import INFO, WEIGHTS, read_info
+from eaglenest.train.dflash import DFlashDraft, is_dflash
+from eaglenest.train.model import Eagle3Draft
 from eaglenest.train.config import recommended_num_speculative_tokens
 from eaglenest.train.target import target_config, torch_dtype_name
 
@@ -74,6 +80,60 @@ FROM_TARGET = ("hidden_act", "max_position_embeddings", "bos_token_id", "eos_tok
                "attention_bias", "mlp_bias")
 FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: What an export writes, and all it writes: a folder holding only these (config.json and
+#: provenance.json among them, in the shapes export writes) is an earlier export, the one kind of
+#: folder ``serve export`` replaces. Any other non-empty folder is refused, never deleted.
+EXPORT_FILES = frozenset({"config.json", "model.safetensors", "README.md", "provenance.json"})
+#: provenance.json's ``stage`` in an export (exports made before it are recognised by their shape).
+STAGE = "serve export"
+#: draft_config keys the exported config.json needs (DFlash: also DFLASH_KEYS).
+DRAFT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "draft_vocab_size", "target_hidden_size", "rms_norm_eps")
+DFLASH_KEYS = ("num_hidden_layers", "dflash_block_size", "mask_token_id")
+
+
+def is_export(path: str | Path) -> bool:
+    """Whether the directory ``path`` holds an earlier ``serve export`` and nothing else."""
+    p = Path(path)
+    try:
+        names = {c.name for c in p.iterdir()}
+        if not names <= EXPORT_FILES or not {"config.json", "provenance.json"} <= names:
+            return False
+        cfg = json.loads((p / "config.json").read_text(encoding="utf-8"))
+        prov = json.loads((p / "provenance.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(cfg, dict) or not isinstance(prov, dict) or not isinstance(cfg.get("architectures"), list):
+        return False
+    inputs = prov.get("inputs")
+    return prov.get("stage") == STAGE or (prov.get("format") in ("vllm", "speculators")
+                                          and isinstance(inputs, dict) and "checkpoint" in inputs)
+
+
+def check_out(out_dir: str | Path, ckpt_dir: str | Path, *, key: str = "--out",
+              keep_clear: tuple[tuple[str, str | Path], ...] = (), not_at: tuple[tuple[str, str | Path], ...] = ()
+              ) -> Path:
+    """Refuse (``key``, one line) an output folder export must not replace: a file, a non-empty folder
+    that is not an earlier export, a folder equal to, inside or holding the checkpoint (or a
+    ``keep_clear`` (name, path) such as the store), or equal to / holding a ``not_at`` one (the
+    workdir). Returns ``out_dir`` resolved."""
+    out = user_path(out_dir, key, error=ConfigError)
+    for name, other, inside_ok in ([("the checkpoint", ckpt_dir, False)] + [(n, p, False) for n, p in keep_clear]
+                                   + [(n, p, True) for n, p in not_at]):
+        o = Path(other).resolve()
+        if out == o or out in o.parents or (o in out.parents and not inside_ok):
+            raise ConfigError(f"{key}: {shown_path(out_dir)} would overwrite {name} ({shown_path(o)}); "
+                              "choose an empty or new folder")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{key}: {shown_path(out_dir)} is a file, not a directory")
+    try:
+        filled = out.is_dir() and any(out.iterdir())
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {shown_path(out_dir)} ({exc.strerror})") from None
+    if filled and not is_export(out):
+        raise ConfigError(f"{key}: {shown_path(out_dir)} holds files that are not an exported draft; "
+                          "choose an empty or new folder")
+    return out
 
 
 def draft_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype: str) -> dict[str, Any]:
@@ -165,13 +225,19 @@ def dflash_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype:
 def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str | Path,
                  dtype: str = "auto", quantization: str = "none", format: formats.Format = "vllm",
                  num_speculative_tokens: int | None = None, argv: list[str] | None = None,
-                 recipe: dict[str, Any] | None = None) -> Path:
+                 recipe: dict[str, Any] | None = None, key: str = "--out",
+                 keep_clear: tuple[tuple[str, str | Path], ...] = (),
+                 not_at: tuple[tuple[str, str | Path], ...] = ()) -> Path:
     """Write the draft directory ``out_dir`` (``format``: vLLM's or speculators' layout) from
     checkpoint ``ckpt_dir``; returns out_dir. ``num_speculative_tokens`` (None: the family's measured
-    best, :func:`recommended_num_speculative_tokens`) is recorded as the draft's default K."""
-    from safetensors.torch import load_file, save_file
+    best, :func:`recommended_num_speculative_tokens`) is recorded as the draft's default K.
+    ``out_dir`` must be new, empty or an earlier export (:func:`check_out`, ``key`` names it in the
+    error); the new export is written beside it and renamed into place, the old one removed last."""
+    from safetensors.torch import save_file
 
+    check_out(out_dir, ckpt_dir, key=key, keep_clear=keep_clear, not_at=not_at)
     info = read_info(ckpt_dir)
+    _check_info(info, Path(ckpt_dir) / INFO)
     target_cfg = target_config(target_dir)
     if dtype == "auto":
         dtype = torch_dtype_name(target_cfg)
@@ -185,7 +251,12 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     if dflash and quantization != "none":
         raise ConfigError("serve.quantization: a DFlash draft (train.family=dflash) exports with "
                           "serve.quantization=none only for now")
-    cfg = (dflash_hf_config if dflash else draft_hf_config)(info, target_cfg, dtype=dtype)
+    try:
+        cfg = (dflash_hf_config if dflash else draft_hf_config)(info, target_cfg, dtype=dtype)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoreError(f"{shown_path(Path(ckpt_dir) / INFO)}: draft_config: bad or missing "
+                         f"{exc.args[0] if isinstance(exc, KeyError) else 'value'} ({type(exc).__name__}); "
+                         "the checkpoint is damaged: train again (`train run`)") from None
     k = num_speculative_tokens or recommended_num_speculative_tokens(info.get("train_config") or {})
     if format == "vllm" or dflash:  # (a speculators config carries k in its proposal; the DFlash card reads it here)
         cfg[RECOMMENDED_K] = k  # serve / evaluate use it when their num_speculative_tokens is null
@@ -197,7 +268,7 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     notes = [] if dflash else formats.reader_notes(cfg, format, target_layers=int(target_cfg["num_hidden_layers"]))
     for reader, note in notes:
         log.warning("%s: %s", reader, note)
-    state = load_file(str(Path(ckpt_dir) / WEIGHTS))
+    state = _load_state(ckpt_dir, info)
     info.setdefault("num_parameters", sum(t.numel() for n, t in state.items()
                                           if t.is_floating_point() and not n.startswith("embed_tokens.")))
     tensors = {}
@@ -214,29 +285,100 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
         tensors = formats.speculators_tensors(tensors)
 
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    write_json_atomic(tmp / "config.json", written)
-    meta = info.get("feature_meta") or {}
-    inputs = {"checkpoint": str(ckpt_dir), "step": info.get("step"), "store_uri": info.get("store_uri"),
-              "table": info.get("table") or "features", "version": info.get("table_version"),
-              "target": str(target_dir), "feature_set_id": meta.get("feature_set_id"),
-              "feature_identity": meta.get("identity")}
-    write_provenance(tmp, config=recipe or {"serve": {"dtype": dtype, "quantization": quantization,
-                                                      "format": format}},
-                     argv=argv, inputs=inputs, extra={"format": format})
-    card = (dflash_card(cfg, info, inputs, format=format) if dflash
-            else model_card(cfg, info, inputs, format=format, notes=notes))
-    (tmp / "README.md").write_text(card, encoding="utf-8")
-    # Replace the whole directory at once so vLLM never reads a half-written draft.
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    make_dir(out_dir.parent, key, error=ConfigError)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json_atomic(tmp / "config.json", written)
+        meta = info.get("feature_meta") or {}
+        inputs = {"checkpoint": str(ckpt_dir), "step": info.get("step"), "store_uri": info.get("store_uri"),
+                  "table": info.get("table") or "features", "version": info.get("table_version"),
+                  "target": str(target_dir), "feature_set_id": meta.get("feature_set_id"),
+                  "feature_identity": meta.get("identity")}
+        write_provenance(tmp, config=recipe or {"serve": {"dtype": dtype, "quantization": quantization,
+                                                          "format": format}},
+                         argv=argv, inputs=inputs, extra={"format": format, "stage": STAGE})
+        card = (dflash_card(cfg, info, inputs, format=format) if dflash
+                else model_card(cfg, info, inputs, format=format, notes=notes))
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+        _install(tmp, out_dir, key)
+    except OSError as exc:
+        raise StoreError(f"{key}: cannot write {shown_path(out_dir)} ({exc.strerror or type(exc).__name__})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when installed
     log.info("exported draft (%s format, %s%s, %d tensors) to %s", format, dtype,
              ", fp8 linears" if quantization == "fp8" else "", len(tensors), out_dir)
     return out_dir
+
+
+def _check_info(info: dict[str, Any], path: Path) -> None:
+    """checkpoint.json has what export reads: ``draft_config`` (its keys) and ``layer_ids``."""
+    d = info.get("draft_config")
+    if not isinstance(d, dict):
+        raise StoreError(f"{shown_path(path)}: no draft_config; the checkpoint is damaged: train again (`train run`)")
+    ids = info.get("layer_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        raise StoreError(f"{shown_path(path)}: layer_ids: a list of layer ids, got {str(ids)[:60]}; "
+                         "the checkpoint is damaged: train again (`train run`)")
+    for k in DRAFT_KEYS + (DFLASH_KEYS if d.get("dflash") else ()):
+        if not isinstance(d.get(k), (int, float)) or isinstance(d.get(k), bool):
+            raise StoreError(f"{shown_path(path)}: draft_config.{k}: a number, got {str(d.get(k))[:60]}; "
+                             "the checkpoint is damaged: train again (`train run`)")
+
+
+def _load_state(ckpt_dir: str | Path, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights, each checked against the shape checkpoint.json's config gives it (a
+    weights file and a checkpoint.json of two different runs are refused, naming the tensor)."""
+    from safetensors.torch import load_file
+
+    path = Path(ckpt_dir) / WEIGHTS
+    try:
+        state = load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        why = "missing" if isinstance(exc, FileNotFoundError) else f"unreadable: {str(exc).splitlines()[0][:100]}"
+        raise StoreError(f"{shown_path(path)}: {why}; the checkpoint is damaged: train again (`train run`)") from None
+    try:
+        cfg = LlamaConfig.from_dict(info["draft_config"])
+        with torch.device("meta"):  # shapes only: no memory, no init
+            model = DFlashDraft(cfg) if is_dflash(cfg) else Eagle3Draft(cfg)
+    except Exception as exc:  # noqa: BLE001 - any config the model cannot be built from is the file's fault
+        raise StoreError(f"{shown_path(Path(ckpt_dir) / INFO)}: draft_config does not build a draft "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}); "
+                         "the checkpoint is damaged: train again (`train run`)") from None
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
+    for name, t in state.items():
+        if name.startswith("embed_tokens."):
+            continue
+        if name not in want:
+            raise StoreError(f"{shown_path(path)}: tensor {name} is not in the draft {INFO} describes; "
+                             "the weights and checkpoint.json come from different runs")
+        if tuple(t.shape) != want[name]:
+            raise StoreError(f"{shown_path(path)}: tensor {name} is {list(t.shape)}, {INFO}'s config makes it "
+                             f"{list(want[name])}; the weights and checkpoint.json come from different runs")
+    missing = sorted(set(want) - set(state))
+    if missing:
+        raise StoreError(f"{shown_path(path)}: no tensor {missing[0]} ({len(missing)} missing); "
+                         "the checkpoint is damaged: train again (`train run`)")
+    return state
+
+
+def _install(tmp: Path, out_dir: Path, key: str) -> None:
+    """Rename the finished export ``tmp`` to ``out_dir``; an earlier export there is moved aside first
+    and removed only once the new one is in place (put back if the rename fails)."""
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not is_export(out_dir):  # filled since check_out: still never deleted
+            raise ConfigError(f"{key}: {shown_path(out_dir)} holds files that are not an exported draft; "
+                              "choose an empty or new folder")
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old", dir=out_dir.parent))
+        os.replace(out_dir, old)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            os.replace(old, out_dir)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)  # new, or an empty folder (rename replaces it)
 
 
 def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any], *,

@@ -14,11 +14,16 @@ def cmd_export(recipe, args) -> int:
     """``serve export``: the checkpoint in ``serve.checkpoint_subdir`` as a draft in ``--out``."""
     r, s = recipe.run, recipe.serve
     out = args.out or str(r.path(s.draft_subdir))
+    key = "--out" if args.out else "serve.draft_subdir"
     # The draft is written beside ``out`` and renamed into place: prove that folder writable before
     # the checkpoint is read (the check leaves nothing behind).
     ensure_writable(Path(out).parent, "--out" if args.out else "run.workdir", keep=False)
+    # Never over the checkpoint, the store or the workdir itself; export_draft refuses any other
+    # folder that is not an earlier export.
+    store = () if "://" in r.store_uri else (("the feature store", r.store_uri),)
     path = export_draft(r.path(s.checkpoint_subdir), out, target_dir=r.target, dtype=s.dtype,
                         quantization=s.quantization, format=s.format,
-                        num_speculative_tokens=s.num_speculative_tokens, argv=sys.argv, recipe=recipe.to_dict())
+                        num_speculative_tokens=s.num_speculative_tokens, argv=sys.argv, recipe=recipe.to_dict(),
+                        key=key, keep_clear=store, not_at=(("run.workdir", r.workdir),))
     print(f"draft: {path}")
     return 0

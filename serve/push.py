@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.paths import read_json_object, shown_path
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,12 @@ def plan_push(draft_dir: str | Path, *, repo_id: str, revision: str = "main", vi
     draft = Path(draft_dir)
     if not (draft / "config.json").is_file():
         raise EaglenestError(f"serve push: no exported draft at {draft}: run `serve export` first")
-    prov = json.loads((draft / "provenance.json").read_text()) if (draft / "provenance.json").is_file() else {}
+    prov = (read_json_object(draft / "provenance.json", error=EaglenestError,
+                             then="export the draft again (`serve export`)")
+            if (draft / "provenance.json").is_file() else {})
+    if not isinstance(prov.get("inputs") or {}, dict):
+        raise EaglenestError(f"{shown_path(draft / 'provenance.json')}: inputs: not an object; "
+                             "export the draft again (`serve export`)")
     files: dict[str, Path | bytes] = {p.name: p for p in sorted(draft.iterdir())
                                       if p.is_file() and not p.name.startswith(".") and p.name != "README.md"}
     card_in = (draft / "README.md").read_text(encoding="utf-8") if (draft / "README.md").is_file() else ""
@@ -92,6 +98,39 @@ def plan_push(draft_dir: str | Path, *, repo_id: str, revision: str = "main", vi
     message = f"eaglenest EAGLE-3 draft ({prov.get('format', 'vllm')} format, step {inputs.get('step')})"
     return PushPlan(repo_id=repo_id, revision=revision, private=visibility == "private", files=files,
                     commit_message=message)
+
+
+def read_report(path: str | Path) -> dict | None:
+    """``evaluate al``'s report.json for the card's AL table (None: there is none); a damaged one is
+    one line naming the file and the key."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    then = "run `evaluate al` again (or remove it)"
+    report = read_json_object(path, error=EaglenestError, then=then)
+    rows = report.get("domains") or {}
+    if not isinstance(rows, dict):
+        raise EaglenestError(f"{shown_path(path)}: domains: not an object; {then}")
+    rows = {**{f"domains.{k}": v for k, v in rows.items()}, "overall": report.get("overall") or {}}
+    for key, row in rows.items():
+        if not isinstance(row, dict):
+            raise EaglenestError(f"{shown_path(path)}: {key}: not an object; {then}")
+        for name in ("prompts", "acceptance_length", "acceptance_length_per_request"):
+            if row.get(name) is not None and not _number(row[name]):
+                raise EaglenestError(f"{shown_path(path)}: {key}.{name}: not a number; {then}")
+        pos = row.get("acceptance_by_position")
+        if pos is not None and not (isinstance(pos, list) and all(x is None or _number(x) for x in pos)):
+            raise EaglenestError(f"{shown_path(path)}: {key}.acceptance_by_position: not a list of numbers; {then}")
+    k = report.get("num_speculative_tokens")
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 64):
+        raise EaglenestError(f"{shown_path(path)}: num_speculative_tokens: not a count of draft tokens; {then}")
+    if not isinstance(report.get("lossless", {}), dict):
+        raise EaglenestError(f"{shown_path(path)}: lossless: not an object; {then}")
+    return report
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def push_draft(plan: PushPlan, *, token: str, endpoint: str | None = None) -> str:
@@ -139,8 +178,13 @@ def card(card_in: str, prov: dict[str, Any], *, licences: dict[str, str], manife
                f"| draft checkpoint | step {inputs.get('step')} |",
                f"| code version | `{prov.get('code_version', 'n/a')}` |"]
     if inputs.get("feature_identity"):
+        try:
+            identity = json.dumps(json.loads(inputs["feature_identity"]), indent=2, sort_keys=True)
+        except (TypeError, ValueError):
+            raise EaglenestError("provenance.json: inputs.feature_identity: not JSON text; "
+                                 "export the draft again (`serve export`)") from None
         lineage += ["", "Feature-set identity (what the stored hidden states depend on):", "", "```json",
-                    json.dumps(json.loads(inputs["feature_identity"]), indent=2, sort_keys=True), "```"]
+                    identity, "```"]
     lic = ["## Licence", "",
            "Prompt sources and their licences, from the manifest:", "",
            *[f"- `{src}`: {name}" for src, name in sorted(licences.items())], "",

@@ -1,0 +1,100 @@
+"""Damaged drafts and reports at the ``evaluate`` edge: one line naming the file (and key), nothing
+written, no traceback. No engine starts: every input here is refused before one would.
+
+QA repros: ``evaluate offline --draft`` with an export whose config.json is garbage or whose
+model.safetensors is truncated, or a checkpoint with truncated weights; ``evaluate compare`` with a
+report whose fields have the wrong types, or ``--out`` under a file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eaglenest.errors import ConfigError
+from eaglenest.evaluate.cli import main as evaluate_main
+from eaglenest.evaluate.offline import load_draft
+
+
+def _truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("file, damage, says", [
+    ("config.json", lambda p: p.write_text("garbage{"), "config.json: not valid JSON"),
+    ("config.json", lambda p: p.write_text("[1]"), "config.json: not a JSON object"),
+    ("config.json", lambda p: p.write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [2, 4, 5]})),
+     "config.json: not a draft config"),
+    ("model.safetensors", _truncate, "model.safetensors: unreadable or not matching config.json"),
+])
+def test_offline_damaged_export(tmp_path, random_draft, tiny_target, file, damage, says):
+    draft = tmp_path / "draft"
+    shutil.copytree(random_draft, draft)
+    damage(draft / file)
+    with pytest.raises(ConfigError) as err:
+        load_draft(draft, tiny_target)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_truncate, "draft.safetensors: unreadable or not matching checkpoint.json"),
+    (lambda p: p.write_bytes(b""), "draft.safetensors: unreadable or not matching checkpoint.json"),
+])
+def test_offline_damaged_checkpoint(tmp_path, root, tiny_target, damage, says):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name in ("checkpoint.json", "draft.safetensors"):
+        shutil.copy(root / "runs" / "toy" / "train" / name, ckpt / name)
+    damage(ckpt / "draft.safetensors")
+    with pytest.raises(ConfigError) as err:
+        load_draft(ckpt, tiny_target)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.fixture
+def report(root) -> dict:
+    return json.loads((root / "runs" / "toy" / "eval" / "report.json").read_text())
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda r: r["overall"].update(acceptance_length="abc"), "overall.acceptance_length: not a number"),
+    (lambda r: r.update(domains=[1, 2]), "domains: not an object of groups"),
+    (lambda r: r.update(domains={"code": 3}), "domains.code: not an object"),
+    (lambda r: r.update(context_buckets={"1024": {"acceptance_length_per_request": [1]}}),
+     "context_buckets.1024.acceptance_length_per_request: not a number"),
+])
+def test_compare_report_field_types(capsys, tmp_path, root, report, change, says):
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(report))
+    change(report)
+    bad.write_text(json.dumps(report))
+    work = tmp_path / "work"
+    code = evaluate_main(["compare", f"--recipe={root / 'recipes' / 'toy.yaml'}", f"run.workdir={work}",
+                          "--a", str(good), "--b", str(bad)])
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert f"{bad}: {says}" in lines[0], lines[0]
+    assert not work.exists()
+
+
+def test_compare_out_under_a_file_is_refused_first(capsys, tmp_path, root, monkeypatch):
+    import eaglenest.evaluate.compare as compare_mod
+
+    def never(*args, **kwargs):
+        raise AssertionError("a draft was evaluated before --out was checked")
+
+    monkeypatch.setattr(compare_mod, "evaluate_al", never)
+    (tmp_path / "afile").write_text("x")
+    draft = tmp_path / "draft"  # a draft folder: compare would evaluate it (start an engine) first
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    code = evaluate_main(["compare", f"--recipe={root / 'recipes' / 'toy.yaml'}", f"run.workdir={tmp_path / 'w'}",
+                          "--a", str(draft), "--b", str(draft), "--out", str(tmp_path / "afile" / "sub")])
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("evaluate: error: --out: cannot write to"), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "draft"]

@@ -126,24 +126,40 @@ def capture_estimate(dims: dict[str, int], *, tokens: int, weights: int, capture
 
 def train_estimate(*, pack_tokens: int, rows: int, hidden: int, num_aux: int, heads: int, head_dim: int,
                    intermediate: int, draft_vocab: int, target_vocab: int, ttt_steps: int,
-                   attn_chunk_tokens: int, target_chunk_tokens: int, key: str = "train.pack_tokens") -> Estimate:
+                   attn_chunk_tokens: int, target_chunk_tokens: int, key: str = "train.pack_tokens",
+                   slots: int = 0, layers: int = 1, context_queries: bool = True) -> Estimate:
     """One optimizer step of an EAGLE-3-family draft on ``rows`` packed rows of ``pack_tokens``
     (fp32 training): the batch's features, the target distribution over the draft vocabulary,
-    and per TTT step the activations kept for backward and the draft logits; attention scores
-    are dense [T, T] per head and step up to ``attn_chunk_tokens``, one query chunk at a time beyond."""
+    and per TTT step the activations kept for backward and the draft logits (twice, logits and
+    log-probabilities, unless the loss is chunked: ``target_chunk_tokens``); attention scores and
+    their softmax (kept for backward; TTT step k also attends to k diagonal keys) are dense [T, T]
+    per head and step up to ``attn_chunk_tokens``, one query chunk at a time beyond.
+
+    ``slots``: the query slots per row a parallel family adds (P-EAGLE: anchors x (num_slots - 1);
+    DFlash: anchors x block_size), attended densely together with the row's ``pack_tokens`` context
+    keys, never chunked; ``context_queries=False`` when the context positions are keys only (DFlash).
+    ``layers``: the draft's decoder layers (DFlash may have several)."""
     f = 4
     pos = rows * pack_tokens
+    q_row = (pack_tokens if context_queries else 0) + slots
+    k_row = pack_tokens + slots
+    queries = rows * q_row
     parts = {"features": pos * (num_aux + 1) * hidden * f,
              "target_distribution": pos * draft_vocab * f
              + min(pos, target_chunk_tokens or pos) * target_vocab * f,
-             "step_activations": ttt_steps * pos * (10 * hidden + 3 * intermediate + 4 * heads * head_dim) * f,
-             "draft_logits": ttt_steps * pos * draft_vocab * f}
-    if pack_tokens <= attn_chunk_tokens:
-        parts["attention_scores"] = ttt_steps * rows * heads * pack_tokens * pack_tokens * f
+             "step_activations": ttt_steps * layers * queries * (10 * hidden + 3 * intermediate + 4 * heads * head_dim)
+             * f,
+             "draft_logits": ttt_steps * queries * draft_vocab * f}
+    if not (target_chunk_tokens and pos > target_chunk_tokens):
+        parts["draft_log_probs"] = parts["draft_logits"]
+    if slots or pack_tokens <= attn_chunk_tokens:
+        parts["attention_scores"] = ttt_steps * layers * rows * heads * q_row * k_row * f
+        diagonal = 0 if slots else ttt_steps * (ttt_steps - 1) // 2
+        parts["attention_probs"] = layers * rows * heads * q_row * (ttt_steps * k_row + diagonal) * f
     else:
         parts["attention_scores"] = rows * heads * attn_chunk_tokens * pack_tokens * f
-    return Estimate(f"a training step of {rows} row(s) of {pack_tokens} tokens (hidden {hidden}, "
-                    f"{ttt_steps} TTT steps)", key, parts)
+    what = f"{ttt_steps} TTT steps" if not slots else f"{slots} query slots per row, {layers} layer(s)"
+    return Estimate(f"a training step of {rows} row(s) of {pack_tokens} tokens (hidden {hidden}, {what})", key, parts)
 
 
 def check_engine(target: str, *, tokens: int, engine_dtype: str, key: str, what: str = "",

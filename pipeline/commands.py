@@ -4,35 +4,90 @@ runs: it pulls in torch, the trainer and, for served-AL selection, export and ev
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
+from pathlib import Path
 
 from eaglenest import memfit
+from eaglenest.errors import ConfigError
 from eaglenest.evaluate.settings import evaluate_config
+from eaglenest.featurestore.table import store
 from eaglenest.paths import ensure_writable
 from eaglenest.pipeline.served_al import served_al_scorer
+from eaglenest.train.config import TrainConfig
 from eaglenest.train.loop import train
 from eaglenest.train.model import draft_shape
 
 
-def check_fit(recipe) -> None:
+#: Keys that size a training step, each reset to its default in turn to find the one driving a refusal.
+_SIZE_KEYS = ("pack_tokens", "batch_rows", "ttt_steps", "draft_vocab_size", "peagle.num_slots",
+              "peagle.anchors_per_row", "dflash.block_size", "dflash.anchors_per_row", "dflash.num_layers")
+
+
+def check_fit(recipe, *, available: int | None = None) -> None:
     """Refuse (``memfit``) a step of ``train.batch_rows`` rows of ``train.pack_tokens`` that cannot
-    fit this rank's memory (a hub target, without a local config, is not estimated)."""
+    fit this rank's memory, with ``train.family``'s per-row query slots and TTT steps; the refusal
+    names the key whose default would shrink the step most. A hub target (no local config) is not
+    estimated. ``train.draft_vocab_size`` past the target's vocabulary is refused first."""
     cfg = memfit.load_target_config(recipe.run.target)
     if cfg is None:
         return
     t = recipe.train
+    vocab = int(cfg.get("vocab_size") or t.draft_vocab_size)
+    if not 1 <= t.draft_vocab_size <= vocab:
+        raise ConfigError(f"train.draft_vocab_size: {t.draft_vocab_size} must be in [1, {vocab}] "
+                          "(run.target's vocabulary)")
+    estimate = functools.partial(_train_estimate, recipe, cfg)
+    est = estimate(t)
+    available = memfit.available_bytes() if available is None else int(available)
+    if est.total_bytes <= available:
+        return
+    defaults = TrainConfig()
+    gains = []
+    for key in _SIZE_KEYS:
+        section, _, name = key.rpartition(".")
+        now, default = (getattr(getattr(x, section), name) if section else getattr(x, name) for x in (t, defaults))
+        if now <= default:
+            continue
+        try:
+            small = (dataclasses.replace(t, **{section: dataclasses.replace(getattr(t, section), **{name: default})})
+                     if section else dataclasses.replace(t, **{name: default}))
+        except ConfigError:  # the default does not go with another key (row_tokens > pack_tokens)
+            continue
+        gains.append((est.total_bytes - estimate(small).total_bytes, f"train.{key}"))
+    key = max(gains)[1] if gains and max(gains)[0] > 0 else "train.pack_tokens"
+    memfit.require_fit(dataclasses.replace(est, key=key), available=available)
+
+
+def _train_estimate(recipe, cfg: dict, t: TrainConfig) -> memfit.Estimate:
+    """memfit's estimate of one step of ``t`` (a train section) on this rank."""
     cp = max(1, int(getattr(t, "context_parallel", 1) or 1))
     world = max(1, int(os.environ.get("WORLD_SIZE", "1")))
     shape = draft_shape(cfg, t.draft.shape())
-    memfit.require_fit(memfit.train_estimate(
+    family = {"eagle3": dict(ttt_steps=t.ttt_steps),
+              "peagle": dict(ttt_steps=1, slots=t.peagle.anchors_per_row * (t.peagle.num_slots - 1)),
+              "dflash": dict(ttt_steps=1, slots=t.dflash.anchors_per_row * t.dflash.block_size,
+                             layers=t.dflash.num_layers, context_queries=False)}[t.family]
+    return memfit.train_estimate(
         pack_tokens=-(-t.pack_tokens // cp), rows=-(-t.batch_rows // max(1, world // cp)),
         hidden=int(cfg["hidden_size"]), num_aux=len(recipe.featurestore.layer_ids) or 3,
         heads=shape["num_attention_heads"], head_dim=shape["head_dim"], intermediate=shape["intermediate_size"],
         draft_vocab=t.draft_vocab_size, target_vocab=int(cfg.get("vocab_size") or t.draft_vocab_size),
-        ttt_steps=t.ttt_steps if t.family == "eagle3" else 1, attn_chunk_tokens=t.attn_chunk_tokens,
-        target_chunk_tokens=t.target_chunk_tokens))
+        attn_chunk_tokens=t.attn_chunk_tokens, target_chunk_tokens=t.target_chunk_tokens, **family)
+
+
+def check_select_split(store_uri: str, split: str) -> None:
+    """``train.select.every_steps`` serves prompts of ``train.select.split``: refuse, before any work,
+    a split the prompts table has no rows of."""
+    if not store.exists(store_uri, store.PROMPTS):
+        raise ConfigError(f"train.select.split: no prompts table in {store_uri} to select on: run `ingest build` "
+                          "first, or set train.select.every_steps=0")
+    quoted = split.replace("'", "''")
+    if not store.read(store_uri, store.PROMPTS, columns=["sample_id"], filter=f"split = '{quoted}'").num_rows:
+        raise ConfigError(f"train.select.split: no {split!r} prompts in {store_uri} (ingest writes 'train' and "
+                          "'heldout')")
 
 
 def cmd_run(recipe, args) -> int:
@@ -44,9 +99,13 @@ def cmd_run(recipe, args) -> int:
     r = recipe.run
     if main_rank:  # before the store or the target is read; leaves nothing behind
         ensure_writable(r.path(recipe.train.output_subdir), "run.workdir", keep=False)
+        if recipe.train.track.tensorboard:  # relative to the output folder, or absolute
+            ensure_writable(Path(r.path(recipe.train.output_subdir)) / recipe.train.track.dir, "train.track.dir",
+                            error=ConfigError, keep=False)
     check_fit(recipe)  # a row that cannot fit memory is refused before the store or the target is read
     score = None
     if recipe.train.select.every_steps:
+        check_select_split(r.store_uri, recipe.train.select.split)
         score = served_al_scorer(recipe.train, evaluate_config(recipe), target_dir=r.target,
                                  store_uri=r.store_uri, trust_remote_code=r.trust_remote_code)
     summary = train(recipe.train, store_uri=r.store_uri, workdir=r.workdir, target_dir=r.target,

@@ -69,8 +69,30 @@ def _launch(recipe, args) -> int:
         rest += ["--recipe", args.recipe]
     rest += list(args.overrides) + ["-v"] * args.verbose
     log.info("%s", shlex.join(["torchrun", *opts, *rest]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", *opts, *rest]
+    cmd = [sys.executable, "-c", _TORCHRUN, *opts, *rest]
     return subprocess.call(cmd)
+
+
+#: The torchrun process: torchrun itself (``python -m torch.distributed.run``) but for its exit (:func:`torchrun`).
+_TORCHRUN = "import sys; from eaglenest.pipeline.train_cli import torchrun; sys.exit(torchrun(sys.argv[1:]))"
+
+
+def torchrun(argv: list[str]) -> int:
+    """torchrun with ``argv``: when the first rank to fail exited with 2 (bad input: it printed its one
+    line) and the others exited 2 as well or were stopped by torchrun, exit 2 without torchrun's
+    ChildFailedError traceback; any other failure is torchrun's own (traceback, its exit code 1)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(argv)
+    except ChildFailedError as exc:
+        _, first = exc.get_first_failure()
+        # The first rank out exited 2; the others exited 2 too or were stopped by torchrun (SIGTERM: < 0).
+        if first.exitcode == 2 and all(f.exitcode == 2 or f.exitcode < 0 for f in exc.failures.values()):
+            return 2
+        raise
+    return 0
 
 
 LAUNCH_ARGS = [

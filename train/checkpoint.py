@@ -5,16 +5,22 @@ takes them from the target directory when asked). ``checkpoint.json`` holds the 
 config (with ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_layer_ids`` in vLLM's
 convention and the 3.1 flags), the features table version it was trained on, the step and the
 last metrics: everything :mod:`eaglenest.serve.export` needs without re-reading the store.
-Both files are written through a temporary name and a rename.
+Both files are written through a temporary name and a rename, weights first. The pair is tied
+by ``weights_sha256`` (a digest of the tensors), stored in the weights' safetensors header and in
+``checkpoint.json``: :func:`read_info` (which serve export and :func:`load_checkpoint` go through)
+refuses weights of another save, as a kill between the two renames leaves them; a re-run of
+``train run`` writes the pair again. Checkpoints written before the digest existed are read unchecked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
@@ -35,14 +41,26 @@ def save_checkpoint(outdir: str | Path, model: Eagle3Draft, *, info: dict[str, A
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().clone() for k, v in model.trainable_state_dict().items()}
+    digest = weights_digest(tensors)
     tmp = outdir / f".{WEIGHTS}.tmp{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"format": FORMAT})
+    save_file(tensors, str(tmp), metadata={"format": FORMAT, "weights_sha256": digest})
     os.replace(tmp, outdir / WEIGHTS)
     record = dict(info)
     record["format"] = FORMAT
+    record["weights_sha256"] = digest
     record["draft_config"] = model.config.to_dict()
     write_json_atomic(outdir / INFO, record)
     return outdir
+
+
+def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors' names, dtypes, shapes and bytes (deterministic: the same weights, the same digest)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def read_info(ckpt_dir: str | Path) -> dict[str, Any]:
@@ -52,6 +70,18 @@ def read_info(ckpt_dir: str | Path) -> dict[str, Any]:
     info = read_json_object(p, error=StoreError, then="the checkpoint is damaged: train again (`train run`)")
     if info.get("format") != FORMAT:
         raise StoreError(f"{p}: format {info.get('format')!r}, this eaglenest reads {FORMAT}")
+    want = info.get("weights_sha256")
+    if want is not None:  # a checkpoint from before the digest has none
+        w = Path(ckpt_dir) / WEIGHTS
+        try:
+            with safe_open(str(w), framework="pt") as f:
+                have = (f.metadata() or {}).get("weights_sha256")
+        except Exception as exc:  # missing, truncated or not safetensors
+            raise StoreError(f"{w}: cannot read the draft weights ({type(exc).__name__}); the checkpoint is "
+                             "damaged: train again (`train run`)") from None
+        if have != want:
+            raise StoreError(f"{w}: these weights are not the ones {INFO} describes (a save was interrupted); "
+                             "train again (`train run` writes the pair anew)")
     return info
 
 

@@ -63,6 +63,9 @@ class DraftShapeConfig:
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"train.draft.{f.name}: an integer >= 0 (0 = the sizing rule), got {short(v)}")
+        if self.head_dim % 2:  # rotary embeddings rotate pairs of dimensions
+            raise ConfigError(f"train.draft.head_dim: an even number (rotary embeddings), or 0 for the sizing rule, "
+                              f"got {self.head_dim}")
 
     def shape(self) -> DraftShape:
         return DraftShape(**dataclasses.asdict(self))

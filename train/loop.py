@@ -23,7 +23,6 @@ import dataclasses
 import json
 import logging
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,7 +30,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from eaglenest.errors import ConfigError, SchemaError
+from eaglenest.errors import ConfigError, EaglenestError, SchemaError, StoreError
 from eaglenest.paths import make_dir
 from eaglenest.featurestore.capture import policy
 from eaglenest.provenance import write_provenance
@@ -234,7 +233,11 @@ class _Trainer:
         self.cp = cp
         #: Run facts for checkpoint.json: table, version, config, coverage, ...
         self.base = base
-        self.schedule = [(e, rows) for e in range(cfg.num_epochs) for rows in data.plan(e)]
+        self.schedule = []  # the epochs' batches, as many epochs as num_steps needs (all of them for 0)
+        for e in range(cfg.num_epochs):
+            if cfg.num_steps and len(self.schedule) >= cfg.num_steps:
+                break
+            self.schedule += [(e, rows) for rows in data.plan(e)]
         total = min(len(self.schedule), cfg.num_steps) if cfg.num_steps else len(self.schedule)
         self.total = total
         self.params = [p for p in draft.objective.parameters() if p.requires_grad]
@@ -263,13 +266,22 @@ class _Trainer:
         dist = self.dist
         dist.check_shared_dir(self.outdir)  # each rank writes its DCP shard there (docs/training.md, "Multi-node")
         # Rank 0's view of the latest state decides for all (another node's cache might lag behind).
-        latest = S.read_latest(self.state_dir) if self.cfg.state.resume == "auto" and dist.is_main else None
-        info = S.resolve(dist.broadcast_object(latest), self.fp, self.state_dir)
-        if info is not None:
-            S.load_state(info, objective=self.draft.objective, opt=self.opt, sched=self.sched, dist=dist)
-        elif dist.is_main:
-            shutil.rmtree(self.state_dir, ignore_errors=True)
+        latest = None
+        if self.cfg.state.resume == "auto" and dist.is_main:
+            try:
+                latest = S.read_latest(self.state_dir)
+            except EaglenestError as exc:  # a damaged state: every rank raises the same one line
+                latest = {"damaged": str(exc)}
+        latest = dist.broadcast_object(latest)
+        if latest is not None and "damaged" in latest:
+            raise StoreError(latest["damaged"])
+        info = S.resolve(latest, self.fp, self.state_dir)
+        if dist.is_main:  # a start-over keeps the old state aside until the new run has saved one
+            S.settle(self.state_dir, info)
         dist.barrier()
+        if info is not None:
+            info = {**info, "path": str(self.state_dir / Path(info["path"]).name)}
+            S.load_state(info, objective=self.draft.objective, opt=self.opt, sched=self.sched, dist=dist)
         return (info["step"], info.get("window", [])) if info else (0, [])
 
     def run(self) -> None:

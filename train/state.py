@@ -32,13 +32,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest.errors import ConfigError
+from eaglenest.errors import ConfigError, StoreError
 from eaglenest.provenance import write_json_atomic
 from eaglenest.train.config import RENAMED, TrainConfig
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest.json"
+#: A start-over moves the previous complete state here (beside ``state/``) until the new run has
+#: written its first state: a run killed before that still has it (and a re-run of its recipe resumes it).
+PREVIOUS_SUFFIX = ".previous"
 #: Train keys (dotted, below ``train``) that do not change the loss trajectory (a resume may change them).
 FREE_KEYS = frozenset({"output_subdir", "log_every_steps", "num_threads", "prefetch_batches", "table_version",
                        "state.resume", "state.every_steps", "state.keep", "select.every_steps",
@@ -60,11 +63,19 @@ def train_keys(train: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def same_place(where: Any) -> Any:
+    """A local path as its resolved absolute path (``assets/t``, ``/abs/assets/t/`` and a symlink to it
+    compare equal); a hub id or a URI (``s3://...``), which is no local path, stays as written."""
+    if not isinstance(where, str) or not where or "://" in where or not os.path.exists(where):
+        return where
+    return os.path.realpath(where)
+
+
 def fingerprint(cfg, *, table_version: int, store_uri: str, target: str, seed: int,
                 table: str = "features") -> dict[str, Any]:
     keys = {k: v for k, v in train_keys(dataclasses.asdict(cfg)).items() if k not in FREE_KEYS}
-    fp = {"features_version": int(table_version), "store_uri": str(store_uri), "target": str(target),
-          "seed": int(seed), "train": keys}
+    fp = {"features_version": int(table_version), "store_uri": same_place(str(store_uri)),
+          "target": same_place(str(target)), "seed": int(seed), "train": keys}
     if table != "features":  # the default table stays out, so states saved before still match
         fp["features_table"] = table
     return fp
@@ -75,6 +86,8 @@ def _diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     for k in sorted(set(saved) | set(now)):
         if k == "train":
             continue
+        if k in ("store_uri", "target") and same_place(saved.get(k)) == same_place(now.get(k)):
+            continue  # states saved before paths were resolved: the same folder spelled otherwise
         if saved.get(k) != now.get(k):
             out.append(f"{k} {saved.get(k)!r} -> {now.get(k)!r}")
     # A train key added after the state was saved counts as its default there: such states still match.
@@ -118,6 +131,7 @@ def save_state(state_dir: Path, *, step: int, objective, opt, sched, dist, fp: d
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         write_json_atomic(state_dir / LATEST, {"step": step, "dir": name})
+        shutil.rmtree(previous_dir(state_dir), ignore_errors=True)  # the new run has a state of its own now
         old = sorted(p for p in state_dir.glob("step_*") if p.is_dir() and p.name != name
                      and not p.name.endswith(".tmp"))
         for p in old[:max(0, len(old) - (keep - 1))]:
@@ -126,15 +140,65 @@ def save_state(state_dir: Path, *, step: int, objective, opt, sched, dist, fp: d
     return final
 
 
+def previous_dir(state_dir: Path) -> Path:
+    return state_dir.with_name(state_dir.name + PREVIOUS_SUFFIX)
+
+
+def _damaged(path: Path, state_dir: Path, why: str) -> StoreError:
+    return StoreError(f"{path}: damaged training state ({why}); set train.state.resume=never to start over, "
+                      f"or delete {state_dir}")
+
+
+def _read_object(path: Path, state_dir: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _damaged(path, state_dir, "missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise _damaged(path, state_dir, f"{type(exc).__name__}: {str(exc)[:80]}") from None
+    if not isinstance(obj, dict):
+        raise _damaged(path, state_dir, f"a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
 def read_latest(state_dir: Path) -> dict[str, Any] | None:
-    """trainer.json of the latest complete state, or None."""
-    p = state_dir / LATEST
-    if not p.is_file():
+    """trainer.json of the latest complete state, or None; that of the previous run set aside by a
+    start-over (:func:`set_aside`) when ``state_dir`` has none yet. A damaged state: a one-line
+    :class:`StoreError` naming the file and the ways out."""
+    for where in (state_dir, previous_dir(state_dir)):
+        p = where / LATEST
+        if p.is_file():
+            break
+    else:
         return None
-    latest = json.loads(p.read_text(encoding="utf-8"))
-    info = json.loads((state_dir / latest["dir"] / "trainer.json").read_text(encoding="utf-8"))
-    info["path"] = str(state_dir / latest["dir"])
+    latest = _read_object(p, where)
+    name = latest.get("dir")
+    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+        raise _damaged(p, where, f"'dir' is {name!r}, not a state folder name")
+    info_path = where / name / "trainer.json"
+    info = _read_object(info_path, where)
+    if not isinstance(info.get("step"), int) or not isinstance(info.get("fingerprint"), dict) \
+            or not isinstance(info.get("scheduler"), dict):
+        raise _damaged(info_path, where, "no integer 'step', 'fingerprint' or 'scheduler' object")
+    info["path"] = str(where / name)
     return info
+
+
+def settle(state_dir: Path, info: dict[str, Any] | None) -> None:
+    """Rank 0, once the state to resume from is chosen: ``info`` None (start over) sets the latest
+    complete state aside in :func:`previous_dir` (deleted by the new run's first :func:`save_state`,
+    so a kill before it loses nothing); a state resumed from the set-aside folder is moved back."""
+    prev = previous_dir(state_dir)
+    if info is not None:
+        if Path(info["path"]).parent == prev:
+            shutil.rmtree(state_dir, ignore_errors=True)
+            os.replace(prev, state_dir)
+        return
+    if (state_dir / LATEST).is_file():  # complete: it replaces an older set-aside one
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(state_dir, prev)
+    else:  # nothing complete (a start-over killed before its first state): keep the set-aside one
+        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def resolve(info: dict[str, Any] | None, fp: dict[str, Any], state_dir: Path) -> dict[str, Any] | None:
@@ -154,7 +218,8 @@ def resolve(info: dict[str, Any] | None, fp: dict[str, Any], state_dir: Path) ->
                  state_dir, "; ".join(diff[:3]))
         return None
     if diff:
-        raise ConfigError(f"cannot resume from {state_dir} (step {info['step']}): it was made with a "
+        where = Path(info["path"]).parent if "path" in info else state_dir
+        raise ConfigError(f"cannot resume from {where} (step {info['step']}): it was made with a "
                           f"different recipe or table version ({'; '.join(diff[:4])}); "
                           f"set train.state.resume=never to start over")
 
@@ -162,19 +227,24 @@ def resolve(info: dict[str, Any] | None, fp: dict[str, Any], state_dir: Path) ->
 def load_state(info: dict[str, Any], *, objective, opt, sched, dist) -> None:
     """Restore weights, optimizer, scheduler and this rank's RNG from ``info['path']`` in place."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = Path(info["path"])
     state = _dcp_state(objective, opt)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(objective, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    sd = dict(info["scheduler"])
-    sd["lr_lambdas"] = [None] * len(sched.lr_lambdas)  # a lambda is code, rebuilt from the config
-    sched.load_state_dict(sd)
-    rng = path / f"rng-{dist.rank}.safetensors"
-    if rng.is_file():
-        torch.set_rng_state(load_file(str(rng))["torch"])
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(objective, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(ignore_frozen_params=True, strict=False))
+        sd = dict(info["scheduler"])
+        sd["lr_lambdas"] = [None] * len(sched.lr_lambdas)  # a lambda is code, rebuilt from the config
+        sched.load_state_dict(sd)
+        rng = path / f"rng-{dist.rank}.safetensors"
+        if rng.is_file():
+            torch.set_rng_state(load_file(str(rng))["torch"])
+    except (Exception, CheckpointException) as exc:  # a truncated or foreign shard, a bad scheduler record
+        first = (str(exc).strip().splitlines() or [""])[0][:120]
+        raise _damaged(path, path.parent, f"cannot load it: {type(exc).__name__} {first}".strip()) from None
     log.info("resumed from %s at step %d", path, info["step"])

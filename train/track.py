@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.errors import ConfigError
+from eaglenest.paths import make_dir
 from eaglenest.train.config import TrackConfig
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class _TensorBoard:
     def __init__(self, logdir: Path, *, resume_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        logdir.mkdir(parents=True, exist_ok=True)
+        make_dir(logdir, "train.track.dir", error=ConfigError)  # /sys/tb, a file: one line
         cut_events(logdir, resume_step)
         self.writer = SummaryWriter(str(logdir))
         log.info("TensorBoard event files in %s (tensorboard --logdir %s)", logdir, logdir)

@@ -13,6 +13,8 @@ record existed carry none: the check is skipped with a warning naming that.
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 from eaglenest.errors import ConfigError
 from eaglenest.featurestore.capture.identity import weights_hash
@@ -69,6 +71,7 @@ def _refuse_or_warn(message: str, *, off_policy: bool) -> None:
 
 def check_prompts(store_uri: str, target: str, *, off_policy: bool, stage: str) -> None:
     """Refuse (unless ``off_policy``) when the prompts' responses came from another target."""
+    require_target_folder(target)
     found = generating_targets(store_uri)
     if found is None:  # nothing generated yet
         return
@@ -88,8 +91,22 @@ def check_prompts(store_uri: str, target: str, *, off_policy: bool, stage: str) 
                         f"{target} (weights {mine[:12]})", off_policy=off_policy)
 
 
+def require_target_folder(target: str) -> None:
+    """A ``run.target`` written as a local path (absolute, ``./``, ``~``, in an existing folder, or of
+    more than two parts) that is no folder: one line saying so, before any identity is compared (a
+    hub id such as ``org/name`` is left to the stage that downloads it)."""
+    text = str(target)
+    if Path(text).expanduser().is_dir() or "://" in text:
+        return
+    local = (os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") > 1
+             or (os.sep in text and os.path.isdir(os.path.dirname(text))))
+    if local:
+        raise ConfigError(f"run.target: {text} does not exist (or is not a folder)")
+
+
 def check_features(meta, target: str, *, off_policy: bool, stage: str) -> None:
     """Refuse (unless ``off_policy``) features captured from another target than ``target``."""
+    require_target_folder(target)
     have = (meta.identity_components or {}).get("weights_sha256")
     if not have:
         return
@@ -99,4 +116,5 @@ def check_features(meta, target: str, *, off_policy: bool, stage: str) -> None:
                         f"but run.target is {target} (weights {mine[:12]})", off_policy=off_policy)
 
 
-__all__ = ["check_features", "check_prompts", "generating_targets", "lineage_record", "target_id"]
+__all__ = ["check_features", "check_prompts", "generating_targets", "lineage_record", "require_target_folder",
+           "target_id"]

@@ -1,8 +1,8 @@
 """Smoke-check the tiny target under real vLLM: chat per domain, raw completion, 32k context.
 
 ``python -m eaglenest.tinytarget.engine_check [--model assets/tiny-target]`` starts one engine as the
-stages do (``eaglenest.engine.make_llm``: the checkpoint's dtype, in this process on CPU), answers a few prompts per domain from ``recipes/data`` with greedy ``LLM.chat``,
-completes a raw-text prompt with ``LLM.generate``, and checks every chat answer stopped at
+stages do (``eaglenest.engine.make_llm``: the checkpoint's dtype, in this process on CPU), answers a
+few prompts per domain from ``recipes/data`` with greedy ``LLM.chat``, completes a raw-text prompt with ``LLM.generate``, and checks every chat answer stopped at
 ``<|end|>``. ``--max-model-len 32768`` checks that vLLM accepts the full advertised context.
 Not part of the fast test suite: it needs the ``cpu`` (or ``cuda``) extra and starts an engine.
 """

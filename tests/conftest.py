@@ -85,3 +85,32 @@ def thinking_target(tmp_path_factory) -> Path:
     cfg["chat_template"] = cfg["chat_template"].replace(plain, THINKING_PROMPT)
     path.write_text(json.dumps(cfg, indent=2))
     return dst
+
+
+@pytest.fixture(scope="session")
+def toy_checkpoint(tmp_path_factory, tiny_target) -> Path:
+    """A draft checkpoint folder (``checkpoint.json`` + ``draft.safetensors``) for the tiny target:
+    untrained (seeded), draft vocab 1024, aux layers (2, 4, 5). Copy it before damaging it."""
+    import torch
+
+    from eaglenest.train.checkpoint import save_checkpoint
+    from eaglenest.train.config import TrainConfig
+    from eaglenest.train.loop import build_draft
+    from eaglenest.train.target import load_target_tensors
+    from eaglenest.train.vocab import select_vocab
+
+    out = tmp_path_factory.mktemp("toy_checkpoint") / "train"
+    vocab = select_vocab(torch.arange(2048, 0, -1).numpy(), 1024)
+    model = build_draft(TrainConfig(draft_vocab_size=1024), load_target_tensors(tiny_target), layer_ids=(2, 4, 5),
+                        vocab=vocab, seed=0)
+    save_checkpoint(out, model, info={"layer_ids": [2, 4, 5], "step": 1, "table_version": 1, "store_uri": "s",
+                                      "train_config": {}})
+    return out
+
+
+@pytest.fixture(scope="session")
+def toy_export(tmp_path_factory, toy_checkpoint, tiny_target) -> Path:
+    """:func:`toy_checkpoint` exported (vLLM format). Copy it before damaging it."""
+    from eaglenest.serve.export import export_draft
+
+    return export_draft(toy_checkpoint, tmp_path_factory.mktemp("toy_export") / "draft", target_dir=tiny_target)

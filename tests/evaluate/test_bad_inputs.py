@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.errors import ConfigError
+from eaglenest.errors import ConfigError, EaglenestError
 from eaglenest.evaluate.cli import main as evaluate_main
 from eaglenest.evaluate.offline import load_draft
 
@@ -39,24 +39,29 @@ def test_offline_damaged_export(tmp_path, random_draft, tiny_target, file, damag
     assert says in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("damage, says", [
-    (_truncate, "draft.safetensors: unreadable or not matching checkpoint.json"),
-    (lambda p: p.write_bytes(b""), "draft.safetensors: unreadable or not matching checkpoint.json"),
-])
-def test_offline_damaged_checkpoint(tmp_path, root, tiny_target, damage, says):
+@pytest.mark.parametrize("digest", [True, False], ids=["digest", "before-digest"])
+@pytest.mark.parametrize("damage", [_truncate, lambda p: p.write_bytes(b"")], ids=["truncated", "empty"])
+def test_offline_damaged_checkpoint(tmp_path, toy_checkpoint, tiny_target, damage, digest):
+    """A checkpoint with its weights digest is refused by ``read_info``; one from before it when loaded."""
     ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    for name in ("checkpoint.json", "draft.safetensors"):
-        shutil.copy(root / "runs" / "toy" / "train" / name, ckpt / name)
+    shutil.copytree(toy_checkpoint, ckpt)
+    info = ckpt / "checkpoint.json"
+    if not digest:
+        info.write_text(json.dumps({k: v for k, v in json.loads(info.read_text()).items() if k != "weights_sha256"}))
+    says = ("draft.safetensors: cannot read the draft weights" if digest
+            else "draft.safetensors: unreadable or not matching checkpoint.json")
     damage(ckpt / "draft.safetensors")
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(EaglenestError) as err:
         load_draft(ckpt, tiny_target)
     assert says in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.fixture
-def report(root) -> dict:
-    return json.loads((root / "runs" / "toy" / "eval" / "report.json").read_text())
+def report() -> dict:
+    """The parts of an ``evaluate al`` report that ``compare`` reads."""
+    row = {"prompts": 2, "acceptance_length": 2.5, "acceptance_length_per_request": 2.6}
+    return {"draft": "d", "domains": {"code": dict(row)}, "overall": dict(row),
+            "context_buckets": {"1024": dict(row)}}
 
 
 @pytest.mark.parametrize("change, says", [

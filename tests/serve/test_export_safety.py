@@ -34,12 +34,12 @@ def _snapshot(path: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture
-def work(tmp_path, root) -> Path:
-    """A workdir holding the toy run's checkpoint, a store folder and an eval report."""
+def work(tmp_path, toy_checkpoint) -> Path:
+    """A workdir holding a checkpoint of the tiny target, a store folder and an eval report."""
     w = tmp_path / "work"
     (w / "train").mkdir(parents=True)
     for name in ("checkpoint.json", "draft.safetensors"):
-        shutil.copy(root / "runs" / "toy" / "train" / name, w / "train" / name)
+        shutil.copy(toy_checkpoint / name, w / "train" / name)
     (w / "store").mkdir()
     (w / "store" / "table.lance").write_text("rows")
     (w / "eval").mkdir()
@@ -128,19 +128,31 @@ def _mix_runs(p: Path) -> None:
     save_file(state, str(p))
 
 
-@pytest.mark.parametrize("damage, says", [
-    (_truncate, "train/draft.safetensors: unreadable"),
-    (lambda p: p.write_bytes(b""), "train/draft.safetensors: unreadable"),
-    (lambda p: p.unlink(), "train/draft.safetensors: missing"),
-    (_mix_runs, "train/draft.safetensors: tensor lm_head.weight is [512, 128], checkpoint.json's config makes it "
-                "[1024, 128]"),
+#: (damage, what the line says for a checkpoint with its weights digest, for one from before it)
+DAMAGE = [
+    (_truncate, "train/draft.safetensors: cannot read the draft weights", "train/draft.safetensors: unreadable"),
+    (lambda p: p.write_bytes(b""), "train/draft.safetensors: cannot read the draft weights",
+     "train/draft.safetensors: unreadable"),
+    (lambda p: p.unlink(), "train/draft.safetensors: cannot read the draft weights", "train/draft.safetensors: missing"),
+    (_mix_runs, "train/draft.safetensors: these weights are not the ones checkpoint.json describes",
+     "train/draft.safetensors: tensor lm_head.weight is [512, 128], checkpoint.json's config makes it [1024, 128]"),
     (lambda p: (p.parent / "checkpoint.json").write_text(json.dumps(
         {k: v for k, v in json.loads((p.parent / "checkpoint.json").read_text()).items() if k != "draft_config"})),
-     "train/checkpoint.json: no draft_config"),
-], ids=["truncated", "empty", "missing", "mixed-runs", "no-draft-config"])
-def test_damaged_checkpoint_is_one_line(capsys, root, tiny_target, work, damage, says):
+     "train/checkpoint.json: no draft_config", "train/checkpoint.json: no draft_config"),
+]
+
+
+@pytest.mark.parametrize("digest", [True, False], ids=["digest", "before-digest"])
+@pytest.mark.parametrize("damage, says, says_old", DAMAGE,
+                         ids=["truncated", "empty", "missing", "mixed-runs", "no-draft-config"])
+def test_damaged_checkpoint_is_one_line(capsys, root, tiny_target, work, damage, says, says_old, digest):
+    """Checkpoints carry a digest tying the weights to checkpoint.json (``train/checkpoint.py``);
+    one written before it is checked tensor by tensor against its config."""
+    info = work / "train" / "checkpoint.json"
+    if not digest:
+        info.write_text(json.dumps({k: v for k, v in json.loads(info.read_text()).items() if k != "weights_sha256"}))
     damage(work / "train" / "draft.safetensors")
     assert _export(root, tiny_target, work) == 2
     line = _one_line(capsys)
-    assert says in line, line
+    assert (says if digest else says_old) in line, line
     assert sorted(p.name for p in work.iterdir()) == ["eval", "store", "train"]

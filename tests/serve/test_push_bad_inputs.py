@@ -21,11 +21,11 @@ from eaglenest.serve.cli import main as serve_main
     ("draft/provenance.json", '{"x":', "draft/provenance.json: not valid JSON"),
     ("draft/provenance.json", json.dumps({"inputs": [1]}), "draft/provenance.json: inputs: not an object"),
 ])
-def test_push_damaged_files_are_one_line(capsys, monkeypatch, tmp_path, root, file, text, says):
+def test_push_damaged_files_are_one_line(capsys, monkeypatch, tmp_path, root, toy_export, file, text, says):
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_token")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     work = tmp_path / "work"
-    shutil.copytree(root / "runs" / "toy" / "draft", work / "draft")
+    shutil.copytree(toy_export, work / "draft")
     (work / "eval").mkdir()
     (work / file).write_text(text)
     code = serve_main(["push", f"--recipe={root / 'recipes' / 'toy.yaml'}", f"run.workdir={work}",

@@ -133,7 +133,8 @@ DAMAGE = [
     (_truncate, "train/draft.safetensors: cannot read the draft weights", "train/draft.safetensors: unreadable"),
     (lambda p: p.write_bytes(b""), "train/draft.safetensors: cannot read the draft weights",
      "train/draft.safetensors: unreadable"),
-    (lambda p: p.unlink(), "train/draft.safetensors: cannot read the draft weights", "train/draft.safetensors: missing"),
+    (lambda p: p.unlink(), "train/draft.safetensors: cannot read the draft weights",
+     "train/draft.safetensors: missing"),
     (_mix_runs, "train/draft.safetensors: these weights are not the ones checkpoint.json describes",
      "train/draft.safetensors: tensor lm_head.weight is [512, 128], checkpoint.json's config makes it [1024, 128]"),
     (lambda p: (p.parent / "checkpoint.json").write_text(json.dumps(

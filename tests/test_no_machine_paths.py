@@ -5,7 +5,9 @@ that names it sends a user to a folder they do not have. Tests build the files t
 rest of the suite does); docs name paths relative to the repository, or a placeholder. This scan
 finds absolute paths into machine folders (``/work/``, ``/root/``, ``/home/<user>/``,
 ``/Users/<user>/``, ``/mnt/``, ``/scratch/``) and the build machines' sibling folder of the repo
-(``../shared/``), in every text file of those trees. No engine, well under a second.
+(``../shared/``), in every text file of those trees. The same holds for a run's outputs under the
+checkout's ``runs/`` (a test reading the demo's checkpoint passes after ``make demo`` and fails in a
+fresh clone): no test reads them. No engine, well under a second.
 """
 
 from __future__ import annotations
@@ -68,3 +70,27 @@ def test_no_machine_paths_in_tests_docs_recipes_and_benches():
             hits += [f"{path.relative_to(ROOT)}:{lineno}: {p}" for p in machine_paths(line)]
     assert not hits, "paths that exist only on this project's machines (build the file in the test, or " \
                      "name a path relative to the repository or a placeholder):\n" + "\n".join(hits)
+
+
+#: A test reading a run's outputs under the repository's ``runs/`` (the demo's, say): there only after
+#: someone ran ``make demo`` in that checkout, never in a fresh clone (CI's).
+RUN_OUTPUTS = re.compile(r"""(?:\b(?:root|ROOT)\s*/\s*["']runs["'])|["']runs/(?:toy|long)\b""")
+
+
+@pytest.mark.parametrize("text, hit", [
+    ('shutil.copy(root / "runs" / "toy" / "train" / name, dst)', True),
+    ("json.loads((ROOT / 'runs' / 'toy' / 'eval' / 'report.json').read_text())", True),
+    ('Path("runs/toy/draft")', True),
+    ('f"run.workdir={tmp_path / \'runs\'}"', False),
+    ("runs/toy/work/ in a docstring's prose", False),
+])
+def test_the_scan_finds_reads_of_run_outputs(text, hit):
+    assert bool(RUN_OUTPUTS.search(text)) is hit
+
+
+def test_no_test_reads_the_repositorys_run_outputs():
+    this = Path(__file__).resolve()
+    hits = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in sorted((ROOT / "tests").rglob("*.py")) if p != this
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if RUN_OUTPUTS.search(line)]
+    assert not hits, "tests that read runs/ of the checkout (build what they need from the tiny target):\n" + \
+        "\n".join(hits)

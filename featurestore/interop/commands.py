@@ -16,7 +16,6 @@ from pathlib import Path
 
 from eaglenest.errors import ConfigError
 from eaglenest.featurestore.interop import hf, source, specforge, speculators
-from eaglenest.featurestore.table import integrity, store
 from eaglenest.featurestore.table.names import version_arg
 
 EXPORTS = {"speculators": speculators, "specforge": specforge, "hf": hf}
@@ -33,9 +32,6 @@ def _target(recipe, src: source.Source) -> str:
 
 def cmd_export(recipe, args) -> int:
     src = source.open_source(recipe.run.store_uri, recipe.featurestore.table, _version(args.version))
-    # Exports feed other trainers: every data file of the version is held to its CRC first (one stat
-    # per file once stamped), so a damaged store is refused with one line, not copied out.
-    integrity.check_version(store.dataset(src.uri, src.name, src.version), table=src.name)
     config = recipe.to_dict()
     if args.format == "hf":
         record = hf.export(src, args.out, with_tensors=args.with_tensors, config=config)

@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.table import lease, store
+from eaglenest.featurestore.table import integrity, lease, store
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.target import language_config, read_config
 
@@ -59,7 +59,9 @@ class Source:
 def open_source(uri: str, name: str, version: int | str | None = None) -> Source:
     if not store.is_features(name):
         raise StoreError(f"table '{name}' holds prompts, not features: export featurestore.table")
-    ds = store.dataset(uri, name, version)
+    # Exports feed other trainers: every data file of the version is held to its CRC first (one stat
+    # per file once stamped), so a damaged store is refused with one line, not copied out.
+    ds = integrity.checked_dataset(uri, name, version)
     return Source(uri, name, ds.version, S.feature_meta(ds.schema), ds.count_rows())
 
 

@@ -35,7 +35,8 @@ _DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32", "
 
 
 def target_facts(target: str, *, trust_remote_code: bool = False) -> dict:
-    """num_hidden_layers, hidden_size and dtype from a local target's config.json (or the hub cache)."""
+    """num_hidden_layers, hidden_size, dtype and vocab_size (None if absent) from a local target's
+    config.json (or the hub cache)."""
     path = Path(target) / "config.json"
     if path.is_file():
         cfg = language_config(json.loads(path.read_text()))  # a multimodal wrapper's text_config
@@ -43,7 +44,7 @@ def target_facts(target: str, *, trust_remote_code: bool = False) -> dict:
         cfg = language_config(load_config(target, trust_remote_code=trust_remote_code).to_dict())
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
     return {"num_layers": int(cfg["num_hidden_layers"]), "hidden_size": int(cfg["hidden_size"]),
-            "dtype": _DTYPE_ALIASES.get(dtype.replace("torch.", ""), "bfloat16")}
+            "dtype": _DTYPE_ALIASES.get(dtype.replace("torch.", ""), "bfloat16"), "vocab_size": cfg.get("vocab_size")}
 
 
 def feature_meta(target: str, layer_ids: list[int], engine_dtype: str, *, storage: str = "raw",

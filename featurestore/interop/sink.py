@@ -36,9 +36,7 @@ from eaglenest.featurestore.capture.identity import identity_hash, weights_hash
 from eaglenest.featurestore.capture.writer import FeatureWriter
 from eaglenest.featurestore.interop.source import EXPORT_RECORD, SAMPLES, STRING_COLUMNS
 from eaglenest.featurestore.table import lease, objects, store
-from eaglenest.hf import load_config
 from eaglenest.provenance import code_version
-from eaglenest.target import language_config
 from eaglenest.text import DOMAIN_NAME
 
 log = logging.getLogger(__name__)
@@ -157,10 +155,7 @@ def target_vocab(target: str, record: dict | None, *, trust_remote_code: bool = 
     target anyway (its shapes); an eaglenest export whose target cannot be read is imported without
     the check (a warning says so)."""
     try:
-        path = Path(target) / "config.json"
-        cfg = json.loads(path.read_text()) if path.is_file() else \
-            load_config(target, trust_remote_code=trust_remote_code).to_dict()
-        vocab = language_config(cfg).get("vocab_size")
+        vocab = target_facts(target, trust_remote_code=trust_remote_code)["vocab_size"]
         if type(vocab) is int and vocab > 0:
             return vocab
         problem = f"its config has vocab_size {short(vocab)}"

@@ -32,11 +32,18 @@ from eaglenest.errors import ConfigError
 T = TypeVar("T")
 
 
+def printable(text: str) -> str:
+    """``text`` with a newline or another control character escaped (``\\n``, ``\\x00``): an error
+    line that echoes input stays one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def short_text(text: str, limit: int = 80) -> str:
-    """``text`` cut to at most ``limit`` characters (ending in '...'), for messages that echo input;
-    a newline or another control character is escaped (``\\n``), so the message stays one line."""
-    if not text.isprintable():
-        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    """``text`` cut to at most ``limit`` characters (ending in '...'), for messages that echo input,
+    control characters escaped (:func:`printable`)."""
+    text = printable(text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -22,12 +22,13 @@ import os
 import tempfile
 from pathlib import Path
 
+from eaglenest.config import printable
 from eaglenest.errors import EaglenestError, StoreError
 
 
 def shown_path(path: str | Path) -> str:
     """``path`` for an error line: control characters escaped, at most 120 characters."""
-    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(path))  # a NUL or newline stays visible
+    text = printable(str(path))  # a NUL or newline stays visible
     return text if len(text) <= 120 else "..." + text[-117:]  # the end of a path says the most
 
 

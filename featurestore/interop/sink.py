@@ -27,6 +27,7 @@ from typing import Iterable
 import numpy as np
 from tqdm import tqdm
 
+from eaglenest import faults
 from eaglenest.config import short, short_text
 from eaglenest.errors import ConfigError, SchemaError, StoreError
 from eaglenest.featurestore import schema as S
@@ -289,8 +290,8 @@ def commit_rows(uri: str, name: str, meta: S.FeatureMeta, rows: Iterable[dict], 
 
     A table this import created (it did not exist when the lease was taken) is removed again when
     the import fails before its commit, so a refused dump leaves neither an empty table nor its
-    fragments behind (a killed process cannot clean up: that leaves the empty table and the
-    fragments to ``featurestore gc``)."""
+    fragments behind; so does a SIGTERM, which the CLI unwinds like Ctrl-C (only a SIGKILLed
+    process cannot clean up: that leaves the empty table and the fragments to ``featurestore gc``)."""
     with lease.hold(uri, name, purpose="featurestore import", wait_s=lease.MAINTENANCE_WAIT_S):
         created = not store.exists(uri, name)
         if not created:
@@ -304,6 +305,7 @@ def commit_rows(uri: str, name: str, meta: S.FeatureMeta, rows: Iterable[dict], 
             writer = FeatureWriter(uri, name, meta, budget=budget_bytes)
             for row in tqdm(rows, total=total, desc=desc, unit="sample"):
                 writer.add(row)
+                faults.delay("import.row_written")  # tests: hold an import between its first write and its commit
             version = writer.commit({**lineage, "code_version": code_version(),
                                      "feature_set_id": meta.feature_set_id})
         except BaseException:  # an error or Ctrl-C: nothing was committed

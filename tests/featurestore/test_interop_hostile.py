@@ -336,3 +336,33 @@ def test_draft_vocab_size_is_checked_before_writing(base, module, monkeypatch):
                                           r"in 1\.\.64"):
         module.export(source.open_source(uri, "features"), tmp / "out", draft_vocab_size=99999, target=target)
     assert not wrote and not (tmp / "out").exists() and not list(tmp.glob(".out.partial-*"))
+
+
+# -- 5: a SIGTERM unwinds like Ctrl-C: the new table is removed, the process still ends by SIGTERM ----
+
+def test_sigterm_during_an_import_into_a_new_table_leaves_nothing(base):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from eaglenest import faults
+
+    uri, target, tmp, _ = base
+    specforge.export(source.open_source(uri, "features"), tmp / "sf", target=target)
+    keys = [f"run.workdir={tmp}", f"run.store={uri}", f"run.target={target}", "featurestore.table=back",
+            "featurestore.write_buffer_mb=0.000001"]  # every row flushed: the table exists after the first
+    cli = [sys.executable, "-c", "import sys; from eaglenest.featurestore.cli import main; sys.exit(main())"]
+    proc = subprocess.Popen([*cli, "import", "--format", "specforge", "--src", str(tmp / "sf"), *keys],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, faults.ENV: "import.row_written=30"})
+    deadline = time.monotonic() + 120
+    while not store.table_path(uri, "back").exists():  # the first row is written: the import holds there
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM, err  # its parent still sees a SIGTERM
+    assert err.strip().splitlines()[-1] == "featurestore: terminated" and "Traceback" not in err
+    assert not store.exists(uri, "back") and not store.table_path(uri, "back").exists()

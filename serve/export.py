@@ -46,6 +46,7 @@ against vLLM's own mapper). Floating weights are cast to the export dtype; maps 
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -286,7 +287,8 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
 
     out_dir = Path(out_dir)
     make_dir(out_dir.parent, key, error=ConfigError)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
+    sweep_leftovers(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=_side_prefix(out_dir, "tmp"), dir=out_dir.parent))
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json_atomic(tmp / "config.json", written)
@@ -362,6 +364,43 @@ def _load_state(ckpt_dir: str | Path, info: dict[str, Any]) -> dict[str, torch.T
     return state
 
 
+def _side_prefix(out_dir: Path, kind: str, pid: int | None = None) -> str:
+    """The name prefix of an export's side folder beside ``out_dir`` (``kind``: ``tmp``, the export
+    being written; ``old``, the earlier export moved aside), tagged with the writing process's pid."""
+    return f".{out_dir.name}.{kind}-{os.getpid() if pid is None else pid}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def sweep_leftovers(out_dir: Path) -> list[Path]:
+    """Remove the side folders of an export of ``out_dir`` that was killed (its pid is gone): a
+    half-written ``tmp`` or an ``old`` export moved aside. If the kill landed between the two renames
+    (``out_dir`` missing), the old export is put back first. Returns what was removed."""
+    removed = []
+    for kind in ("old", "tmp"):  # an old export is put back before anything else is looked at
+        for side in sorted(out_dir.parent.glob(f".{glob.escape(out_dir.name)}.{kind}-*-*")):
+            pid = side.name[len(f".{out_dir.name}.{kind}-"):].split("-", 1)[0]
+            if not pid.isdigit() or _alive(int(pid)) or not side.is_dir():
+                continue
+            if kind == "old" and not out_dir.exists() and is_export(side):
+                os.replace(side, out_dir)
+                log.warning("put back the export %s, moved aside by a killed export", shown_path(out_dir))
+                continue
+            shutil.rmtree(side, ignore_errors=True)
+            removed.append(side)
+    if removed:
+        log.info("removed %d folder(s) a killed export left beside %s", len(removed), shown_path(out_dir))
+    return removed
+
+
 def _install(tmp: Path, out_dir: Path, key: str) -> None:
     """Rename the finished export ``tmp`` to ``out_dir``; an earlier export there is moved aside first
     and removed only once the new one is in place (put back if the rename fails)."""
@@ -369,7 +408,7 @@ def _install(tmp: Path, out_dir: Path, key: str) -> None:
         if not is_export(out_dir):  # filled since check_out: still never deleted
             raise ConfigError(f"{key}: {shown_path(out_dir)} holds files that are not an exported draft; "
                               "choose an empty or new folder")
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old", dir=out_dir.parent))
+        old = Path(tempfile.mkdtemp(prefix=_side_prefix(out_dir, "old"), dir=out_dir.parent))
         os.replace(out_dir, old)
         try:
             os.replace(tmp, out_dir)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,6 +115,48 @@ def test_failed_write_keeps_the_earlier_export(root, tiny_target, work, monkeypa
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     with pytest.raises(StoreError, match="cannot write .*No space left on device"):
         export_draft(work / "train", work / "draft", target_dir=tiny_target)
+    assert _snapshot(work / "draft") == before
+    assert sorted(p.name for p in work.iterdir()) == ["draft", "eval", "store", "train"]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_killed_exports_side_folders_are_swept(root, tiny_target, work):
+    """An export killed while writing (``.draft.tmp-PID-*``) or after moving the earlier export aside
+    (``.draft.old-PID-*``) leaves its side folder; the next export removes it once PID is gone, and
+    never touches the side folder of an export still running."""
+    assert _export(root, tiny_target, work) == 0
+    dead = _dead_pid()
+    half = work / f".draft.tmp-{dead}-x1"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"half")
+    shutil.copytree(work / "draft", work / f".draft.old-{dead}-x2")
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as live:
+        running = work / f".draft.tmp-{live.pid}-x3"
+        running.mkdir()
+        try:
+            assert _export(root, tiny_target, work) == 0
+            assert sorted(p.name for p in work.iterdir()) == [running.name, "draft", "eval", "store", "train"]
+        finally:
+            live.kill()
+    assert is_export(work / "draft")
+
+
+def test_an_export_killed_between_its_renames_is_put_back(root, tiny_target, work):
+    """Killed after moving the earlier export aside and before renaming the new one in: the folder is
+    missing; the next export puts the earlier one back before it replaces it, and sweeps the rest."""
+    assert _export(root, tiny_target, work) == 0
+    dead = _dead_pid()
+    before = _snapshot(work / "draft")
+    (work / "draft").rename(work / f".draft.old-{dead}-a")
+    shutil.copytree(work / f".draft.old-{dead}-a", work / f".draft.tmp-{dead}-b")
+    from eaglenest.serve.export import sweep_leftovers
+
+    assert sweep_leftovers(work / "draft") == [work / f".draft.tmp-{dead}-b"]
     assert _snapshot(work / "draft") == before
     assert sorted(p.name for p in work.iterdir()) == ["draft", "eval", "store", "train"]
 

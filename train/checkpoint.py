@@ -15,13 +15,14 @@ refuses weights of another save, as a kill between the two renames leaves them; 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from transformers import LlamaConfig
 
 from eaglenest.errors import StoreError
@@ -43,7 +44,7 @@ def save_checkpoint(outdir: str | Path, model: Eagle3Draft, *, info: dict[str, A
     tensors = {k: v.detach().contiguous().clone() for k, v in model.trainable_state_dict().items()}
     digest = weights_digest(tensors)
     tmp = outdir / f".{WEIGHTS}.tmp{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "weights_sha256": digest})
+    tmp.write_bytes(sorted_metadata(save(tensors, metadata={"format": FORMAT, "weights_sha256": digest})))
     os.replace(tmp, outdir / WEIGHTS)
     record = dict(info)
     record["format"] = FORMAT
@@ -51,6 +52,20 @@ def save_checkpoint(outdir: str | Path, model: Eagle3Draft, *, info: dict[str, A
     record["draft_config"] = model.config.to_dict()
     write_json_atomic(outdir / INFO, record)
     return outdir
+
+
+def sorted_metadata(blob: bytes) -> bytes:
+    """The safetensors file ``blob`` with its ``__metadata__`` keys in sorted order: safetensors writes
+    them in hash-map order, which varies between processes, so the same weights would not give the
+    same bytes. The header is re-encoded as compactly as safetensors writes it, padded to its length."""
+    n = int.from_bytes(blob[:8], "little")
+    head = json.loads(blob[8:8 + n])
+    if not isinstance(head.get("__metadata__"), dict):
+        return blob
+    head["__metadata__"] = dict(sorted(head["__metadata__"].items()))
+    text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+    assert len(text) <= n, "a re-encoded safetensors header is never longer"
+    return blob[:8] + text.ljust(n) + blob[8 + n:]
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -277,7 +277,8 @@ class _Trainer:
             raise StoreError(latest["damaged"])
         info = S.resolve(latest, self.fp, self.state_dir)
         if dist.is_main:  # a start-over keeps the old state aside until the new run has saved one
-            S.settle(self.state_dir, info)
+            S.settle(self.state_dir, info, books=(self.outdir / "metrics.jsonl", self.outdir / selection.SELECTION,
+                                                   self.outdir / selection.BEST))
         dist.barrier()
         if info is not None:
             info = {**info, "path": str(self.state_dir / Path(info["path"]).name)}

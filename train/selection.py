@@ -31,6 +31,8 @@ from eaglenest.train.config import SelectConfig
 log = logging.getLogger(__name__)
 
 SELECTION = "selection.jsonl"
+#: The best snapshot by served AL (a checkpoint folder beside the run's own).
+BEST = "best"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -68,7 +70,7 @@ class Selector:
         outdir.mkdir(parents=True, exist_ok=True)
         truncate_jsonl(self.path, resume_step)
         if not resume_step:
-            shutil.rmtree(outdir / "best", ignore_errors=True)
+            shutil.rmtree(outdir / BEST, ignore_errors=True)
 
     def best(self) -> dict[str, Any] | None:
         recs = read_jsonl(self.path)
@@ -88,7 +90,7 @@ class Selector:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
         if prev is None or rec["served_al"] > prev["served_al"]:
-            best = self.outdir / "best"
+            best = self.outdir / BEST
             tmp = self.outdir / ".best.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(snap, tmp)
@@ -100,9 +102,9 @@ class Selector:
     def finish(self, draft, info: dict[str, Any]):
         """(draft, info) to save as the run's checkpoint: the best snapshot's when selection ran."""
         best = self.best() if self.on else None
-        if best is None or not (self.outdir / "best" / checkpoint.INFO).is_file():
+        if best is None or not (self.outdir / BEST / checkpoint.INFO).is_file():
             return draft, info
-        model, binfo = checkpoint.load_checkpoint(self.outdir / "best", target_dir=self.target_dir)
+        model, binfo = checkpoint.load_checkpoint(self.outdir / BEST, target_dir=self.target_dir)
         binfo = {k: v for k, v in binfo.items() if k not in ("format", "draft_config")}
         binfo["selection"] = {"criterion": "served_al", "best_step": best["step"],
                               "best_served_al": best["served_al"], "last_step": info["step"],

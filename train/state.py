@@ -42,6 +42,8 @@ LATEST = "latest.json"
 #: A start-over moves the previous complete state here (beside ``state/``) until the new run has
 #: written its first state: a run killed before that still has it (and a re-run of its recipe resumes it).
 PREVIOUS_SUFFIX = ".previous"
+#: Inside the set-aside folder: the run's books (metrics.jsonl, ...) set aside with its state (:func:`settle`).
+BOOKS = "books"
 #: Train keys (dotted, below ``train``) that do not change the loss trajectory (a resume may change them).
 FREE_KEYS = frozenset({"output_subdir", "log_every_steps", "num_threads", "prefetch_batches", "table_version",
                        "state.resume", "state.every_steps", "state.keep", "select.every_steps",
@@ -184,21 +186,40 @@ def read_latest(state_dir: Path) -> dict[str, Any] | None:
     return info
 
 
-def settle(state_dir: Path, info: dict[str, Any] | None) -> None:
+def settle(state_dir: Path, info: dict[str, Any] | None, books: tuple[Path, ...] = ()) -> None:
     """Rank 0, once the state to resume from is chosen: ``info`` None (start over) sets the latest
     complete state aside in :func:`previous_dir` (deleted by the new run's first :func:`save_state`,
-    so a kill before it loses nothing); a state resumed from the set-aside folder is moved back."""
+    so a kill before it loses nothing); a state resumed from the set-aside folder is moved back.
+    ``books`` (files or folders beside the state that record its run: metrics, served-AL selection,
+    the best snapshot) go aside and come back with it."""
     prev = previous_dir(state_dir)
     if info is not None:
         if Path(info["path"]).parent == prev:
+            _move_books(prev / BOOKS, books, back=True)
             shutil.rmtree(state_dir, ignore_errors=True)
             os.replace(prev, state_dir)
         return
     if (state_dir / LATEST).is_file():  # complete: it replaces an older set-aside one
         shutil.rmtree(prev, ignore_errors=True)
         os.replace(state_dir, prev)
+        _move_books(prev / BOOKS, books, back=False)
     else:  # nothing complete (a start-over killed before its first state): keep the set-aside one
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def _move_books(folder: Path, books: tuple[Path, ...], *, back: bool) -> None:
+    """Move each of ``books`` into ``folder`` (by name), or back from it (replacing the killed start-over's)."""
+    if not back:
+        folder.mkdir(exist_ok=True)
+    for book in books:
+        src, dst = (folder / book.name, book) if back else (book, folder / book.name)
+        if not src.exists():
+            continue
+        if dst.is_dir():
+            shutil.rmtree(dst)
+        os.replace(src, dst)
+    if back:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def resolve(info: dict[str, Any] | None, fp: dict[str, Any], state_dir: Path) -> dict[str, Any] | None:

@@ -97,14 +97,18 @@ def test_a_start_over_keeps_the_old_state_until_the_new_run_has_one(tmp_path, fe
     work = tmp_path / "w"
     run(work, feature_store, tiny_target)  # finished: lr 3e-3
     old = checkpoint.read_info(work / "train")["weights_sha256"]
+    metrics = (work / "train" / "metrics.jsonl").read_text()
+    assert [json.loads(x)["step"] for x in metrics.splitlines()] == [1, 2]
     kill_at(monkeypatch, 0)
     with pytest.raises(Killed):  # another recipe starts over and is killed before its first state
         run(work, feature_store, tiny_target, lr=1e-3)
     aside = work / "train" / "state.previous"
     assert json.loads((aside / "latest.json").read_text())["step"] == 2
+    assert (aside / S.BOOKS / "metrics.jsonl").read_text() == metrics  # the run's metrics went aside with it
     monkeypatch.undo()
     back = run(work, feature_store, tiny_target)  # the first recipe again: its finished state, nothing to do
     assert back.steps == 2 and latest(work)["step"] == 2 and not aside.exists()
+    assert (work / "train" / "metrics.jsonl").read_text() == metrics  # and came back with it
     assert checkpoint.read_info(work / "train")["weights_sha256"] == old  # the same weights
     other = run(work, feature_store, tiny_target, lr=1e-3)  # the other recipe, to the end: the old state goes
     assert other.steps == 2 and not aside.exists()
@@ -167,6 +171,22 @@ def test_weights_of_another_save_are_refused(tmp_path, finished, tiny_target):
     (b / checkpoint.WEIGHTS).write_bytes(b"\x00" * 7)
     with pytest.raises(StoreError, match="cannot read the draft weights"):
         checkpoint.load_checkpoint(b)
+
+
+def test_the_same_weights_save_to_the_same_bytes(tmp_path, finished, tiny_target):
+    """safetensors writes its metadata keys in hash-map order; the checkpoint sorts them, so saving the
+    same weights again gives a byte-identical file (8 saves: unsorted, they differ almost surely)."""
+    model, info = checkpoint.load_checkpoint(finished / "train", target_dir=tiny_target)
+    info = {k: v for k, v in info.items() if k != "format"}
+    blobs = {checkpoint.save_checkpoint(tmp_path / f"c{i}", model, info=info).joinpath(checkpoint.WEIGHTS).read_bytes()
+             for i in range(8)}
+    assert len(blobs) == 1
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "c0" / checkpoint.WEIGHTS), "pt") as f:
+        assert sorted(f.metadata()) == ["format", "weights_sha256"]
+        assert f.metadata()["weights_sha256"] == checkpoint.read_info(tmp_path / "c0")["weights_sha256"]
+    assert checkpoint.load_checkpoint(tmp_path / "c0")[0].fc.weight.equal(model.fc.weight)
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -10,7 +10,10 @@ Only a single SELECT (or WITH ... SELECT) statement runs: DuckDB parses the text
 connection is in-memory and, once the tables are registered, external file access is switched off,
 so a SELECT cannot read or write other files either.
 
-Trade-off: the non-tensor columns of each table are materialised in memory as Arrow (ids, masks,
+Only the tables the statement names are registered (read from DuckDB's own parse tree, nothing
+bound or run): a query of ``prompts`` neither checks nor reads ``features``.
+
+Trade-off: the non-tensor columns of each table it names are materialised in memory as Arrow (ids, masks,
 lengths: a few bytes per token), which keeps joins and self-joins simple. The tensor columns are
 never materialised: with ``with_tensors`` a table that has them is registered as a view of its
 Lance dataset (:func:`_tensor_view`) that DuckDB scans batch by batch (about :data:`BATCH_BYTES`
@@ -24,6 +27,7 @@ keeps them) still needs DuckDB to hold what that operator holds.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -62,18 +66,47 @@ def check_read_only(sql: str) -> None:
         raise ConfigError(f"query: only SELECT/WITH statements are allowed (read-only), got {kind.name}")
 
 
+def named_tables(sql: str) -> set[str] | None:
+    """The (lower-cased) names the statement reads as tables, CTE names included, from DuckDB's parse
+    tree (``json_serialize_sql``: parsed, not bound, so nothing is looked up or read); None when
+    DuckDB cannot serialise it (then every table is registered)."""
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    try:
+        (tree,), = con.execute("SELECT json_serialize_sql(?::VARCHAR)", [sql]).fetchall()
+    except duckdb.Error:
+        return None
+    finally:
+        con.close()
+    root = json.loads(tree)
+    if root.get("error"):
+        return None
+    names, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "BASE_TABLE" and isinstance(node.get("table_name"), str):
+                names.add(node["table_name"].lower())
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return names
+
+
 def tables_in(uri: str) -> list[str]:
     return store.table_names(uri)  # a local directory or an object-store prefix
 
 
 def connect(uri: str, *, versions: dict[str, int | str] | None = None, with_tensors: bool = False,
-            attach: dict[str, str] | None = None):
-    """An in-memory DuckDB connection with the store's tables (and ``attach`` files) registered."""
-    return _connect(uri, versions=versions, with_tensors=with_tensors, attach=attach)[0]
+            attach: dict[str, str] | None = None, only: set[str] | None = None):
+    """An in-memory DuckDB connection with the store's tables (those in ``only``, lower-cased, when
+    given) and ``attach`` files registered."""
+    return _connect(uri, versions=versions, with_tensors=with_tensors, attach=attach, only=only)[0]
 
 
 def _connect(uri: str, *, versions: dict[str, int | str] | None = None, with_tensors: bool = False,
-             attach: dict[str, str] | None = None):
+             attach: dict[str, str] | None = None, only: set[str] | None = None):
     """:func:`connect`, and how many rows of the tensor tables make a batch (None: no tensors)."""
     import duckdb
 
@@ -83,6 +116,8 @@ def _connect(uri: str, *, versions: dict[str, int | str] | None = None, with_ten
     try:
         batch_rows = None
         for name in names:
+            if only is not None and name.lower() not in only and name not in (versions or {}):
+                continue  # not named by the statement (a pinned one is still opened: its version is checked)
             # Every data file held to its CRC first (one stat each once stamped): a damaged file is one
             # line naming it, not rows read back silently or a Lance traceback.
             ds = integrity.checked_dataset(uri, name, (versions or {}).get(name))
@@ -193,7 +228,7 @@ def _q(text: str) -> str:
 def run_query(uri: str, sql: str, **kw) -> pa.Table:
     """Run one read-only statement; returns an Arrow table."""
     check_read_only(sql)
-    con = connect(uri, **kw)
+    con = connect(uri, only=named_tables(sql), **kw)
     try:
         result = con.sql(sql)
         return result.to_arrow_table() if result is not None else pa.table({})
@@ -232,7 +267,7 @@ def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
     if not out.parent.is_dir():
         raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
     check_read_only(sql)
-    con, batch_rows = _connect(uri, **kw)
+    con, batch_rows = _connect(uri, only=named_tables(sql), **kw)
     if batch_rows is not None:
         con.execute("SET threads = 2")  # each DuckDB thread holds a batch in flight
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")

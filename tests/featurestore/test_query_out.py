@@ -103,3 +103,28 @@ def test_query_out_with_tensors_peak_memory_is_bounded_by_the_batch(small, tmp_p
     growth = json.loads(proc.stdout.strip().splitlines()[-1])["growth_mib"]
     assert pq.read_metadata(out).num_rows == 32
     assert growth < 128, f"peak RSS grew {growth:.0f} MiB for a 128 MiB table"
+
+
+def test_named_tables_come_from_the_parse_tree_without_binding():
+    assert query.named_tables("WITH x AS (SELECT * FROM Features) SELECT * FROM x, \"Other\" o "
+                              "WHERE 1 IN (SELECT 1 FROM prompts)") == {"features", "x", "other", "prompts"}
+    # a table function is not a table, and is not run (the file does not exist)
+    assert query.named_tables("SELECT (SELECT count(*) FROM main.features) UNION ALL "
+                              "SELECT 1 FROM read_parquet('nowhere.parquet')") == {"features"}
+    assert query.named_tables("SELECT * FRM x") is None
+
+
+def test_a_query_registers_only_the_tables_it_names(small, tmp_path):
+    """A damaged table the statement does not name is neither checked nor read; one it names is refused."""
+    uri = small
+    m = H.meta()
+    store.append(uri, "other", H.table(["o0", "o1"], m, domain="c"), meta=m)
+    data = sorted((store.table_path(uri, "other") / "data").glob("*.lance"))
+    data[0].write_bytes(b"damaged")
+    assert query.run_query(uri, "SELECT count(*) AS n FROM features").column("n").to_pylist() == [11]
+    out = tmp_path / "ids.csv"
+    assert query.write_query(uri, "SELECT sample_id FROM features", out) == 11
+    with pytest.raises(StoreError, match="other"):
+        query.run_query(uri, "SELECT count(*) FROM other")
+    with pytest.raises(StoreError, match="other"):  # named inside a subquery
+        query.run_query(uri, "SELECT count(*) FROM features WHERE sample_id IN (SELECT sample_id FROM OTHER)")

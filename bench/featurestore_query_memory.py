@@ -1,4 +1,5 @@
-"""Peak memory of ``featurestore query --with-tensors --out f.parquet`` at two table sizes.
+"""Peak memory of ``featurestore query`` at two table sizes: ``--with-tensors --out f.parquet``, and
+(``--small``) an aggregate over the small columns, printed.
 
 Builds two feature tables of synthetic EAGLE-3 rows (random fp32 hidden states, ``--row-mib`` MiB
 of tensors per sample) holding ``--sizes`` MiB of tensor columns each, then runs, in a fresh
@@ -13,8 +14,15 @@ batches (``featurestore/read/query.py``) grows by about the same at both sizes (
 materialising the table grows with it (ratio ~ the size ratio). ``--check`` exits 1 when the
 ratio exceeds 1.5.
 
+``--small``: the tables hold ``--sizes`` MiB of the small columns instead (16K-token rows, hidden
+size 8, so ``input_ids`` and ``loss_mask`` are nearly all of it) and the query is an aggregate that
+reads every token id, without ``--with-tensors`` and without ``--out``: ``SELECT domain, count(*),
+sum(len(input_ids)) FROM features GROUP BY 1``. Each table is scanned batch by batch like the tensor
+view (``featurestore/read/query.py``), so its growth does not follow the table either.
+
     python bench/featurestore_query_memory.py                    # 64 and 256 MiB, < 60 s here
     python bench/featurestore_query_memory.py --sizes 64,512 --rounds 3 --check
+    python bench/featurestore_query_memory.py --small --check
 """
 
 from __future__ import annotations
@@ -39,8 +47,12 @@ def kib(key):
             return int(line.split()[1])
 
 before = kib("VmRSS:")
-rc = cli.main(["query", "--with-tensors", "--sql", "SELECT * FROM features", "--out", sys.argv[2],
-               f"run.store={sys.argv[1]}"])
+if sys.argv[3] == "small":
+    rc = cli.main(["query", "--sql", "SELECT domain, count(*) AS n, sum(len(input_ids)) AS t FROM features GROUP BY 1",
+                   f"run.store={sys.argv[1]}"])
+else:
+    rc = cli.main(["query", "--with-tensors", "--sql", "SELECT * FROM features", "--out", sys.argv[2],
+                   f"run.store={sys.argv[1]}"])
 print(json.dumps({"rc": rc, "growth_mib": (kib("VmHWM:") - before) / 1024}))
 """
 
@@ -72,8 +84,35 @@ def build(uri: str, *, mib: int, row_mib: int, hidden: int = 1024, seed: int = 0
     return n
 
 
-def peak_growth(uri: str, out: Path) -> float:
-    proc = subprocess.run([sys.executable, "-c", CHILD, uri, str(out)], capture_output=True, text=True, check=False)
+def build_small(uri: str, *, mib: int, tokens: int = 16384, seed: int = 0) -> int:
+    """A features table with about ``mib`` MiB of small columns (int32 ids and uint8 mask, ``tokens`` per
+    row) and tensors of hidden size 8, so the tensor columns are a small share."""
+    import numpy as np
+    import pyarrow as pa
+
+    from eaglenest.featurestore import schema as S
+    from eaglenest.featurestore.table import store
+
+    meta = S.FeatureMeta(target="bench", layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=8,
+                         dtype="float32", feature_set_id="bench-query-memory-small")
+    n = mib * 2**20 // (5 * tokens)
+    rng = np.random.default_rng(seed)
+    for start in range(0, n, 64):
+        rows = []
+        for k in range(start, min(n, start + 64)):
+            rows.append({"sample_id": f"s{k:06d}", "domain": f"d{k % 3}", "source": "bench", "split": "train",
+                         "mode": "chat", "gen_params_id": "g", "num_tokens": tokens, "num_loss_tokens": tokens - 1,
+                         "input_ids": rng.integers(0, 150_000, tokens, dtype=np.int32),
+                         "loss_mask": np.ones(tokens, dtype=np.uint8),
+                         "aux_hidden": S.encode_tensor(np.zeros((1, 3, 8), np.float32), "float32"),
+                         "last_hidden": S.encode_tensor(np.zeros((1, 8), np.float32), "float32")})
+        store.append(uri, store.FEATURES, pa.Table.from_pylist(rows, schema=S.features_schema(meta)), meta=meta)
+    return n
+
+
+def peak_growth(uri: str, out: Path, mode: str = "tensors") -> float:
+    proc = subprocess.run([sys.executable, "-c", CHILD, uri, str(out), mode], capture_output=True, text=True,
+                          check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines or json.loads(lines[-1])["rc"] != 0:
         raise SystemExit(f"query failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
@@ -86,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--row-mib", type=int, default=4, help="MiB of tensors per sample")
     ap.add_argument("--rounds", type=int, default=2, help="query runs per size (median reported)")
     ap.add_argument("--check", action="store_true", help="exit 1 if large/small growth > 1.5")
+    ap.add_argument("--small", action="store_true", help="small columns and an aggregate query (no tensors)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     if len(sizes) != 2:
@@ -96,15 +136,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="eaglenest-bench-query-") as tmp:
         for mib in sizes:
             uri = str(Path(tmp) / f"store{mib}")
-            n = build(uri, mib=mib, row_mib=args.row_mib)
             out = Path(tmp) / f"out{mib}.parquet"
+            if args.small:
+                build_small(uri, mib=mib)
+                growth[mib] = statistics.median(peak_growth(uri, out, "small") for _ in range(args.rounds))
+                continue
+            n = build(uri, mib=mib, row_mib=args.row_mib)
             runs = [peak_growth(uri, out) for _ in range(args.rounds)]
             assert pq.read_metadata(out).num_rows == n, "the output file lost rows"
             growth[mib] = statistics.median(runs)
             out.unlink()
     small, large = sizes
     ratio = growth[large] / growth[small]
-    print(f"{'table (MiB of tensors)':>24} {small:>10} {large:>10}   ratio")
+    print(f"{'table (MiB of ' + ('small columns)' if args.small else 'tensors)'):>24} {small:>10} {large:>10}   ratio")
     print(f"{'peak RSS growth (MiB)':>24} {growth[small]:>10.0f} {growth[large]:>10.0f}   {ratio:.2f} "
           f"(table ratio {large / small:.1f})")
     return 1 if args.check and ratio > 1.5 else 0

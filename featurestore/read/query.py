@@ -13,11 +13,12 @@ so a SELECT cannot read or write other files either.
 Only the tables the statement names are registered (read from DuckDB's own parse tree, nothing
 bound or run): a query of ``prompts`` neither checks nor reads ``features``.
 
-Trade-off: the non-tensor columns of each table it names are materialised in memory as Arrow (ids, masks,
-lengths: a few bytes per token), which keeps joins and self-joins simple. The tensor columns are
-never materialised: with ``with_tensors`` a table that has them is registered as a view of its
-Lance dataset (:func:`_tensor_view`) that DuckDB scans batch by batch (about :data:`BATCH_BYTES`
-of tensors each, tensor values as bytes), once per reference in the query. :func:`write_query`
+No table is materialised: each is registered as a view of its Lance dataset (:func:`_view`) that
+DuckDB scans batch by batch (about :data:`BATCH_BYTES` of the columns the query reads, tensor
+values as bytes), once per reference in the query, reading only the columns it asks for. So an
+aggregate over ``input_ids`` of a large store holds a few batches, not every token id
+(``bench/featurestore_query_memory.py --small``); the tensor columns are there only with
+``with_tensors``. :func:`write_query`
 streams the result into the output file batch by batch, so ``featurestore query --with-tensors
 --out f.parquet`` holds a few batches, whatever the table's size (``bench/featurestore_query_memory.py``).
 A query with a blocking operator over tensor columns (``ORDER BY`` of the rows, an aggregate that
@@ -122,13 +123,11 @@ def _connect(uri: str, *, versions: dict[str, int | str] | None = None, with_ten
             # line naming it, not rows read back silently or a Lance traceback.
             ds = integrity.checked_dataset(uri, name, (versions or {}).get(name))
             with store.unreadable(uri, name, ds.version):
+                view = _view(uri, ds, tensors=with_tensors)  # scanned batch by batch, never materialised
                 if with_tensors and any(c in S.TENSOR_COLUMNS for c in ds.schema.names):
-                    view = _tensor_view(uri, ds)  # scanned batch by batch, never materialised
-                    batch_rows = min(batch_rows or view.batch_rows, view.batch_rows)
-                    con.register(name, view)
-                    continue
-                cols = [c for c in ds.schema.names if c not in S.TENSOR_COLUMNS]
-                con.register(name, ds.to_table(columns=cols, **store.BYTES))
+                    rows = _rows_per_batch(ds, [c for c in ds.schema.names if c in S.TENSOR_COLUMNS])
+                    batch_rows = min(batch_rows or rows, rows)
+                con.register(name, view)
         for name, path in (attach or {}).items():
             try:
                 con.execute(f"CREATE TEMP TABLE {name} AS SELECT * FROM {READERS[Path(path).suffix]}('{_q(path)}')")
@@ -168,44 +167,48 @@ def _check_attach(attach: dict[str, str], tables: list[str]) -> None:
             raise ConfigError(f"{item}: no such file")
 
 
-def _rows_per_batch(ds) -> int:
-    """Rows of ``ds`` holding about :data:`BATCH_BYTES` of tensors, judged by its first row."""
-    cols = [c for c in ds.schema.names if c in S.TENSOR_COLUMNS]
-    first = ds.scanner(columns=cols, limit=1, **store.BYTES).to_table()
+def _rows_per_batch(ds, columns: list[str]) -> int:
+    """Rows of ``ds`` holding about :data:`BATCH_BYTES` of ``columns``, judged by its first row."""
+    lance = require("lance")
+    first = lance.LanceDataset.scanner(ds, columns=columns, limit=1, **store.BYTES).to_table()
     return max(1, BATCH_BYTES // max(1, first.nbytes)) if first.num_rows else 1
 
 
-def _tensor_view(uri: str, ds):
-    """Table ``ds`` (a Lance dataset at a fixed version) as a source DuckDB scans batch by batch.
+def _view(uri: str, ds, *, tensors: bool):
+    """Table ``ds`` (a Lance dataset at a fixed version) as a source DuckDB scans batch by batch; its
+    tensor columns shown only with ``tensors``.
 
     DuckDB scans a ``pyarrow.dataset.Dataset`` by calling its ``scanner(columns=, filter=)`` once
     per reference in the query and reading ``to_reader()`` of what it returns. Lance's own scanner
     would hand it the tensor columns' blob descriptors (not the bytes) and cannot run every filter
     DuckDB pushes down, and pyarrow's ``Scanner.from_batches`` reads ahead without bound (measured:
-    peak memory grew with the table). So the view reads the requested and the small columns from
-    Lance, bytes and a bounded batch at a time, and applies DuckDB's filter and projection to each
-    batch itself (:class:`_Batches`).
+    peak memory grew with the table). So the view reads the requested columns (and those the
+    filter names) from Lance, bytes and about :data:`BATCH_BYTES` at a time, and applies DuckDB's
+    filter and projection to each batch itself (:class:`_Batches`).
     """
     lance = require("lance")
-    rows = _rows_per_batch(ds)
+    shown = pa.schema([f for f in ds.schema if tensors or f.name not in S.TENSOR_COLUMNS])
 
-    class TensorView(lance.LanceDataset):
-        batch_rows = rows
+    class View(lance.LanceDataset):
+        @property
+        def schema(self) -> pa.Schema:
+            return shown
 
         def scanner(self, columns=None, filter=None, **_):
-            want = list(columns) if columns is not None else self.schema.names
-            # A pushed-down filter may name a tensor column the projection leaves out (IS NOT NULL).
+            want = list(columns) if columns is not None else shown.names
+            # A pushed-down filter may name a column the projection leaves out (IS NOT NULL).
             named = str(filter) if filter is not None else ""
-            read = [c for c in self.schema.names if c in want or c not in S.TENSOR_COLUMNS or c in named]
+            read = [c for c in shown.names if c in want or c in named]
+            rows = _rows_per_batch(self, read) if read else 1 << 16
             inner = lance.LanceDataset.scanner(self, columns=read, batch_size=rows, batch_readahead=1,
                                                fragment_readahead=1, io_buffer_size=2 * BATCH_BYTES, **store.BYTES)
             return _Batches(inner.to_reader(), want, filter)
 
-    return TensorView(ds.uri, version=ds.version, storage_options=objects.lance_options(uri))
+    return View(ds.uri, version=ds.version, storage_options=objects.lance_options(uri))
 
 
 class _Batches:
-    """What :func:`_tensor_view`'s ``scanner`` returns: Lance's batches, filtered and projected."""
+    """What :func:`_view`'s ``scanner`` returns: Lance's batches, filtered and projected."""
 
     def __init__(self, reader: pa.RecordBatchReader, columns: list[str], filter):
         self._reader, self._filter = reader, filter

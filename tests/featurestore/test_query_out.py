@@ -128,3 +128,44 @@ def test_a_query_registers_only_the_tables_it_names(small, tmp_path):
         query.run_query(uri, "SELECT count(*) FROM other")
     with pytest.raises(StoreError, match="other"):  # named inside a subquery
         query.run_query(uri, "SELECT count(*) FROM features WHERE sample_id IN (SELECT sample_id FROM OTHER)")
+
+
+def _small_columns_table(uri: str, *, mib: int, tokens: int = 16384) -> int:
+    """A features table with ``mib`` MiB of token ids and masks (tensors of one token, hidden 8)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from eaglenest.featurestore import schema as S
+
+    m = H.meta()
+    n = mib * 2**20 // (5 * tokens)
+    rng = np.random.default_rng(0)
+    aux = S.encode_value(np.zeros((1, 3, m.hidden_size), np.float32), m)
+    last = S.encode_value(np.zeros((1, m.hidden_size), np.float32), m)
+    for start in range(0, n, 128):
+        rows = [{"sample_id": f"s{k:05d}", "domain": f"d{k % 3}", "source": "t", "split": "train", "mode": "chat",
+                 "gen_params_id": "g", "num_tokens": 1, "num_loss_tokens": 1,
+                 "input_ids": rng.integers(0, 1 << 17, tokens, dtype=np.int32), "loss_mask": np.ones(tokens, np.uint8),
+                 "aux_hidden": aux, "last_hidden": last} for k in range(start, min(n, start + 128))]
+        store.append(uri, store.FEATURES, pa.Table.from_pylist(rows, schema=S.features_schema(m)), meta=m)
+    return n
+
+
+CHILD_SMALL = CHILD.replace('"--with-tensors", ', "").replace(
+    '"SELECT * FROM features", "--out"]', '"SELECT domain, sum(len(input_ids)) AS t FROM features GROUP BY 1"]'
+).replace("q + [out, ", "q + [")
+
+
+def test_a_query_over_the_small_columns_is_scanned_not_materialised(small, tmp_path):
+    """An aggregate over every token id of a 160 MiB table (no tensors asked for): the table is scanned
+    batch by batch, so the command's peak RSS grows far less than the table (the old registration
+    materialised every small column: growth ~ the table's size, 1138 MiB for 1 GiB in the bench)."""
+    big = str(tmp_path / "big")
+    n = _small_columns_table(big, mib=160)
+    assert "--with-tensors" not in CHILD_SMALL and "--out" not in CHILD_SMALL
+    proc = subprocess.run([sys.executable, "-c", CHILD_SMALL, small, big, ""], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{n // 3 * 16384}" in proc.stdout or f"{(n // 3 + 1) * 16384}" in proc.stdout  # the sums printed
+    growth = json.loads(proc.stdout.strip().splitlines()[-1])["growth_mib"]
+    assert growth < 100, f"peak RSS grew {growth:.0f} MiB for a table with 160 MiB of small columns"

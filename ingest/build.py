@@ -43,7 +43,7 @@ from eaglenest.ingest.manifest import Manifest
 from eaglenest.ingest.pool import PoolEntry
 from eaglenest.ingest.reasoning import ThinkCheck, resolve_tags
 from eaglenest.ingest.regen import Dropped, gen_params_id, heldout_row, stream
-from eaglenest.ingest.shard import make_backend, shard_result, write_rows
+from eaglenest.ingest.shard import guarded, make_backend, shard_result, write_rows
 from eaglenest.provenance import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
     todo = [e for e in pool if e.sample_id not in done and e.sample_id not in skipped]
     heldout = [e for e in todo if e.split == "heldout"]
     train = [e for e in todo if e.split == "train"]
+    _check_chat_template(tok, target, sum(e.mode == "chat" for e in train))
     if train:  # responses are about to be added: they must come from the same target as those stored
         policy.check_prompts(store_uri, target, off_policy=off_policy, stage="ingest build")
     # How the prompts were rendered, readable (gen_params_id is only a hash of it): evaluation renders
@@ -112,8 +113,8 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
                "gen_params_id": gen_id, "reasoning": manifest.generation.reasoning,
                "chat_template_kwargs": rendered, **policy.lineage_record(target)}
     if heldout:
-        _guarded(lambda: commit(store_uri, write_rows(store_uri, [heldout_row(e, gen_id) for e in heldout]),
-                                {**lineage, "shard": "heldout"}), store_uri)
+        guarded(lambda: commit(store_uri, write_rows(store_uri, [heldout_row(e, gen_id) for e in heldout]),
+                               {**lineage, "shard": "heldout"}), store_uri)
     shards = [train[i:i + cfg.commit_every] for i in range(0, len(train), cfg.commit_every)]
     totals = {"rows": 0, "tokens": 0, "failures": [], "retries": 0, "dropped": []}
     if shards:
@@ -123,7 +124,7 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
             def on_result(k: int, res: dict) -> None:
                 if res["fragments"]:
                     faults.delay("ingest.before_commit")  # tests: hold the fragments-written window
-                    _guarded(lambda: commit(store_uri, res["fragments"], {**lineage, "shard": k}), store_uri)
+                    guarded(lambda: commit(store_uri, res["fragments"], {**lineage, "shard": k}), store_uri)
                 totals["rows"] += res["rows"]
                 totals["tokens"] += res["tokens"]
                 totals["failures"] += res["failures"]
@@ -170,6 +171,14 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
     }
 
 
+def _check_chat_template(tok, target: str, num_chat: int) -> None:
+    """Refuse, before any engine starts or row is written, chat prompts for a target without a chat
+    template: vLLM would refuse each of them, on every run."""
+    if num_chat and not tok.chat_template:
+        raise ConfigError(f"run.target: {target} has no chat template, and {num_chat} training prompts are chat; "
+                          "give its tokenizer one (chat_template in tokenizer_config.json or chat_template.jinja)")
+
+
 def _read_dropped(path) -> dict[str, dict[str, str]]:
     """``{gen_params_id: {sample_id: domain}}`` of earlier runs' drops (empty if no file)."""
     if path is None or not Path(path).is_file():
@@ -179,21 +188,15 @@ def _read_dropped(path) -> dict[str, dict[str, str]]:
     except ValueError:
         log.warning("%s is not valid JSON: earlier drops are tried again", path)
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict) or not all(isinstance(ids, dict) for ids in data.values()):
+        log.warning("%s does not map gen_params_ids to {sample_id: domain}: earlier drops are tried again", path)
+        return {}
+    return data
 
 
 def _write_dropped(path, data: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(Path(path), data)
-
-
-def _guarded(fn, store_uri: str):
-    """Turn an OS-level write failure (disk full, permissions) into one clear line; nothing committed."""
-    try:
-        return fn()
-    except OSError as exc:
-        raise StoreError(f"run.store: cannot write the prompts table in {store_uri}: "
-                         f"{str(exc).splitlines()[0][:300]}; no partial version was committed") from None
 
 
 def _run_inprocess(shards, *, cfg, target, store_uri, gen, gen_id, on_result, backend=None, think=None,
@@ -221,7 +224,7 @@ def _run_inprocess(shards, *, cfg, target, store_uri, gen, gen_id, on_result, ba
                 continue
             got = rows.pop(k)
             done = [got[i] for i in sorted(got)]  # entry order: the same fragments as a batch run
-            res = shard_result(_guarded(lambda: write_rows(store_uri, done), store_uri) if done else [],
+            res = shard_result(guarded(lambda: write_rows(store_uri, done), store_uri) if done else [],
                                done, failures.pop(k), dropped.pop(k))
             now = getattr(backend, "retries", 0)
             res["retries"], retries = now - retries, now

@@ -96,13 +96,13 @@ def cmd_build(recipe, args) -> int:
     check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)  # fail fast
     manifest = load_manifest(args.manifest or recipe.ingest.manifest)
     chat_kwargs(manifest.generation, recipe.ingest.chat_template_kwargs)  # refuses a contradiction
+    check_long(manifest, recipe)  # composed lengths (the manifest's alone): before composing them, or any engine
     pool_report: dict = {}
     pool = load_pool(manifest, target=recipe.run.target, report=pool_report,  # all before anything is written
                      trust_remote_code=recipe.run.trust_remote_code)
     pool, report = contamination.check(pool, manifest)
     if not pool:
         raise ManifestError(empty_pool(args.manifest or recipe.ingest.manifest, pool_report, report["contaminated"]))
-    check_long(manifest, recipe)  # composed conversations: positions and memory, before any engine
     out = recipe.run.path("ingest")
     # Before any engine starts or anything is committed; not kept: run.store may still be refused.
     ensure_writable(out, "run.workdir", keep=False)

@@ -35,7 +35,7 @@ from typing import Callable
 
 from eaglenest.errors import ManifestError
 from eaglenest.material import DOCUMENT_KINDS, document
-from eaglenest.text import content_key
+from eaglenest.text import content_key, normalise
 
 #: Template tokens one user turn plus its answer add beyond their text (role markers, end marks);
 #: an estimate, checked on the tiny target's template (8 there).
@@ -84,10 +84,7 @@ def compose(batch, *, domain: str, rule: str, target_tokens: list[int], per_leng
                           per_length=per_length, answer_tokens=answer_tokens, count_tokens=count_tokens, seed=seed)
     if rule != "long_chat":
         raise ManifestError(f"{where}.rule: {rule!r} is not a composition rule (known: long_chat, documents)")
-    rows = batch.to_pylist()
-    units = [([r["prompt"], *(r.get("later_turns") or [])], r.get("system") or "") for r in rows
-             if r.get("prompt")]
-    units.sort(key=lambda u: content_key("\n".join([u[1], *u[0]])))  # content order, not file order
+    units = _units(batch.to_pylist())
     if not units:
         raise ManifestError(f"{where}: domain {domain!r} has no prompts to compose conversations from")
     cost = [sum(count_tokens(t) + TURN_OVERHEAD_TOKENS + answer_tokens for t in turns) for turns, _ in units]
@@ -118,6 +115,14 @@ def compose(batch, *, domain: str, rule: str, target_tokens: list[int], per_leng
             out["system"].append(system)
             out["source"].append(f"compose:{rule}:{length}")
     return pa.RecordBatch.from_pydict(out, schema=schema())
+
+
+def _units(rows: list[dict]) -> list[tuple[list[str], str]]:
+    """``(user turns, system prompt)`` of each row, in content-hash order (not file order). Rows with
+    a blank turn are left out: the pool drops a conversation holding one as empty, whole."""
+    units = [([r["prompt"], *(r.get("later_turns") or [])], r.get("system") or "") for r in rows]
+    units = [u for u in units if all(normalise(t) for t in u[0])]
+    return sorted(units, key=lambda u: content_key("\n".join([u[1], *u[0]])))
 
 
 def _documents(*, domain: str, kinds: list[str], target_tokens: list[int], per_length: int, answer_tokens: int,

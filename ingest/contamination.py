@@ -4,8 +4,10 @@ Evaluation sets are read at run time from files the manifest names (MT-Bench ``q
 ``{"turns": [...]}``; SPEED-Bench style JSONL: ``prompt``, ``turns`` or ``messages``), never vendored.
 A training conversation is contaminated when any of its user turns equals an evaluation prompt
 (:func:`eaglenest.text.content_key`, the same identity deduplication uses) or, with a threshold, is
-a near duplicate of one (Jaccard similarity of word 5-gram sets). Near duplicates *between training
-and held-out* prompts of the pool are checked too: the held-out split is an evaluation set.
+a near duplicate of one (Jaccard similarity of word 5-gram sets). The pool's held-out split is an
+evaluation set too: a training conversation with a user turn equal to a held-out one (the same
+question under another system prompt, or inside a multi-turn chat) is contaminated, and with a
+threshold so is a near duplicate of one.
 
 Trade-off: near-duplicate search is an inverted index over shingles, exact Jaccard on candidates:
 simple and exact, fine for eval sets and held-out splits of ~10^5 prompts; the pool's own
@@ -22,6 +24,7 @@ from eaglenest.errors import ManifestError
 from eaglenest.ingest.manifest import Manifest, input_file
 from eaglenest.ingest.neardup import jaccard, shingles
 from eaglenest.ingest.pool import PoolEntry, json_kind, json_lines, read_text, text_value
+from eaglenest.paths import shown_path
 from eaglenest.text import content_key
 
 log = logging.getLogger(__name__)
@@ -32,7 +35,7 @@ def load_eval_prompts(path: str | Path, *, where: str) -> list[str]:
     of valid Unicode, as in a source; anything else is a ManifestError naming ``where``, file and line."""
     out = []
     for n, row in json_lines(read_text(Path(path), str(path), where), str(path), where):
-        at = f"{where}: line {n} of {path}"
+        at = f"{where}: line {n} of {shown_path(path)}"
         if not isinstance(row, dict):
             raise ManifestError(f"{at} is {json_kind(row)}, not an object")
         if isinstance(row.get("turns"), list):
@@ -77,14 +80,18 @@ def check(pool: list[PoolEntry], manifest: Manifest, *, base_dir=None) -> tuple[
     threshold = c.near_duplicate_threshold
     near_eval = NearIndex(evals) if threshold else None
     heldout = [t for e in pool if e.split == "heldout" for t in e.user_turns()]
+    heldout_keys = {content_key(t) for t in heldout}
     near_held = NearIndex(heldout) if threshold else None
     hits: dict[str, str] = {}
     for e in pool:
         if e.split != "train":
             continue
         for t in e.user_turns():
-            if content_key(t) in eval_keys:
+            key = content_key(t)
+            if key in eval_keys:
                 hits[e.sample_id] = "exact:eval"
+            elif key in heldout_keys:  # the same question held out with another system prompt or chat
+                hits[e.sample_id] = "exact:heldout"
             elif threshold and near_eval.best(t) >= threshold:
                 hits[e.sample_id] = "near:eval"
             elif threshold and near_held.best(t) >= threshold:

@@ -79,6 +79,10 @@ class Compose:
     answer_tokens: int | None = None
 
 
+#: Largest ``generation.seed``: vLLM seeds each request's generator with a signed 64-bit integer (a
+#: larger one raised out of the engine's step, a traceback; its OpenAI server refuses it).
+MAX_GENERATION_SEED = 2**63 - 1
+
 #: Longest composed conversation accepted (tokens); an engine's positions are checked at build time.
 MAX_COMPOSE_TOKENS = 1 << 20
 
@@ -210,6 +214,8 @@ def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
     g = m.generation
     if g.max_tokens < 1:
         p.append("generation.max_tokens: must be at least 1")
+    if not 0 <= g.seed <= MAX_GENERATION_SEED:  # -1 is vLLM's "no seed": responses would not repeat
+        p.append(f"generation.seed: {g.seed} is not in [0, {MAX_GENERATION_SEED}]")
     if not 0.0 <= g.temperature <= MAX_TEMPERATURE:  # vLLM's SamplingParams bounds (NaN fails too)
         p.append(f"generation.temperature: {g.temperature} is not in [0, {MAX_TEMPERATURE:g}]")
     c = m.contamination

@@ -13,8 +13,9 @@ tuned to weigh misses eight times as heavily as candidate checks (at threshold 0
 permutations: 14 bands of 9 rows; a pair at 0.8 is a candidate with p = 0.87, at 0.9 with p = 0.999).
 
 Everything is deterministic: same texts in the same order, same answers. Trade-off: signatures are
-numpy (``num_perm x shingles`` products per text), fine for ~10^6 prompts on one core; beyond that
-the signing would move into the executor.
+numpy (``num_perm x shingles`` products per text, taken a few thousand shingles at a time so a huge
+prompt is signed in a few MiB), fine for ~10^6 prompts on one core; beyond that the signing would
+move into the executor.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from eaglenest.text import normalise
 
 _P = np.uint64((1 << 32) + 15)  # prime > every 32-bit shingle hash; a*x + b stays below 2**64
 _SEED = 0x5EED_D0D0
+#: Shingles signed at once: num_perm x _CHUNK uint64 products (4 MiB at 128 permutations) per temporary.
+_CHUNK = 4096
 
 
 def shingles(text: str, n: int = 5) -> frozenset[str]:
@@ -79,15 +82,21 @@ class NearDupIndex:
         if not sh:
             return sh, np.full(self._a.shape, _P, dtype=np.uint64)
         x = np.fromiter((zlib.crc32(s.encode()) for s in sh), dtype=np.uint64, count=len(sh))
-        sig = ((self._a[:, None] * x[None, :] + self._b[:, None]) % _P).min(axis=1)
+        sig = np.full(self._a.shape, _P, dtype=np.uint64)
+        for i in range(0, len(x), _CHUNK):  # num_perm x _CHUNK products at a time: a huge prompt fits
+            part = x[None, i:i + _CHUNK]
+            np.minimum(sig, ((self._a[:, None] * part + self._b[:, None]) % _P).min(axis=1), out=sig)
         return sh, sig
 
     def _band_keys(self, sig: np.ndarray) -> list[bytes]:
         return [sig[i * self.rows:(i + 1) * self.rows].tobytes() for i in range(self.bands)]
 
     def find(self, sketch: tuple[frozenset, np.ndarray]):
-        """The key of an added text with Jaccard >= threshold (the earliest added), or None."""
+        """The key of an added text with Jaccard >= threshold (the earliest added), or None. A text
+        with no word (emoji, punctuation) has no shingles to compare: it is near no other."""
         sh, sig = sketch
+        if not sh:
+            return None
         cands = {k for band, bk in zip(self._buckets, self._band_keys(sig)) for k in band.get(bk, ())}
         hits = [k for k in cands if jaccard(sh, self._sets[k][0]) >= self.threshold]
         return min(hits, key=lambda k: self._sets[k][1]) if hits else None

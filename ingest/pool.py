@@ -27,6 +27,7 @@ from eaglenest.text import content_key, normalise
 from eaglenest.ingest import compose
 from eaglenest.ingest.manifest import Manifest, Source, input_file
 from eaglenest.ingest.neardup import NearDupIndex
+from eaglenest.paths import shown_path
 
 log = logging.getLogger(__name__)
 
@@ -65,33 +66,45 @@ def _read_rows(src: Source, where: str, base_dir) -> tuple[list, str]:
             import pyarrow.parquet as pq
 
             try:
-                return pq.read_table(p).to_pylist(), str(src.path)
+                return pq.read_table(p).to_pylist(), _label(src.path)
             except (pa.ArrowException, OSError) as exc:
-                raise ManifestError(f"{where}.path: {src.path} is not a readable Parquet file "
+                raise ManifestError(f"{where}.path: {shown_path(src.path)} is not a readable Parquet file "
                                     f"({_short(exc)})") from None
         text = read_text(p, src.path, f"{where}.path")
         if p.suffix == ".jsonl":
-            return [row for _, row in json_lines(text, src.path, f"{where}.path")], str(src.path)
+            return [row for _, row in json_lines(text, src.path, f"{where}.path")], _label(src.path)
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ManifestError(f"{where}.path: {src.path} is not valid JSON ({exc})") from None
+            raise ManifestError(f"{where}.path: {shown_path(src.path)} is not valid JSON ({exc})") from None
         if not isinstance(rows, list):
-            raise ManifestError(f"{where}.path: {src.path} holds {json_kind(rows)}, not a list of rows")
-        return rows, str(src.path)
+            raise ManifestError(f"{where}.path: {shown_path(src.path)} holds {json_kind(rows)}, not a list of rows")
+        return rows, _label(src.path)
     datasets = require("datasets")
-    ds = datasets.load_dataset(src.hf_id, src.hf_config or None, split=src.hf_split)
-    return list(ds), f"hf:{src.hf_id}/{src.hf_config or 'default'}/{src.hf_split}"
+    label = f"hf:{src.hf_id}/{src.hf_config or 'default'}/{src.hf_split}"
+    try:
+        ds = datasets.load_dataset(src.hf_id, src.hf_config or None, split=src.hf_split)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as exc:  # not found, offline, no such split
+        raise ManifestError(f"{where}.hf_id: cannot load {shown_path(label)} ({_short(exc, 200)})") from None
+    return list(ds), label
+
+
+def _label(path: str) -> str:
+    """A local source's label, stored in every row's ``source``: a file name byte that is not UTF-8
+    (a lone surrogate in ``path``) is escaped, since Arrow refuses to write one."""
+    return path.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def read_text(p: Path, path: str, key: str) -> str:
     """The UTF-8 text of file ``p`` (``path`` as the user wrote it); ManifestError naming ``key`` if not."""
     data = p.read_bytes()
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        raise ManifestError(f"{key}: {path} line {line} is not UTF-8 text (byte {exc.start}; binary file?)") from None
+        raise ManifestError(f"{key}: {shown_path(path)} line {line} is not UTF-8 text (byte {exc.start}; "
+                            "binary file?)") from None
+    return text.removeprefix("\ufeff")  # a byte-order mark (Windows editors write one) is not content
 
 
 def json_lines(text: str, path: str, key: str) -> list[tuple[int, object]]:
@@ -103,7 +116,7 @@ def json_lines(text: str, path: str, key: str) -> list[tuple[int, object]]:
         try:
             rows.append((n, json.loads(line)))
         except json.JSONDecodeError as exc:
-            raise ManifestError(f"{key}: {path} line {n} is not valid JSON ({exc.msg}, "
+            raise ManifestError(f"{key}: {shown_path(path)} line {n} is not valid JSON ({exc.msg}, "
                                 f"column {exc.colno})") from None
     return rows
 
@@ -154,32 +167,44 @@ def load_source(src: Source, *, where: str, base_dir: str | Path | None = None) 
     A source with no rows at all is an error.
     """
     rows, label = _read_rows(src, where, base_dir)
+    shown = shown_path(label)  # in error lines: a newline in a file name stays visible, one line
     if not rows:
-        raise ManifestError(f"{where}: {label} has no rows")
+        raise ManifestError(f"{where}: {shown} has no rows")
     out = []
     for i, row in enumerate(rows):
         col = src.messages_field or src.field
         key = "messages_field" if src.messages_field else "field"
         if not isinstance(row, dict):
-            raise ManifestError(f"{where}.{key}: row {i} of {label} is {json_kind(row)}, not an object")
+            raise ManifestError(f"{where}.{key}: row {i} of {shown} is {json_kind(row)}, not an object")
         if col not in row:
-            raise ManifestError(f"{where}.{key}: row {i} of {label} has no column '{col}'")
+            raise ManifestError(f"{where}.{key}: row {i} of {shown} has no column '{col}'")
         system = (text_value(row.get(src.system_field), f"column '{src.system_field}'",
-                             f"{where}.system_field: row {i} of {label}", null_ok=True)
+                             f"{where}.system_field: row {i} of {shown}", null_ok=True)
                   if src.system_field else "")
         if src.messages_field:
             msgs = row[col]
             if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
-                raise ManifestError(f"{where}.messages_field: row {i} of {label} is not a list of messages")
-            at = f"{where}.messages_field: row {i} of {label}"
+                raise ManifestError(f"{where}.messages_field: row {i} of {shown} is not a list of messages")
+            at = f"{where}.messages_field: row {i} of {shown}"
+            _check_roles(msgs, at)
             said = {r: [text_value(m.get("content"), f"message {j} ({r}) content", at)
                         for j, m in enumerate(msgs) if m.get("role") == r] for r in ("system", "user")}
             system = system or next(iter(said["system"]), "")
             turns = said["user"] or [""]  # no user turn: an empty row (counted as such, never kept)
         else:
-            turns = [text_value(row[col], f"column '{col}'", f"{where}.field: row {i} of {label}")]
+            turns = [text_value(row[col], f"column '{col}'", f"{where}.field: row {i} of {shown}")]
         out.append({"prompt": turns[0], "later_turns": turns[1:], "system": system, "source": label})
     return out
+
+
+def _check_roles(msgs: list[dict], at: str) -> None:
+    """Every message names its role: one that does not (a ShareGPT ``{from, value}`` turn) would
+    otherwise be skipped, its row counted as empty."""
+    for j, m in enumerate(msgs):
+        if not isinstance(m.get("role"), str):
+            keys = _short(", ".join(sorted(map(str, m))) or "none")
+            raise ManifestError(f"{at}: message {j} has no 'role' string (its keys: {keys}); messages are "
+                                "{role, content} objects")
 
 
 def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from eaglenest.engine import make_llm
+from eaglenest.errors import StoreError
 from eaglenest.featurestore import schema
 from eaglenest.featurestore.table import store
 from eaglenest.featurestore.table.fragments import write_fragment
@@ -40,6 +41,16 @@ def write_rows(store_uri: str, rows: list[dict]) -> list:
     return write_fragment(store_uri, store.PROMPTS, pa.Table.from_pylist(rows, schema=schema.PROMPTS_SCHEMA))
 
 
+def guarded(fn, store_uri: str):
+    """Turn an OS-level write failure (disk full, permissions) into one clear line; nothing committed.
+    Used wherever a shard is written, so a Dask worker's failure reaches the driver as that line too."""
+    try:
+        return fn()
+    except OSError as exc:
+        raise StoreError(f"run.store: cannot write the prompts table in {store_uri}: "
+                         f"{str(exc).splitlines()[0][:300]}; no partial version was committed") from None
+
+
 def shard_result(fragments: list, rows: list[dict], failures: list[dict], dropped: list[dict] = ()) -> dict:
     """What an executor reports for one shard (its written, uncommitted fragments and counts)."""
     return {"fragments": fragments, "rows": len(rows), "failures": failures, "dropped": list(dropped),
@@ -51,4 +62,5 @@ def run_shard(backend, store_uri: str, entries: list[PoolEntry], gen: Generation
     """Regenerate one shard and write its fragments (not committed): the unit an executor runs."""
     dropped: list[dict] = []
     rows, failures = regenerate(backend, entries, gen, gen_id, think=think, dropped=dropped)
-    return shard_result(write_rows(store_uri, rows) if rows else [], rows, failures, dropped)
+    return shard_result(guarded(lambda: write_rows(store_uri, rows), store_uri) if rows else [], rows, failures,
+                        dropped)

@@ -211,7 +211,10 @@ def test_unwritable_workdir_or_store_fails_before_anything_runs(root, tmp_path, 
     line = _one_line(_ingest(root, tmp_path, _manifest(tmp_path, _good_source(tmp_path)),
                              f"run.target={tiny_target}", *args))
     assert line.startswith(f"ingest: error: {key}: ") and str(shown)[-30:] in line
-    assert not (store / "prompts.lance").exists() and blocker.read_text().startswith("a file")
+    # Nothing made beside the test's own files: no store, no workdir (the store checked before was
+    # tmp_path/store in every case, a path two of the three cases never name).
+    assert {p.name for p in tmp_path.iterdir()} == {"blocker", "m.yaml", "s.jsonl", "poison"}
+    assert blocker.read_text().startswith("a file")
 
 
 def test_capture_checks_its_workdir_before_the_engine(root, tmp_path, tiny_target):

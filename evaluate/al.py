@@ -52,8 +52,9 @@ class SpecCounters:
             "acceptance_length": round(1.0 + self.accepted / drafts, 4) if self.drafts else None,
             "draft_rounds": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted,
             "acceptance_rate": round(self.accepted / self.draft_tokens, 4) if self.draft_tokens else None,
-            # Share of rounds whose k-th draft token was accepted (k = 1..num_speculative_tokens).
-            "acceptance_by_position": [round(x / drafts, 4) for x in self.accepted_per_pos],
+            # Share of rounds whose k-th draft token was accepted (k = 1..num_speculative_tokens); none
+            # without rounds (every output ended at its prefill token), as for acceptance_length.
+            "acceptance_by_position": [round(x / drafts, 4) for x in self.accepted_per_pos] if self.drafts else [],
         }
 
 

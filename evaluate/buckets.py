@@ -27,15 +27,29 @@ from __future__ import annotations
 import logging
 import random
 
-from eaglenest.errors import ConfigError
+from eaglenest.errors import ConfigError, StoreError
 from eaglenest.evaluate import longctx
-from eaglenest.evaluate.prompts import render
+from eaglenest.evaluate.prompts import heldout, render
 
 log = logging.getLogger(__name__)
 
 
 def _ids(tok, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
     return render(tok, messages, chat_template_kwargs)
+
+
+def material_pool(cfg, store_uri: str, groups: dict) -> list[dict]:
+    """Held-out prompts whose answers fill the context buckets: the decoded groups themselves, or (other
+    prompt sets) up to 64 of the store's ``evaluate.split``, which the generated kinds can do without."""
+    if cfg.prompt_set == "heldout":
+        return [p for ps in groups.values() for p in ps]
+    try:
+        return [p for ps in heldout(store_uri, cfg.split).values() for p in ps][:64]
+    except StoreError as exc:
+        if "chat" not in cfg.bucket_material:
+            return []
+        raise ConfigError(f"evaluate.bucket_material: chat needs held-out chats from the store ({exc}); set "
+                          "evaluate.bucket_material without chat, or evaluate.context_buckets=[]") from None
 
 
 def buckets_in_order(report: dict) -> list[tuple[str, dict]]:
@@ -46,6 +60,30 @@ def buckets_in_order(report: dict) -> list[tuple[str, dict]]:
 def bucket_length(bucket: int, *, max_positions: int, max_tokens: int) -> int:
     """Prompt tokens used for ``bucket``: the bucket, or what fits beside ``max_tokens`` of output."""
     return min(bucket, max_positions - max_tokens)
+
+
+def bucket_lengths(buckets, *, max_positions: int, max_tokens: int) -> dict[int, int]:
+    """``{bucket: prompt tokens}`` (:func:`bucket_length`); ConfigError for a bucket that leaves no room
+    for a prompt beside ``max_tokens`` of output, so it is refused before an engine starts."""
+    out = {}
+    for bucket in buckets:
+        out[bucket] = bucket_length(bucket, max_positions=max_positions, max_tokens=max_tokens)
+        if out[bucket] < 16:
+            raise ConfigError(f"evaluate.context_buckets: {bucket} leaves no room for "
+                              f"{max_tokens} output tokens within {max_positions} positions")
+    return out
+
+
+def check_generated(tok, lengths: dict[int, int], *, kinds: tuple[str, ...], per_bucket: int, seed: int = 0,
+                    chat_template_kwargs: dict | None = None) -> None:
+    """Generate the shortest bucket's ``records`` / ``code`` / ``recall`` prompts once (``recall`` with
+    generated turns: the held-out answers are not decoded yet), so a bucket too short for its material
+    is refused (``longctx.generate``) before an engine starts and decodes the groups."""
+    shortest = min(lengths.values(), default=None)
+    for i in range(per_bucket if shortest is not None else 0):
+        kind = kinds[i % len(kinds)]
+        if kind != "chat":
+            longctx.generate(kind, tok, shortest, seed=_prompt_seed(seed, i), chat_template_kwargs=chat_template_kwargs)
 
 
 def build_bucket_prompts(tok, material: list[tuple[list[dict], str]], buckets: tuple[int, ...], *,
@@ -64,11 +102,7 @@ def build_bucket_prompts(tok, material: list[tuple[list[dict], str]], buckets: t
     if not material and "chat" in kinds:
         raise ConfigError("evaluate.context_buckets: no held-out material to build context prompts from")
     out: dict[int, list[dict]] = {}
-    for bucket in buckets:
-        length = bucket_length(bucket, max_positions=max_positions, max_tokens=max_tokens)
-        if length < 16:
-            raise ConfigError(f"evaluate.context_buckets: {bucket} leaves no room for "
-                              f"{max_tokens} output tokens within {max_positions} positions")
+    for bucket, length in bucket_lengths(buckets, max_positions=max_positions, max_tokens=max_tokens).items():
         rows = []
         for i in range(per_bucket):
             kind = kinds[i % len(kinds)]
@@ -136,6 +170,9 @@ def _chat_prompt(tok, material, length: int, rng: random.Random, chat_template_k
         passes += 1
         full = _ids(tok, history + question, chat_template_kwargs)
         body = full[bos:len(full) - (len(tail) - bos)]
-    ids = tail[:bos] + body[len(body) - need:] + tail[bos:] if need > 0 else tail[-length:]
+    if need > 0:
+        ids = tail[:bos] + body[len(body) - need:] + tail[bos:]
+    else:  # the question alone is longer than the bucket: cut it at the front, after its BOS token
+        ids = tail[:bos] + tail[len(tail) - (length - bos):]
     assert len(ids) == length, (len(ids), length)
     return ids, passes

@@ -57,8 +57,9 @@ def cmd_al(recipe, args) -> int:
     report = evaluate_al(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri, cfg=cfg,
                          features_table=recipe.featurestore.table, trust_remote_code=recipe.run.trust_remote_code)
     report["cache_key"] = key
-    write_report(out, report)
+    # Provenance first: report.json, written last, marks the folder as done for a re-run.
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
+    write_report(out, report)
     print(report_markdown(report))
     return 0
 
@@ -100,7 +101,7 @@ def _cached_report(out: str, key: str) -> dict | None:
         report = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return report if report.get("cache_key") == key else None
+    return report if isinstance(report, dict) and report.get("cache_key") == key else None
 
 
 def _inputs(recipe, draft: str) -> dict:

@@ -98,6 +98,13 @@ class EvaluateConfig:
                               f"got {short(self.context_buckets)}")
         if any(c < 1 for c in self.concurrency) or not self.concurrency:
             raise ConfigError(f"evaluate.concurrency: positive integers, got {short(self.concurrency)}")
+        if not self.throughput_seeds:
+            raise ConfigError("evaluate.throughput_seeds: at least one seed (the sweep measures each point per seed)")
+        for key in ("context_buckets", "concurrency"):  # a repeat would be built or measured again under one key
+            values = getattr(self, key)
+            if len(set(values)) != len(values):
+                raise ConfigError(f"evaluate.{key}: {sorted({v for v in values if values.count(v) > 1})} "
+                                  f"given more than once, got {short(values)}")
         if self.ngram_order < 0 or self.ngram_fit_tokens < 0:
             raise ConfigError("evaluate.ngram_order / evaluate.ngram_fit_tokens: must be >= 0")
         if not self.bucket_material or len(set(self.bucket_material)) != len(self.bucket_material):

@@ -145,7 +145,7 @@ def add_ratio_intervals(report: dict, *, resamples: int, seed: int | str, level:
     buckets = sorted((report.get("context_buckets") or {}).items(), key=lambda kv: int(kv[0]))
     if len(buckets) < 2:
         return report
-    (base_key, base), paired_all = buckets[0], True
+    (base_key, base), paired_all, ratios = buckets[0], True, 0
     keys = FIGURES["acceptance_length"]
     base_rows = base.get("per_prompt") or []
     by_pair = {r.get("pair"): r for r in base_rows}
@@ -154,6 +154,7 @@ def add_ratio_intervals(report: dict, *, resamples: int, seed: int | str, level:
         if not base.get("acceptance_length") or row.get("acceptance_length") is None:
             continue
         row["al_ratio_to_shortest"] = round(row["acceptance_length"] / base["acceptance_length"], 4)
+        ratios += 1
         paired = (bool(rows) and len(rows) == len(base_rows) and len(by_pair) == len(base_rows)
                   and all(r.get("pair") is not None and r.get("pair") in by_pair for r in rows))
         paired_all &= paired
@@ -162,6 +163,8 @@ def add_ratio_intervals(report: dict, *, resamples: int, seed: int | str, level:
                              seed=f"{seed}:{key}:ratio", level=level)
         if ci is not None:
             row.setdefault("intervals", {})["al_ratio_to_shortest"] = ci
+    if not ratios:  # no AL to divide (no draft rounds): say nothing of how ratios were drawn
+        return report
     report.setdefault("bucket_intervals", {})["ratio_to_shortest"] = {
         "bucket": base_key, "paired": paired_all,
         "method": "the same prompt indices drawn for both buckets (paired prompts)" if paired_all

@@ -15,10 +15,12 @@ a training prompt of the store are reported and dropped, so AL is never measured
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 from pathlib import Path
 
+from eaglenest.config import short
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore.table import store
 from eaglenest.text import content_key
@@ -43,11 +45,16 @@ def _keys(messages: list[dict]) -> set[str]:
     return {content_key(user), content_key(system + "\n" + user)}
 
 
+def _sql_text(value: str) -> str:
+    """``value`` as an SQL string literal for a Lance filter (a quote in a split name is text, not syntax)."""
+    return "'" + value.replace("'", "''") + "'"
+
+
 def heldout(store_uri: str, split: str) -> Groups:
     if not store.exists(store_uri, store.PROMPTS):
         raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
     rows = store.read(store_uri, store.PROMPTS, columns=["sample_id", "domain", "messages_json"],
-                      filter=f"split = '{split}'").to_pylist()
+                      filter=f"split = {_sql_text(split)}").to_pylist()
     if not rows:
         raise StoreError(f"no '{split}' prompts in {store_uri}")
     groups: Groups = collections.defaultdict(list)
@@ -70,6 +77,8 @@ def _load_records(path: str, *, config: str | None, split: str) -> list[dict]:
                               + (f" or {p / config}" if config else ""))
         paths = [str(f) for f in files]
     elif p.is_file():
+        if not p.stat().st_size:
+            raise ConfigError(f"evaluate.prompt_path: {path} is empty")
         paths = [str(p)]
     elif p.is_absolute() or path.startswith("."):
         raise ConfigError(f"evaluate.prompt_path: {path} does not exist")
@@ -78,15 +87,47 @@ def _load_records(path: str, *, config: str | None, split: str) -> list[dict]:
             return list(datasets.load_dataset(path, config, split=split))
         except Exception as exc:  # noqa: BLE001 - any hub failure is a user-facing problem here
             raise ConfigError(f"evaluate.prompt_path: cannot load hub dataset {path!r} "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
-    kind = "parquet" if paths[0].endswith(".parquet") else "json"
-    return list(datasets.load_dataset(kind, data_files=paths, split="train"))
+                              f"({type(exc).__name__}: {_first_line(exc)})") from None
+    kind = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(Path(paths[0]).suffix)
+    if kind is None:
+        raise ConfigError(f"evaluate.prompt_path: {path} is not a .jsonl, .json or .parquet file")
+    try:
+        with _quiet_datasets():
+            return list(datasets.load_dataset(kind, data_files=paths, split="train"))
+    except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file: datasets raises many types
+        # datasets wraps the parse error (the useful line) in a generic one
+        raise ConfigError(f"evaluate.prompt_path: cannot read {path} as {kind} "
+                          f"({_first_line(exc.__cause__ or exc)})") from None
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """``datasets`` without its own log lines and progress bars while it reads a local file: a file it
+    cannot parse is reported once, by the ConfigError, not also by its logger."""
+    from datasets.utils import logging as ds_logging
+
+    verbosity, bars = ds_logging.get_verbosity(), ds_logging.is_progress_bar_enabled()
+    ds_logging.set_verbosity(logging.CRITICAL)
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(verbosity)
+        if bars:
+            ds_logging.enable_progress_bar()
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of what ``exc`` says (its type's name when it says nothing)."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def published(path: str, *, name: str, config: str | None = None, split: str = "test") -> Groups:
     """MT-Bench / SPEED-Bench rows (``question_id``, ``category``, ``turns``) grouped by category."""
     rows = _load_records(path, config=config, split=split)
     groups: Groups = collections.defaultdict(list)
+    seen: set[str] = set()
     for i, r in enumerate(rows):
         missing = {"question_id", "category", "turns"} - set(r)
         if missing:
@@ -94,11 +135,40 @@ def published(path: str, *, name: str, config: str | None = None, split: str = "
                               f"(not the published {name} format)")
         if not r["turns"]:
             continue
-        groups[str(r["category"])].append({"sample_id": f"{name}-{r['question_id']}",
+        sample_id = f"{name}-{r['question_id']}"
+        _check_turns(r["turns"], f"evaluate.prompt_path: row {i} (question_id {short(r['question_id'])}) of {path}")
+        if sample_id in seen:  # outputs, counts and the lossless check are keyed by it
+            raise ConfigError(f"evaluate.prompt_path: question_id {short(r['question_id'])} occurs twice in {path} "
+                              f"(row {i})")
+        seen.add(sample_id)
+        groups[str(r["category"])].append({"sample_id": sample_id,
                                            "messages": [{"role": "user", "content": r["turns"][0]}]})
     if not groups:
         raise ConfigError(f"evaluate.prompt_path: no questions in {path}")
     return dict(groups)
+
+
+def _check_turns(turns, where: str) -> None:
+    """``turns`` must be a list whose first entry is text (a bare string would be read letter by letter)."""
+    if not isinstance(turns, list):
+        raise ConfigError(f"{where}: turns must be a list of strings, got {type(turns).__name__} {short(turns)}")
+    if not isinstance(turns[0], str):
+        raise ConfigError(f"{where}: the first turn must be text, got {type(turns[0]).__name__} {short(turns[0])}")
+
+
+def check_prompt_lengths(tok, prompts: list[dict], chat_template_kwargs, *, max_len: int, max_positions: int,
+                         output_tokens: int = 1) -> None:
+    """Refuse a chat prompt that leaves the engine (``max_len`` positions) no room for ``output_tokens``
+    (vLLM refuses it mid-run, after the prompts before it were decoded)."""
+    for p in prompts:
+        n = len(render(tok, p["messages"], chat_template_kwargs))
+        if n + output_tokens > max_positions:
+            raise ConfigError(f"evaluate: prompt {p['sample_id']} has {n} tokens, no room for {output_tokens} output "
+                              f"token(s) within the target's {max_positions} positions: leave it out of the prompt set")
+        if n + output_tokens > max_len:
+            raise ConfigError(f"evaluate.engine.max_model_len: prompt {p['sample_id']} has {n} tokens, no room for "
+                              f"{output_tokens} output token(s) within {max_len}: raise it (the target has "
+                              f"{max_positions} positions)")
 
 
 def training_keys(store_uri: str, heldout_split: str = "heldout") -> set[str]:
@@ -106,7 +176,7 @@ def training_keys(store_uri: str, heldout_split: str = "heldout") -> set[str]:
     if not store.exists(store_uri, store.PROMPTS):
         return set()
     rows = store.read(store_uri, store.PROMPTS, columns=["messages_json"],
-                      filter=f"split != '{heldout_split}'").to_pylist()
+                      filter=f"split != {_sql_text(heldout_split)}").to_pylist()
     keys: set[str] = set()
     for r in rows:
         keys |= _keys([m for m in json.loads(r["messages_json"]) if m["role"] != "assistant"])

@@ -141,13 +141,14 @@ def markdown(report: dict) -> str:
 
 
 def write_report(outdir: str | Path, report: dict, *, plots: bool = True) -> list[Path]:
-    """Write report.json, report.md and (unless ``plots`` is off) the PNG plots; returns the PNGs."""
+    """Write report.md, (unless ``plots`` is off) the PNG plots, then report.json; returns the PNGs.
+    report.json comes last: ``evaluate al`` takes it (its cache key) as the mark of a finished run, so a
+    run killed while writing the rest is measured again instead of left without its plots."""
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(outdir / "report.json", report)
     tmp = outdir / ".report.md.tmp"
     tmp.write_text(markdown(report), encoding="utf-8")
     tmp.replace(outdir / "report.md")
-    if not plots:
-        return []
-    return al_plots(report, outdir)
+    pngs = al_plots(report, outdir) if plots else []
+    write_json_atomic(outdir / "report.json", report)
+    return pngs

@@ -21,12 +21,13 @@ from eaglenest.engine import close_llm, make_llm, speculative_config
 from eaglenest.errors import EaglenestError
 from eaglenest.evaluate import farctx, ngram
 from eaglenest.evaluate.al import SpecCounters, per_request_summary, read_counters
-from eaglenest.evaluate.buckets import bucket_length, bucket_rows, build_bucket_prompts
+from eaglenest.evaluate.buckets import bucket_rows, build_bucket_prompts
 from eaglenest.evaluate.intervals import add_intervals, per_prompt, spec_counts
-from eaglenest.evaluate.prompts import heldout, load_prompt_set
+from eaglenest.evaluate.plan import plan
+from eaglenest.evaluate.prompts import heldout
 from eaglenest.evaluate.settings import with_draft_k
 from eaglenest.featurestore.table import store
-from eaglenest.hf import check_remote_code, load_config, load_tokenizer
+from eaglenest.hf import check_remote_code, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,6 @@ def _decode(llm, prompts: list[dict], cfg, *, max_tokens: int | None = None, log
     return list(outs)
 
 
-def _max_positions(target: str, *, trust_remote_code: bool = False) -> int:
-    cfg = load_config(target, trust_remote_code=trust_remote_code)
-    return int(getattr(cfg, "max_position_embeddings", 4096))
-
-
 def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = None, per_request: dict | None = None
              ) -> tuple[dict, list[list[int]], SpecCounters]:
     before = read_counters(llm)
@@ -95,12 +91,8 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
     if not (Path(draft) / "config.json").is_file():
         raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
     cfg = with_draft_k(cfg, draft)  # evaluate.num_speculative_tokens null: the draft's recorded default
-    groups, prompt_info = load_prompt_set(cfg, store_uri)
-    max_pos = _max_positions(target, trust_remote_code=trust_remote_code)
-    longest = max((bucket_length(b, max_positions=max_pos, max_tokens=cfg.bucket_max_tokens)
-                   for b in cfg.context_buckets), default=0)
-    max_len = max(cfg.engine.max_model_len, min(max_pos, longest + cfg.bucket_max_tokens))
-    engine = cfg.engine.__class__(**{**cfg.engine.__dict__, "max_model_len": max_len})
+    groups, prompt_info, tok, max_pos, engine, pool = plan(cfg, target=target, store_uri=store_uri,
+                                                           trust_remote_code=trust_remote_code)
     t0 = time.time()
     spec = speculative_config(draft, cfg.num_speculative_tokens)  # + parallel_drafting for a P-EAGLE draft
     llm = make_llm(target, engine, trust_remote_code=trust_remote_code, speculative_config=spec,
@@ -117,16 +109,14 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
             domains[name] = row
             log.info("%s: AL %.3f over %d prompts", name, row["acceptance_length"] or 0, len(prompts))
         if cfg.context_buckets:
-            bucket_prompts = _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos,
-                                             trust_remote_code=trust_remote_code)
+            bucket_prompts = _bucket_prompts(llm, tok, pool, outputs, cfg, max_pos)
             for b, prompts in bucket_prompts.items():
                 counts: dict = {}
                 row, toks, _ = _measure(llm, prompts, cfg, max_tokens=cfg.bucket_max_tokens, prompt_ids=prompt_ids,
                                         per_request=counts)
                 row["prompt_tokens"] = len(prompts[0]["prompt_token_ids"])
                 row["material_passes"] = max(p["material_passes"] for p in prompts)
-                row["per_prompt"] = bucket_rows(prompts, toks, counts,
-                                                load_tokenizer(target, trust_remote_code=trust_remote_code))
+                row["per_prompt"] = bucket_rows(prompts, toks, counts, tok)
                 outputs.update({p["sample_id"]: t for p, t in zip(prompts, toks)})
                 buckets[str(b)] = row
                 log.info("context %d: AL %.3f", b, row["acceptance_length"] or 0)
@@ -205,6 +195,9 @@ def ngram_predictability(report: dict, groups: dict, bucket_prompts: dict, outpu
     if not store.exists(store_uri, table):
         return {"ngram": None, "ngram_skipped": f"no features table '{table}' in {store_uri} to fit on"}
     fitted, version = ngram.fit_from_store(store_uri, table, order=cfg.ngram_order, max_tokens=cfg.ngram_fit_tokens)
+    if not fitted.fit_tokens:  # an empty table guesses nothing: its AL of 1.0 would read as a measured floor
+        return {"ngram": None, "ngram_skipped": f"no loss tokens in the training split of '{table}' v{version} "
+                                                f"in {store_uri} to fit on"}
     k = cfg.num_speculative_tokens
 
     def replay(prompts) -> ngram.Replay:
@@ -266,13 +259,10 @@ def _merge_per_request(rows: list[dict]) -> dict:
             "acceptance_by_position_per_request": [round(x, 4) for x in pos]}
 
 
-def _bucket_prompts(llm, target, store_uri, groups, outputs, cfg, max_pos, *, trust_remote_code=False):
-    """Held-out (prompt, answer) material: reuse the held-out decode, or decode held-out prompts."""
-    tok = load_tokenizer(target, trust_remote_code=trust_remote_code)
-    if cfg.prompt_set == "heldout":
-        pool = [p for ps in groups.values() for p in ps]
-    else:  # other prompt sets: the target answers held-out prompts once (not part of the report)
-        pool = [p for ps in heldout(store_uri, cfg.split).values() for p in ps][:64]
+def _bucket_prompts(llm, tok, pool: list[dict], outputs: dict, cfg, max_pos: int) -> dict[int, list[dict]]:
+    """The context buckets' prompts from ``pool`` (``buckets.material_pool``) and its answers: the held-out
+    decode's, or (other prompt sets) the target's answers decoded now (not part of the report)."""
+    if cfg.prompt_set != "heldout" and pool:
         outs = _decode(llm, pool, cfg)
         outputs = {**outputs, **{p["sample_id"]: list(r.outputs[0].token_ids) for p, r in zip(pool, outs)}}
     material = [(p["messages"], tok.decode(outputs[p["sample_id"]], skip_special_tokens=True)) for p in pool]

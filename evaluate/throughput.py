@@ -29,8 +29,10 @@ import statistics
 import time
 
 from eaglenest.errors import EaglenestError
-from eaglenest.evaluate.prompts import load_prompt_set
+from eaglenest.evaluate.prompts import check_prompt_lengths, load_prompt_set
+from eaglenest.evaluate.plan import max_positions
 from eaglenest.evaluate.settings import with_draft_k
+from eaglenest.hf import load_tokenizer
 from eaglenest.serve.server import Server
 
 log = logging.getLogger(__name__)
@@ -108,10 +110,12 @@ def summarise(points: dict[str, dict[int, list[dict]]]) -> tuple[dict[str, list[
             modes[mode].append(row)
     speedup = []
     for b, s in zip(modes["baseline"], modes["speculative"]):
-        pairs = [x / y for x, y in zip(s["per_seed_output_tokens_per_s"], b["per_seed_output_tokens_per_s"])]
+        # A baseline that produced no tokens (a server that reports no usage) has no speed to compare to.
+        pairs = [x / y for x, y in zip(s["per_seed_output_tokens_per_s"], b["per_seed_output_tokens_per_s"]) if y]
+        base = b["output_tokens_per_s"]["mean"]
         speedup.append({"concurrency": b["concurrency"],
-                        "speedup": round(s["output_tokens_per_s"]["mean"] / b["output_tokens_per_s"]["mean"], 3),
-                        "speedup_per_seed": _spread(pairs)})
+                        "speedup": round(s["output_tokens_per_s"]["mean"] / base, 3) if base else None,
+                        "speedup_per_seed": _spread(pairs) if pairs else None})
     return modes, speedup
 
 
@@ -187,6 +191,10 @@ def run_sweep(*, target: str, draft: str, store_uri: str, cfg, serve_cfg, log_di
     cfg = with_draft_k(cfg, draft)  # evaluate.num_speculative_tokens null: the draft's recorded default
     groups, info = load_prompt_set(cfg, store_uri)
     prompts = [p for ps in groups.values() for p in ps]
+    # ignore_eos: every request needs room for all its output tokens, or its server answers 400 mid-sweep.
+    check_prompt_lengths(load_tokenizer(target, trust_remote_code=trust_remote_code), prompts, cfg.chat_template_kwargs,
+                         max_len=cfg.engine.max_model_len, output_tokens=cfg.throughput_max_tokens,
+                         max_positions=max_positions(target, trust_remote_code=trust_remote_code))
     with contextlib.ExitStack() as stack:
         urls = {}
         for mode, d in (("baseline", None), ("speculative", draft)):
@@ -225,8 +233,9 @@ def markdown(result: dict) -> str:
         for r in rows:
             t, sp = r["output_tokens_per_s"], speed[r["concurrency"]]
             per_seed = sp.get("speedup_per_seed")
-            ratio = (f"{sp['speedup']:.2f}", f"{per_seed['median']:.2f} [{per_seed['min']:.2f}, "
-                     f"{per_seed['max']:.2f}]" if per_seed else "") if mode == "speculative" else ("1.00", "")
+            mean = "-" if sp["speedup"] is None else f"{sp['speedup']:.2f}"
+            ratio = (mean, f"{per_seed['median']:.2f} [{per_seed['min']:.2f}, "
+                     f"{per_seed['max']:.2f}]" if per_seed else "-") if mode == "speculative" else ("1.00", "")
             lines.append(f"| {r['concurrency']} | {mode} | {t['mean']:.1f} | {t['min']:.1f} | {t['max']:.1f} | "
                          f"{r['median_ttft_s']['mean']:.3f} | {r['median_e2e_s']['mean']:.3f} | "
                          f"{ratio[0]} | {ratio[1]} |")

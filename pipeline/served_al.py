@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eaglenest.evaluate.config import EvaluateConfig
+from eaglenest.evaluate.plan import plan
 from eaglenest.evaluate.run import evaluate_al
 from eaglenest.serve.export import export_draft
 
@@ -26,6 +27,8 @@ def served_al_scorer(train_cfg, evaluate_cfg=None, *, target_dir: str, store_uri
     ``evaluate_cfg``: the recipe's EvaluateConfig (engine settings, max_tokens, template kwargs);
     the rest is set for selection (:func:`selection_config`)."""
     cfg = selection_config(train_cfg, evaluate_cfg)
+    # Refused now (a prompt with no room in the engine, every prompt excluded), not at the first snapshot.
+    plan(cfg, target=target_dir, store_uri=store_uri, trust_remote_code=trust_remote_code)
 
     def score(snapshot: Path) -> dict[str, Any]:
         exported = export_draft(snapshot, Path(snapshot).parent / "draft", target_dir=target_dir,
@@ -40,9 +43,10 @@ def served_al_scorer(train_cfg, evaluate_cfg=None, *, target_dir: str, store_uri
 
 def selection_config(train_cfg, evaluate_cfg=None):
     """The EvaluateConfig a selection round serves with: the recipe's ``evaluate`` section (engine,
-    max_tokens, template kwargs) on ``train.select.split``, ``train.select.prompts_per_domain``
-    prompts per domain, and nothing the score does not use (lossless check, n-gram reference,
-    context buckets)."""
+    max_tokens, template kwargs) on the store's ``train.select.split`` prompts (whatever
+    ``evaluate.prompt_set`` the final evaluation uses), ``train.select.prompts_per_domain`` prompts
+    per domain, and nothing the score does not use (lossless check, n-gram reference, context buckets)."""
     base = evaluate_cfg if evaluate_cfg is not None else EvaluateConfig()
-    return dataclasses.replace(base, split=train_cfg.select.split, check_lossless=False, ngram_order=0,
-                               context_buckets=(), max_prompts_per_domain=train_cfg.select.prompts_per_domain)
+    return dataclasses.replace(base, prompt_set="heldout", prompt_path="", split=train_cfg.select.split,
+                               check_lossless=False, ngram_order=0, context_buckets=(),
+                               max_prompts_per_domain=train_cfg.select.prompts_per_domain)

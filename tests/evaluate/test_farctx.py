@@ -194,7 +194,7 @@ def test_prefix_probs_equal_a_prompt_logprobs_prefill(tiny_target):
         pairs = [(ctxs[0], own[:35]), (ctxs[0], [7, 8, 9] + own[:20]), (ctxs[1], own[:12]), (ctxs[1], [])]
         cached = prefix_probs(llm, pairs)
         full = continuation_probs(llm, pairs[:3]) + [[]]
-        assert [len(c) for c in cached] == [len(c) for _, c in pairs]
+        assert [len(c) for c in cached] == [len(c) for _, c in pairs] == [len(f) for f in full]
         for a, b in zip(cached, full):
             assert a == pytest.approx(b, abs=1e-4)
         assert max(cached[0]) > 0.5 and min(cached[1][:3]) < 0.5  # the own output is likely, the foreign not
@@ -208,6 +208,7 @@ def test_prefix_probs_equal_a_prompt_logprobs_prefill(tiny_target):
     try:
         assert not prefix_caching(llm)
         uncached = prefix_probs(llm, pairs)
+        assert [len(u) for u in uncached] == [len(c) for c in cached]  # zip alone would pass on a short list
         for a, b in zip(uncached, cached):
             assert a == pytest.approx(b, abs=1e-4)
     finally:

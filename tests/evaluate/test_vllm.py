@@ -122,9 +122,11 @@ def test_throughput_sweep_baseline_is_a_separate_target_only_server(tmp_path, ti
     # The client's token counts against each server's own: warm-up (4 tokens) + every point.
     for mode, counters in arms["counters"].items():
         rows = r["modes"][mode]
+        assert [row["concurrency"] for row in rows] == [1, 2]  # one row per level: `all` over none would pass
         assert all(row["output_tokens"] == 4 * 8 for row in rows)  # ignore_eos: requests x max_tokens
         extra = first["usage"]["completion_tokens"] if mode == "speculative" else 0  # the plain request above
         assert counters["generation_tokens"] == 4 + sum(row["output_tokens"] for row in rows) + extra, (mode, counters)
+    assert [sp["concurrency"] for sp in r["speedup"]] == [1, 2]
     for sp, b, s in zip(r["speedup"], r["modes"]["baseline"], r["modes"]["speculative"]):
         assert sp["concurrency"] == b["concurrency"] == s["concurrency"]
         ratio = s["per_seed_output_tokens_per_s"][0] / b["per_seed_output_tokens_per_s"][0]

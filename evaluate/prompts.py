@@ -45,16 +45,11 @@ def _keys(messages: list[dict]) -> set[str]:
     return {content_key(user), content_key(system + "\n" + user)}
 
 
-def _sql_text(value: str) -> str:
-    """``value`` as an SQL string literal for a Lance filter (a quote in a split name is text, not syntax)."""
-    return "'" + value.replace("'", "''") + "'"
-
-
 def heldout(store_uri: str, split: str) -> Groups:
     if not store.exists(store_uri, store.PROMPTS):
         raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
     rows = store.read(store_uri, store.PROMPTS, columns=["sample_id", "domain", "messages_json"],
-                      filter=f"split = {_sql_text(split)}").to_pylist()
+                      filter=f"split = {store.sql_text(split)}").to_pylist()
     if not rows:
         raise StoreError(f"no '{split}' prompts in {store_uri}")
     groups: Groups = collections.defaultdict(list)
@@ -176,7 +171,7 @@ def training_keys(store_uri: str, heldout_split: str = "heldout") -> set[str]:
     if not store.exists(store_uri, store.PROMPTS):
         return set()
     rows = store.read(store_uri, store.PROMPTS, columns=["messages_json"],
-                      filter=f"split != {_sql_text(heldout_split)}").to_pylist()
+                      filter=f"split != {store.sql_text(heldout_split)}").to_pylist()
     keys: set[str] = set()
     for r in rows:
         keys |= _keys([m for m in json.loads(r["messages_json"]) if m["role"] != "assistant"])

@@ -84,8 +84,8 @@ def check_select_split(store_uri: str, split: str) -> None:
     if not store.exists(store_uri, store.PROMPTS):
         raise ConfigError(f"train.select.split: no prompts table in {store_uri} to select on: run `ingest build` "
                           "first, or set train.select.every_steps=0")
-    quoted = split.replace("'", "''")
-    if not store.read(store_uri, store.PROMPTS, columns=["sample_id"], filter=f"split = '{quoted}'").num_rows:
+    rows = store.read(store_uri, store.PROMPTS, columns=["sample_id"], filter=f"split = {store.sql_text(split)}")
+    if not rows.num_rows:
         raise ConfigError(f"train.select.split: no {split!r} prompts in {store_uri} (ingest writes 'train' and "
                           "'heldout')")
 

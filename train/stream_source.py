@@ -57,7 +57,7 @@ class StreamShards:
         self.version = int(ds.version)
         #: What provenance names as the run's input table.
         self.input_table = "prompts (streamed)"
-        pool = ds.to_table(filter=f"split = '{split}' AND finish_reason != ''").to_pylist()
+        pool = ds.to_table(filter=f"split = {store.sql_text(split)} AND finish_reason != ''").to_pylist()
         pool = sorted(pool, key=lambda r: r["sample_id"])
         self.convs = [r for r in pool if len(r["response_token_ids"]) > 0]
         if not self.convs:

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["BYTES", "FEATURES", "HEAD_FILE", "PROMPTS", "check_name", "check_tag", "dataset", "exists",
            "expected_schema", "head_version", "is_features", "iter_batches", "latest_version", "read",
-           "record_head", "require_lance", "rolled_back", "sample_ids", "table_names", "table_path", "table_uri",
+           "record_head", "require_lance", "rolled_back", "sample_ids", "sql_text", "table_names", "table_path", "table_uri",
            "unreadable"]
 
 
@@ -173,6 +173,12 @@ def rolled_back(uri: str, name: str, latest: int) -> str | None:
 
 def latest_version(uri: str, name: str) -> int:
     return dataset(uri, name).version
+
+
+def sql_text(value: str) -> str:
+    """``value`` as an SQL string literal for a Lance filter: a quote in it is text, not syntax
+    (``split = {sql_text(s)}``)."""
+    return "'" + str(value).replace("'", "''") + "'"
 
 
 #: Scanner option that returns the bytes of blob columns (features schema 2), not (position, size).

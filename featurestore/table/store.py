@@ -37,6 +37,7 @@ from eaglenest.featurestore.table.base import (
     record_head,
     rolled_back,
     sample_ids,
+    sql_text,
     table_names,
     table_path,
     table_uri,
@@ -45,7 +46,7 @@ from eaglenest.featurestore.table.base import (
 
 __all__ = ["BYTES", "FEATURES", "HEAD_FILE", "PROMPTS", "append", "check_name", "check_tag", "dataset", "exists",
            "expected_schema", "head_version", "is_features", "iter_batches", "latest_version", "read",
-           "record_head", "rolled_back", "sample_ids", "table_names", "table_path", "table_uri", "tag",
+           "record_head", "rolled_back", "sample_ids", "sql_text", "table_names", "table_path", "table_uri", "tag",
            "unreadable"]
 
 log = logging.getLogger(__name__)

@@ -156,3 +156,23 @@ def test_usage_text_shows_the_real_options():
     doc = cli.__doc__
     assert 'query --sql "SELECT' in doc and "diff --a A --b B" in doc and "checkout --v V" in doc
     assert "restore --v V" in doc
+
+
+@pytest.mark.parametrize("split", ["it's", "x' OR '1'='1"])
+def test_a_split_name_is_text_in_every_prompts_filter(tmp_path, split):
+    """The stream source and the served-AL split check quote the split: a quote is text, not syntax
+    (before: a Lance SQL traceback, or a filter widened to every row)."""
+    from stream_helpers import FS, prompts
+
+    from eaglenest.pipeline.commands import check_select_split
+    from eaglenest.train.stream_source import StreamShards
+
+    uri = str(tmp_path / "store")
+    store.append(uri, store.PROMPTS, prompts(3))  # split 'train'
+    assert store.sql_text(split) == "'" + split.replace("'", "''") + "'"
+    with pytest.raises(StoreError, match="no conversations to train on"):
+        StreamShards(uri, featurestore=FS, target="unused", split=split, pack_tokens=64, batch_rows=1, seed=0,
+                     depth=1)
+    with pytest.raises(ConfigError, match="no .* prompts in"):
+        check_select_split(uri, split)
+    check_select_split(uri, "train")  # the split that is there passes

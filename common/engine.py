@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import random
+import re
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
@@ -294,9 +295,17 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
         with in_process_engine(cpu=not cuda):
             return LLM(model=model, **kwargs)
     except ValueError as exc:  # a hub checkpoint with its own code: vLLM reads its config in process
+        too_long = TOO_LONG.search(str(exc))
+        if too_long:  # found by vLLM's config check, before any weight is loaded
+            raise ConfigError(f"engine.max_model_len: {too_long[1]} is more than {model} has positions for "
+                              f"({too_long[2]}); lower the stage's engine.max_model_len") from None
         if trust_remote_code or not is_refusal(exc):
             raise
         raise refusal(model) from None
+
+
+#: vLLM's refusal of a ``max_model_len`` past the target's positions (its ModelConfig validation).
+TOO_LONG = re.compile(r"User-specified max_model_len \((\d+)\) is greater than the derived max_model_len \(([^)]*)\)")
 
 
 #: How a user pins vLLM's CPU worker threads themselves (``engine.cpu_all_cores`` then does nothing).

@@ -74,3 +74,15 @@ def test_where_an_engine_runs_and_what_is_refused():
     with pytest.raises(ConfigError, match=r"featurestore\.engine\.in_process: capture runs its engine"):
         FeaturestoreConfig(engine=EngineConfig(in_process=True))
     assert FeaturestoreConfig(engine=EngineConfig(in_process=False)).engine.in_process is False
+
+
+def test_a_max_model_len_past_the_targets_positions_is_one_line(tiny_target):
+    """vLLM refuses it in its config check (a pydantic traceback before); now one ConfigError naming
+    the key and the target's limit, before any weight is loaded."""
+    from eaglenest.engine import make_llm
+
+    limit = json.loads((tiny_target / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(ConfigError, match=rf"engine\.max_model_len: {limit + 8} is more than .* has positions for "
+                                          rf"\(max_position_embeddings={limit}") as info:
+        make_llm(str(tiny_target), EngineConfig(max_model_len=limit + 8, memory_fraction=0.05))
+    assert "\n" not in str(info.value)

@@ -44,11 +44,19 @@ def package_versions() -> dict[str, str]:
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
     """Write JSON through a temporary file and a rename, so readers never see half a file."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` through a temporary file (this process's own name) and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 #: Environment variables whose values are secrets: never written, wherever they turn up.

@@ -27,7 +27,7 @@ from eaglenest.featurestore.capture.identity import weights_hash
 from eaglenest.featurestore.table import store
 from eaglenest.hf import check_remote_code, load_tokenizer
 from eaglenest.paths import ensure_writable, make_dir
-from eaglenest.provenance import write_json_atomic, write_provenance
+from eaglenest.provenance import write_json_atomic, write_provenance, write_text_atomic
 
 
 def _check_target(recipe) -> None:
@@ -107,8 +107,10 @@ def _cached_report(out: str, key: str) -> dict | None:
 def _inputs(recipe, draft: str) -> dict:
     uri = recipe.run.store_uri
     version = store.latest_version(uri, store.PROMPTS) if store.exists(uri, store.PROMPTS) else None
+    table = recipe.featurestore.table  # the n-gram reference is fitted on it
+    features = store.latest_version(uri, table) if store.exists(uri, table) else None
     return {"target": recipe.run.target, "draft": draft, "store": uri, "prompts_version": version,
-            "prompt_path": recipe.evaluate.prompt_path or None}
+            "features_version": features, "prompt_path": recipe.evaluate.prompt_path or None}
 
 
 def cmd_throughput(recipe, args) -> int:
@@ -120,7 +122,7 @@ def cmd_throughput(recipe, args) -> int:
                        trust_remote_code=recipe.run.trust_remote_code)
     make_dir(out, "--out" if args.out else "run.workdir")
     write_json_atomic(out / "throughput.json", result)
-    (out / "throughput.md").write_text(throughput_markdown(result), encoding="utf-8")
+    write_text_atomic(out / "throughput.md", throughput_markdown(result))
     throughput_plot(result, out)
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
     print(throughput_markdown(result))

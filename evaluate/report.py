@@ -13,7 +13,7 @@ from pathlib import Path
 from eaglenest.evaluate.buckets import buckets_in_order
 from eaglenest.evaluate.config import MIN_BUCKET_PROMPTS
 from eaglenest.evaluate.plots import al_plots
-from eaglenest.provenance import write_json_atomic
+from eaglenest.provenance import write_json_atomic, write_text_atomic
 
 
 def _fmt(x) -> str:
@@ -146,9 +146,7 @@ def write_report(outdir: str | Path, report: dict, *, plots: bool = True) -> lis
     run killed while writing the rest is measured again instead of left without its plots."""
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    tmp = outdir / ".report.md.tmp"
-    tmp.write_text(markdown(report), encoding="utf-8")
-    tmp.replace(outdir / "report.md")
+    write_text_atomic(outdir / "report.md", markdown(report))
     pngs = al_plots(report, outdir) if plots else []
     write_json_atomic(outdir / "report.json", report)
     return pngs

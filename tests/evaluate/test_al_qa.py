@@ -258,3 +258,20 @@ def test_unreadable_prompt_file_is_one_line_from_the_cli(tmp_path, root, tiny_ta
     assert err[0] == f"evaluate: error: evaluate.prompt_path: cannot read {bad} as json (JSON parse error: " \
                      "Missing a closing quotation mark in string. in row 1)"
     assert not (tmp_path / "work").exists()
+
+
+def test_a_new_features_version_is_measured_again(tmp_path, al_cli):
+    """The report's n-gram reference is fitted on the features table: a new version of it (a new
+    capture) is a new measurement, not "already measures this draft"."""
+    import fs_helpers as H
+
+    from eaglenest.featurestore.table import store
+
+    run, calls = al_cli
+    uri, m = str(tmp_path / "work" / "store"), H.meta()
+    store.append(uri, store.FEATURES, H.table(["a0"], m, domain="a"), meta=m)
+    assert run() == 0 and run() == 0 and len(calls) == 1  # the same store: cached
+    store.append(uri, store.FEATURES, H.table(["a1"], m, domain="a"), meta=m)
+    assert run() == 0 and len(calls) == 2
+    assert json.loads((tmp_path / "work" / "eval" / "provenance.json").read_text())["inputs"]["features_version"] \
+        == store.latest_version(uri, store.FEATURES)

@@ -22,6 +22,11 @@ def normalise(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().split("\n"))
 
 
+def is_blank(text: str) -> bool:
+    """No visible character: whitespace and format characters only (zero-width spaces, U+FEFF, ...)."""
+    return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
+
+
 def content_key(text: str) -> str:
     """SHA-256 of the normalised text, case- and whitespace-insensitive."""
     squashed = re.sub(r"\s+", " ", normalise(text).lower())

@@ -23,7 +23,7 @@ from typing import Callable
 
 from eaglenest.errors import ManifestError, require
 from eaglenest.hf import load_tokenizer
-from eaglenest.text import content_key, normalise
+from eaglenest.text import content_key, is_blank, normalise
 from eaglenest.ingest import compose
 from eaglenest.ingest.manifest import Manifest, Source, input_file
 from eaglenest.ingest.neardup import NearDupIndex
@@ -223,7 +223,7 @@ def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
                   "near_duplicates": 0, "kept": 0}
         for row in loaded.get(domain, []):
             turns = [normalise(t) for t in [row["prompt"], *row.get("later_turns", [])]]
-            if not turns[0] or not all(turns):
+            if any(is_blank(t) for t in turns):  # nothing visible (a zero-width space is no prompt)
                 counts["empty"] += 1
                 continue
             system = normalise(row["system"])

@@ -113,7 +113,8 @@ def _compose_manifest(**kw):
                                                                    "answer_tokens": 30, **kw})})
 
 
-@pytest.mark.parametrize("blank", [{"prompt": "   "}, {"prompt": "real question", "later_turns": ["\n"]}])
+@pytest.mark.parametrize("blank", [{"prompt": "   "}, {"prompt": "real question", "later_turns": ["\n"]},
+                                   {"prompt": "\u200b\ufeff\u2060"}])
 def test_a_blank_row_never_empties_the_composed_chats(blank):
     # A blank row went into the chats as a turn, and the pool drops a conversation with a blank turn as
     # "empty": one such row in a source cost 5 of the 6 composed conversations.
@@ -124,6 +125,15 @@ def test_a_blank_row_never_empties_the_composed_chats(blank):
     pool = build_pool(m, compose.apply(m, {"long": rows}, count_tokens=words), report=report)
     assert len(pool) == 6 and report["domains"]["long"]["empty"] == 0
     assert all(t.strip() for e in pool for t in e.user_turns())
+
+
+def test_a_prompt_of_zero_width_characters_is_empty_not_sent():
+    """U+200B, U+FEFF and U+2060 are format characters, not whitespace: such a prompt was kept and sent."""
+    rows = [{"prompt": p, "later_turns": later, "system": "", "source": "s"}
+            for p, later in [("\u200b\ufeff", []), ("real one", ["\u2060 \u200b"]), ("a\u200bb", [])]]
+    report: dict = {}
+    pool = build_pool(_manifest({"a": _domain()}, held_out_fraction=0.0), {"a": rows}, report=report)
+    assert [e.user_turns() for e in pool] == [["a\u200bb"]] and report["domains"]["a"]["empty"] == 2
 
 
 def test_only_blank_rows_name_the_domain():

@@ -308,9 +308,15 @@ class EndpointBackend:
         with self._lock:
             if base in self._checked:
                 return
-            want = self._tokenizer().apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                **(chat_kwargs(gen, self.chat_template_kwargs) or {}))
+            try:
+                want = self._tokenizer().apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                    **(chat_kwargs(gen, self.chat_template_kwargs) or {}))
+            except Exception as exc:  # noqa: BLE001 - jinja's TemplateError (raise_exception) and the like
+                why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+                raise ConfigError(f"ingest.endpoints: {base} rendered a conversation the target {self.target}'s "
+                                  f"chat template refuses ({type(exc).__name__}: {why}); the server uses another "
+                                  "template: start it with the same model") from None
             if list(want) != done.prompt_ids:
                 raise ConfigError(f"ingest.endpoints: {base} renders prompts differently from the target "
                                   f"{self.target}'s chat template; start it with the same model")

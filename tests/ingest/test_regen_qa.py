@@ -147,3 +147,24 @@ def test_a_source_file_name_that_is_not_utf8_is_stored_without_a_crash(tmp_path,
     assert stats["heldout_written"] == 2
     stored = store.read(uri, store.PROMPTS, columns=["source"]).column("source").to_pylist()
     assert stored == [f"{tmp_path}/caf\\udce9.jsonl"] * 2
+
+
+def test_a_conversation_the_targets_template_refuses_is_one_line_not_a_traceback(tmp_path, tiny_target):
+    """The endpoint backend re-renders the first conversation of each server with the target's own
+    template; a template that raises (jinja's raise_exception, here on every input) was a traceback."""
+    from eaglenest.ingest.backends import Completion, EndpointBackend
+    from eaglenest.ingest.manifest import Generation
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    assert "chat_template" in cfg  # the tiny target keeps its template there
+    cfg["chat_template"] = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
+    backend = EndpointBackend(["http://127.0.0.1:9"], target=str(target))
+    done = Completion([1, 2], [3], "x", "stop")
+    with pytest.raises(ConfigError) as exc:
+        backend._check_template("http://127.0.0.1:9", [{"role": "user", "content": "hi"}], done, Generation())
+    line = str(exc.value)
+    assert line.startswith("ingest.endpoints: http://127.0.0.1:9 rendered a conversation the target ")
+    assert "roles must alternate" in line and "\n" not in line

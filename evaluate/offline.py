@@ -254,8 +254,9 @@ def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[
         raise ConfigError(f"evaluate.num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
     if max_tokens < 1:
         raise ConfigError(f"evaluate.max_tokens: must be >= 1, got {max_tokens}")
+    dmodel = load_draft(draft, target)  # first: a damaged draft is refused before the target is loaded
     model, tok, stops = load_target(target, trust_remote_code=trust_remote_code)
-    dmodel = load_draft(draft, target).to(next(model.parameters()).dtype)
+    dmodel = dmodel.to(next(model.parameters()).dtype)
     if dmodel.config.vocab_size != model.config.vocab_size:
         raise ConfigError(f"evaluate.draft: vocab {dmodel.config.vocab_size} differs from the target's "
                           f"{model.config.vocab_size}")

@@ -56,6 +56,22 @@ def test_offline_damaged_checkpoint(tmp_path, toy_checkpoint, tiny_target, damag
     assert says in str(err.value) and "\n" not in str(err.value)
 
 
+def test_offline_refuses_a_damaged_draft_before_loading_the_target(tmp_path, toy_checkpoint, tiny_target,
+                                                                   monkeypatch):
+    import eaglenest.evaluate.offline as offline
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(toy_checkpoint, ckpt)
+    _truncate(ckpt / "draft.safetensors")
+
+    def target_loaded(*args, **kwargs):
+        raise AssertionError("the target was loaded before the draft was checked")
+
+    monkeypatch.setattr(offline, "load_target", target_loaded)
+    with pytest.raises(EaglenestError, match="draft.safetensors: cannot read the draft weights"):
+        offline.offline_al(target=tiny_target, draft=ckpt, groups={}, num_speculative_tokens=3, max_tokens=8)
+
+
 @pytest.fixture
 def report() -> dict:
     """The parts of an ``evaluate al`` report that ``compare`` reads."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eaglenest import faults, memfit
+from eaglenest.config import short, short_text
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.capture import identity, policy, turns
@@ -43,8 +44,17 @@ def target_facts(target: str, *, trust_remote_code: bool = False) -> dict:
     else:
         cfg = language_config(load_config(target, trust_remote_code=trust_remote_code).to_dict())
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-    return {"num_layers": int(cfg["num_hidden_layers"]), "hidden_size": int(cfg["hidden_size"]),
+    return {"num_layers": _size(cfg, "num_hidden_layers", target), "hidden_size": _size(cfg, "hidden_size", target),
             "dtype": _DTYPE_ALIASES.get(dtype.replace("torch.", ""), "bfloat16"), "vocab_size": cfg.get("vocab_size")}
+
+
+def _size(cfg: dict, key: str, target: str) -> int:
+    """A positive integer of the target's config (the layer count, the width), or one line naming it."""
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).isdecimal() or int(value) < 1:
+        raise ConfigError(f"run.target: {target}'s config has no {key} (a positive integer; got {short(value)}): "
+                          "capture needs a decoder's layer count and hidden size")
+    return int(value)
 
 
 def feature_meta(target: str, layer_ids: list[int], engine_dtype: str, *, storage: str = "raw",
@@ -120,6 +130,9 @@ def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None, of
     name = cfg.table
     if cfg.storage not in S.STORAGES:
         raise ConfigError(f"featurestore.storage: {cfg.storage!r} is not one of {', '.join(S.STORAGES)}")
+    if not store.is_features(name):  # the conversations themselves: features never go there
+        raise ConfigError(f"featurestore.table: {name!r} is the store's prompts table; name a features "
+                          "table (default features)")
     if not store.exists(store_uri, store.PROMPTS):
         raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
     policy.check_prompts(store_uri, target, off_policy=off_policy, stage="featurestore capture")
@@ -152,6 +165,8 @@ def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: floa
         if longest + 1 > cfg.engine.max_model_len:
             raise StoreError(f"a conversation has {longest} tokens: raise featurestore.engine.max_model_len")
         check_fit(target, meta, longest, cfg.engine.dtype)  # before the engine starts
+        vocab_size = target_facts(target, trust_remote_code=trust_remote_code)["vocab_size"]
+        check_token_ids(todo, target, vocab_size=vocab_size, trust_remote_code=trust_remote_code)
         earlier_turns = _turn_spans(target, todo, policy.rendered_kwargs(store_uri), trust_remote_code=trust_remote_code)
         budget = max(1, int(cfg.write_buffer_mb * (1 << 20)))
         writer = FeatureWriter(store_uri, name, meta, budget=budget)
@@ -206,6 +221,45 @@ def check_fit(target: str, meta: S.FeatureMeta, tokens: int, engine_dtype: str) 
                         key="the manifest's compose.target_tokens (or generation.max_tokens)")
 
 
+def check_token_ids(convs: list[dict], target: str, *, vocab_size: int | None,
+                    trust_remote_code: bool = False) -> None:
+    """Refuse, before the engine starts, a conversation holding a token id the target cannot take
+    (tokenized for another model): vLLM refused it only once its engine was up, with a traceback.
+    vLLM's bound: the larger of the model's vocabulary and the tokenizer's (which may hold more ids,
+    e.g. multimodal placeholders), so the tokenizer is loaded only for an id past ``vocab_size``.
+    ``vocab_size`` None (not in the config): not checked."""
+    if not vocab_size:
+        return
+    bound = vocab_size
+    for conv in convs:
+        for key in ("prompt_token_ids", "response_token_ids"):
+            ids = conv[key]
+            if not ids:
+                continue
+            if max(ids) >= bound == vocab_size:
+                bound = max(vocab_size, len(load_tokenizer(target, trust_remote_code=trust_remote_code)))
+            if not 0 <= min(ids) <= max(ids) < bound:
+                bad = next(t for t in ids if not 0 <= t < bound)
+                raise StoreError(f"prompts row {conv['sample_id']}: {key} holds token id {bad}, outside the "
+                                 f"vocabulary of run.target {target} (0..{bound - 1}): the conversation was "
+                                 "tokenized for another model; ingest it with this target (a new store)")
+
+
+def _messages(conv: dict) -> list[dict]:
+    """A prompts row's ``messages_json`` as a list of message objects; a damaged one is one
+    :class:`StoreError` naming the row."""
+    text = conv.get("messages_json") or "[]"
+    try:
+        msgs = json.loads(text)
+    except ValueError:
+        msgs = None
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+        raise StoreError(f"prompts row {conv['sample_id']}: messages_json is not a JSON list of messages "
+                         f"({short_text(text)}): the prompts table is damaged; re-run `ingest build` into a "
+                         "new store")
+    return msgs
+
+
 def _turn_spans(target: str, convs: list[dict], rendered: list[dict], *, trust_remote_code: bool = False):
     """A function conv -> loss spans of its earlier assistant turns (the tokenizer is loaded only
     when some conversation has more than one assistant turn). The template is rendered with the
@@ -214,7 +268,7 @@ def _turn_spans(target: str, convs: list[dict], rendered: list[dict], *, trust_r
     options = [*reversed(rendered)] + ([{}] if {} not in rendered else [])
     def multi(c: dict) -> list[dict] | None:
         """The conversation's messages if it has more than one assistant turn, else None."""
-        msgs = json.loads(c.get("messages_json") or "[]")
+        msgs = _messages(c)
         return msgs if sum(m.get("role") == "assistant" for m in msgs) > 1 else None
 
     multi_turn = {c["sample_id"]: msgs for c in convs if (msgs := multi(c)) is not None}

@@ -105,8 +105,12 @@ class Capturer:
         #: Largest window :meth:`stream` held: sequences in the engine, sequences sent and not yet
         #: handed out, and their hidden-state bytes (what tests check the bounds against).
         self.peak_window = {"in_engine": 0, "sequences": 0, "bytes": 0}
-        self.llm = capture_llm(target, self.capture_ids, engine, spool=str(self._spool),
-                               trust_remote_code=trust_remote_code)
+        try:
+            self.llm = capture_llm(target, self.capture_ids, engine, spool=str(self._spool),
+                                   trust_remote_code=trust_remote_code)
+        except BaseException:  # no engine: close() will not run, so the spool goes here
+            shutil.rmtree(self._spool, ignore_errors=True)
+            raise
 
     def __enter__(self) -> "Capturer":
         return self
@@ -139,6 +143,7 @@ class Capturer:
         queued, so the engine can be reused."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         params = SamplingParams(max_tokens=1, temperature=0.0)
         engine = self.llm.llm_engine
@@ -170,6 +175,7 @@ class Capturer:
             while state["handed"] < len(sequences):
                 fill()
                 while state["handed"] not in finished:
+                    _wait_for_output(engine)
                     for out in engine.step():
                         if out.finished and out.request_id in queued:
                             finished[queued.pop(out.request_id)] = out
@@ -179,6 +185,11 @@ class Capturer:
                 state["held"] -= sizes[i]
                 state["handed"] = i + 1
                 yield result
+        except EngineDeadError:  # killed (out of memory?) or crashed: nothing left to abort
+            queued.clear()
+            raise StoreError(f"the capture engine died after {state['handed']} of {len(sequences)} captures; "
+                             "vLLM's log says why (out of memory?). What was committed is kept: a re-run "
+                             "resumes after it") from None
         finally:
             if queued:
                 engine.abort_request(list(queued))
@@ -210,6 +221,29 @@ class Capturer:
         # numpy copies (single-threaded): a torch .contiguous() here runs on OpenMP threads that
         # compete with the engine's for the same cores.
         return np.ascontiguousarray(arr[:, :-1]), np.ascontiguousarray(arr[:, -1])
+
+
+def _wait_for_output(engine, poll_s: float = 0.5) -> None:
+    """Return once ``engine.step()`` has an output to take; raise vLLM's ``EngineDeadError`` once
+    its EngineCore process is dead.
+
+    vLLM's synchronous client waits for the next output without a timeout, and when the EngineCore
+    dies (the OOM killer, a crash) its monitor thread marks the client dead and shuts it down
+    without waking that wait: ``step()`` then blocks forever (vLLM 0.32). So wait here on the
+    client's output queue, checking the dead flag every ``poll_s``; both are vLLM internals, and
+    where a version lacks them this returns at once (the plain blocking step)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    core = getattr(engine, "engine_core", None)
+    outputs, resources = getattr(core, "outputs_queue", None), getattr(core, "resources", None)
+    ready = getattr(outputs, "not_empty", None)  # queue.Queue's condition, notified on every put
+    if ready is None or not hasattr(resources, "engine_dead"):
+        return
+    with ready:
+        while not len(outputs.queue):
+            if resources.engine_dead:
+                raise EngineDeadError()
+            ready.wait(poll_s)
 
 
 def _cleanup(path: str) -> None:

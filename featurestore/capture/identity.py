@@ -27,6 +27,7 @@ import json
 import logging
 from pathlib import Path
 
+from eaglenest.errors import ConfigError
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.table import store
 
@@ -94,13 +95,24 @@ def tokenizer_hashes(target: str) -> tuple[str, str]:
             tok.update(name.encode() + p.read_bytes())
     cfg = root / "tokenizer_config.json"
     if cfg.is_file():
-        template = json.loads(cfg.read_text()).get("chat_template") or ""
+        template = _json_object(cfg).get("chat_template") or ""
     jinja = root / "chat_template.jinja"
     if jinja.is_file():
         template = jinja.read_text()
     if isinstance(template, list):
         template = json.dumps(template, sort_keys=True)
     return tok.hexdigest(), hashlib.sha256(template.encode()).hexdigest()
+
+
+def _json_object(path: Path) -> dict:
+    """A target file holding a JSON object; one :class:`ConfigError` line naming it otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, OSError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ConfigError(f"run.target: {path} is not valid JSON ({str(exc).splitlines()[0][:200]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"run.target: {path} holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def components(*, target: str, layer_ids, last_layer_id: int, dtype: str, storage: str,

@@ -52,6 +52,10 @@ from eaglenest.featurestore.schema import _DTYPES
 
 log = logging.getLogger(__name__)
 
+#: Longest Unix-domain socket path Linux takes (``sun_path`` is 108 bytes with its NUL).
+_MAX_SOCKET_PATH = 107
+
+
 class Channel:
     """Consumer end of the socket: accepts one publisher, grants credits, hands captures out in order.
 
@@ -67,9 +71,7 @@ class Channel:
             raise StoreError(f"stream depth must be >= 1, got {depth} (train.stream.depth)")
         self.path, self.num_items, self.depth = path, num_items, depth
         self._check, self._poll_s = check, poll_s
-        self._listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(path)
-        self._listener.listen(1)
+        self._listener: socket.socket | None = _listen(path)
         self._conn: socket.socket | None = None
         self._pending: dict[int, tuple[dict, bytearray]] = {}
         self._cv = threading.Condition()
@@ -154,7 +156,10 @@ class Channel:
         view, got = memoryview(buf), 0
         while got < n:
             self._wait_readable(self._conn)
-            k = self._conn.recv_into(view[got:])
+            try:
+                k = self._conn.recv_into(view[got:])
+            except ConnectionResetError:  # the engine process died mid-send (EngineCore killed): as EOF
+                k = 0
             if k == 0:
                 self._check()
                 raise StoreError(f"capture stream: the engine closed the connection after {len(self.sent_at)} "
@@ -167,6 +172,9 @@ class Channel:
         if magic != MAGIC:
             raise StoreError("capture stream: bad frame (not an eaglenest publisher)")
         header = json.loads(bytes(self._recv_exactly(hlen)))
+        problem = _frame_problem(header, plen)
+        if problem:  # before the payload is allocated: its size is the sender's word
+            raise StoreError(f"capture stream: bad frame ({problem}; a publisher of another eaglenest version?)")
         return header, self._recv_exactly(plen)
 
     def close(self) -> None:
@@ -194,23 +202,39 @@ class CaptureStream:
                  depth: int = 8, window: int = 0, poll_s: float = 0.5, log_path: str | None = None,
                  env: dict[str, str] | None = None, trust_remote_code: bool = False):
         self.proc = None
+        self._keep_log = False  # set once an error names the producer's log: close() leaves it
         self._dir = Path(tempfile.mkdtemp(prefix="eaglenest-stream-"))  # mode 0700: only we connect
         self.log_path = log_path or str(self._dir / "producer.log")
-        self.channel = Channel(str(self._dir / "captures.sock"), num_items=len(sequences), depth=depth,
-                               check=self._check_producer, poll_s=poll_s)
+        try:
+            self.channel = Channel(str(self._dir / "captures.sock"), num_items=len(sequences), depth=depth,
+                                   check=self._check_producer, poll_s=poll_s)
+        except BaseException:  # refused before anything started: leave no temp folder behind
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         spec = {"target": str(target), "layer_ids": [int(i) for i in layer_ids], "num_layers": int(num_layers),
                 "engine": dataclasses.asdict(engine), "socket": self.channel.path, "storage_dir": str(self._dir),
                 "window": max(1, min(window or depth, depth)), "trust_remote_code": bool(trust_remote_code),
                 "sequences": [[int(t) for t in s] for s in sequences]}
         quiet_vllm()  # the producer starts an engine: it inherits the run's vLLM logging (common/engine.py)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        try:
+            self._start_producer(spec, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        except BaseException:  # nothing to hand out: stop what did start, leave no temp folder
+            self.close(grace_s=5.0)
+            raise
+
+    def _start_producer(self, spec: dict, env: dict[str, str]) -> None:
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "eaglenest.featurestore.stream.producer"], stdin=subprocess.PIPE,
                 stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.pid = self.proc.pid
-        self.proc.stdin.write(json.dumps(spec).encode() + b"\n")
-        self.proc.stdin.flush()  # stdin stays open: it is the control channel (EOF = consumer gone)
+        try:
+            self.proc.stdin.write(json.dumps(spec).encode() + b"\n")
+            self.proc.stdin.flush()  # stdin stays open: it is the control channel (EOF = consumer gone)
+        except BrokenPipeError:  # it died before reading the spec; its log goes with the temp folder
+            code = self.proc.wait(timeout=30)
+            raise StoreError(f"capture stream: the producer (pid {self.pid}) exited with code {code} before "
+                             f"reading its spec: {_last_line(self.log_path)}") from None
 
     def __enter__(self) -> "CaptureStream":
         return self
@@ -236,6 +260,7 @@ class CaptureStream:
         if code is None:
             return
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        self._keep_log = True
         raise StoreError(f"capture stream: the producer (pid {proc.pid}) {how} after {self.channel.handed} "
                          f"of {self.channel.num_items} captures; its log: {self.log_path}")
 
@@ -253,11 +278,57 @@ class CaptureStream:
             except subprocess.TimeoutExpired:
                 log.warning("capture producer %d did not stop in %.0f s: terminating it", proc.pid, grace_s)
             _reap_group(proc)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._keep_log:  # the error the caller got points at the log: only the socket goes
+            Path(self.channel.path).unlink(missing_ok=True)
+        else:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def __del__(self):  # pragma: no cover - last resort; close() is the API
         if getattr(self, "proc", None) is not None:
             self.close(grace_s=5.0)
+
+
+def _frame_problem(header, payload_bytes: int) -> str | None:
+    """What is wrong with a frame's header, given its payload size (None: a well-formed capture:
+    int64 ids of ``shape[0]`` tokens, then ``[T, layers, H]`` hidden states of ``dtype``)."""
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    if header.get("dtype") not in _DTYPES:
+        return f"dtype {header.get('dtype')!r} is not one of {', '.join(_DTYPES)}"
+    shape = header.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(type(n) is int and n >= 0 for n in shape)):
+        return f"shape {shape!r} is not [tokens, layers, hidden]"
+    if not all(type(header.get(k)) in (int, float) for k in ("seq", "sent_at")):
+        return "no seq or sent_at"
+    want = shape[0] * 8 + shape[0] * shape[1] * shape[2] * _DTYPES[header["dtype"]].itemsize
+    return None if want == payload_bytes else f"{payload_bytes} payload bytes for shape {shape}, expected {want}"
+
+
+def _last_line(path: str) -> str:
+    """The last line of a log's tail that names an error, else its last line (300 characters at most)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = [line for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        lines = []
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or ["(its log is empty)"])[-1].strip()[:300]
+
+
+def _listen(path: str) -> socket.socket:
+    """A Unix-domain socket listening at ``path``; a path the kernel refuses (longer than ~107
+    bytes: a deep ``TMPDIR``) is one :class:`StoreError` naming it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(1)
+    except OSError as exc:
+        sock.close()
+        hint = "; a Unix socket path holds at most 107 bytes: set TMPDIR to a shorter folder" \
+            if len(os.fsencode(path)) > _MAX_SOCKET_PATH else ""
+        raise StoreError(f"capture stream: cannot listen at {path} ({exc.strerror or exc}){hint}") from None
+    return sock
 
 
 def _group_alive(pgid: int) -> bool:

@@ -36,9 +36,12 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
+import os
 import socket
 import threading
 import time
+import uuid
 
 import numpy as np
 
@@ -53,6 +56,8 @@ MAGIC = 0x454E5331  # "ENS1"
 TAG_FRAME, TAG_CREDIT = 1, 2
 DONE = -1
 _DTYPES = ("float32", "bfloat16", "float16")
+#: Longest wait for a peer a stream accepts (a year): a timedelta, and the store's, hold it.
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def engines_of(rank: int, num_engines: int, world_size: int) -> list[int]:
@@ -103,6 +108,9 @@ class Group:
         import torch.distributed as dist
 
         host, port = parse_addr(addr)
+        if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):  # timedelta(nan or inf): a traceback
+            raise ConfigError(f"capture stream ({who}): timeout {timeout_s} s: a number of seconds in (0, "
+                              f"{MAX_TIMEOUT_S:.0f}] (train.stream.timeout_s; stream-serve --timeout-s)")
         self.addr, self.who, self.timeout_s = addr, who, timeout_s
         self.timeout = datetime.timedelta(seconds=timeout_s)
         if not is_master:
@@ -131,6 +139,14 @@ class Group:
         except RuntimeError as exc:
             raise StoreError(f"capture stream ({self.who}): no {key!r} in the stream store at {self.addr} "
                              f"within {self.timeout_s:.0f} s: {exc}") from None
+
+    def claim(self, name: str, me: str) -> str:
+        """Take ``name`` for ``me`` if no one has (first come, first served); returns who holds it."""
+        try:
+            return self.store.compare_set(f"claim/{name}", "", me).decode()
+        except RuntimeError as exc:
+            raise StoreError(f"capture stream ({self.who}): the stream store at {self.addr} is gone: "
+                             f"{str(exc).splitlines()[0][:200]}") from None
 
     @property
     def name(self) -> str:
@@ -371,6 +387,11 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
     N, M = int(spec["world_size"]), int(spec["num_engines"])
     if not 0 <= engine_rank < M:
         raise ConfigError(f"--engine-rank {engine_rank}: the trainer expects train.stream.engines={M} (0..{M - 1})")
+    me = f"{socket.gethostname()} pid {os.getpid()} ({uuid.uuid4().hex[:8]})"
+    holder = group.claim(f"engine-{engine_rank}", me)
+    if holder != me:  # two hosts given the same rank: the group would wait train.stream.timeout_s, never form
+        raise ConfigError(f"--engine-rank {engine_rank}: already taken by the stream-serve on {holder}; give "
+                          f"each engine host its own rank 0..{M - 1}")
     ranks = ranks_of(engine_rank, M, N)
     items = []  # (step, rank, position, sequence): merged by training step
     for r in ranks:

@@ -76,7 +76,9 @@ def test_second_capture_and_gc_loop_during_a_capture(tmp_path, root, tiny_target
             try:
                 maintenance.gc(uri, store.FEATURES, older_than_hours=0, grace_hours=0)
             except Exception as exc:  # noqa: BLE001 - asserted below
-                assert "being written by" in str(exc) or "no table" in str(exc), exc
+                # Only the lease's refusal: the capture holds it from before its first commit, so a
+                # 'no table' here would be a gc the lease let through.
+                assert "being written by" in str(exc), exc
                 refused += 1
             assert time.time() < deadline
             time.sleep(0.3)

@@ -320,7 +320,7 @@ def test_an_engine_waits_for_the_store_then_fails_in_one_line():
         Group(dead, is_master=False, timeout_s=0.5, who="engine 0")
     p = subprocess.run([sys.executable, "-m", "eaglenest.featurestore.cli", "stream-serve", "--addr", dead,
                         "--engine-rank", "0", "--timeout-s", "1"], capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "frame #" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 2 and "frame #" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert p.stderr.strip().splitlines()[-1].startswith("featurestore: error: capture stream (engine 0): cannot reach")
 
 

@@ -51,16 +51,23 @@ def one_run(module: str, pythonpath: str | None) -> float:
         env["PYTHONPATH"] = pythonpath
     code = f"import sys; from {module} import main; sys.exit(main(['--help']))"
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   check=False)
-    return time.perf_counter() - t0
+    proc = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, check=False)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:  # a failing --help is fast: timing it would flatter whichever side broke
+        where = "the base revision" if pythonpath else "this checkout"
+        raise SystemExit(f"{module} --help failed (exit {proc.returncode}) in {where}: "
+                         f"{proc.stderr.strip().splitlines()[-1:]}")
+    return seconds
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision to compare with (e.g. f933bc6)")
-    ap.add_argument("--runs", type=int, default=21, help="paired runs per CLI")
-    args = ap.parse_args()
+    ap.add_argument("--runs", type=int, default=21, help="paired runs per CLI (at least 2)")
+    args = ap.parse_args(argv)
+    if args.runs < 2:  # the ratio's interquartile range needs two paired runs
+        ap.error(f"--runs: at least 2, got {args.runs}")
     with tempfile.TemporaryDirectory() as tmp:
         wt = Path(tmp) / "base"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(wt), args.base], check=True)

@@ -87,9 +87,14 @@ def throughput_point(args, workdir: Path, family: str, epochs: int, k: int, log:
           "--out", str(out), *args.extra], log)
     res = json.loads((out / "throughput.json").read_text())
     tok_s = {mode: rows[0]["output_tokens_per_s"]["mean"] for mode, rows in res["modes"].items()}
+    speedup = res["speedup"][0]["speedup"]  # None where the baseline produced no tokens
     return {"kind": "throughput", "family": family, "epochs": epochs, "k": k,
             "tokens_per_s": round(tok_s["speculative"], 1), "target_alone_tokens_per_s": round(tok_s["baseline"], 1),
-            "speedup": round(res["speedup"][0]["speedup"], 3), "identical": res["arms"]["all_identical"]}
+            "speedup": None if speedup is None else round(speedup, 3), "identical": res["arms"]["all_identical"]}
+
+
+def _speedup(row: dict | None) -> str:
+    return "-" if row is None or row["speedup"] is None else str(row["speedup"])
 
 
 def _pos(acc) -> str:
@@ -116,7 +121,7 @@ def tables(rows: list[dict], families: list[str], last: int) -> str:
         out.append(f"| {f} | {c['steps']} | {c['served_al']:.3f} | {_pos(c['acceptance_by_position'])} | "
                    f"{c['forwards_per_round']} | {c['ngram_al'] if c.get('ngram_al') is not None else '-'} | "
                    f"{b['k'] if b else '-'} | {b['served_al'] if b else '-'} | {tput} | "
-                   f"{t['speedup'] if t else '-'} | {tb['speedup'] if tb else '-'} | {c['lossless']} |")
+                   f"{_speedup(t)} | {_speedup(tb)} | {c['lossless']} |")
     ks = sorted({r["k"] for r in rows if r["kind"] == "sweep"})
     out += ["", "K sweep (served AL; n-gram AL at the same K in brackets; draft forwards per round after /):", "",
             "| family | " + " | ".join(f"K={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]

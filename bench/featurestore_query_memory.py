@@ -114,8 +114,9 @@ def peak_growth(uri: str, out: Path, mode: str = "tensors") -> float:
     proc = subprocess.run([sys.executable, "-c", CHILD, uri, str(out), mode], capture_output=True, text=True,
                           check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines or json.loads(lines[-1])["rc"] != 0:
-        raise SystemExit(f"query failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+    rc = proc.returncode or (json.loads(lines[-1])["rc"] if lines else None)  # the child's, else the command's
+    if rc != 0:
+        raise SystemExit(f"query failed (exit {rc}): {proc.stderr.strip()[-500:]}")
     return json.loads(lines[-1])["growth_mib"]
 
 
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     if len(sizes) != 2:
         ap.error("--sizes takes two sizes")
+    if not args.small and min(sizes) < args.row_mib:  # no whole sample fits: the table would have no rows
+        ap.error(f"--sizes: each size must be at least --row-mib ({args.row_mib} MiB), got {args.sizes}")
     import pyarrow.parquet as pq
 
     growth = {}

@@ -74,8 +74,11 @@ def main() -> None:
     client = dask_executor.client_for(dask_cfg)
     workers = sorted(client.scheduler_info()["workers"])
     gen_id = gen_params_id(manifest.generation, chat_template(target))
-    # One engine per worker, started before timing (a one-prompt shard pinned to each worker).
-    client.gather([client.submit(dask_executor._shard_task, dask_cfg, target, str(scratch / "warm"), pool[:1],
+    # One engine per worker, started before timing (a one-prompt shard pinned to each worker). The
+    # store folder must exist first, as dask_executor.run makes it: each worker checks it can see it.
+    warm = scratch / "warm"
+    warm.mkdir(parents=True, exist_ok=True)
+    client.gather([client.submit(dask_executor._shard_task, dask_cfg, target, str(warm), pool[:1],
                                  manifest.generation, gen_id, workers=[w], pure=False) for w in workers])
     arms = {"inprocess": lambda: run("inprocess", inproc, backend=backend),
             "dask": lambda: run("dask", dask_cfg, client=client)}

@@ -25,6 +25,19 @@ DEFAULTS = ["evaluate.concurrency=[1,4,16,64]", "evaluate.throughput_seeds=[0,1,
             "evaluate.throughput_max_tokens=64", "evaluate.throughput_prompts=32"]
 
 
+def speedup_lines(speedup: list[dict]) -> list[str]:
+    """The speed-up per concurrency level, as ``run_sweep`` reports it. A level whose baseline produced
+    no tokens has no speed-up (``None``, as throughput.md shows it): printed as ``-``, not a crash
+    after the whole sweep ran."""
+    lines = ["speed-up (speculative / baseline output tokens/s) per concurrency, median [min, max] over seeds:"]
+    for r in speedup:
+        s, mean = r["speedup_per_seed"], r["speedup"]
+        seeds = "-" if s is None else f"{s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"
+        lines.append(f"  concurrency {r['concurrency']:>3}: {seeds}  (ratio of means "
+                     f"{'-' if mean is None else f'{mean:.3f}'})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="recipes/toy.yaml")
@@ -55,11 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs={"draft": draft,
                                                                             "target": recipe.run.target})
     print(markdown(result))
-    print("speed-up (speculative / baseline output tokens/s) per concurrency, median [min, max] over seeds:")
-    for r in result["speedup"]:
-        s = r["speedup_per_seed"]
-        print(f"  concurrency {r['concurrency']:>3}: {s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"
-              f"  (ratio of means {r['speedup']:.3f})")
+    print("\n".join(speedup_lines(result["speedup"])))
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; "
           f"wall {result['bench']['wall_s']} s; plot {png}")
     print(json.dumps({"out": str(out)}))

@@ -34,8 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -90,6 +88,8 @@ def bench_ttt(repeats: int) -> dict:
 
 def long_one(t: int, k: int, chunk: int) -> dict:
     """One TTT forward+backward on a T-token row (tiny-target shape); run in a fresh process."""
+    import torch
+
     from eaglenest.train.model import DraftFlags, Eagle3Draft, draft_config, init_weights
     from eaglenest.train.ttt import Batch, ttt_loss
 
@@ -137,6 +137,8 @@ def bench_long(lengths: list[int], k: int, chunk: int) -> list[dict]:
 
 def bench_gpu(steps: int, peak_tflops: float, seq: int, k: int) -> dict:
     """bf16 FSDP2 (torchrun or one process) on random batches of the tiny-target shape x 32."""
+    import torch
+
     from eaglenest.train.dist import DistState
     from eaglenest.train.model import DraftFlags, Eagle3Draft, draft_config, init_weights
     from eaglenest.train.ttt import Batch, TTTObjective
@@ -200,6 +202,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak")
     ap.add_argument("--gpu-seq", type=int, default=4096)
     args = ap.parse_args()
+    import torch  # after parsing: --help stays light
+
     report: dict = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     if args.gpu:
         if not torch.cuda.is_available():

@@ -17,9 +17,11 @@ unknown user in ``~``, a symlink loop, a name too long) into that same one line.
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from eaglenest.config import printable
@@ -124,6 +126,39 @@ def _remove(dirs: list[Path]) -> None:
             d.rmdir()
         except OSError:
             break
+
+
+def pid_prefix(prefix: str, pid: int | None = None) -> str:
+    """``prefix`` tagged with a process id (this one's by default), for a side folder only that
+    process uses: :func:`orphans` finds it once the process is gone."""
+    return f"{prefix}{os.getpid() if pid is None else pid}-"
+
+
+def orphans(parent: str | Path, prefix: str, *, min_age_s: float = 0.0) -> list[Path]:
+    """The folders in ``parent`` named by :func:`pid_prefix` with ``prefix`` whose process is gone
+    (killed before it could remove them), sorted. A pid in use again counts as alive: kept.
+    ``min_age_s``: only folders unchanged for that long (a folder shared with another pid namespace,
+    a container's ``/tmp``, may belong to a live process this one cannot see)."""
+    found, now = [], time.time()
+    for path in sorted(Path(parent).glob(f"{glob.escape(prefix)}*-*")):
+        pid = path.name[len(prefix):].split("-", 1)[0]
+        try:
+            fresh = now - path.stat().st_mtime < min_age_s
+        except OSError:
+            continue
+        if pid.isdigit() and path.is_dir() and not fresh and not _alive(int(pid)):
+            found.append(path)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def read_json_object(path: str | Path, *, error: type[EaglenestError], then: str) -> dict:

@@ -46,7 +46,6 @@ against vLLM's own mapper). Floating weights are cast to the export dtype; maps 
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -61,7 +60,7 @@ from transformers import LlamaConfig
 
 from eaglenest.engine import RECOMMENDED_K
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.paths import make_dir, shown_path, user_path
+from eaglenest.paths import make_dir, orphans, pid_prefix, shown_path, user_path
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.serve import formats, fp8
 from eaglenest.train.checkpoint import INFO, WEIGHTS, read_info
@@ -364,20 +363,10 @@ def _load_state(ckpt_dir: str | Path, info: dict[str, Any]) -> dict[str, torch.T
     return state
 
 
-def _side_prefix(out_dir: Path, kind: str, pid: int | None = None) -> str:
+def _side_prefix(out_dir: Path, kind: str) -> str:
     """The name prefix of an export's side folder beside ``out_dir`` (``kind``: ``tmp``, the export
     being written; ``old``, the earlier export moved aside), tagged with the writing process's pid."""
-    return f".{out_dir.name}.{kind}-{os.getpid() if pid is None else pid}-"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
+    return pid_prefix(f".{out_dir.name}.{kind}-")
 
 
 def sweep_leftovers(out_dir: Path) -> list[Path]:
@@ -386,10 +375,7 @@ def sweep_leftovers(out_dir: Path) -> list[Path]:
     (``out_dir`` missing), the old export is put back first. Returns what was removed."""
     removed = []
     for kind in ("old", "tmp"):  # an old export is put back before anything else is looked at
-        for side in sorted(out_dir.parent.glob(f".{glob.escape(out_dir.name)}.{kind}-*-*")):
-            pid = side.name[len(f".{out_dir.name}.{kind}-"):].split("-", 1)[0]
-            if not pid.isdigit() or _alive(int(pid)) or not side.is_dir():
-                continue
+        for side in orphans(out_dir.parent, f".{out_dir.name}.{kind}-"):
             if kind == "old" and not out_dir.exists() and is_export(side):
                 os.replace(side, out_dir)
                 log.warning("put back the export %s, moved aside by a killed export", shown_path(out_dir))

@@ -30,6 +30,7 @@ from eaglenest.config import short
 from eaglenest.engine import EngineConfig, close_llm, make_llm
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema as S
+from eaglenest.paths import orphans, pid_prefix
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,11 @@ log = logging.getLogger(__name__)
 #: torch, so this module names it instead of importing it).
 CONNECTOR_MODULE = "eaglenest.featurestore.capture.connector"
 CONNECTOR_NAME = "EaglenestHiddenStatesConnector"
+#: The spool folder (in the temp dir) where the connector writes each capture's hidden states, named
+#: with the capturing process's pid; one a SIGKILLed capture left (its pid gone, untouched for
+#: SPOOL_STALE_S) is removed by the next capture on the machine.
+SPOOL_PREFIX = "eaglenest-capture-"
+SPOOL_STALE_S = 600.0
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -100,7 +106,9 @@ class Capturer:
                  trust_remote_code: bool = False):
         self.layer_ids = tuple(layer_ids)
         self.capture_ids = [*self.layer_ids, num_layers]
-        self._spool = Path(tempfile.mkdtemp(prefix="eaglenest-capture-"))
+        for stale in orphans(tempfile.gettempdir(), SPOOL_PREFIX, min_age_s=SPOOL_STALE_S):  # a killed capture's
+            shutil.rmtree(stale, ignore_errors=True)
+        self._spool = Path(tempfile.mkdtemp(prefix=pid_prefix(SPOOL_PREFIX)))
         self.num_forward_passes = 0
         #: Largest window :meth:`stream` held: sequences in the engine, sequences sent and not yet
         #: handed out, and their hidden-state bytes (what tests check the bounds against).

@@ -91,6 +91,33 @@ def test_an_engine_that_fails_to_start_leaves_no_spool_folder(tmp_path, monkeypa
     assert list(tmp.iterdir()) == []  # the eaglenest-capture-* spool stayed behind
 
 
+def test_a_killed_captures_spool_is_removed_by_the_next_capture(tmp_path, monkeypatch, tiny_target):
+    """A SIGKILLed capture leaves its spool (hidden states of a whole batch, GBs for a large target) in
+    the temp dir; the next capture removes it once its pid is gone and it sat untouched for
+    SPOOL_STALE_S, and keeps a live process's and a fresh one's."""
+    import os
+    import subprocess
+    import sys
+
+    from eaglenest.featurestore.capture import engine as capture_engine
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale, fresh, live = (tmp / f"{capture_engine.SPOOL_PREFIX}{pid}-x{i}"
+                          for i, pid in enumerate((gone.pid, gone.pid, os.getpid())))
+    for d in (stale, fresh, live):
+        d.mkdir()
+        (d / "hidden.safetensors").write_bytes(b"x")
+    old = stale.stat().st_mtime - capture_engine.SPOOL_STALE_S - 60
+    os.utime(stale, (old, old))
+    with pytest.raises(ConfigError, match="featurestore.engine.in_process"):  # no engine: the sweep ran first
+        Capturer(str(tiny_target), (1, 3, 5), 8, EngineConfig(in_process=True))
+    assert sorted(p.name for p in tmp.iterdir()) == sorted([fresh.name, live.name])
+
+
 def _damaged_target(tmp_path, tiny_target, name: str, damage) -> Path:
     target = tmp_path / "target"
     shutil.copytree(tiny_target, target)

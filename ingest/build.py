@@ -102,6 +102,7 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
     except OSError as exc:
         raise StoreError(f"run.store_uri: cannot read the prompts table in {store_uri} ({exc})") from None
     todo = [e for e in pool if e.sample_id not in done and e.sample_id not in skipped]
+    _check_moved(todo, done)
     heldout = [e for e in todo if e.split == "heldout"]
     train = [e for e in todo if e.split == "train"]
     _check_chat_template(tok, target, sum(e.mode == "chat" for e in train))
@@ -169,6 +170,21 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
         "prompts_table_version": store.latest_version(store_uri, store.PROMPTS) if stored else None,
         "seconds": round(time.time() - t0, 2),
     }
+
+
+def _check_moved(todo: list[PoolEntry], done: set[str]) -> None:
+    """Refuse prompts stored already under another domain: a sample id is ``<domain>-<content hash>``,
+    so a renamed domain (or a source moved to another) would store the same conversations again
+    under new ids."""
+    stored = {sid.rsplit("-", 1)[1]: sid.rsplit("-", 1)[0] for sid in done if "-" in sid}
+    moved = [(stored[e.sample_id.rsplit("-", 1)[1]], e.domain) for e in todo
+             if stored.get(e.sample_id.rsplit("-", 1)[1], e.domain) != e.domain]
+    if moved:
+        (was, now), _ = collections.Counter(moved).most_common(1)[0]
+        n = len(moved)
+        raise ConfigError(f"manifest: {n} prompt(s) of domain '{now}' are stored already under domain '{was}' "
+                          "(a renamed domain, or a source moved between domains): they would be stored twice, "
+                          f"under new ids; keep the domain name '{was}', or ingest into a new store (run.store)")
 
 
 def _check_chat_template(tok, target: str, num_chat: int) -> None:

@@ -5,6 +5,7 @@ with made-up token ids), since what is tested is the executor's error path, not 
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import os
@@ -168,3 +169,21 @@ def test_a_conversation_the_targets_template_refuses_is_one_line_not_a_traceback
     line = str(exc.value)
     assert line.startswith("ingest.endpoints: http://127.0.0.1:9 rendered a conversation the target ")
     assert "roles must alternate" in line and "\n" not in line
+
+
+def test_a_renamed_domain_is_refused_not_stored_twice(tmp_path, tiny_target):
+    """Sample ids are ``<domain>-<content hash>``: the same prompts under a renamed domain got new ids and
+    were stored a second time. Held-out rows only: written without an engine."""
+    m, uri = _manifest(), str(tmp_path / "store")
+    first = _entries(3, "heldout")
+    build(m, first, target=str(tiny_target), store_uri=uri, cfg=IngestConfig())
+    renamed = [dataclasses.replace(e, domain="d-renamed", sample_id=e.sample_id.replace("d-", "d-renamed-", 1))
+               for e in first]
+    assert all(e.sample_id.rsplit("-", 1)[1] == f.sample_id.rsplit("-", 1)[1] for e, f in zip(renamed, first,
+                                                                                                strict=True))
+    with pytest.raises(ConfigError, match=r"^manifest: 3 prompt\(s\) of domain 'd-renamed' are stored already under "
+                                          r"domain 'd' "):
+        build(m, renamed, target=str(tiny_target), store_uri=uri, cfg=IngestConfig())
+    assert sorted(store.sample_ids(uri, store.PROMPTS)) == sorted(e.sample_id for e in first)  # nothing added
+    again = build(m, first, target=str(tiny_target), store_uri=uri, cfg=IngestConfig())  # the old name: nothing to do
+    assert again["heldout_written"] == 0

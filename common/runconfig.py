@@ -9,6 +9,7 @@ from pathlib import Path
 
 from eaglenest.config import short
 from eaglenest.errors import ConfigError
+from eaglenest.paths import shown_path
 
 #: Seeds feed numpy (>= 0) and torch (< 2**64); this range suits both, with room for seed + epoch.
 SEED_RANGE = range(0, 2**63)
@@ -99,6 +100,8 @@ class RunConfig:
         if kind not in ("", "file", *REMOTE_SCHEMES):
             raise ConfigError(f"run.store: {kind[:20]}:// is not a supported store (a local path, or "
                               f"{', '.join(s + '://' for s in REMOTE_SCHEMES)})")
+        if not kind and Path(store).is_file():  # every stage would say only that it holds no table
+            raise ConfigError(f"run.store: {shown_path(store)} is a file; the store is a folder (LanceDB tables)")
         opts = {}
         for key, value in self.storage_options.items():
             text = ("true" if value else "false") if isinstance(value, bool) else str(value)

@@ -124,3 +124,13 @@ def test_a_union_key_names_every_type_it_takes(root, monkeypatch):
         load_recipe("recipes/toy.yaml", ["train.table_version=1.5"])
     with pytest.raises(ConfigError, match=r"train\.sliding_window: expected int or 'auto', got 1\.5"):
         load_recipe("recipes/toy.yaml", ["train.sliding_window=1.5"])
+
+
+def test_a_store_that_is_a_file_is_refused_naming_the_key(root, tmp_path):
+    """Every stage said only "no prompts table in <file>" (capture) or failed inside Lance."""
+    f = tmp_path / "store.lance"
+    f.write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"^run\.store: .*store\.lance is a file; the store is a folder"):
+        load_recipe(str(root / "recipes" / "toy.yaml"), [f"run.workdir={tmp_path}", f"run.store={f}"])
+    assert load_recipe(str(root / "recipes" / "toy.yaml"), [f"run.workdir={tmp_path}",
+                                                            f"run.store={tmp_path / 'new'}"]).run.store_uri

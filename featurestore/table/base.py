@@ -31,8 +31,7 @@ log = logging.getLogger(__name__)
 __all__ = ["BYTES", "FEATURES", "HEAD_FILE", "PROMPTS", "check_name", "check_tag", "dataset", "exists",
            "expected_schema", "head_version", "is_features", "iter_batches", "latest_version", "read",
            "record_head", "require_lance", "rolled_back", "sample_ids", "sql_text", "table_names", "table_path",
-           "table_uri",
-           "unreadable"]
+           "table_uri", "unreadable"]
 
 
 def require_lance():

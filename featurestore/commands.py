@@ -14,6 +14,7 @@ import json
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema
 from eaglenest.featurestore.capture import build
+from eaglenest.featurestore.interop import source
 from eaglenest.featurestore.read import query
 from eaglenest.featurestore.stream import xhost
 from eaglenest.featurestore.table import integrity, maintenance, names, objects, store, versions
@@ -103,6 +104,8 @@ def cmd_versions(recipe, args) -> int:
 def cmd_tags(recipe, args) -> int:
     if args.version is not None and not args.create:
         raise ConfigError("tags: --version goes with --create NAME (the version the new tag points at)")
+    if args.create and args.delete:  # one would be written before the other could fail
+        raise ConfigError("tags: --create and --delete are one at a time; run `featurestore tags` twice")
     if args.create:
         versions.set_tag(*_t(recipe), args.create, _ver(args.version))
     if args.delete:
@@ -145,11 +148,13 @@ def cmd_query(recipe, args) -> int:
         raise ConfigError(f"--attach {bad[0][:80]!r}: expected name=file.parquet (or name=file.csv)")
     if args.max_rows < 0:
         raise ConfigError(f"--max-rows: must be >= 0, got {args.max_rows}")
-    attach = dict(a.split("=", 1) for a in args.attach or [])
+    attach = _attachments(args.attach or [])
     pinned = {recipe.featurestore.table: _ver(args.version)} if args.version else None
     kw = {"versions": pinned, "with_tensors": args.with_tensors, "attach": attach}
     query.check_read_only(args.sql)  # the statement before the store: bad input is named first
     uri = _store_must_exist(recipe)
+    if args.out and source.inside_store(args.out, uri):
+        raise ConfigError(f"--out {args.out}: inside the feature store ({uri}); write the result outside it")
     if args.out:  # streamed into the file batch by batch (bounded memory, whatever the table's size)
         rows = query.write_query(uri, args.sql, args.out, **kw)
         print(f"{rows} rows -> {args.out}")
@@ -157,6 +162,16 @@ def cmd_query(recipe, args) -> int:
     table = query.run_query(uri, args.sql, **kw)
     print(table.to_pandas().to_string(index=False, max_rows=args.max_rows))
     return 0
+
+
+def _attachments(items: list[str]) -> dict[str, str]:
+    """``--attach NAME=FILE`` items as {NAME: FILE}; a NAME given twice would silently read the last FILE."""
+    out: dict[str, str] = {}
+    for name, path in (a.split("=", 1) for a in items):
+        if name in out:
+            raise ConfigError(f"--attach {name!r}: given twice ({out[name]}, {path}); give each name once")
+        out[name] = path
+    return out
 
 
 def cmd_stream_serve(recipe, args) -> int:

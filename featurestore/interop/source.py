@@ -19,8 +19,10 @@ import collections
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -29,9 +31,12 @@ from safetensors import SafetensorError
 
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.table import integrity, lease, store
+from eaglenest.featurestore.table import integrity, lease, objects, store
+from eaglenest.paths import orphans, pid_prefix, shown_path
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.target import language_config, read_config
+
+log = logging.getLogger(__name__)
 
 #: Written beside every export: the table version, feature set and layer ids it holds.
 EXPORT_RECORD = "eaglenest_export.json"
@@ -140,18 +145,40 @@ def vocab_mapping(counts: dict[int, int], draft_vocab_size: int, target_vocab: i
     return draft_ids - np.arange(draft_vocab_size, dtype=np.int64), t2d
 
 
+def inside_store(path: str | Path, store_uri: str) -> bool:
+    """Whether ``path`` is a local store's folder or lies inside it (a Lance table's folder, say)."""
+    if objects.is_remote(store_uri):
+        return False
+    return Path(path).resolve().is_relative_to(Path(objects.local(store_uri)).resolve())
+
+
+def check_out(out: Path, store_uri: str) -> None:
+    """``out`` must be a new or empty directory outside a local store (not a Lance table's folder)."""
+    if inside_store(out, store_uri):
+        raise ConfigError(f"--out {out}: inside the feature store ({store_uri}); give a directory outside it")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: is a file; give a new directory")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out}: exists and is not an empty directory; give a new directory")
+
+
+def sweep_partials(out: Path) -> None:
+    """Remove what killed exports to ``out`` left beside it (``.<out>.partial-<pid>-*`` of a pid that is gone)."""
+    for stale in orphans(out.parent, f".{out.name}.partial-"):
+        shutil.rmtree(stale, ignore_errors=True)
+        log.info("removed %s, left by a killed export", shown_path(stale))
+
+
 @contextlib.contextmanager
 def staged_export(src: Source, out: str | Path, *, purpose: str) -> Iterator[Path]:
     """A fresh directory to build the export in, renamed to ``out`` when the block succeeds (removed
     when it fails); the source version is pinned meanwhile. ``out`` must not exist or be empty."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out}: exists and is not an empty directory; give a new directory")
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    check_out(out, src.uri)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        sweep_partials(out)
+        tmp = Path(tempfile.mkdtemp(prefix=pid_prefix(f".{out.name}.partial-"), dir=out.parent))
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
     try:

@@ -83,13 +83,18 @@ def fingerprint(cfg, *, table_version: int, store_uri: str, target: str, seed: i
     return fp
 
 
-def _diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def _diff(saved: dict[str, Any], now: dict[str, Any], moved: tuple[str, str] | None = None) -> list[str]:
+    """The differences between two fingerprints, one line each. ``moved``: (where the state was saved,
+    where it is now): a store at the same place relative to its state (both moved together: a workdir
+    copied or renamed) is the same store."""
     out = []
     for k in sorted(set(saved) | set(now)):
         if k == "train":
             continue
         if k in ("store_uri", "target") and same_place(saved.get(k)) == same_place(now.get(k)):
             continue  # states saved before paths were resolved: the same folder spelled otherwise
+        if k == "store_uri" and moved and _moved_with(saved.get(k), now.get(k), *moved):
+            continue
         if saved.get(k) != now.get(k):
             out.append(f"{k} {saved.get(k)!r} -> {now.get(k)!r}")
     # A train key added after the state was saved counts as its default there: such states still match.
@@ -100,6 +105,14 @@ def _diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     out += [f"train.{k} {st.get(k)!r} -> {nt.get(k)!r}" for k in sorted(set(st) | set(nt))
             if st.get(k) != nt.get(k)]
     return out
+
+
+def _moved_with(saved: Any, now: Any, saved_at: str, now_at: str) -> bool:
+    """Whether local store ``now`` is where ``saved`` was, relative to the state (saved at ``saved_at``,
+    now at ``now_at``) that moved with it."""
+    if not all(isinstance(x, str) and x and "://" not in x for x in (saved, now, saved_at)):
+        return False
+    return os.path.relpath(saved, saved_at) == os.path.relpath(same_place(now), now_at)
 
 
 def _dcp_state(objective, opt) -> dict[str, Any]:
@@ -129,7 +142,8 @@ def save_state(state_dir: Path, *, step: int, objective, opt, sched, dist, fp: d
         sd = sched.state_dict()
         sd.pop("lr_lambdas", None)
         write_json_atomic(tmp / "trainer.json", {"step": step, "world_size": dist.world_size,
-                                                 "scheduler": sd, "fingerprint": fp, **extra})
+                                                 "scheduler": sd, "fingerprint": fp,
+                                                 "state_dir": os.path.realpath(state_dir), **extra})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         write_json_atomic(state_dir / LATEST, {"step": step, "dir": name})
@@ -231,7 +245,8 @@ def resolve(info: dict[str, Any] | None, fp: dict[str, Any], state_dir: Path) ->
     """
     if info is None:
         return None
-    diff = _diff(info["fingerprint"], fp)
+    moved = (info["state_dir"], os.path.realpath(state_dir)) if isinstance(info.get("state_dir"), str) else None
+    diff = _diff(info["fingerprint"], fp, moved)
     if not diff:
         return info
     if info.get("finished"):

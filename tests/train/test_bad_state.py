@@ -116,6 +116,28 @@ def test_a_start_over_keeps_the_old_state_until_the_new_run_has_one(tmp_path, fe
     assert info["fingerprint"]["train"]["lr"] == 1e-3
 
 
+def test_a_moved_workdir_with_its_store_resumes_instead_of_training_again(tmp_path, feature_store, tiny_target):
+    """The fingerprint holds the store's resolved path: a workdir copied or renamed with its store
+    inside looked like another recipe, and its finished run was trained again from step 0."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(feature_store[0], a / "store")
+    run(a, (str(a / "store"), feature_store[1]), tiny_target)
+    shutil.copytree(a, b)
+    before = {p.relative_to(b): p.read_bytes() for p in (b / "train").rglob("*") if p.is_file()}
+    again = run(b, (str(b / "store"), feature_store[1]), tiny_target)
+    assert again.steps == 2 and not (b / "train" / "state.previous").exists()
+    after = {p.relative_to(b): p.read_bytes() for p in (b / "train").rglob("*") if p.is_file()}
+    assert after[Path("train/metrics.jsonl")] == before[Path("train/metrics.jsonl")]
+    state = Path("train/state/step_00000002/trainer.json")
+    assert after[state] == before[state]  # not saved again
+    # a store elsewhere (not where it was beside the state) is another recipe: a finished run starts over
+    other = tmp_path / "other-store"
+    shutil.copytree(feature_store[0], other)
+    assert run(b, (str(other), feature_store[1]), tiny_target).steps == 2
+    assert json.loads((b / "train" / "state" / "step_00000002" / "trainer.json").read_text())["fingerprint"][
+        "store_uri"] == str(other.resolve())
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, feature_store, tiny_target):
     work = tmp_path_factory.mktemp("finished") / "w"

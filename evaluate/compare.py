@@ -16,7 +16,7 @@ from eaglenest.errors import EaglenestError
 from eaglenest.paths import make_dir, shown_path
 from eaglenest.evaluate.run import evaluate_al
 from eaglenest.evaluate.settings import evaluate_config
-from eaglenest.provenance import write_json_atomic
+from eaglenest.provenance import write_json_atomic, write_text_atomic
 
 
 def _report(path: Path) -> dict:
@@ -73,6 +73,8 @@ def side_by_side(a: dict, b: dict, *, names: tuple[str, str] = ("A", "B")) -> st
              f"{names[1]} per-request | delta |", "|---|---|---|---|---|---|---|"]
     for section, label in (("domains", ""), ("context_buckets", "ctx ")):
         keys = list(dict.fromkeys([*(a.get(section) or {}), *(b.get(section) or {})]))
+        if section == "context_buckets":  # token counts (report.json sorts its keys as text: 16384 < 2048)
+            keys.sort(key=lambda k: (0, int(k)) if str(k).isdecimal() else (1, str(k)))
         rows = [(label + k, (a.get(section) or {}).get(k, {}), (b.get(section) or {}).get(k, {})) for k in keys]
         if section == "domains":
             rows.append(("**overall**", a["overall"], b["overall"]))
@@ -90,5 +92,5 @@ def compare(spec_a: str, spec_b: str, *, recipe, outdir: Path, key: str = "--out
     md = side_by_side(a, b)
     make_dir(outdir, key)
     write_json_atomic(outdir / "compare.json", {"a": a, "b": b, "inputs": [spec_a, spec_b]})
-    (outdir / "compare.md").write_text(md, encoding="utf-8")
+    write_text_atomic(outdir / "compare.md", md)
     return md

@@ -28,3 +28,14 @@ def test_compare_reports(tmp_path, capsys):
 def test_compare_rejects_unknown_input(tmp_path, capsys):
     assert main(["compare", "--a", str(tmp_path), "--b", str(tmp_path), f"run.workdir={tmp_path}"]) == 2
     assert "neither a report.json nor an exported draft" in capsys.readouterr().err
+
+
+def test_context_buckets_are_compared_in_token_order():
+    """report.json keeps its keys sorted as text (1024, 16384, 2048, ...): the table followed that order."""
+    from eaglenest.evaluate.compare import side_by_side
+
+    row = {"acceptance_length": 2.0, "acceptance_length_per_request": 2.0}
+    rep = {"draft": "d", "overall": row, "domains": {"x": row},
+           "context_buckets": {k: row for k in ("1024", "16384", "2048", "32768", "4096", "8192")}}
+    names = [ln.split("|")[1].strip() for ln in side_by_side(rep, rep).splitlines() if "| ctx " in ln]
+    assert names == ["ctx 1024", "ctx 2048", "ctx 4096", "ctx 8192", "ctx 16384", "ctx 32768"]

@@ -29,6 +29,15 @@ _REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _STORAGE_OPTIONS: dict[str, dict[str, str]] = {}
 
 
+def _is_file(path: str) -> bool:
+    """Whether ``path`` is a regular file; False for any path the system refuses to look at (too long,
+    a NUL byte: the stage's own path check names those)."""
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def register_storage_options(store_uri: str, options: dict[str, str]) -> None:
     """Remember ``options`` for every path under ``store_uri`` (in this process)."""
     _STORAGE_OPTIONS[store_uri.rstrip("/")] = dict(options)
@@ -100,7 +109,7 @@ class RunConfig:
         if kind not in ("", "file", *REMOTE_SCHEMES):
             raise ConfigError(f"run.store: {kind[:20]}:// is not a supported store (a local path, or "
                               f"{', '.join(s + '://' for s in REMOTE_SCHEMES)})")
-        if not kind and Path(store).is_file():  # every stage would say only that it holds no table
+        if not kind and _is_file(store):  # every stage would say only that it holds no table
             raise ConfigError(f"run.store: {shown_path(store)} is a file; the store is a folder (LanceDB tables)")
         opts = {}
         for key, value in self.storage_options.items():

@@ -71,16 +71,28 @@ def _frame(header: dict, payload: bytes) -> bytes:
 GOOD = {"tag": 0, "seq": 0, "shape": [2, 1, 4], "dtype": "float32", "sent_at": 0.0}
 
 
+@pytest.fixture
+def short_tmp(monkeypatch):
+    """A fresh temp dir of a short path as the process's temp dir: a stream's socket lives there, and
+    pytest's own (``.../popen-gw1/test_<long name>0/``) leaves too few of a socket path's 107 bytes."""
+    import shutil
+
+    path = Path(tempfile.mkdtemp(prefix="en-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("header,payload_bytes,problem", [
     (GOOD, 2 * 8 + 2 * 4 * 4 - 4, "44 payload bytes for shape [2, 1, 4], expected 48"),  # one value short
     ({**GOOD, "dtype": "int8"}, 2 * 8 + 8, "dtype 'int8' is not one of"),
     ({**GOOD, "shape": [2, 4]}, 2 * 8 + 32, "shape [2, 4] is not [tokens, layers, hidden]"),
     ({**GOOD, "shape": [-1, 1, 4]}, 0, "shape [-1, 1, 4] is not"),
 ])
-def test_a_malformed_frame_is_a_store_error_naming_it(tmp_path, header, payload_bytes, problem):
+def test_a_malformed_frame_is_a_store_error_naming_it(short_tmp, header, payload_bytes, problem):
     """A frame whose header does not describe its payload used to reach the consumer as a numpy
     ValueError (or a KeyError for a dtype), not the stream's one-line StoreError."""
-    chan = Channel(str(tmp_path / "c.sock"), num_items=1, depth=1, check=lambda: None, poll_s=0.05)
+    chan = Channel(str(short_tmp / "c.sock"), num_items=1, depth=1, check=lambda: None, poll_s=0.05)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
             client.connect(chan.path)
@@ -92,10 +104,10 @@ def test_a_malformed_frame_is_a_store_error_naming_it(tmp_path, header, payload_
         chan.close()
 
 
-def test_a_well_formed_frame_still_passes(tmp_path):
+def test_a_well_formed_frame_still_passes(short_tmp):
     import torch
 
-    chan = Channel(str(tmp_path / "c.sock"), num_items=1, depth=1, check=lambda: None, poll_s=0.05)
+    chan = Channel(str(short_tmp / "c.sock"), num_items=1, depth=1, check=lambda: None, poll_s=0.05)
     hidden = torch.arange(8, dtype=torch.float32).reshape(2, 1, 4)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
@@ -155,16 +167,15 @@ def test_a_second_stream_serve_with_the_same_engine_rank_is_refused_at_once():
     assert out == {"rank": seqs, "engine 0": 0, "engine 1": 0}
 
 
-def test_a_producer_that_dies_before_reading_its_spec_is_one_line(tmp_path, monkeypatch, tiny_target):
+def test_a_producer_that_dies_before_reading_its_spec_is_one_line(short_tmp, tiny_target):
     """A producer that cannot start (here: an interpreter without its standard library) while the
     spec, larger than a pipe's buffer as any real run's is, is being written: a BrokenPipeError
     traceback, and the stream's temp folder stayed behind."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(StoreError, match=r"capture stream: the producer \(pid \d+\) exited with code 1 before "
                                          r"reading its spec: .*No module named 'encodings'"):
         CaptureStream(str(tiny_target), layer_ids=[1, 3, 5], num_layers=8, engine=EngineConfig(),
-                      sequences=[[5] * 40_000], env={"PYTHONHOME": str(tmp_path / "none")})
-    assert list(tmp_path.iterdir()) == []
+                      sequences=[[5] * 40_000], env={"PYTHONHOME": str(short_tmp / "none")})
+    assert list(short_tmp.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -193,11 +204,10 @@ def test_an_engine_core_killed_under_the_producer_ends_the_stream_in_one_line(ti
         assert time.monotonic() - t0 < 60
 
 
-def test_the_log_a_producer_error_names_is_still_there_after_close(tmp_path, monkeypatch):
+def test_the_log_a_producer_error_names_is_still_there_after_close(short_tmp):
     """The error says 'its log: <temp folder>/producer.log', and close() used to delete that folder:
     the one file saying why the producer died was gone by the time anyone read the error."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    missing = tmp_path / "no-such-target"
+    missing = short_tmp / "no-such-target"
     with CaptureStream(str(missing), layer_ids=[1, 3, 5], num_layers=8, engine=EngineConfig(), sequences=[[5, 6]],
                        poll_s=0.1) as stream:
         with pytest.raises(StoreError, match=r"the producer \(pid \d+\) (exited with code|was killed by signal) \d+ "

@@ -146,12 +146,13 @@ def orphans(parent: str | Path, prefix: str, *, min_age_s: float = 0.0) -> list[
             fresh = now - path.stat().st_mtime < min_age_s
         except OSError:
             continue
-        if pid.isdigit() and path.is_dir() and not fresh and not _alive(int(pid)):
+        if pid.isdigit() and path.is_dir() and not fresh and not pid_alive(int(pid)):
             found.append(path)
     return found
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -318,7 +318,7 @@ def loss_token_counts(uri: str, name: str, *, version: int | str | None, split: 
     import numpy as np
 
     sql = (f"SELECT id, count(*) AS n FROM (SELECT unnest(input_ids) AS id, unnest(loss_mask) AS m "
-           f"FROM {name} WHERE split = '{_q(split)}') WHERE m = 1 GROUP BY id")
+           f"FROM {name} WHERE split = {store.sql_text(split)}) WHERE m = 1 GROUP BY id")
     t = run_query(uri, sql, versions={name: version})
     counts = np.zeros(vocab_size, dtype=np.int64)
     ids = t.column("id").to_numpy()

@@ -50,6 +50,7 @@ from typing import Iterator
 from eaglenest.errors import StoreError
 from eaglenest.featurestore.table.names import check_name
 from eaglenest.featurestore.table.objects import is_remote
+from eaglenest.paths import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +75,6 @@ def lease_path(uri: str, name: str, kind: str = "lease") -> Path:
     return Path(uri).resolve() / ".eaglenest" / "leases" / f"{check_name(name)}.{kind}"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _read_info(fd: int) -> dict | None:
     try:
         raw = os.pread(fd, 4096, 0)
@@ -97,7 +88,7 @@ def describe(info: dict | None) -> str:
         return "another process (no holder recorded)"
     text = (f"pid {info.get('pid')} on host {info.get('host')} since {info.get('since')} "
             f"({info.get('purpose', '?')})")
-    if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int) and not _alive(info["pid"]):
+    if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int) and not pid_alive(info["pid"]):
         text += "; that pid has exited, so a process it started still holds the lock"
     return text
 

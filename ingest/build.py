@@ -40,7 +40,7 @@ from eaglenest.ingest import dask_executor
 from eaglenest.ingest.backends import chat_kwargs
 from eaglenest.ingest.config import IngestConfig
 from eaglenest.ingest.manifest import Manifest
-from eaglenest.ingest.pool import PoolEntry
+from eaglenest.ingest.pool import PoolEntry, raw_text
 from eaglenest.ingest.reasoning import ThinkCheck, resolve_tags
 from eaglenest.ingest.regen import Dropped, gen_params_id, heldout_row, stream
 from eaglenest.ingest.shard import guarded, make_backend, shard_result, write_rows
@@ -104,7 +104,7 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
     todo = [e for e in pool if e.sample_id not in done and e.sample_id not in skipped]
     _check_moved(todo, done)
     heldout = [e for e in todo if e.split == "heldout"]
-    train = [e for e in todo if e.split == "train"]
+    train, too_long = _fits(cfg, tok, [e for e in todo if e.split == "train"], manifest.generation)
     _check_chat_template(tok, target, sum(e.mode == "chat" for e in train))
     if train:  # responses are about to be added: they must come from the same target as those stored
         policy.check_prompts(store_uri, target, off_policy=off_policy, stage="ingest build")
@@ -130,6 +130,8 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
                 totals["tokens"] += res["tokens"]
                 totals["failures"] += res["failures"]
                 totals["dropped"] += res.get("dropped", [])
+                if res.get("dropped") and dropped_path is not None:  # kept at once: a killed run loses none
+                    _record_dropped(dropped_path, earlier, gen_id, res["dropped"])
                 totals["retries"] += res.get("retries", 0)
                 bar.update(len(shards[k]))
                 bar.set_postfix(tok_s=f"{totals['tokens'] / max(time.time() - t0, 1e-9):.0f}",
@@ -138,9 +140,6 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
             extra = {"client": client} if cfg.executor == "dask" else {"backend": backend}
             runner(shards, cfg=cfg, target=target, store_uri=store_uri, gen=manifest.generation,
                    gen_id=gen_id, on_result=on_result, think=think, trust_remote_code=trust_remote_code, **extra)
-    if totals["dropped"] and dropped_path is not None:
-        earlier[gen_id] = {**skipped, **{d["sample_id"]: d["domain"] for d in totals["dropped"]}}
-        _write_dropped(dropped_path, earlier)
     columns = ["domain", "split", "finish_reason", "gen_params_id"]
     stored = store.exists(store_uri, store.PROMPTS)  # not when nothing was held out and every request failed
     table = (store.read(store_uri, store.PROMPTS, columns=columns) if stored
@@ -164,6 +163,12 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
             "tags": [think.open_tag, think.close_tag], "dropped": len(totals["dropped"]),
             "per_domain": dict(sorted(collections.Counter(d["domain"] for d in totals["dropped"]).items())),
             "skipped_from_earlier_runs": sum(e.sample_id in skipped for e in pool if e.sample_id not in done),
+        },
+        "prompt_too_long": {
+            "max_model_len": cfg.engine.max_model_len if cfg.backend == "vllm" else None,
+            "dropped": len(too_long),
+            "per_domain": dict(sorted(collections.Counter(e.domain for e, _ in too_long).items())),
+            "longest": max((n for _, n in too_long), default=0),
         },
         "weights": {d: c.weight for d, c in manifest.domains.items()},
         "counts": {f"{d}/{s}": n for (d, s), n in sorted(counts.items())},
@@ -193,6 +198,40 @@ def _check_chat_template(tok, target: str, num_chat: int) -> None:
     if num_chat and not tok.chat_template:
         raise ConfigError(f"run.target: {target} has no chat template, and {num_chat} training prompts are chat; "
                           "give its tokenizer one (chat_template in tokenizer_config.json or chat_template.jinja)")
+
+
+def _fits(cfg: IngestConfig, tok, entries: list[PoolEntry], gen) -> tuple[list[PoolEntry], list[tuple]]:
+    """``(kept, too_long)``: the training prompts whose first request the in-process engine can take,
+    and ``(entry, tokens)`` for those it would refuse on every run (a prompt of ``max_model_len``
+    tokens or more, rendered as vLLM renders it). Left out of this run with a warning, never recorded:
+    a larger ``ingest.engine.max_model_len`` tries them again. Endpoints' limits are their own."""
+    if cfg.backend != "vllm":
+        return entries, []
+    limit = cfg.engine.max_model_len
+    kept, too_long = [], []
+    for e in entries:
+        n = prompt_tokens(tok, e, gen, cfg.chat_template_kwargs, limit=limit)
+        (too_long.append((e, n)) if n >= limit else kept.append(e))
+    return kept, too_long
+
+
+def prompt_tokens(tok, e: PoolEntry, gen, template_kwargs, *, limit: int) -> int:
+    """The length of ``e``'s first request as the engine tokenizes it. A prompt whose text is less than
+    half of ``limit`` in UTF-8 bytes is not rendered (each token holds at least one byte: only a chat
+    template adding over ``limit / 2`` tokens could take it past) and counts 0."""
+    text = raw_text(e) if e.mode == "raw" else "\n".join(m["content"] for m in e.messages())
+    if len(text.encode("utf-8")) * 2 < limit:
+        return 0
+    if e.mode == "raw":
+        return len(tok(text)["input_ids"])  # vLLM adds the tokenizer's special tokens to a plain prompt
+    rendered = tok.apply_chat_template(e.messages(), tokenize=False, add_generation_prompt=True,
+                                       **(chat_kwargs(gen, template_kwargs) or {}))
+    return len(tok(rendered, add_special_tokens=False)["input_ids"])
+
+
+def _record_dropped(path, earlier: dict, gen_id: str, dropped: list[dict]) -> None:
+    earlier[gen_id] = {**earlier.get(gen_id, {}), **{d["sample_id"]: d["domain"] for d in dropped}}
+    _write_dropped(path, earlier)
 
 
 def _read_dropped(path) -> dict[str, dict[str, str]]:

@@ -131,6 +131,11 @@ def cmd_build(recipe, args) -> int:
               f"settings ({stats['gen_params_ids']}; this run: {stats['gen_params_id']}): rows regenerated with "
               "other sampling, template or chat_template_kwargs are mixed; use a new run.store to keep them "
               "apart", file=sys.stderr)
+    long = stats["prompt_too_long"]
+    if long["dropped"]:
+        print(f"ingest: warning: {long['dropped']} training prompts ({long['per_domain']}) are "
+              f"{long['max_model_len']} tokens or more as the engine renders them (the longest: {long['longest']}): "
+              "left out of this run; raise ingest.engine.max_model_len to keep them", file=sys.stderr)
     cut = stats["thinking_truncated"]
     if cut["dropped"]:
         print(f"ingest: warning: {cut['dropped']} answers hit generation.max_tokens inside an open think block "

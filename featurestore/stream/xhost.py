@@ -53,6 +53,9 @@ from eaglenest.featurestore.stream.local import CaptureStream
 log = logging.getLogger(__name__)
 
 MAGIC = 0x454E5331  # "ENS1"
+#: The schedule's and frames' layout: a trainer and a stream-serve must agree on it (their eaglenest
+#: versions may differ as long as this does not). Raise it with any change to the spec or the frames.
+PROTOCOL = 1
 TAG_FRAME, TAG_CREDIT = 1, 2
 DONE = -1
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -251,7 +254,7 @@ class RankStream:
         self.engines = engines_of(rank, num_engines, world_size)
         k = len(self.engines)
         if rank == 0:
-            self.group.store.set("spec", json.dumps({**spec, "world_size": world_size, "num_engines": num_engines,
+            self.group.store.set("spec", json.dumps({**spec, "protocol": PROTOCOL, "world_size": world_size, "num_engines": num_engines,
                                                      "depth": depth}))
         for j, e in enumerate(self.engines):  # position p goes to engine p % k
             pos = list(range(j, self.num_items, k))
@@ -364,10 +367,28 @@ class RankStream:
                                  ack_names=[f"rank-{r}" for r in range(1, self.world_size)])
 
 
+def _spec(raw: bytes, addr: str) -> dict:
+    """The trainer's spec, refused in one line when it comes from an eaglenest that streams otherwise."""
+    try:
+        spec = json.loads(raw)
+    except ValueError:
+        spec = None
+    got = spec.get("protocol") if isinstance(spec, dict) else None
+    if got != PROTOCOL:
+        raise ConfigError(f"--addr {addr}: the trainer there streams with protocol {got} and this stream-serve "
+                          f"with {PROTOCOL}: run the same eaglenest version on the trainer and the engine hosts")
+    return spec
+
+
 def engine_captures(spec: dict, sequences: list[list[int]], target: str | None = None):
     """The local capture path: a :class:`CaptureStream` (producer child, Unix socket) on this host."""
+    try:
+        engine = EngineConfig(**spec["engine"])
+    except TypeError as exc:  # a key this eaglenest's EngineConfig does not have
+        raise ConfigError(f"the trainer's train.stream engine settings do not fit this stream-serve ({exc}): run the "
+                          "same eaglenest version on the trainer and the engine hosts") from None
     return CaptureStream(target or spec["target"], layer_ids=spec["layer_ids"], num_layers=spec["num_layers"],
-                         engine=EngineConfig(**spec["engine"]), sequences=sequences, depth=int(spec["depth"]),
+                         engine=engine, sequences=sequences, depth=int(spec["depth"]),
                          window=int(spec["window"]), trust_remote_code=bool(spec.get("trust_remote_code", False)))
 
 
@@ -383,7 +404,7 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
         raise ConfigError(f"--engine-rank {engine_rank}: must be >= 0 (0..train.stream.engines-1)")
     who = f"engine {engine_rank}"
     group = Group(addr, is_master=False, timeout_s=timeout_s, who=who)
-    spec = json.loads(group.get("spec"))
+    spec = _spec(group.get("spec"), addr)
     N, M = int(spec["world_size"]), int(spec["num_engines"])
     if not 0 <= engine_rank < M:
         raise ConfigError(f"--engine-rank {engine_rank}: the trainer expects train.stream.engines={M} (0..{M - 1})")

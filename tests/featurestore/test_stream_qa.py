@@ -216,3 +216,31 @@ def test_the_log_a_producer_error_names_is_still_there_after_close(short_tmp):
     log = re.search(r"its log: (\S+)", str(info.value)).group(1)
     assert "no-such-target" in Path(log).read_text()
     assert [p.name for p in Path(log).parent.iterdir()] == ["producer.log"]  # the socket went
+
+
+@pytest.mark.parametrize("spec", [b'{"world_size": 1, "num_engines": 1}', b'{"protocol": 99}', b"\x00garbage"])
+def test_a_trainer_of_another_stream_protocol_is_refused_in_one_line(spec):
+    """A stream-serve of another eaglenest version than the trainer's read a spec it did not know: a
+    KeyError or TypeError traceback (``EngineConfig(**spec["engine"])``), or a hang on missing shares."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from eaglenest.featurestore.stream.xhost import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    store.set("spec", spec)
+    with pytest.raises(ConfigError, match=rf"--addr 127.0.0.1:{port}: the trainer there streams with protocol "
+                                          r"(None|99) and this stream-serve with 1: run the same eaglenest version"):
+        serve(f"127.0.0.1:{port}", 0, timeout_s=20, captures=_frames)
+
+
+def test_engine_settings_this_eaglenest_does_not_know_are_one_line():
+    from eaglenest.featurestore.stream.xhost import engine_captures
+
+    with pytest.raises(ConfigError, match=r"engine settings do not fit this stream-serve .*new_knob"):
+        engine_captures({"target": "t", "layer_ids": [1], "num_layers": 2, "depth": 1, "window": 1,
+                         "engine": {"new_knob": 1}}, [[1, 2]])

@@ -21,6 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from eaglenest.cli import at_least
+
 # The arm runner the engine benches share (bench/ is not a package: loaded from the file beside this one).
 _spec = importlib.util.spec_from_file_location("_bench_arms", Path(__file__).with_name("arms.py"))
 arms = importlib.util.module_from_spec(_spec)
@@ -60,7 +62,7 @@ def main() -> int:
     ap.add_argument("--target", default="assets/tiny-target-long")
     ap.add_argument("--tokens", type=int, default=16384, help="prompt tokens (two prompts per arm)")
     ap.add_argument("--decode", type=int, default=32, help="greedy output tokens per prompt")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=at_least(1), default=3)
     args = ap.parse_args()
     ratios, same = [], True
     for r in range(args.rounds):

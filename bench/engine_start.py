@@ -21,6 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from eaglenest.cli import at_least
+
 # The arm runner the engine benches share (bench/ is not a package: loaded from the file beside this one).
 _spec = importlib.util.spec_from_file_location("_bench_arms", Path(__file__).with_name("arms.py"))
 arms = importlib.util.module_from_spec(_spec)
@@ -62,7 +64,7 @@ def _spread(xs: list[float]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="assets/tiny-target")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=at_least(1), default=3)
     args = ap.parse_args()
     starts, totals, same = [], [], True
     for r in range(args.rounds):

@@ -23,11 +23,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import featurestore_write as W  # noqa: E402  (shared data helpers)
 
+from eaglenest.cli import at_least
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=12)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=at_least(1), default=4)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--dir", type=Path, default=None, help="scratch directory on the disk to measure")
     args = p.parse_args(argv)

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eaglenest.cli import at_least
+
 HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("_bench_featurestore_write", HERE / "featurestore_write.py")
 W = importlib.util.module_from_spec(_spec)
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--chunk-tokens", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=at_least(1), default=3)
     ap.add_argument("--dir", default="/tmp")
     args = ap.parse_args(argv)
 

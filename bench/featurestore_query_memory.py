@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from eaglenest.cli import at_least
+
 #: Run in the child: peak RSS growth (MiB) of one query command, printed as JSON.
 CHILD = r"""
 import json, sys
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="64,256", help="two table sizes in MiB of tensor columns")
     ap.add_argument("--row-mib", type=int, default=4, help="MiB of tensors per sample")
-    ap.add_argument("--rounds", type=int, default=2, help="query runs per size (median reported)")
+    ap.add_argument("--rounds", type=at_least(1), default=2, help="query runs per size (median reported)")
     ap.add_argument("--check", action="store_true", help="exit 1 if large/small growth > 1.5")
     ap.add_argument("--small", action="store_true", help="small columns and an aggregate query (no tensors)")
     args = ap.parse_args(argv)

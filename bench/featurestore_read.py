@@ -73,6 +73,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from eaglenest.cli import at_least
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--h7168-samples", type=int, default=6, help="samples of the H=7168 line (0: skip it)")
     ap.add_argument("--rank-tokens-per-s", type=float, default=20_000, help="what one GPU rank consumes")
     ap.add_argument("--profile", action="store_true", help="print where each sample's time goes")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=at_least(1), default=3)
     ap.add_argument("--full", action="store_true", help="the full size: 48 samples, 5 rounds, H=7168 with 12")
     ap.add_argument("--warm", action="store_true", help="read from the page cache (no eviction)")
     ap.add_argument("--dir", default="/tmp", help="parent of the temporary directory (same disk for all)")

@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from eaglenest.cli import at_least
+
 
 def add_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the arguments every ingest bench takes (its own ones are added by the bench)."""
     ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=at_least(1), default=3)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--target", default="assets/tiny-target")

@@ -31,12 +31,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from eaglenest.cli import at_least
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--per-length", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=at_least(1), default=1)
     ap.add_argument("--target", default="assets/tiny-target")
     ap.add_argument("--manifest", default="recipes/manifests/long.yaml")
     a = ap.parse_args()

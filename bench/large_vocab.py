@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from eaglenest.cli import at_least
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--chunks", default="0,2048", help="train.target_chunk_tokens per variant (0 = plain)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per variant (after one warm-up)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=at_least(1), default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="seconds-long smoke run (vocab 4096, 256 tokens)")
     args = ap.parse_args(argv)

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from eaglenest.cli import at_least
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=128, help="tokens per sample")
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=at_least(1), default=5)
     ap.add_argument("--threads", type=int, default=None,
                     help="samples in flight, fixed (default: chosen by the reader, as in training)")
     ap.add_argument("--dir", default="/tmp")

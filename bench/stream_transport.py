@@ -24,6 +24,8 @@ import statistics
 import tempfile
 import time
 
+from eaglenest.cli import at_least
+
 
 def _frame(args):
     import torch
@@ -104,7 +106,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=at_least(1), default=3)
     ap.add_argument("--train-tokens-per-s", type=float, default=20000.0)
     args = ap.parse_args()
     frame_bytes = args.tokens * args.layers * args.hidden * (2 if args.dtype == "bfloat16" else 4)

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from statistics import median
 
+from eaglenest.cli import at_least
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -166,7 +168,7 @@ def main() -> None:
                     help="each length with and without skipping masked keys, side by side")
     ap.add_argument("--chunk-compare", type=int, default=0, metavar="C",
                     help="each length at --chunk and at C query tokens per chunk, side by side, --rounds times")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of --chunk-compare (arms alternated)")
+    ap.add_argument("--rounds", type=at_least(1), default=2, help="rounds of --chunk-compare (arms alternated)")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.skip_compare:

@@ -18,6 +18,18 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int of at least ``low`` (argparse turns the ValueError into a usage error)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
 @dataclass(frozen=True)
 class Command:
     #: ``fn(recipe, args) -> int``, or ``"module:function"`` naming it (imported when the command runs).

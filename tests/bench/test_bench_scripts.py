@@ -163,3 +163,19 @@ def test_families_keeps_a_throughput_point_without_a_speed_up(tmp_path, monkeypa
              "acceptance_by_position": [0.5], "forwards_per_round": 3, "ngram_al": None, "lossless": "3/3"}
     line = next(x for x in bench.tables([curve, row], ["eagle3"], 1).splitlines() if x.startswith("| eagle3 | 5 "))
     assert "| 12.3 (0.0) | - | - | 3/3 |" in line
+
+
+ROUNDS = [n for n in SCRIPTS if "--rounds" in (BENCH / n).read_text() and n != "featurestore_write.py"]
+
+
+@pytest.mark.parametrize("name", ROUNDS)
+def test_zero_rounds_are_refused_before_any_work(name):
+    # `--rounds 0` ran the whole setup, then crashed at the end on an empty list of ratios (median of nothing).
+    # (featurestore_write.py takes 0 on purpose: its --rss run alone.)
+    proc = subprocess.run([sys.executable, str(BENCH / name), "--rounds", "0"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "argument --rounds: must be >= 1, got 0" in proc.stderr, (name, proc.stderr[-800:])
+
+
+def test_rounds_of_ingest_benches_are_checked_too():
+    assert {"ingest_regen.py", "ingest_capture.py", "featurestore_read.py"} <= set(ROUNDS)

@@ -145,7 +145,8 @@ def cmd_offline(recipe, args) -> int:
     groups, info = load_prompt_set(cfg, recipe.run.store_uri)
     report = offline_al(target=recipe.run.target, draft=draft, groups=groups,
                         num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=cfg.max_tokens,
-                        trust_remote_code=recipe.run.trust_remote_code, chat_template_kwargs=cfg.chat_template_kwargs)
+                        trust_remote_code=recipe.run.trust_remote_code, chat_template_kwargs=cfg.chat_template_kwargs,
+                        draft_key="--draft" if args.draft else "evaluate.draft")
     report["prompts"] = info
     make_dir(out, "--out" if args.out else "run.workdir")
     write_json_atomic(out / "offline_report.json", report)
@@ -175,7 +176,8 @@ def cmd_parity(recipe, args) -> int:
     prompts = {sid: prompt_ids(tok, p, cfg.chat_template_kwargs) for sid, p in chosen[: cfg.parity_prompts]}
     report = parity_check(target=recipe.run.target, draft=draft, checkpoint=checkpoint, prompts=prompts,
                           k=cfg.num_speculative_tokens, max_tokens=cfg.parity_max_tokens, engine=cfg.engine,
-                          min_identical=cfg.parity_min_identical, trust_remote_code=recipe.run.trust_remote_code)
+                          min_identical=cfg.parity_min_identical, trust_remote_code=recipe.run.trust_remote_code,
+                          checkpoint_key="--checkpoint" if args.checkpoint else "serve.checkpoint_subdir")
     report["prompts"] = info
     make_dir(out, "--out" if args.out else "run.workdir")
     write_json_atomic(out / "parity.json", report)

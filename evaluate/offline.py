@@ -62,31 +62,35 @@ class RequestAL:
     histogram: list[int]  # histogram[j] = rounds in which exactly j draft tokens were accepted
 
 
-def load_draft(draft: str | Path, target_dir: str | Path):
-    """An :class:`Eagle3Draft` from an exported vLLM draft dir or a ``train`` checkpoint dir."""
+def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluate.draft"):
+    """An :class:`Eagle3Draft` from an exported vLLM draft dir or a ``train`` checkpoint dir; errors name
+    ``key`` (where the caller got ``draft`` from: a recipe key or a flag)."""
     from safetensors.torch import load_file
     from transformers import LlamaConfig
 
     path = Path(draft)
     if (path / INFO).is_file():
-        return _checkpoint_draft(path, target_dir).eval()
+        return _checkpoint_draft(path, target_dir, key).eval()
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise ConfigError(f"evaluate.draft: {draft} is neither an exported draft (config.json + "
+        raise ConfigError(f"{key}: {draft} is neither an exported draft (config.json + "
                           f"model.safetensors) nor a draft checkpoint ({INFO})")
     redo = "export the draft again (`serve export`)"
-    raw = read_json_object(path / "config.json", error=ConfigError, then=redo)
+    try:
+        raw = read_json_object(path / "config.json", error=ConfigError, then=redo)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
     # vLLM's ids: top level (exports since serve/formats.py; eagle_config's are SGLang's, id - 1),
     # else eagle_config's (older exports wrote vLLM's ids there).
     nested = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
     ids = raw.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
-        raise ConfigError(f"evaluate.draft: {path / 'config.json'} has no eagle_aux_hidden_state_layer_ids")
+        raise ConfigError(f"{key}: {path / 'config.json'} has no eagle_aux_hidden_state_layer_ids")
     try:
         cfg = LlamaConfig.from_dict(raw)
         cfg.eagle_aux_layer_ids = [int(i) for i in ids]
         model = Eagle3Draft(cfg)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"evaluate.draft: {shown_path(path / 'config.json')}: not a draft config "
+        raise ConfigError(f"{key}: {shown_path(path / 'config.json')}: not a draft config "
                           f"({_why(exc)}); {redo}") from None
     try:
         state = load_file(str(path / "model.safetensors"))
@@ -95,11 +99,11 @@ def load_draft(draft: str | Path, target_dir: str | Path):
         state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
         missing, unexpected = model.load_state_dict(state, strict=False)
     except (OSError, SafetensorError, KeyError, RuntimeError) as exc:  # truncated, or shapes off the config
-        raise ConfigError(f"evaluate.draft: {shown_path(path / 'model.safetensors')}: unreadable or not "
+        raise ConfigError(f"{key}: {shown_path(path / 'model.safetensors')}: unreadable or not "
                           f"matching config.json ({_why(exc)}); {redo}") from None
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:
-        raise ConfigError(f"evaluate.draft: {path} weights do not match its config "
+        raise ConfigError(f"{key}: {path} weights do not match its config "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     with torch.no_grad():  # vLLM shares the target's embeddings with the draft
         model.embed_tokens.weight.copy_(load_target_tensors(target_dir, only=("embed",))["embed"])
@@ -111,16 +115,16 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:120]}" if text else type(exc).__name__
 
 
-def _checkpoint_draft(path: Path, target_dir: str | Path):
+def _checkpoint_draft(path: Path, target_dir: str | Path, key: str):
     """:func:`load_checkpoint`, with a damaged checkpoint as one line naming its file."""
     redo = "the checkpoint is damaged: train again (`train run`)"
     try:
         return load_checkpoint(path, target_dir=target_dir)[0]
     except (OSError, SafetensorError, RuntimeError) as exc:  # weights truncated, missing, or shapes off
-        raise ConfigError(f"evaluate.draft: {shown_path(path / WEIGHTS)}: unreadable or not matching {INFO} "
+        raise ConfigError(f"{key}: {shown_path(path / WEIGHTS)}: unreadable or not matching {INFO} "
                           f"({_why(exc)}); {redo}") from None
     except (AttributeError, KeyError, TypeError, ValueError) as exc:  # checkpoint.json lacks what it needs
-        raise ConfigError(f"evaluate.draft: {shown_path(path / INFO)}: not a draft checkpoint record "
+        raise ConfigError(f"{key}: {shown_path(path / INFO)}: not a draft checkpoint record "
                           f"({_why(exc)}); {redo}") from None
 
 
@@ -240,7 +244,7 @@ def summarise(results: list[RequestAL]) -> dict:
 
 def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[dict]],
                num_speculative_tokens: int, max_tokens: int, ignore_eos: bool = False,
-               num_threads: int = 1, trust_remote_code: bool = False,
+               num_threads: int = 1, trust_remote_code: bool = False, draft_key: str = "evaluate.draft",
                chat_template_kwargs: dict | None = None) -> dict:
     """Offline AL per group and overall; ``groups`` as ``evaluate.prompts`` returns them.
 
@@ -248,17 +252,18 @@ def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[
     rows shaped like ``evaluate_al``'s. ``num_threads``: torch intra-op threads while decoding
     (1 by default: the tensors are small and extra threads spin on a busy machine; measured 18x
     slower with 2 threads beside another job on 2 cores). ``trust_remote_code``: ``run.trust_remote_code``;
-    ``chat_template_kwargs``: as ``evaluate.chat_template_kwargs`` resolves.
+    ``chat_template_kwargs``: as ``evaluate.chat_template_kwargs`` resolves; ``draft_key``: where ``draft``
+    came from, named by its errors.
     """
     if num_speculative_tokens < 1:
         raise ConfigError(f"evaluate.num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
     if max_tokens < 1:
         raise ConfigError(f"evaluate.max_tokens: must be >= 1, got {max_tokens}")
-    dmodel = load_draft(draft, target)  # first: a damaged draft is refused before the target is loaded
+    dmodel = load_draft(draft, target, key=draft_key)  # first: a damaged draft is refused before the target is loaded
     model, tok, stops = load_target(target, trust_remote_code=trust_remote_code)
     dmodel = dmodel.to(next(model.parameters()).dtype)
     if dmodel.config.vocab_size != model.config.vocab_size:
-        raise ConfigError(f"evaluate.draft: vocab {dmodel.config.vocab_size} differs from the target's "
+        raise ConfigError(f"{draft_key}: vocab {dmodel.config.vocab_size} differs from the target's "
                           f"{model.config.vocab_size}")
     stops = set() if ignore_eos else stops
     domains, outputs, everything = {}, {}, []

@@ -108,15 +108,17 @@ def summarise(rounds: dict[str, list[dict]], k: int, min_identical: float) -> di
 
 def parity_check(*, target: str | Path, draft: str | Path, checkpoint: str | Path, prompts: dict[str, list[int]],
                  k: int, max_tokens: int, engine, min_identical: float, trust_remote_code: bool = False,
-                 num_threads: int = 1) -> dict:
+                 num_threads: int = 1, checkpoint_key: str = "--checkpoint") -> dict:
     """Serve ``draft`` on ``prompts`` ({request name: token ids}), replay its rounds with the train
-    ``checkpoint``; the report (:func:`summarise` plus what was compared and every round)."""
+    ``checkpoint``; the report (:func:`summarise` plus what was compared and every round). Errors about
+    the checkpoint name ``checkpoint_key``."""
     import torch
 
     if not prompts:
         raise ConfigError("evaluate.parity_prompts: no prompts to decode (the prompt set is empty)")
+    dmodel = load_draft(checkpoint, target, key=checkpoint_key)  # a damaged one refused before the target loads
     model, _tok, _stops = load_target(target, trust_remote_code=trust_remote_code)
-    dmodel = load_draft(checkpoint, target).to(next(model.parameters()).dtype)
+    dmodel = dmodel.to(next(model.parameters()).dtype)
     names = list(prompts)
     outputs, served = served_proposals(target=str(target), draft=str(draft), prompts=[prompts[n] for n in names],
                                        k=k, max_tokens=max_tokens, engine=engine,

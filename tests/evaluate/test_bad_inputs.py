@@ -119,3 +119,34 @@ def test_compare_out_under_a_file_is_refused_first(capsys, tmp_path, root, monke
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("evaluate: error: --out: cannot write to"), lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "draft"]
+
+
+def test_offline_names_the_flag_the_draft_came_from(tmp_path, random_draft, tiny_target):
+    # `evaluate offline --draft D` on a damaged D said "evaluate.draft: ...", a key the user never set.
+    import eaglenest.evaluate.offline as offline
+
+    draft = tmp_path / "draft"
+    shutil.copytree(random_draft, draft)
+    (draft / "config.json").write_text("[1]")
+    with pytest.raises(ConfigError, match=r"^--draft: .*config.json: not a JSON object"):
+        offline.offline_al(target=tiny_target, draft=draft, groups={}, num_speculative_tokens=3, max_tokens=8,
+                           draft_key="--draft")
+
+
+def test_parity_refuses_a_damaged_checkpoint_before_the_target_naming_its_flag(tmp_path, toy_checkpoint,
+                                                                               tiny_target, monkeypatch):
+    import eaglenest.evaluate.parity as parity
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(toy_checkpoint, ckpt)
+    info = ckpt / "checkpoint.json"
+    info.write_text(json.dumps({k: v for k, v in json.loads(info.read_text()).items() if k != "weights_sha256"}))
+    _truncate(ckpt / "draft.safetensors")
+
+    def target_loaded(*args, **kwargs):
+        raise AssertionError("the target was loaded before the checkpoint was checked")
+
+    monkeypatch.setattr(parity, "load_target", target_loaded)
+    with pytest.raises(ConfigError, match=r"^--checkpoint: .*draft.safetensors: unreadable or not matching"):
+        parity.parity_check(target=tiny_target, draft=tmp_path, checkpoint=ckpt, prompts={"a": [1, 2]}, k=2,
+                            max_tokens=4, engine=None, min_identical=0.9, checkpoint_key="--checkpoint")

@@ -16,13 +16,16 @@ unknown user in ``~``, a symlink loop, a name too long) into that same one line.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 from eaglenest.config import printable
 from eaglenest.errors import EaglenestError, StoreError
@@ -160,6 +163,73 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
+
+
+@contextlib.contextmanager
+def staged_dir(out: str | Path, key: str, *, replaces: Callable[[Path], bool],
+               error: type[EaglenestError] = StoreError) -> Iterator[Path]:
+    """A fresh folder beside ``out`` to write a whole output in; when the block succeeds it becomes
+    ``out``, when it fails (or the process is killed) ``out`` is as it was. An earlier ``out`` is
+    replaced only if ``replaces(out)`` says it is an earlier output of the same kind (moved aside,
+    removed once the new one is in place); any other non-empty folder is ``error`` naming ``key``,
+    never deleted. Side folders a killed writer left (``.<name>.tmp-<pid>-*``, ``.<name>.old-<pid>-*``)
+    are swept first, an earlier output moved aside put back if ``out`` is missing."""
+    out = check_output_dir(out, key, replaces=replaces, error=error)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for kind in ("old", "tmp"):  # an earlier output moved aside goes back before anything else
+            for side in orphans(out.parent, f".{out.name}.{kind}-"):
+                if kind == "old" and not out.exists():
+                    os.replace(side, out)
+                else:
+                    shutil.rmtree(side, ignore_errors=True)
+        if out.is_dir() and any(out.iterdir()) and not replaces(out):
+            raise error(f"{key}: {shown_path(out)} is a folder of other files; give an empty or new folder")
+        tmp = Path(tempfile.mkdtemp(prefix=pid_prefix(f".{out.name}.tmp-"), dir=out.parent))
+        os.chmod(tmp, 0o777 & ~_umask())  # a folder as mkdir makes it, not mkdtemp's owner-only one
+    except OSError as exc:
+        raise _refusal(exc, out, key, error) from None
+    try:
+        yield tmp
+        try:
+            _install(tmp, out)
+        except OSError as exc:
+            raise _refusal(exc, out, key, error) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_output_dir(out: str | Path, key: str, *, replaces: Callable[[Path], bool],
+                     error: type[EaglenestError] = StoreError) -> Path:
+    """What :func:`staged_dir` refuses, checked before long work (nothing is left behind): ``out`` a
+    file, a folder of other files, or a place that cannot be written. Returns ``out`` as a Path."""
+    out = user_path(out, key, error=error, resolve=False)
+    if out.exists() and not out.is_dir():
+        raise error(f"{key}: {shown_path(out)} is a file; give a folder")
+    if out.is_dir() and any(out.iterdir()) and not replaces(out):
+        raise error(f"{key}: {shown_path(out)} is a folder of other files; give an empty or new folder")
+    ensure_writable(out.parent, key, error=error, keep=False)
+    return out
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _install(tmp: Path, out: Path) -> None:
+    if not (out.is_dir() and any(out.iterdir())):
+        os.replace(tmp, out)  # new, or an empty folder (a rename replaces it)
+        return
+    old = Path(tempfile.mkdtemp(prefix=pid_prefix(f".{out.name}.old-"), dir=out.parent))
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_json_object(path: str | Path, *, error: type[EaglenestError], then: str) -> dict:

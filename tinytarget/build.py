@@ -3,7 +3,9 @@
 Writes a Hugging Face model folder (config, fp32 safetensors, tokenizer, generation config, model
 card, provenance.json) that vLLM and transformers load offline, plus the demo's prompt files
 (``recipes/data/<domain>.jsonl``, drawn with a different seed). ``--prompts-only`` writes just
-the prompt files. Run from the repository root; paths are relative to the working directory.
+the prompt files. Run from the repository root; paths are relative to the working directory. The
+model folder is written whole or not at all: built beside ``--out`` and renamed into place, an
+earlier model there replaced only once the new one is complete.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import logging
 import sys
 from pathlib import Path
 
+from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.paths import check_output_dir, make_dir, staged_dir
 from eaglenest.provenance import write_provenance
 from eaglenest.tinytarget import corpus, tokenizer, train
 from eaglenest.tinytarget.card import write_model_card
@@ -105,13 +109,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_seed == args.seed:
         print("eaglenest-tiny-target: error: --prompt-seed must differ from --seed", file=sys.stderr)
         return 2
-    write_prompt_files(args.prompts_out, seed=args.prompt_seed)
-    if args.prompts_only:
-        return 0
-    cfg = TrainConfig(seed=args.seed, num_steps=args.steps)
-    metrics = build(args.out, shape=ModelShape(), cfg=cfg)
+    try:
+        if not args.prompts_only:  # before the prompt files: nothing written for a refused --out
+            check_output_dir(args.out, "--out", replaces=is_model_folder, error=ConfigError)
+        write_prompt_files(make_dir(args.prompts_out, "--prompts-out", error=ConfigError), seed=args.prompt_seed)
+        if args.prompts_only:
+            return 0
+        cfg = TrainConfig(seed=args.seed, num_steps=args.steps)
+        with staged_dir(args.out, "--out", replaces=is_model_folder, error=ConfigError) as tmp:
+            metrics = build(tmp, shape=ModelShape(), cfg=cfg)
+    except EaglenestError as exc:
+        print(f"eaglenest-tiny-target: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a disk that filled up while writing: the earlier --out is as it was
+        print(f"eaglenest-tiny-target: error: writing failed ({exc.strerror or exc}); {args.out} unchanged",
+              file=sys.stderr)
+        return 2
     log.info("wrote %s (%.1f s training)", args.out, metrics["train"]["train_seconds"])
     return 0
+
+
+def is_model_folder(path: Path) -> bool:
+    """Whether ``path`` holds a model this command may replace (a Hugging Face ``config.json``)."""
+    return (path / "config.json").is_file()
 
 
 if __name__ == "__main__":

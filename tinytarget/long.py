@@ -38,9 +38,10 @@ from pathlib import Path
 
 from eaglenest.config import load_yaml
 from eaglenest.errors import ConfigError
+from eaglenest.paths import check_output_dir, staged_dir
 from eaglenest.provenance import write_provenance
 from eaglenest.tinytarget import corpus, longdata, longeval, train
-from eaglenest.tinytarget.build import _add_legacy_dtype
+from eaglenest.tinytarget.build import _add_legacy_dtype, is_model_folder
 from eaglenest.tinytarget.longcard import write_long_card
 
 log = logging.getLogger(__name__)
@@ -358,9 +359,10 @@ def train_phases(model, hf_tok, cfg: LongConfig, *, phase_dir: Path | None = Non
 
 def _save_phase(model, out: Path, cfg: LongConfig, name: str, stages: list[dict]) -> None:
     """A finished phase's model with a provenance whose training record a resumed build reads."""
-    save(model, out, cfg)
-    write_provenance(out, config=dataclasses.asdict(cfg), inputs={"base": cfg.base, "phase": name},
-                     extra={"metrics": {"train": {"stages": stages}}})
+    with staged_dir(out, "--phase-dir", replaces=is_model_folder, error=ConfigError) as tmp:
+        save(model, tmp, cfg)
+        write_provenance(tmp, config=dataclasses.asdict(cfg), inputs={"base": cfg.base, "phase": name},
+                         extra={"metrics": {"train": {"stages": stages}}})
 
 
 def measure(model, hf_tok, cfg: LongConfig) -> dict:
@@ -399,9 +401,10 @@ def build(out: Path, cfg: LongConfig, *, phase_dir: Path | None = None) -> dict:
     model = load_base(cfg)
     train_stats = train_phases(model, hf_tok, cfg, phase_dir=phase_dir)
     metrics = {"train": train_stats, **measure(model, hf_tok, cfg)}
-    save(model, out, cfg)
-    metrics["build_seconds"] = round(time.perf_counter() - start, 1)
-    write_outputs(out, cfg, metrics, seeds=_seeds(cfg, train_stats))
+    with staged_dir(out, "--out", replaces=is_model_folder, error=ConfigError) as tmp:  # whole or not at all
+        save(model, tmp, cfg)
+        metrics["build_seconds"] = round(time.perf_counter() - start, 1)
+        write_outputs(tmp, cfg, metrics, seeds=_seeds(cfg, train_stats))
     return metrics
 
 
@@ -560,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         missing = [n for n in REQUIRED_TOKENIZER_FILES if not (Path(cfg.base) / n).is_file()]
         if missing:  # the output copies them after training: refuse before, not after, the hours
             raise ConfigError(f"--base: {cfg.base} has no {', '.join(missing)} (the tokenizer the build copies)")
+        if not (args.measure_only or args.remeasure):  # likewise a --out it could not write in the end
+            check_output_dir(args.out, "--out", replaces=is_model_folder, error=ConfigError)
     except (ConfigError, ValueError) as exc:
         print(f"python -m eaglenest.tinytarget.long: error: {exc}", file=sys.stderr)
         return 2

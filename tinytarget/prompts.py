@@ -13,6 +13,7 @@ import logging
 import random
 from pathlib import Path
 
+from eaglenest.provenance import write_text_atomic
 from eaglenest.tinytarget import corpus
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,12 @@ def write_prompt_files(outdir: str | Path, *, seed: int = PROMPT_SEED,
         path = outdir / f"{domain}.jsonl"
         lines = [json.dumps(r, sort_keys=True, ensure_ascii=False)
                  for r in prompt_records(domain, seed=seed, num_prompts=num_prompts)]
-        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        write_text_atomic(path, "\n".join(lines) + "\n")
         paths.append(path)
         log.info("wrote %d prompts to %s", len(lines), path)
     path = outdir / "dialogue.jsonl"
     lines = [json.dumps(r, sort_keys=True, ensure_ascii=False) for r in dialogue_records()]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_text_atomic(path, "\n".join(lines) + "\n")
     paths.append(path)
     log.info("wrote %d dialogues to %s", len(lines), path)
     return paths

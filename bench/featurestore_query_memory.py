@@ -95,8 +95,8 @@ def build_small(uri: str, *, mib: int, tokens: int = 16384, seed: int = 0) -> in
     from eaglenest.featurestore import schema as S
     from eaglenest.featurestore.table import store
 
-    meta = S.FeatureMeta(target="bench", layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=8,
-                         dtype="float32", feature_set_id="bench-query-memory-small")
+    meta = S.FeatureMeta(target="bench", layer_ids=(1,), last_layer_id=4, hidden_size=1,
+                         dtype="float16", feature_set_id="bench-query-memory-small")
     n = mib * 2**20 // (5 * tokens)
     rng = np.random.default_rng(seed)
     for start in range(0, n, 64):
@@ -106,8 +106,9 @@ def build_small(uri: str, *, mib: int, tokens: int = 16384, seed: int = 0) -> in
                          "mode": "chat", "gen_params_id": "g", "num_tokens": tokens, "num_loss_tokens": tokens - 1,
                          "input_ids": rng.integers(0, 150_000, tokens, dtype=np.int32),
                          "loss_mask": np.ones(tokens, dtype=np.uint8),
-                         "aux_hidden": S.encode_tensor(np.zeros((1, 3, 8), np.float32), "float32"),
-                         "last_hidden": S.encode_tensor(np.zeros((1, 8), np.float32), "float32")})
+                         # the smallest tensors whose sizes agree with num_tokens (the store checks them)
+                         "aux_hidden": S.encode_tensor(np.zeros((tokens, 1, 1), np.float16), "float16"),
+                         "last_hidden": S.encode_tensor(np.zeros((tokens, 1), np.float16), "float16")})
         store.append(uri, store.FEATURES, pa.Table.from_pylist(rows, schema=S.features_schema(meta)), meta=meta)
     return n
 

@@ -61,17 +61,15 @@ def _store_must_exist(recipe) -> str:
 def cmd_show(recipe, args) -> int:
     uri = _store_must_exist(recipe)
     report = {"store": uri, "tables": {}}
-    for name in (store.PROMPTS, store.FEATURES):
-        if not store.exists(uri, name):
-            continue
+    for name in store.table_names(uri):  # every feature set's table, not only the default one's
         ds = integrity.checked_dataset(uri, name)  # a damaged file: one line naming it, not its rows
         with store.unreadable(uri, name, ds.version):
             t = ds.to_table(columns=["domain", "split"])
         counts = collections.Counter(zip(t.column("domain").to_pylist(), t.column("split").to_pylist()))
         info = {"version": ds.version, "rows": ds.count_rows(),
-                "versions": [v["version"] for v in ds.versions()], "tags": sorted(ds.tags.list()),
+                "versions": [v["version"] for v in store.version_list(ds, uri, name)], "tags": sorted(ds.tags.list()),
                 "counts": {f"{d}/{s}": n for (d, s), n in sorted(counts.items())}}
-        if name == store.FEATURES:
+        if store.is_features(name):
             info["meta"] = json.loads(schema.feature_meta(ds.schema).to_json())
         report["tables"][name] = info
     print(json.dumps(report, indent=2))
@@ -159,7 +157,9 @@ def cmd_query(recipe, args) -> int:
         rows = query.write_query(uri, args.sql, args.out, **kw)
         print(f"{rows} rows -> {args.out}")
         return 0
-    table = query.run_query(uri, args.sql, **kw)
+    # max_rows 0: every row printed; else only what the printout shows is kept (bounded memory)
+    table = query.preview_query(uri, args.sql, max_rows=args.max_rows, **kw) if args.max_rows \
+        else query.run_query(uri, args.sql, **kw)
     print(table.to_pandas().to_string(index=False, max_rows=args.max_rows))
     return 0
 

@@ -35,6 +35,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
+from eaglenest.config import short
 from eaglenest.errors import SchemaError
 
 #: Version of the ``features`` schema. 2: tensor columns are Lance blob columns (same bytes as 1).
@@ -151,6 +152,38 @@ def validate(schema: pa.Schema, expected: pa.Schema, *, what: str) -> None:
         got = schema.field(field.name).type
         if got != field.type:
             raise SchemaError(f"{what}: column '{field.name}' is {got}, expected {field.type}")
+
+
+def value_bytes(meta: FeatureMeta, num_tokens: np.ndarray, num_layers: int) -> np.ndarray:
+    """Bytes of a stored tensor value of ``num_tokens`` tokens of ``num_layers`` layers, per row."""
+    rows = num_tokens.astype(np.int64) * num_layers
+    if meta.storage == "fp8_e4m3":
+        return rows * (4 + meta.hidden_size)
+    return rows * meta.hidden_size * _DTYPES[meta.dtype].itemsize
+
+
+def row_problem(table: pa.Table, meta: FeatureMeta) -> str | None:
+    """The first row of a features ``table`` whose sizes disagree (``num_tokens`` vs the lengths of
+    ``input_ids`` and ``loss_mask`` and the bytes of the tensor values that ``meta`` implies), named by
+    ``sample_id``; None when every row is consistent. A reader sizes each sample by these, so a row
+    that breaks them would be stored and fail only when a training run reads it."""
+    import pyarrow.compute as pc
+
+    tokens = table.column("num_tokens").to_numpy().astype(np.int64)
+    wants = {"input_ids": tokens, "loss_mask": tokens,
+             "aux_hidden": value_bytes(meta, tokens, len(meta.layer_ids)), "last_hidden": value_bytes(meta, tokens, 1)}
+    for col, want in wants.items():
+        size = pc.list_value_length if col in ("input_ids", "loss_mask") else pc.binary_length
+        got = size(table.column(col)).to_numpy()
+        bad = np.nonzero(got != want)[0]
+        if len(bad):
+            k = int(bad[0])
+            unit = "values" if size is pc.list_value_length else "bytes"
+            more = f"; {len(bad)} rows like it" if len(bad) > 1 else ""
+            return (f"row {short(table.column('sample_id')[k].as_py(), 60)}: {col} holds {got[k]} {unit}, "
+                    f"not the {want[k]} of num_tokens {tokens[k]} ({len(meta.layer_ids)} aux layers, hidden "
+                    f"{meta.hidden_size}, {meta.dtype} {meta.storage}{more})")
+    return None
 
 
 def encode_tensor(array: np.ndarray, dtype: str) -> bytes:

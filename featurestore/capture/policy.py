@@ -53,7 +53,7 @@ def generating_targets(store_uri: str) -> dict[str, str] | None:
         return None
     ds = store.dataset(store_uri, store.PROMPTS)
     found: dict[str, str] = {}
-    for v in ds.versions():
+    for v in store.version_list(ds, store_uri, store.PROMPTS):
         lin = fragments.lineage_of(ds, int(v["version"])) or {}
         if lin.get("target_id") and lin.get("shard") != "heldout":
             found.setdefault(lin["target_id"], lin.get("target", "?"))

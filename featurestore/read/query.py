@@ -27,6 +27,7 @@ keeps them) still needs DuckDB to hold what that operator holds.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -112,6 +113,11 @@ def _connect(uri: str, *, versions: dict[str, int | str] | None = None, with_ten
     import duckdb
 
     names = tables_in(uri)
+    unknown = sorted(set(versions or {}) - set(names))
+    if unknown:  # a pin the query would otherwise drop without a word, reading the latest of everything
+        raise StoreError(f"query: a version is pinned for table '{unknown[0]}', which the store {uri} does not "
+                         f"have (tables: {', '.join(names) or 'none'}; featurestore.table names the table "
+                         "--version pins)")
     _check_attach(attach or {}, names)  # before any table is read
     con = duckdb.connect(":memory:")
     try:
@@ -236,6 +242,40 @@ def run_query(uri: str, sql: str, **kw) -> pa.Table:
         result = con.sql(sql)
         return result.to_arrow_table() if result is not None else pa.table({})
     except Exception as exc:
+        raise _failed(exc, uri, kw.get("with_tensors", False)) from None
+    finally:
+        con.close()
+
+
+def preview_query(uri: str, sql: str, *, max_rows: int, **kw) -> pa.Table:
+    """The rows a printout truncated to ``max_rows`` shows (pandas: the first and the last
+    ``max_rows // 2``), read batch by batch: the first ``max_rows // 2 + 1`` rows and the last as
+    many after them; every row of a result no longer than that. So printing ``SELECT *`` with
+    tensors holds those rows, not the table, and the printout is the one of the whole result."""
+    keep = max_rows // 2 + 1
+    check_read_only(sql)
+    con, batch_rows = _connect(uri, only=named_tables(sql), **kw)
+    if batch_rows is not None:
+        con.execute("SET threads = 2")  # each DuckDB thread holds a batch in flight
+    head, tail, in_head, in_tail = [], collections.deque(), 0, 0
+    try:
+        reader = con.sql(sql).to_arrow_reader(batch_rows or 100_000)
+        for batch in reader:
+            take = min(batch.num_rows, keep - in_head)
+            if take:
+                head.append(batch.slice(0, take))
+                in_head += take
+            if batch.num_rows > take:
+                tail.append(batch.slice(take))
+                in_tail += batch.num_rows - take
+            while in_tail > keep:  # drop what lies before the last rows (a slice keeps its batch's memory)
+                extra = in_tail - keep
+                if tail[0].num_rows <= extra:
+                    in_tail -= tail.popleft().num_rows
+                else:
+                    tail[0], in_tail = tail[0].slice(extra), keep
+        return pa.Table.from_batches([*head, *tail], schema=reader.schema)
+    except Exception as exc:  # DuckDB's errors (binder, conversion) as one line
         raise _failed(exc, uri, kw.get("with_tensors", False)) from None
     finally:
         con.close()

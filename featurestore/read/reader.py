@@ -149,6 +149,8 @@ class SampleReader:
         self.profile = profile
         self.meta = S.feature_meta(ds.schema)
         self.layout = S.tensor_layout(ds.schema)
+        #: Rows of the pinned version: a ``take`` index outside ``[0, num_rows)`` is refused by name.
+        self.num_rows = ds.count_rows()
         #: Samples in flight: adaptive unless ``threads`` fixes it.
         self.window = AdaptiveWindow(start=2, lo=min(2, max(1, max_in_flight)), hi=max(1, max_in_flight),
                                      budget=memory_budget) if threads is None \
@@ -229,6 +231,10 @@ class SampleReader:
 
     def _take(self, indices: list[int], columns: list[str]) -> pa.Table:
         """``dataset.take``; a Lance error (a truncated or damaged data file) names the fragment."""
+        outside = [i for i in indices if not 0 <= i < self.num_rows]
+        if outside:  # Lance would report it as a fragment that fails to read (or numpy overflow)
+            raise StoreError(f"table v{self.ds.version}: row {outside[0]} is out of range "
+                             f"(the version has {self.num_rows} rows: 0..{self.num_rows - 1})")
         try:
             return self.ds.take(indices, columns=columns)
         except (OSError, pa.ArrowException) as exc:
@@ -374,6 +380,8 @@ class SampleReader:
         samples hold only the small columns. Both may be iterators, consumed in step as the window
         moves (a caller can hand out its next batch's indices without knowing where it ends)."""
         pending: collections.deque = collections.deque()
+        if group < 1:  # islice(todo, 0) would end the read at once, every sample silently dropped
+            raise ValueError(f"group must be >= 1, not {group}")
         if hasattr(indices, "__len__") and hasattr(into, "__len__") and len(into) != len(indices):
             raise ValueError(f"{len(into)} destinations for {len(indices)} samples")
         todo = iter(indices)

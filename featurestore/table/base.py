@@ -80,7 +80,7 @@ def _missing_version(uri: str, name: str, version: int | str | None) -> str | No
         latest = objects.dataset(table_uri(uri, name))
         numbers = [v["version"] for v in latest.versions()]
         tags = latest.tags.list()
-    except (ValueError, OSError):
+    except LANCE_ERRORS:
         return None
     if isinstance(version, int) and version not in numbers:
         return (f"table '{name}' in {uri} has no version {version} (the latest is "
@@ -89,6 +89,21 @@ def _missing_version(uri: str, name: str, version: int | str | None) -> str | No
         return (f"table '{name}' in {uri} has no tag '{version[:80]}' "
                 f"(tags: {', '.join(sorted(tags)) or 'none'}; `featurestore tags` lists them)")
     return None
+
+
+#: What Lance raises for a table it cannot open or list (RuntimeError: a damaged manifest).
+LANCE_ERRORS = (ValueError, OSError, RuntimeError)
+
+
+def version_list(ds, uri: str, name: str) -> list[dict]:
+    """``ds.versions()``, every manifest of the table; one that is damaged is a :class:`StoreError`
+    naming it (Lance's message does), not a traceback."""
+    try:
+        return ds.versions()
+    except LANCE_ERRORS as exc:
+        first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        raise StoreError(f"table '{name}' in {uri}: cannot list its versions ({first}); a manifest under "
+                         f"{name}.lance/_versions is damaged: restore it from a backup") from None
 
 
 def dataset(uri: str, name: str, version: int | str | None = None, *, allow_rolled_back: bool = False):
@@ -101,7 +116,7 @@ def dataset(uri: str, name: str, version: int | str | None = None, *, allow_roll
         raise StoreError(f"no table '{name}' in store {uri}")
     try:
         ds = objects.dataset(table_uri(uri, name), version)
-    except (ValueError, OSError) as exc:
+    except LANCE_ERRORS as exc:  # RuntimeError: a damaged manifest ("Encountered corrupt file <path>")
         raise StoreError(_missing_version(uri, name, version)
                          or f"table '{name}' in {uri}: cannot open "
                             f"{'its latest version' if version is None else f'version {version!r}'} "
@@ -134,7 +149,7 @@ def head_version(uri: str, name: str) -> int | None:
     text = objects.read_text(objects.join(table_uri(uri, name), HEAD_FILE))
     try:
         return int(json.loads(text)["version"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):  # garbled (1e400 reads as inf): no record
         return None
 
 
@@ -153,7 +168,7 @@ def rolled_back(uri: str, name: str, latest: int) -> str | None:
     try:
         hint = int(json.loads(objects.read_text(objects.join(table_uri(uri, name), "_versions",
                                                              "latest_version_hint.json")))["version"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):
         pass
     newest = max(v for v in (recorded, hint, latest) if v is not None)
     if newest <= latest:

@@ -51,7 +51,10 @@ LINEAGE_KEY = "eaglenest.lineage"
 def _checked(uri: str, name: str, table: pa.Table, meta: S.FeatureMeta | None) -> tuple[pa.Table, pa.Schema]:
     want = base.expected_schema(name, meta)
     S.validate(table.schema, want, what=f"write to '{name}'")
-    return table.select(want.names).cast(want), want
+    table = table.select(want.names).cast(want)
+    if name != base.PROMPTS and (problem := S.row_problem(table, meta)):  # before a byte is written
+        raise SchemaError(f"write to '{name}': {problem}; nothing was written")
+    return table, want
 
 
 def check_identity(ds, name: str, meta: S.FeatureMeta | None) -> None:

@@ -49,7 +49,7 @@ from typing import Iterator
 
 from eaglenest.errors import StoreError
 from eaglenest.featurestore.table.names import check_name
-from eaglenest.featurestore.table.objects import is_remote
+from eaglenest.featurestore.table.objects import is_remote, local
 from eaglenest.paths import pid_alive
 
 log = logging.getLogger(__name__)
@@ -70,9 +70,14 @@ def _remote(uri: str) -> bool:
 
 def lease_path(uri: str, name: str, kind: str = "lease") -> Path:
     """The lock file of table ``name``: ``kind`` "lease" (writers), "tags" (tag changes vs gc)."""
-    # Resolved: one file, one key, however the store is spelled ("runs/s", "./runs/s", a symlink).
-    # Opening and closing the same file under a second spelling would drop this process's lock.
-    return Path(uri).resolve() / ".eaglenest" / "leases" / f"{check_name(name)}.{kind}"
+    # Resolved: one file, one key, however the store is spelled ("runs/s", "./runs/s", "file:///...",
+    # a symlink). Opening and closing the same file under a second spelling would drop this process's lock.
+    return store_dir(uri) / ".eaglenest" / "leases" / f"{check_name(name)}.{kind}"
+
+
+def store_dir(uri: str) -> Path:
+    """A local store's directory, resolved (``file:///x`` is ``/x``, not ``./file:/x``)."""
+    return Path(local(uri)).resolve()
 
 
 def _read_info(fd: int) -> dict | None:
@@ -215,7 +220,7 @@ def create_lock(uri: str, name: str) -> Iterator[None]:
 # -- reader pins: a version a live reader (a training run) is reading is never removed by gc -----
 
 def _pins_dir(uri: str, name: str) -> Path:
-    return Path(uri).resolve() / ".eaglenest" / "pins" / check_name(name)
+    return store_dir(uri) / ".eaglenest" / "pins" / check_name(name)
 
 
 @contextlib.contextmanager
@@ -227,9 +232,13 @@ def pin(uri: str, name: str, version: int, *, purpose: str = "train") -> Iterato
         yield
         return
     path = _pins_dir(uri, name) / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+    # Locked and written under a name gc does not list, then renamed into place (the lock stays with
+    # the file): a gc between the open and the lock would take the pin for a dead reader's and
+    # delete it, and one between the lock and the write would find no version in it.
+    tmp = path.with_suffix(".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         log.warning("cannot pin version %s of table '%s' (%s): a gc meanwhile could remove it",
                     version, name, exc.strerror or exc)
@@ -239,14 +248,16 @@ def pin(uri: str, name: str, version: int, *, purpose: str = "train") -> Iterato
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         info = json.loads(_info_text(purpose))
         os.pwrite(fd, json.dumps({**info, "version": int(version)}).encode(), 0)
+        os.rename(tmp, path)
         with _mutex:
             _pins[str(path)] = int(version)
         yield
     finally:
         with _mutex:
             _pins.pop(str(path), None)
-        with contextlib.suppress(OSError):
-            path.unlink()
+        for leftover in (path, tmp):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
         os.close(fd)
 
 

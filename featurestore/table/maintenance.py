@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from eaglenest.errors import StoreError
 from eaglenest.featurestore import schema as S
@@ -76,21 +77,15 @@ def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
             elif crc_file(path) != want:
                 problems.append(f"fragment {fid}: data file {df.path} fails its checksum (corrupt)")
         try:
-            tbl = frag.to_table(**base.BYTES)  # blob columns as bytes
+            got, found = _scan_fragment(frag, meta)
         except Exception as exc:
             problems.append(f"fragment {fid}: unreadable ({str(exc).splitlines()[0][:200]})")
             continue
-        if tbl.num_rows != frag.metadata.physical_rows - (frag.metadata.num_deletions or 0):
-            problems.append(f"fragment {fid}: {tbl.num_rows} rows read, manifest says "
+        if got != frag.metadata.physical_rows - (frag.metadata.num_deletions or 0):
+            problems.append(f"fragment {fid}: {got} rows read, manifest says "
                             f"{frag.metadata.physical_rows}")
-        rows += tbl.num_rows
-        if meta is not None:
-            for col in S.TENSOR_COLUMNS:
-                bad = np.array([S.value_nonfinite(b, meta) for b in tbl.column(col).to_pylist()], dtype=bool)
-                if bad.any():
-                    ids = tbl.column("sample_id").filter(bad).to_pylist()[:5]
-                    problems.append(f"fragment {fid}: {int(bad.sum())} row(s) with NaN/inf in {col} "
-                                    f"(e.g. {ids})")
+        rows += got
+        problems += [f"fragment {fid}: {p}" for p in found]
     if rows != ds.count_rows():
         problems.append(f"row count: fragments read {rows}, table reports {ds.count_rows()}")
     try:
@@ -104,6 +99,45 @@ def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
                         f"row(s) (e.g. {', '.join(dup[:3])})")
     return {"table": name, "version": ds.version, "rows": rows, "fragments": len(ds.get_fragments()),
             "unchecked_files": unchecked, "problems": problems, "ok": not problems}
+
+
+#: About how many bytes of rows ``verify`` holds at once (a compacted fragment can be the whole table).
+SCAN_BYTES = 32 << 20
+
+
+def _scan_rows(frag, meta: S.FeatureMeta | None) -> int:
+    """Rows per batch of a fragment's scan: about :data:`SCAN_BYTES` of its largest row's tensors."""
+    if meta is None:
+        return 4096
+    tokens = frag.to_table(columns=["num_tokens"]).column("num_tokens").to_numpy()
+    if not len(tokens):
+        return 1
+    largest = S.value_bytes(meta, np.array([max(int(tokens.max()), 1)]), len(meta.layer_ids) + 1)[0]
+    return max(1, int(SCAN_BYTES // largest))
+
+
+def _scan_fragment(frag, meta: S.FeatureMeta | None) -> tuple[int, list[str]]:
+    """(rows read, problems) of one fragment, decoded batch by batch (one batch in memory, not the
+    fragment): rows whose sizes disagree, and NaN/inf in the tensor columns."""
+    rows, problems, first_bad = 0, [], None
+    nonfinite = {col: [0, []] for col in S.TENSOR_COLUMNS}
+    for batch in frag.to_batches(batch_size=_scan_rows(frag, meta), batch_readahead=1,
+                                 io_buffer_size=2 * SCAN_BYTES, **base.BYTES):
+        rows += batch.num_rows
+        if meta is None:
+            continue
+        tbl = pa.Table.from_batches([batch])
+        first_bad = first_bad or S.row_problem(tbl, meta)
+        for col, seen in nonfinite.items():
+            bad = np.array([S.value_nonfinite(b, meta) for b in tbl.column(col).to_pylist()], dtype=bool)
+            seen[0] += int(bad.sum())
+            seen[1] += tbl.column("sample_id").filter(bad).to_pylist()[:5 - len(seen[1])]
+    if first_bad:
+        problems.append(first_bad)
+    for col, (n, ids) in nonfinite.items():
+        if n:
+            problems.append(f"{n} row(s) with NaN/inf in {col} (e.g. {ids})")
+    return rows, problems
 
 
 def compact(uri: str, name: str, *, target_rows_per_fragment: int = 1 << 20) -> dict:
@@ -143,7 +177,7 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
     with lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S), \
             lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
         ds = base.dataset(uri, name)  # refuses a rolled-back table
-        listed = ds.versions()
+        listed = base.version_list(ds, uri, name)
         before = [v["version"] for v in listed]
         # A version a live training run reads (lease.pin) stays, and so does every newer one:
         # Lance removes versions by age, so the cut-off moves back to the oldest pinned version.
@@ -176,7 +210,7 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
             if crc_dir is not None and crc_dir.is_dir() else []
         for p in stale:
             p.unlink()
-        after = [v["version"] for v in ds.versions()]
+        after = [v["version"] for v in base.version_list(ds, uri, name)]
     return {"table": name, "versions_before": before, "versions_after": after,
             "bytes_removed": stats.bytes_removed + swept_bytes, "old_versions_removed": stats.old_versions,
             "uncommitted_files_removed": swept, "checksums_removed": len(stale),
@@ -186,7 +220,7 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
 def referenced_files(uri: str, name: str, ds=None) -> set[str]:
     """Names of the data files some remaining version of the table references."""
     ds = ds or base.dataset(uri, name, allow_rolled_back=True)
-    return {Path(df.path).name for v in ds.versions()
+    return {Path(df.path).name for v in base.version_list(ds, uri, name)
             for f in base.dataset(uri, name, v["version"]).get_fragments() for df in f.data_files()}
 
 

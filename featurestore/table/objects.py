@@ -41,7 +41,7 @@ def is_remote(uri: str) -> bool:
 def local(uri: str) -> str:
     """A local store URI as a plain path (``file:///x`` -> ``/x``)."""
     text = str(uri)
-    return text[len("file://"):] if text.startswith("file://") else text
+    return text[len("file://"):] if text[:len("file://")].lower() == "file://" else text  # as scheme()
 
 
 def join(uri: str, *parts: str) -> str:
@@ -119,17 +119,17 @@ def filesystem(uri: str):
 
 
 def read_text(uri: str) -> str | None:
-    """A small file's text; None when it does not exist or cannot be read."""
+    """A small file's text; None when it does not exist or cannot be read (or is not UTF-8 text)."""
     if not is_remote(uri):
         try:
-            return Path(local(uri)).read_text()
-        except OSError:
+            return Path(local(uri)).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
             return None
     fs, path = filesystem(uri)
     try:
         with fs.open_input_stream(path) as f:
             return f.read().decode()
-    except (OSError, FileNotFoundError):
+    except (OSError, UnicodeDecodeError):
         return None
 
 

@@ -26,7 +26,7 @@ def list_versions(uri: str, name: str) -> list[dict]:
     for tag, info in ds.tags.list().items():
         tags[int(info["version"])].append(tag)
     out = []
-    for v in ds.versions():
+    for v in base.version_list(ds, uri, name):
         n = int(v["version"])
         out.append({"version": n, "timestamp": v["timestamp"].isoformat(timespec="seconds"),
                     "rows": int(v["metadata"].get("total_rows", 0)), "tags": sorted(tags.get(n, [])),

@@ -44,6 +44,6 @@ def big_table(uri: str, *, rows: int, row_mib: int) -> None:
             last = rng.standard_normal((tokens, hidden), dtype=np.float32)
             batch.append({"sample_id": f"b{k}", "domain": "d", "source": "s", "split": "train", "mode": "chat",
                           "gen_params_id": "g", "num_tokens": tokens, "num_loss_tokens": tokens - 1,
-                          "input_ids": [0] * tokens, "loss_mask": [1] * tokens,
+                          "input_ids": [0] * tokens, "loss_mask": [0] + [1] * (tokens - 1),
                           "aux_hidden": S.encode_tensor(aux, m.dtype), "last_hidden": S.encode_tensor(last, m.dtype)})
         store.append(uri, store.FEATURES, pa.Table.from_pylist(batch, schema=S.features_schema(m)), meta=m)

@@ -151,7 +151,7 @@ def test_reader_views_are_bit_exact_in_any_order(tmp_path):
     order = [5, 0, 6, 2, 1, 4, 3] * 2
     # recycle: each sample's buffers go back to the pool once checked, so later reads reuse them.
     with SampleReader(store.dataset(str(tmp_path), store.FEATURES), threads=3, recycle=True) as reader:
-        for s, i in zip(reader.iter_samples(order), order):
+        for s, i in zip(reader.iter_samples(order), order, strict=True):  # a short read fails
             assert s.index == i and s.input_ids.tolist() == rows[i]["input_ids"]
             assert s.aux_stored().dtype == torch.bfloat16
             assert s.aux_stored().contiguous().view(torch.uint8).numpy().tobytes() == rows[i]["aux_hidden"]

@@ -74,5 +74,7 @@ def test_pinned_versions_and_tags(tmp_path):
     assert store.read(str(tmp_path), store.FEATURES, version=v1).num_rows == 1
     assert store.read(str(tmp_path), store.FEATURES, version="first").num_rows == 1
     assert store.sample_ids(str(tmp_path), store.FEATURES) == {"a", "b"}
-    with pytest.raises(StoreError):
+    with pytest.raises(StoreError, match=r"has no version 99 \(the latest is 3;"):
         store.read(str(tmp_path), store.FEATURES, version=99)
+    with pytest.raises(StoreError, match=r"has no tag 'second' \(tags: first;"):
+        store.read(str(tmp_path), store.FEATURES, version="second")

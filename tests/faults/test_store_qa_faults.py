@@ -1,0 +1,148 @@
+"""QA pass on the store core, concurrency: a store spelled ``file:///...`` (docs/storage.md: a local
+directory) is the same store as its plain path for the writer lease and the readers' pins.
+
+The lease and pin files were put under ``Path(uri).resolve()``, which for ``file:///x`` is
+``./file:/x`` in the working directory: a ``compact`` or ``gc`` given the ``file://`` spelling took
+a lease of its own while a capture held the plain path's, and ``gc`` did not see a training run's
+pin, so it could remove the version being read.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parents[1] / "featurestore"
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import fs_helpers as H  # noqa: E402
+
+from eaglenest.errors import StoreError  # noqa: E402
+from eaglenest.featurestore import cli  # noqa: E402
+from eaglenest.featurestore.table import lease, maintenance, store  # noqa: E402
+
+HOLDER = r"""
+import sys, time
+from eaglenest.featurestore.table import lease
+with lease.hold(sys.argv[1], "features", purpose="test writer"):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture()
+def uri(tmp_path, monkeypatch) -> str:
+    monkeypatch.chdir(tmp_path)  # where a relative './file:' folder would appear
+    uri, m = str(tmp_path / "store"), H.meta()
+    for c in range(2):
+        store.append(uri, store.FEATURES, H.table([f"c{c}s{i}" for i in range(3)], m, seed=c), meta=m)
+    return uri
+
+
+def test_a_file_uri_store_waits_for_the_plain_paths_writer(uri, tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "MAINTENANCE_WAIT_S", 0.3)
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, uri], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        before = store.latest_version(uri, store.FEATURES)
+        with pytest.raises(StoreError, match=rf"is being written by pid {proc.pid} .*\(test writer\).*nothing was "
+                                             "changed"):
+            maintenance.compact(f"file://{uri}", store.FEATURES)
+        with pytest.raises(StoreError, match=rf"pid {proc.pid} .*this featurestore gc waited"):
+            maintenance.gc(f"file://{uri}", store.FEATURES, older_than_hours=0, grace_hours=0)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert store.latest_version(uri, store.FEATURES) == before
+    assert not (tmp_path / "file:").exists()
+
+
+def test_gc_sees_the_pin_of_a_reader_that_spelled_the_store_file_uri(uri, tmp_path):
+    with lease.pin(f"file://{uri}", store.FEATURES, 2):
+        assert lease.pinned_versions(uri, store.FEATURES) == {2}
+        report = maintenance.gc(uri, store.FEATURES, older_than_hours=0, grace_hours=0)
+    assert 2 in report["versions_after"] and report["pinned_versions_kept"] == [2], report
+    assert not (tmp_path / "file:").exists()
+
+
+GC_VIEW = r"""
+import sys
+from eaglenest.featurestore.table import lease
+print(sorted(lease.pinned_versions(sys.argv[1], "features")))
+"""
+
+
+def _pins_seen_by_another_process(uri: str) -> str:
+    return subprocess.run([sys.executable, "-c", GC_VIEW, uri], capture_output=True, text=True, timeout=120,
+                          check=True).stdout.strip()
+
+
+def test_a_gc_that_looks_while_a_pin_is_being_taken_keeps_it(uri, monkeypatch):
+    """Another process lists the pins at the moment the reader locks its pin file (the window
+    between creating the file and locking and writing it): the pin must survive, and be seen."""
+    real_lockf, seen = lease.fcntl.lockf, []
+
+    def lockf_after_a_look(fd, op, *args):
+        if not seen:
+            seen.append(_pins_seen_by_another_process(uri))
+        return real_lockf(fd, op, *args)
+
+    monkeypatch.setattr(lease.fcntl, "lockf", lockf_after_a_look)
+    with lease.pin(uri, store.FEATURES, 2):
+        monkeypatch.setattr(lease.fcntl, "lockf", real_lockf)
+        assert seen == ["[]"]  # nothing to see yet
+        assert _pins_seen_by_another_process(uri) == "[2]"
+    assert _pins_seen_by_another_process(uri) == "[]"
+
+
+def _manifest(uri: str, version: int) -> Path:
+    """The manifest file of ``version`` (Lance names them ``N.manifest`` or, v2 naming, ``(2^64-1-N).manifest``)."""
+    folder = Path(uri) / "features.lance" / "_versions"
+    (path,) = [folder / f"{n}.manifest" for n in (version, 2**64 - 1 - version) if (folder / f"{n}.manifest").is_file()]
+    return path
+
+
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml")
+
+
+LISTS, OPENS = "cannot list its versions ({file}", "cannot open version 1 ("
+
+
+@pytest.mark.parametrize("verb, says", [
+    (["show"], LISTS), (["versions"], LISTS), (["gc", "--older-than-hours", "1000"], LISTS),
+    (["checkout", "--v", "1"], OPENS), (["diff", "--a", "1", "--b", "3"], OPENS), (["restore", "--v", "1"], OPENS),
+    (["query", "--sql", "SELECT count(*) FROM features", "--version", "1"], OPENS),
+])
+def test_a_damaged_old_manifest_is_one_line_on_every_verb(uri, tmp_path, capsys, verb, says):
+    """One manifest (version 1's) truncated: the verbs that list the versions or open that one were
+    Lance ``RuntimeError`` tracebacks (exit 1)."""
+    path = _manifest(uri, 1)
+    path.write_bytes(path.read_bytes()[:50])
+    code = cli.main([*verb, "--recipe", RECIPE, f"run.store={uri}", f"run.workdir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("featurestore: error: table 'features' in "), err
+    assert says.format(file="Encountered corrupt file ") in err[0] and "Traceback" not in err[0], err
+    assert says == OPENS or path.name in err[0], err
+    assert store.latest_version(uri, store.FEATURES) == 3  # nothing committed
+
+
+@pytest.mark.parametrize("text", ['{"version": 1e400}', '{"version": -1e400}'])
+def test_a_garbled_head_record_is_no_record(uri, text):
+    """``_eaglenest_head.json`` whose number is out of range: an OverflowError traceback before."""
+    (Path(uri) / "features.lance" / store.HEAD_FILE).write_text(text)
+    assert store.head_version(uri, store.FEATURES) is None
+    assert store.latest_version(uri, store.FEATURES) == 3
+
+
+def test_a_head_record_of_binary_bytes_is_no_record(uri, tmp_path, capsys):
+    """Not UTF-8 (a damaged sector, a stray binary copy): a UnicodeDecodeError traceback on every verb
+    that opens the latest version (show, compact, query, ...)."""
+    (Path(uri) / "features.lance" / store.HEAD_FILE).write_bytes(b"\xff\xfe\x00garbage")
+    assert store.head_version(uri, store.FEATURES) is None
+    assert store.latest_version(uri, store.FEATURES) == 3
+    assert cli.main(["show", "--recipe", RECIPE, f"run.store={uri}", f"run.workdir={tmp_path}"]) == 0
+    assert "Traceback" not in capsys.readouterr().err

@@ -77,9 +77,10 @@ def _json(path: Path | str, text: str, what: str):
         raise SchemaError(f"{path}: not valid JSON ({short_text(str(exc))}); {what}") from None
 
 
-def read_record(src: Path) -> tuple[dict | None, dict[int, dict]]:
+def read_record(src: Path, fmt: str) -> tuple[dict | None, dict[int, dict]]:
     """The dump's ``eaglenest_export.json`` and per-index sample lines (empty for a foreign dump),
-    validated: a bad record or line is refused with one line naming the file (and line) and key."""
+    validated: a bad record or line, or an export of another format than ``fmt``, is refused with one
+    line naming the file (and line) and key."""
     rec_path, lines_path = src / EXPORT_RECORD, src / SAMPLES
     record = None
     if rec_path.is_file():
@@ -88,6 +89,10 @@ def read_record(src: Path) -> tuple[dict | None, dict[int, dict]]:
         if not isinstance(record, dict):
             raise SchemaError(f"{rec_path}: holds a JSON {type(record).__name__}, expected an object")
         record_meta(record, rec_path)
+        if record.get("format", fmt) != fmt:
+            raise SchemaError(f"{rec_path}: key 'format' is {short(record['format'])}: an eaglenest export of "
+                              f"another format, not a {fmt} dump (import reads speculators and specforge exports, "
+                              "each with its --format)")
         rows = record.get("rows")
         if rows is not None and (type(rows) is not int or rows < 0):
             raise SchemaError(f"{rec_path}: key 'rows' is {short(rows)}, expected a row count")
@@ -131,12 +136,19 @@ def record_meta(record: dict, where: Path | str) -> S.FeatureMeta:
                           f"hidden_size {fm['hidden_size']} is not one eaglenest stores")
     if not isinstance(fm.get("identity", ""), str) or not isinstance(fm.get("feature_set_id", ""), str):
         raise SchemaError(f"{where}: keys 'feature_meta.identity' and 'feature_set_id' must be strings")
+    ids, last = fm["layer_ids"], fm["last_layer_id"]
+    if not ids or len(set(ids)) != len(ids) or not all(0 <= i < last for i in ids):  # the capture's rule
+        raise SchemaError(f"{where}: key 'feature_meta.layer_ids' {ids} with last_layer_id {last}: expected "
+                          "aux layer ids in 0..last_layer_id - 1, each once")
     try:
         comps = json.loads(fm.get("identity") or "{}")
     except ValueError:
         comps = None
     if not isinstance(comps, dict):
         raise SchemaError(f"{where}: key 'feature_meta.identity' is not a JSON object")
+    if not isinstance(comps.get("weights_sha256", ""), str):
+        raise SchemaError(f"{where}: key 'feature_meta.identity' weights_sha256 is {short(comps['weights_sha256'])}, "
+                          "expected a sha256 string")
     return S.FeatureMeta.from_json(json.dumps(fm))
 
 
@@ -149,6 +161,9 @@ def check_rows(record: dict | None, samples: dict[int, dict], found: int, src: P
     if samples and len(samples) != found:
         raise StoreError(f"--src {src}: {SAMPLES} lists {len(samples)} samples, the dump holds {found} {what} "
                          "(a partial copy?); nothing was imported")
+    if record is not None and found and not samples:  # its rows would come back as split 'train', new ids
+        raise StoreError(f"--src {src}: {EXPORT_RECORD} is there but {SAMPLES} is missing (a partial copy?): it "
+                         "holds the rows' sample ids, domains and splits; nothing was imported")
 
 
 def target_vocab(target: str, record: dict | None, *, trust_remote_code: bool = False) -> int | None:
@@ -171,9 +186,11 @@ def target_vocab(target: str, record: dict | None, *, trust_remote_code: bool = 
 
 
 def check_tokens(ids, vocab: int | None, where: str) -> np.ndarray:
-    """Token ids (a numpy array or a list) as int64, refusing no tokens, a non-integer dtype and ids
-    outside ``0..vocab-1``, before any cast (a cast would wrap 2^40 to 0)."""
+    """Token ids (a numpy array or a list) as int64 ``[T]``, refusing another shape, no tokens, a non-integer
+    dtype and ids outside ``0..vocab-1``, before any cast (a cast would wrap 2^40 to 0)."""
     arr = np.asarray(ids)
+    if arr.ndim != 1:  # a dataset column of scalars, or of lists of lists
+        raise SchemaError(f"{where}: input_ids are a {arr.ndim}-d value, expected a list of token ids")
     if arr.size == 0:
         raise SchemaError(f"{where}: the sample has no tokens; nothing was imported")
     if arr.dtype.kind not in "iu":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -153,13 +154,20 @@ def inside_store(path: str | Path, store_uri: str) -> bool:
 
 
 def check_out(out: Path, store_uri: str) -> None:
-    """``out`` must be a new or empty directory outside a local store (not a Lance table's folder)."""
+    """``out`` must be a new or empty directory outside a local store (not a Lance table's folder), not
+    a dangling symbolic link nor a mount point (the export would be refused only once written)."""
     if inside_store(out, store_uri):
         raise ConfigError(f"--out {out}: inside the feature store ({store_uri}); give a directory outside it")
+    if out.is_symlink() and not out.exists():
+        raise ConfigError(f"--out {out}: a symbolic link to {os.readlink(out)}, which does not exist; give a new "
+                          "directory")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: is a file; give a new directory")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out}: exists and is not an empty directory; give a new directory")
+    if out.is_dir() and os.path.ismount(out.resolve()):  # a container's volume: the final rename would fail
+        raise ConfigError(f"--out {out}: a mount point; give a new directory inside it (the export is built "
+                          "beside --out and renamed into place)")
 
 
 def sweep_partials(out: Path) -> None:
@@ -172,9 +180,12 @@ def sweep_partials(out: Path) -> None:
 @contextlib.contextmanager
 def staged_export(src: Source, out: str | Path, *, purpose: str) -> Iterator[Path]:
     """A fresh directory to build the export in, renamed to ``out`` when the block succeeds (removed
-    when it fails); the source version is pinned meanwhile. ``out`` must not exist or be empty."""
+    when it fails); the source version is pinned meanwhile. ``out`` must not exist or be empty; a
+    symbolic link to an empty directory is followed (the export is built beside and renamed onto that)."""
     out = Path(out)
     check_out(out, src.uri)
+    if out.is_symlink():
+        out = out.resolve()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         sweep_partials(out)
@@ -192,6 +203,18 @@ def staged_export(src: Source, out: str | Path, *, purpose: str) -> Iterator[Pat
         raise StoreError(f"--out {out}: writing the export failed ({text}); nothing was left at --out") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_torch(obj, path: Path) -> None:
+    """``torch.save`` of ``obj`` at ``path``, a write error (a full disk) raised as the ``OSError`` it is:
+    torch's own file writer reports one as a ``RuntimeError`` without the cause ("iostream error"), so
+    the file is serialized in memory (one sample's tensors) and written by Python."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with open(path, "wb") as f:
+        f.write(buffer.getbuffer())
 
 
 def export_record(src: Source, fmt: str, **extra) -> dict:

@@ -47,6 +47,7 @@ from eaglenest.featurestore.interop.source import (
     iter_samples,
     loss_token_counts,
     sample_line,
+    save_torch,
     staged_export,
     target_vocab_size,
     vocab_mapping,
@@ -122,7 +123,7 @@ def export(src: Source, out: str | Path, *, draft_vocab_size: int | None = None,
                 T = row["num_tokens"]
                 path = tmp / _rel(i)
                 path.parent.mkdir(exist_ok=True)
-                torch.save({"input_ids": torch.from_numpy(row["input_ids"].astype(np.int64)),
+                save_torch({"input_ids": torch.from_numpy(row["input_ids"].astype(np.int64)),
                             "loss_mask": torch.from_numpy(row["loss_mask"].astype(np.int64)),
                             "hidden_state": apply_norm(row["last"], weight, eps).unsqueeze(0),
                             "aux_hidden_state": row["aux"].reshape(T, width).unsqueeze(0).contiguous(),
@@ -131,7 +132,7 @@ def export(src: Source, out: str | Path, *, draft_vocab_size: int | None = None,
         mapping = None
         if vocab is not None:
             d2t, t2d = vocab_mapping(loss_token_counts(src), draft_vocab_size, vocab)
-            torch.save({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)}, tmp / "vocab_mapping.pt")
+            save_torch({"d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)}, tmp / "vocab_mapping.pt")
             mapping = {"draft_vocab_size": draft_vocab_size, "target_vocab_size": vocab, "file": "vocab_mapping.pt"}
         record = export_record(src, FORMAT, vocab_mapping=mapping, final_norm={"target": str(target), "eps": eps},
                                specforge_aux_hidden_state_layer_ids=[i - 1 for i in src.meta.layer_ids])
@@ -143,7 +144,8 @@ def export(src: Source, out: str | Path, *, draft_vocab_size: int | None = None,
 
 def _files(src: Path) -> list[tuple[int, Path]]:
     """(index, path) of every feature file, by index (``data_<i>``; others after, by path)."""
-    found = sorted(p for p in src.rglob("*") if p.name.endswith((".ckpt", ".ckpt.gz")) and p.is_file())
+    # not is_file(): a dangling link (a file never downloaded) is a feature file that does not open
+    found = sorted(p for p in src.rglob("*") if p.name.endswith((".ckpt", ".ckpt.gz")) and not p.is_dir())
     out, seen = [], {}
     for n, p in enumerate(found):
         m = re.fullmatch(r"data_(\d+)\.ckpt(\.gz)?", p.name)
@@ -242,7 +244,7 @@ def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_
         raise ConfigError("featurestore.layer_ids: layer id 0 (the embedding output) has no SpecForge name (its aux "
                           "layers are vLLM ids >= 1, SpecForge's id + 1); give the dump's layers")
     src = sink.require_dir(src_dir, FORMAT)
-    record, samples = sink.read_record(src)
+    record, samples = sink.read_record(src, FORMAT)
     sink.check_target(record, target, off_policy=off_policy)
     files = _files(src)
     _check_complete(files, record, samples, src)

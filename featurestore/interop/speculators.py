@@ -42,6 +42,7 @@ from eaglenest.featurestore.interop.source import (
     iter_samples,
     loss_token_counts,
     sample_line,
+    save_torch,
     staged_export,
     target_vocab_size,
     vocab_mapping,
@@ -101,7 +102,7 @@ def export(src: Source, out: str | Path, *, draft_vocab_size: int | None = None,
             state = json.loads((tmp / "state.json").read_text())
             (tmp / "state.json").write_text(json.dumps({**state, "_format_type": "torch"}, indent=2, sort_keys=True))
         counts = loss_token_counts(src)
-        torch.save(counts, tmp / "token_freq.pt")
+        save_torch(counts, tmp / "token_freq.pt")
         mapping = None
         if vocab is not None:
             d2t, t2d = vocab_mapping(counts, draft_vocab_size, vocab)
@@ -157,9 +158,11 @@ def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_
     sink.check_domain(domain, "--domain")
     sink.check_storage(storage)
     src = sink.require_dir(src_dir, FORMAT)
+    record, samples = sink.read_record(src, FORMAT)  # first: an export of another format is named as such
     try:
         data = datasets.load_from_disk(str(src)).with_format(None)
-    except (FileNotFoundError, ValueError, OSError, IndexError, KeyError, TypeError) as exc:  # datasets' kinds
+    except (FileNotFoundError, ValueError, OSError, IndexError, KeyError, TypeError, AttributeError) as exc:
+        # datasets' kinds, for a directory that is not its own or holds JSON of the wrong shape
         if isinstance(exc, IndexError) and _no_data_files(src):  # save_to_disk of an empty dataset
             raise StoreError(f"--src {src}: the dump holds no samples; nothing was imported") from None
         text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
@@ -172,9 +175,9 @@ def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_
         raise SchemaError(f"--src {src}: the dataset lacks column(s) {sorted(missing)}")
     if len(data) == 0:
         raise StoreError(f"--src {src}: the dump holds no samples; nothing was imported")
-    record, samples = sink.read_record(src)
     sink.check_target(record, target, off_policy=off_policy)
     sink.check_rows(record, samples, len(data), src, "dataset rows")
+    _check_listed(samples, len(data), src)
     vocab = sink.target_vocab(target, record, trust_remote_code=trust_remote_code)
     # Pass 1: every file present, readable, shaped and typed alike, token ids equal to the row's.
     first, ids, files = None, [], []
@@ -204,6 +207,17 @@ def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_
                                budget_bytes=budget_bytes, desc="importing speculators dump")
     return {"table": name, "version": version, "rows": len(data), "feature_set_id": meta.feature_set_id,
             "layer_ids": list(meta.layer_ids), "dtype": meta.dtype}
+
+
+def _check_listed(samples: dict[int, dict], rows: int, src: Path) -> None:
+    """Each sample line (an eaglenest export's) names a row of the dataset and that row's file: a line
+    naming another row would leave a row without its sample id, source and split."""
+    for i, d in sorted(samples.items()):
+        if i >= rows:
+            raise SchemaError(f"{src / SAMPLES}: sample index {i} is not a row of the dataset (0..{rows - 1})")
+        if d["file"] != _hs_name(i):
+            raise SchemaError(f"{src / SAMPLES}: sample index {i} names file {d['file']!r}, expected "
+                              f"{_hs_name(i)!r}")
 
 
 def _no_data_files(src: Path) -> bool:

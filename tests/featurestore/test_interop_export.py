@@ -44,7 +44,7 @@ def test_export_refuses_an_existing_out(setup):
     I.make_table(uri, target)
     (tmp / "out").mkdir()
     (tmp / "out" / "x").write_text("keep")
-    with pytest.raises(ConfigError, match="--out"):
+    with pytest.raises(ConfigError, match=r"^--out .*out: exists and is not an empty directory"):
         speculators.export(source.open_source(uri, "features"), tmp / "out")
     assert (tmp / "out" / "x").read_text() == "keep"
 
@@ -137,9 +137,11 @@ def test_specforge_hidden_state_is_after_the_final_norm(setup):
     for f in ("eaglenest_export.json", "eaglenest_samples.jsonl"):
         (tmp / "out" / f).unlink()
     summary = specforge.import_dump(tmp / "out", uri, "foreign", target=target, layer_ids=[2, 4, 5], domain="sf")
-    assert summary["last_hidden_exact"] is False and summary["layer_ids"] == [2, 4, 5]
+    assert summary["last_hidden_exact"] is False and summary["layer_ids"] == [2, 4, 5] and summary["rows"] == 5
     orig = {tuple(r["input_ids"]): r for r in I.table_rows(uri, "features")}
-    for r in I.table_rows(uri, "foreign"):
+    foreign = I.table_rows(uri, "foreign")
+    assert sorted(tuple(r["input_ids"]) for r in foreign) == sorted(orig)  # every sample, each once
+    for r in foreign:
         o, T = orig[tuple(r["input_ids"])], r["num_tokens"]
         assert r["sample_id"].startswith("sf-") and r["aux_hidden"] == o["aux_hidden"]
         got = S.torch_from_blob(r["last_hidden"], (T, I.HIDDEN), "float32")

@@ -27,9 +27,12 @@ def read_config(target: str | Path) -> dict[str, Any]:
         raise ConfigError(f"run.target: {target} has no config.json (a local Hugging Face model directory "
                           "is required)")
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        cfg = json.loads(p.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"run.target: {p} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"run.target: {p} is not a JSON object (a Hugging Face config holds one)")
+    return cfg
 
 
 def language_config(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 from eaglenest import memfit
+from eaglenest.config import short
 from eaglenest.errors import ConfigError
 from eaglenest.evaluate.settings import evaluate_config
 from eaglenest.featurestore.table import store
-from eaglenest.paths import ensure_writable
+from eaglenest.paths import ensure_writable, shown_path
 from eaglenest.pipeline.served_al import served_al_scorer
 from eaglenest.train.config import TrainConfig
 from eaglenest.train.loop import train
@@ -34,6 +35,7 @@ def check_fit(recipe, *, available: int | None = None) -> None:
     cfg = memfit.load_target_config(recipe.run.target)
     if cfg is None:
         return
+    _check_target_sizes(cfg, recipe.run.target)
     t = recipe.train
     vocab = int(cfg.get("vocab_size") or t.draft_vocab_size)
     if not 1 <= t.draft_vocab_size <= vocab:
@@ -59,6 +61,23 @@ def check_fit(recipe, *, available: int | None = None) -> None:
         gains.append((est.total_bytes - estimate(small).total_bytes, f"train.{key}"))
     key = max(gains)[1] if gains and max(gains)[0] > 0 else "train.pack_tokens"
     memfit.require_fit(dataclasses.replace(est, key=key), available=available)
+
+
+#: The target config's sizes the estimate reads: required (a positive integer), or optional (null or >= 0).
+_TARGET_SIZES = {"hidden_size": True, "num_attention_heads": True, "vocab_size": False, "num_key_value_heads": False,
+                 "head_dim": False, "intermediate_size": False}
+
+
+def _check_target_sizes(cfg: dict, target: str) -> None:
+    """One line naming the key for a target config whose sizes are missing or not integers."""
+    for key, required in _TARGET_SIZES.items():
+        value = cfg.get(key)
+        if value is None and not required:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < int(required):
+            want = "a positive integer" if required else "an integer >= 0 or null"
+            raise ConfigError(f"run.target: {shown_path(Path(target) / 'config.json')}: {key}: {want}, "
+                              f"got {short(value)}")
 
 
 def _train_estimate(recipe, cfg: dict, t: TrainConfig) -> memfit.Estimate:

@@ -19,8 +19,9 @@ def up_server(recipe, *, no_spec: bool = False):
     """The (not yet started) server ``serve up`` runs: serve.host:serve.port, the target's name."""
     r, s = recipe.run, recipe.serve
     draft = None if no_spec else str(r.path(s.draft_subdir))
-    k = s.num_speculative_tokens or draft_num_speculative_tokens(draft or "", recommended_num_speculative_tokens(
-        dataclasses.asdict(recipe.train)))  # null: the draft's recorded default
+    k = s.num_speculative_tokens or recommended_num_speculative_tokens(dataclasses.asdict(recipe.train))
+    if draft and not s.num_speculative_tokens:  # null: the draft's recorded default (no draft: none to read)
+        k = draft_num_speculative_tokens(draft, k)
     return Server(r.target, draft=draft, num_speculative_tokens=k,
                   memory_fraction=s.gpu_memory_utilization, max_model_len=s.max_model_len,
                   log_dir=r.path("serve"), trust_remote_code=r.trust_remote_code, host=s.host, port=s.port,
@@ -29,6 +30,8 @@ def up_server(recipe, *, no_spec: bool = False):
 
 def cmd_up(recipe, args) -> int:
     r = recipe.run
+    if not args.for_seconds >= 0:  # NaN included: it would stop the server as soon as it is up
+        raise ConfigError(f"--for-seconds: seconds >= 0 (0: until Ctrl-C), got {args.for_seconds}")
     server = up_server(recipe, no_spec=args.no_spec)
     draft = None if args.no_spec else str(r.path(recipe.serve.draft_subdir))
     with server:

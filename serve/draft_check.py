@@ -18,8 +18,9 @@ import json
 import sys
 
 from eaglenest.engine import EngineConfig, close_llm, make_llm, speculative_config
-from eaglenest.errors import EaglenestError
+from eaglenest.errors import ConfigError, EaglenestError, StoreError
 from eaglenest.featurestore.table import store
+from eaglenest.serve.draft_files import check_draft_dir, local_target_config
 
 
 def _engine(target: str, *, draft: str | None, num_spec: int, mem: float, max_len: int,
@@ -93,8 +94,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the target's own Python code (as run.trust_remote_code)")
     a = p.parse_args(argv)
     try:
-        result = check(a.target, a.draft, prompts_from_store(a.prompts_from, n=a.num_prompts),
-                       max_tokens=a.max_tokens, num_spec=a.num_spec, trust_remote_code=a.trust_remote_code)
+        for flag, value in (("--num-prompts", a.num_prompts), ("--max-tokens", a.max_tokens),
+                            ("--num-spec", a.num_spec)):
+            if value < 1:  # no prompt checked would read as lossless
+                raise ConfigError(f"{flag}: at least 1, got {value}")
+        check_draft_dir(a.draft, local_target_config(a.target))  # before two engines start
+        prompts = prompts_from_store(a.prompts_from, n=a.num_prompts)
+        if not prompts:
+            raise StoreError(f"--prompts-from: {a.prompts_from} has no features rows to check the draft with")
+        result = check(a.target, a.draft, prompts, max_tokens=a.max_tokens, num_spec=a.num_spec,
+                       trust_remote_code=a.trust_remote_code)
     except EaglenestError as exc:
         print(f"draft_check: error: {exc}", file=sys.stderr)
         return 2

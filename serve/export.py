@@ -58,11 +58,13 @@ import torch
 from safetensors import SafetensorError
 from transformers import LlamaConfig
 
+from eaglenest.config import short
 from eaglenest.engine import RECOMMENDED_K
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.paths import make_dir, orphans, pid_prefix, shown_path, user_path
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.serve import formats, fp8
+from eaglenest.serve.draft_files import vocab_map_error
 from eaglenest.train.checkpoint import INFO, WEIGHTS, read_info
 from eaglenest.train.dflash import DFlashDraft, is_dflash
 from eaglenest.train.model import Eagle3Draft
@@ -235,10 +237,13 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     error); the new export is written beside it and renamed into place, the old one removed last."""
     from safetensors.torch import save_file
 
-    check_out(out_dir, ckpt_dir, key=key, keep_clear=keep_clear, not_at=not_at)
+    shown = Path(out_dir)
+    # Written where the folder really is: a symlinked --out keeps its link, pointing at the new export.
+    out_dir = check_out(out_dir, ckpt_dir, key=key, keep_clear=keep_clear, not_at=not_at)
     info = read_info(ckpt_dir)
     _check_info(info, Path(ckpt_dir) / INFO)
     target_cfg = target_config(target_dir)
+    _check_target(info, target_cfg, target=Path(target_dir), ckpt=Path(ckpt_dir) / INFO)
     if dtype == "auto":
         dtype = torch_dtype_name(target_cfg)
     if dtype not in DTYPES:
@@ -257,7 +262,7 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
         raise StoreError(f"{shown_path(Path(ckpt_dir) / INFO)}: draft_config: bad or missing "
                          f"{exc.args[0] if isinstance(exc, KeyError) else 'value'} ({type(exc).__name__}); "
                          "the checkpoint is damaged: train again (`train run`)") from None
-    k = num_speculative_tokens or recommended_num_speculative_tokens(info.get("train_config") or {})
+    k = num_speculative_tokens or _recommended_k(info, Path(ckpt_dir) / INFO)
     if format == "vllm" or dflash:  # (a speculators config carries k in its proposal; the DFlash card reads it here)
         cfg[RECOMMENDED_K] = k  # serve / evaluate use it when their num_speculative_tokens is null
     written = cfg
@@ -278,13 +283,13 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
         tensors[name] = t.to(DTYPES[dtype]).contiguous() if t.is_floating_point() else t.contiguous()
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
+    _check_values(tensors, state, dtype=dtype, vocab_size=cfg["vocab_size"], path=Path(ckpt_dir) / WEIGHTS)
     if quantization == "fp8":
         tensors = fp8.quantise_state(tensors)
         cfg["quantization_config"] = fp8.quantization_config()
     if format == "speculators":
         tensors = formats.speculators_tensors(tensors)
 
-    out_dir = Path(out_dir)
     make_dir(out_dir.parent, key, error=ConfigError)
     sweep_leftovers(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=_side_prefix(out_dir, "tmp"), dir=out_dir.parent))
@@ -309,7 +314,7 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when installed
     log.info("exported draft (%s format, %s%s, %d tensors) to %s", format, dtype,
              ", fp8 linears" if quantization == "fp8" else "", len(tensors), out_dir)
-    return out_dir
+    return shown
 
 
 def _check_info(info: dict[str, Any], path: Path) -> None:
@@ -325,6 +330,75 @@ def _check_info(info: dict[str, Any], path: Path) -> None:
         if not isinstance(d.get(k), (int, float)) or isinstance(d.get(k), bool):
             raise StoreError(f"{shown_path(path)}: draft_config.{k}: a number, got {str(d.get(k))[:60]}; "
                              "the checkpoint is damaged: train again (`train run`)")
+    _check_record(info, path)
+
+
+def _check_record(info: dict[str, Any], path: Path) -> None:
+    """The run's record the model card prints: objects where it reads keys, numbers where it formats
+    numbers (a damaged checkpoint.json is one line naming the key, not a traceback from the card)."""
+    metrics = info.get("metrics") if isinstance(info.get("metrics"), dict) else {}
+    checks = [(key, "an object", info.get(key), lambda v: isinstance(v, dict))
+              for key in ("train_config", "metrics", "feature_meta")]
+    checks += [(key, "a number", value, _is_number) for key, value in (
+        ("vocab_coverage", info.get("vocab_coverage")), ("num_parameters", info.get("num_parameters")),
+        ("metrics.loss", metrics.get("loss")))]
+    checks.append(("metrics.step_acc", "a list of numbers", metrics.get("step_acc"),
+                   lambda v: isinstance(v, list) and all(_is_number(x) for x in v)))
+    for key, want, value, ok in checks:
+        if value is not None and not ok(value):
+            raise StoreError(f"{shown_path(path)}: {key}: {want}, got {short(value)}; "
+                             "the checkpoint is damaged: train again (`train run`)")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _recommended_k(info: dict[str, Any], path: Path) -> int:
+    """The K the checkpoint's ``train_config`` recommends; a damaged one is one line naming the file."""
+    try:
+        return recommended_num_speculative_tokens(info.get("train_config") or {})
+    except (ConfigError, TypeError, ValueError, AttributeError) as exc:
+        raise StoreError(f"{shown_path(path)}: train_config: {str(exc)[:120]}; the checkpoint is damaged: "
+                         "train again (`train run`)") from None
+
+
+def _check_target(info: dict[str, Any], target_cfg: dict[str, Any], *, target: Path, ckpt: Path) -> None:
+    """The checkpoint was trained for this target: its config has the sizes export reads, the same
+    vocabulary and width, and the aux layers the draft reads (vLLM ids 0..layers - 1)."""
+    where = shown_path(target / "config.json")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        value = target_cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"run.target: {where}: {key}: a positive integer, got {short(value)}")
+    d = info["draft_config"]
+    for key, mine in (("vocab_size", d.get("vocab_size", target_cfg["vocab_size"])),
+                      ("hidden_size", d["target_hidden_size"])):
+        if mine != target_cfg[key]:
+            raise ConfigError(f"run.target: {where} has {key} {target_cfg[key]}, the draft in {shown_path(ckpt)} "
+                              f"was trained on a target with {mine}; export it with the target it was trained for")
+    layers = target_cfg["num_hidden_layers"]
+    bad = [i for i in info["layer_ids"] if not 0 <= i < layers]
+    if bad:
+        raise ConfigError(f"run.target: {where} has {layers} layers, the draft in {shown_path(ckpt)} reads aux "
+                          f"layers {bad} (vLLM ids 0..{layers - 1}); export it with the target it was trained for")
+
+
+def _check_values(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], *, dtype: str,
+                  vocab_size: int, path: Path) -> None:
+    """The weights to write are finite (a diverged run's NaN, or a value past ``dtype``'s range, is
+    refused naming the tensor) and ``d2t`` maps each draft id to its own id of the target."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if not bool(torch.isfinite(state[name]).all()):
+                raise StoreError(f"{shown_path(path)}: tensor {name} holds NaN or infinite values (training "
+                                 "diverged?); train again (`train run`) or export an earlier checkpoint")
+            raise ConfigError(f"serve.dtype: tensor {name} of {shown_path(path)} has values past {dtype}'s range "
+                              f"(largest |w| {float(state[name].abs().max()):.4g}); export with serve.dtype=float32 "
+                              "or bfloat16")
+    why = vocab_map_error(tensors["d2t"].numpy(), vocab_size)
+    if why:
+        raise StoreError(f"{shown_path(path)}: {why}; the checkpoint is damaged: train again (`train run`)")
 
 
 def _load_state(ckpt_dir: str | Path, info: dict[str, Any]) -> dict[str, torch.Tensor]:

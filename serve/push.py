@@ -26,6 +26,7 @@ from typing import Any
 
 from eaglenest.errors import ConfigError, EaglenestError
 from eaglenest.paths import read_json_object, shown_path
+from eaglenest.serve.draft_files import check_draft_dir
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ def plan_push(draft_dir: str | Path, *, repo_id: str, revision: str = "main", vi
     draft = Path(draft_dir)
     if not (draft / "config.json").is_file():
         raise EaglenestError(f"serve push: no exported draft at {draft}: run `serve export` first")
+    check_draft_dir(draft)  # weights whole, vocabulary map consistent: never push a draft vLLM cannot load
     prov = (read_json_object(draft / "provenance.json", error=EaglenestError,
                              then="export the draft again (`serve export`)")
             if (draft / "provenance.json").is_file() else {})

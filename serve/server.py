@@ -25,25 +25,44 @@ from pathlib import Path
 from eaglenest.engine import checkpoint_dtype, quiet_vllm, speculative_config
 from eaglenest.errors import EaglenestError
 from eaglenest.hf import check_remote_code
+from eaglenest.serve.draft_files import check_draft_dir, local_target_config
 
 log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
+    with _bound(host, 0) as s:
         return s.getsockname()[1]
 
 
 def check_port(host: str, port: int) -> None:
     """Refuse, with the key to change, a port something else already listens on."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise EaglenestError(f"serve.port: cannot listen on {host}:{port} ({e.strerror or e}); set "
-                                 "serve.port=<free port> (0 picks one) or serve.host") from None
+    with _bound(host, port):
+        pass
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` in the host's own address family (an IPv6 address binds
+    an IPv6 socket); a host that does not resolve or a port in use is one line naming the key."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise EaglenestError(f"serve.host: cannot listen on {host!r} ({getattr(e, 'strerror', None) or e}); "
+                             "set serve.host to an address of this machine") from None
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(addr)
+    except OSError as e:
+        s.close()
+        raise EaglenestError(f"serve.port: cannot listen on {_netloc(host, port)} ({e.strerror or e}); set "
+                             "serve.port=<free port> (0 picks one) or serve.host") from None
+    return s
+
+
+def _netloc(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def server_argv(target: str, *, port: int, draft: str | None, num_speculative_tokens: int,
@@ -76,13 +95,15 @@ class Server:
                  served_name: str = "target"):
         if draft and not (Path(draft) / "config.json").is_file():
             raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
+        if draft:  # what vLLM would fail on only once started (or never): refused before it starts
+            check_draft_dir(draft, local_target_config(target))
         check_remote_code(target, trust_remote_code=trust_remote_code)
         if port:
             check_port(host, port)
         self.port = port or free_port(host)
         self.served_name = served_name
         # Clients on this machine reach a wildcard bind through loopback.
-        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.port}"
+        self.url = f"http://{_netloc('127.0.0.1' if host in ('0.0.0.0', '::', '') else host, self.port)}"
         self.argv = server_argv(target, port=self.port, draft=draft, num_speculative_tokens=num_speculative_tokens,
                                 memory_fraction=memory_fraction, max_model_len=max_model_len,
                                 max_num_seqs=max_num_seqs, dtype=dtype, trust_remote_code=trust_remote_code,

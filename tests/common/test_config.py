@@ -134,3 +134,12 @@ def test_a_store_that_is_a_file_is_refused_naming_the_key(root, tmp_path):
         load_recipe(str(root / "recipes" / "toy.yaml"), [f"run.workdir={tmp_path}", f"run.store={f}"])
     assert load_recipe(str(root / "recipes" / "toy.yaml"), [f"run.workdir={tmp_path}",
                                                             f"run.store={tmp_path / 'new'}"]).run.store_uri
+
+
+def test_a_target_config_that_is_not_an_object_is_one_line(tmp_path):
+    # config.json holding a list: an AttributeError traceback in serve export and train run.
+    from eaglenest.target import read_config
+
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(ConfigError, match=r"^run.target: .*config.json is not a JSON object"):
+        read_config(tmp_path)

@@ -1,0 +1,114 @@
+"""What an exported draft directory must hold for vLLM to serve it with a target, checked from its
+files before an engine starts (``serve up``; ``serve export`` checks the vocabulary map it writes).
+
+vLLM reads a draft's weights only once its engine is up (20-60 s), stops at a tensor of the wrong
+shape with a traceback in its log, and does not check the vocabulary map at all: its EAGLE-3 head
+scatters the draft's logits to ``arange(draft_vocab) + d2t``, so an offset past the target's
+vocabulary fails mid-request and a missing ``d2t`` maps draft ids as target ids (lossless, but
+the draft's proposals are other tokens). The trade-off: only the safetensors header and the small
+``d2t`` / ``t2d`` tensors are read (numpy, no torch), so the check costs milliseconds; the other
+weights' shapes are vLLM's to check.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from eaglenest.errors import ConfigError
+from eaglenest.paths import shown_path
+from eaglenest.target import language_config, read_config
+
+WEIGHTS = "model.safetensors"
+_AGAIN = "export the draft again (`serve export`)"
+
+
+def vocab_map_error(d2t: np.ndarray, vocab_size: int) -> str | None:
+    """What is wrong with the offsets ``d2t`` (target id = draft id + ``d2t[draft id]``) for a target
+    of ``vocab_size`` tokens, or None: each draft id must map to a distinct id of the target."""
+    if d2t.ndim != 1 or d2t.dtype.kind not in "iu":
+        return f"d2t is {d2t.dtype} {list(d2t.shape)}, not a 1-D integer tensor"
+    targets = np.arange(d2t.shape[0], dtype=np.int64) + d2t.astype(np.int64)
+    bad = np.flatnonzero((targets < 0) | (targets >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        return (f"d2t maps draft id {i} to target id {int(targets[i])}, outside the target's vocabulary "
+                f"0..{vocab_size - 1} ({bad.size} such ids)")
+    if np.unique(targets).size != targets.size:
+        return "d2t maps two draft ids to the same target id"
+    return None
+
+
+def check_draft_dir(draft: str | Path, target_cfg: dict[str, Any] | None = None) -> None:
+    """Refuse (ConfigError, one line naming the file) a draft directory vLLM would fail to load or
+    would serve wrongly: weights missing or unreadable, a ``d2t`` / ``t2d`` of the wrong length or
+    mapping outside the vocabulary, or (``target_cfg``: the target's language config) a draft
+    exported for a target of another vocabulary or width."""
+    draft = Path(draft)
+    cfg = _read_config(draft / "config.json")
+    layer = cfg.get("transformer_layer_config") if isinstance(cfg.get("transformer_layer_config"), dict) else {}
+    vocab = cfg.get("vocab_size", layer.get("vocab_size"))
+    draft_vocab = cfg.get("draft_vocab_size")
+    hidden = cfg.get("target_hidden_size", cfg.get("hidden_size", layer.get("hidden_size")))
+    where = shown_path(draft / "config.json")
+    for key, value in (("vocab_size", vocab), ("draft_vocab_size", draft_vocab)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: {key}: a positive integer, got {str(value)[:40]}; {_AGAIN}")
+    if target_cfg is not None:
+        for key, mine in (("vocab_size", vocab), ("hidden_size", hidden)):
+            theirs = target_cfg.get(key)
+            if isinstance(theirs, int) and mine != theirs:
+                raise ConfigError(f"{where}: a draft for a target with {key} {mine}, run.target has {theirs}; "
+                                  "serve it with the target it was trained for, or export it for this one")
+    d2t, t2d = _vocab_tensors(draft / WEIGHTS)
+    wpath = shown_path(draft / WEIGHTS)
+    if d2t is None:
+        if draft_vocab != vocab:
+            raise ConfigError(f"{wpath}: no d2t tensor for a draft vocabulary of {draft_vocab} of {vocab} "
+                              f"target ids (vLLM would take draft ids for target ids); {_AGAIN}")
+        return
+    if d2t.shape != (draft_vocab,):
+        raise ConfigError(f"{wpath}: d2t is {list(d2t.shape)}, config.json's draft_vocab_size makes it "
+                          f"[{draft_vocab}]; {_AGAIN}")
+    if t2d is not None and t2d.shape != (vocab,):
+        raise ConfigError(f"{wpath}: t2d is {list(t2d.shape)}, config.json's vocab_size makes it [{vocab}]; {_AGAIN}")
+    why = vocab_map_error(d2t, vocab)
+    if why:
+        raise ConfigError(f"{wpath}: {why}; {_AGAIN}")
+
+
+def local_target_config(target: str | Path) -> dict[str, Any] | None:
+    """A local target's language config, for :func:`check_draft_dir` (None for a hub id)."""
+    if not (Path(target) / "config.json").is_file():
+        return None
+    cfg = read_config(target)
+    return language_config(cfg) if isinstance(cfg, dict) else None
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"no exported draft at {shown_path(path.parent)}: run `serve export` first")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{shown_path(path)}: not valid JSON ({str(exc).splitlines()[0][:100]}); {_AGAIN}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{shown_path(path)}: not a JSON object; {_AGAIN}")
+    return cfg
+
+
+def _vocab_tensors(path: Path) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``d2t`` and ``t2d`` of the weights file (None for one it lacks); a file that is missing or
+    whose header or vocabulary tensors cannot be read is one line naming it."""
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            names = set(f.keys())
+            return tuple(f.get_tensor(n) if n in names else None for n in ("d2t", "t2d"))
+    except FileNotFoundError:
+        raise ConfigError(f"{shown_path(path)}: missing; {_AGAIN}") from None
+    except (OSError, SafetensorError, TypeError, ValueError) as exc:  # TypeError: a dtype numpy lacks (bf16)
+        raise ConfigError(f"{shown_path(path)}: unreadable ({str(exc).splitlines()[0][:100]}); {_AGAIN}") from None

@@ -80,12 +80,17 @@ _TORCHRUN = "import sys; from eaglenest.pipeline.train_cli import torchrun; sys.
 def torchrun(argv: list[str]) -> int:
     """torchrun with ``argv``: when the first rank to fail exited with 2 (bad input: it printed its one
     line) and the others exited 2 as well or were stopped by torchrun, exit 2 without torchrun's
-    ChildFailedError traceback; any other failure is torchrun's own (traceback, its exit code 1)."""
+    ChildFailedError traceback; a rendezvous store that cannot be hosted or reached (a port in use, a
+    wrong host) is one line and exit 2 too; any other failure is torchrun's own (traceback, its exit code 1)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.run import main as torchrun_main
 
     try:
         torchrun_main(argv)
+    except RendezvousConnectionError as exc:
+        print(f"train: error: {rendezvous_error(argv, exc)}", file=sys.stderr)
+        return 2
     except ChildFailedError as exc:
         _, first = exc.get_first_failure()
         # The first rank out exited 2; the others exited 2 too or were stopped by torchrun (SIGTERM: < 0).
@@ -93,6 +98,19 @@ def torchrun(argv: list[str]) -> int:
             return 2
         raise
     return 0
+
+
+def rendezvous_error(argv: list[str], exc: BaseException) -> str:
+    """One line for a rendezvous store torchrun could not host or reach, naming the endpoint and the cause."""
+    endpoint = next((a.split("=", 1)[1] for a in argv if a.startswith("--rdzv-endpoint=")), None)
+    cause = exc
+    while cause.__cause__ is not None:  # torch's own error (EADDRINUSE, connection refused) is the innermost
+        cause = cause.__cause__
+    first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+    if endpoint is None:  # --standalone: torchrun chose the port itself
+        return f"torchrun could not host its local rendezvous store ({first})"
+    return (f"--rdzv-endpoint {endpoint}: cannot host or reach the rendezvous store ({first}); "
+            "use a free port of node 0's host, the same on every node")
 
 
 LAUNCH_ARGS = [

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save
 from transformers import LlamaConfig
 
 from eaglenest.errors import StoreError
-from eaglenest.paths import read_json_object
+from eaglenest.paths import pid_alive, read_json_object
 from eaglenest.provenance import write_json_atomic
 from eaglenest.train.dflash import DFlashDraft, is_dflash
 from eaglenest.train.model import Eagle3Draft
@@ -35,6 +35,8 @@ from eaglenest.train.target import load_target_tensors
 FORMAT = "eaglenest-draft/1"
 WEIGHTS = "draft.safetensors"
 INFO = "checkpoint.json"
+#: The weights' temporary name, followed by the saving process's id.
+TMP_PREFIX = f".{WEIGHTS}.tmp"
 
 
 def save_checkpoint(outdir: str | Path, model: Eagle3Draft, *, info: dict[str, Any]) -> Path:
@@ -43,15 +45,28 @@ def save_checkpoint(outdir: str | Path, model: Eagle3Draft, *, info: dict[str, A
     outdir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().clone() for k, v in model.trainable_state_dict().items()}
     digest = weights_digest(tensors)
-    tmp = outdir / f".{WEIGHTS}.tmp{os.getpid()}"
-    tmp.write_bytes(sorted_metadata(save(tensors, metadata={"format": FORMAT, "weights_sha256": digest})))
-    os.replace(tmp, outdir / WEIGHTS)
+    sweep_weight_temps(outdir)
+    tmp = outdir / f"{TMP_PREFIX}{os.getpid()}"
+    try:
+        tmp.write_bytes(sorted_metadata(save(tensors, metadata={"format": FORMAT, "weights_sha256": digest})))
+        os.replace(tmp, outdir / WEIGHTS)
+    finally:  # a full disk mid-write leaves no partial copy of the weights behind
+        tmp.unlink(missing_ok=True)
     record = dict(info)
     record["format"] = FORMAT
     record["weights_sha256"] = digest
     record["draft_config"] = model.config.to_dict()
     write_json_atomic(outdir / INFO, record)
     return outdir
+
+
+def sweep_weight_temps(outdir: Path) -> None:
+    """Remove the weights' temporary files of saves whose process is gone (a kill mid-save): each is
+    a whole draft's size, and each killed save would leave another."""
+    for path in outdir.glob(f"{TMP_PREFIX}*"):
+        pid = path.name[len(TMP_PREFIX):]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            path.unlink(missing_ok=True)
 
 
 def sorted_metadata(blob: bytes) -> bytes:

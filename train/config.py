@@ -349,6 +349,9 @@ class TrainConfig:
         _at_least("", self, ("warmup_steps", "num_steps", "weight_decay", "grad_clip", "target_chunk_tokens"), 0)
         _at_least("", self, ("context_parallel",), 1)
         _at_least("", self, ("row_tokens",), 0)
+        if self.pack_tokens < 3:  # every family's first prediction at t is x_{t+2}: 3 tokens of a row at least
+            raise ConfigError("train.pack_tokens: must be >= 3 (the first prediction at position t is token t+2: "
+                              f"shorter rows train nothing), got {self.pack_tokens}")
         if self.row_tokens > self.pack_tokens:
             raise ConfigError(f"train.row_tokens: {self.row_tokens} exceeds train.pack_tokens={self.pack_tokens} "
                               "(the longest row); lower it, or 0 to fill rows to pack_tokens")

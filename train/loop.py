@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import math
@@ -46,6 +47,9 @@ from eaglenest.train.ttt import TargetHead, target_targets
 
 log = logging.getLogger(__name__)
 
+#: Held (flock) by rank 0 while a run writes its output folder (:func:`hold_outdir`).
+LOCK = ".lock"
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainSummary:
@@ -58,6 +62,42 @@ class TrainSummary:
     tokens_per_second: float = 0.0
     #: Parameters of the draft (the target's shared embeddings excluded).
     num_parameters: int = 0
+
+
+@contextlib.contextmanager
+def hold_outdir(outdir: Path, dist: DistState):
+    """Rank 0 holds an exclusive lock on ``<outdir>/.lock`` while the run writes there (a collective):
+    a second ``train run`` of the same folder (launched twice) would resume the same state and write
+    the same steps again. The kernel drops the lock when the process dies, SIGKILL included."""
+    held, refusal = _lock(outdir) if dist.is_main else (None, None)
+    try:
+        refusal = dist.broadcast_object(refusal)  # every rank stops with rank 0's line
+        if refusal:
+            raise StoreError(refusal)
+        yield
+    finally:
+        if held is not None:
+            held.close()
+
+
+def _lock(outdir: Path):
+    """(the open, locked lock file or None, the refusal line or None) of :func:`hold_outdir`."""
+    try:
+        make_dir(outdir, "run.workdir")
+        held = (outdir / LOCK).open("a")
+    except EaglenestError as exc:  # a read-only or full disk
+        return None, str(exc)
+    except OSError as exc:
+        return None, f"run.workdir: cannot write {outdir / LOCK} ({exc.strerror or exc})"
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.close()
+        return None, (f"{outdir}: another `train run` is writing this folder (it holds {outdir / LOCK}); "
+                      "wait for it to end, or set another run.workdir or train.output_subdir")
+    except OSError as exc:  # a filesystem without locks: the run goes on unguarded
+        log.warning("%s: cannot lock (%s); make sure no other `train run` writes this folder", outdir, exc)
+    return held, None
 
 
 def attention_span(cfg: TrainConfig, lengths) -> int:
@@ -162,6 +202,8 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
                     "target_keys": target["keys"]}
             fp = S.fingerprint(cfg, table_version=data.version, store_uri=store_uri, target=target_dir,
                                seed=seed, table=table)
+            # The inputs are good: from here on the run writes its folder, alone (a refusal above wrote nothing).
+            own.enter_context(hold_outdir(Path(workdir) / cfg.output_subdir, dist))
             trainer = _Trainer(cfg, draft, data, outdir=Path(workdir) / cfg.output_subdir, fp=fp, base=base,
                                dist=dist, score=score, target_dir=target_dir, recipe=recipe, cp=cp)
             own.callback(trainer.tracking.close)
@@ -298,12 +340,14 @@ class _Trainer:
                    disable=None if dist.is_main else True)
         self.draft.objective.train()
         try:
-            for epoch, _rows, batch, ghost in loader:
+            for epoch, rows, batch, ghost in loader:
                 res, denoms, local_tokens = self._step(batch, ghost)
                 self.step += 1
                 self.steps_run += 1
                 k = len(denoms)
                 g = dist.all_reduce_sum([float(res.loss.detach()), *res.step_loss, *res.step_correct, local_tokens])
+                if not math.isfinite(g[0]):  # every rank sees the same sum: all stop here, nothing saved
+                    raise StoreError(self._not_finite(g[0], epoch=epoch, rows=rows))
                 tokens_seen += g[-1]
                 self.window.append({"loss": g[0], "step_loss": g[1:1 + k], "step_correct": g[1 + k:1 + 2 * k],
                                     "step_count": denoms, "tokens": g[-1]})
@@ -324,6 +368,14 @@ class _Trainer:
         loop_s = time.perf_counter() - loop_t0
         self.stall_fraction = loader.wait_seconds / loop_s if self.steps_run else 0.0
         self.tokens_per_second = tokens_seen / loop_s if self.steps_run else 0.0
+
+    def _not_finite(self, loss: float, *, epoch: int, rows: list[list[int]]) -> str:
+        samples = sorted(i for row in rows for i in row)
+        shown = ", ".join(map(str, samples[:8])) + (", ..." if len(samples) > 8 else "")
+        return (f"step {self.step} (epoch {epoch}): the loss is {loss}: the hidden states of this step's "
+                f"samples ({shown} of train.split={self.cfg.split!r} in {self.data.input_table} v{self.data.version}, "
+                f"in table order) hold non-finite values, or train.lr={self.cfg.lr} diverges; stopped before "
+                "saving the step (the last state and checkpoint are kept)")
 
     def _step(self, batch, ghost: bool):
         """One optimizer step on this rank's batch: (TTT result, global per-step counts, local tokens)."""

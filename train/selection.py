@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from eaglenest.errors import ConfigError
+from eaglenest.errors import ConfigError, StoreError
 from eaglenest.provenance import write_json_atomic
 from eaglenest.train import checkpoint
 from eaglenest.train.config import SelectConfig
@@ -36,9 +36,28 @@ BEST = "best"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of one of the run's books (metrics.jsonl, selection.jsonl). A last line cut short
+    (no newline after it: a kill or a full disk while it was appended, always past the last state)
+    is left out; any other line that is not a record with an integer ``step`` is a one-line StoreError."""
     if not path.is_file():
         return []
-    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):  # a torn append
+                log.warning("%s: its last line was cut short (an interrupted write); left out", path)
+                continue
+            record = None
+        if not isinstance(record, dict) or type(record.get("step")) is not int:
+            raise StoreError(f"{path}: line {number} is not a JSON record with an integer 'step'; delete the file "
+                             "or set train.state.resume=never to start over")
+        records.append(record)
+    return records
 
 
 def truncate_jsonl(path: Path, step: int) -> None:

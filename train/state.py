@@ -50,6 +50,10 @@ FREE_KEYS = frozenset({"output_subdir", "log_every_steps", "num_threads", "prefe
                        "select.prompts_per_domain", "select.split", "stream.depth", "stream.devices",
                        "track.tensorboard", "track.dir", "track.tracker", "track.project", "track.run_name",
                        "track.mode"})
+#: Train keys (dotted; a trailing dot: a whole section) the family does not read (docs/training.md, "Draft
+#: families"): they do not change its trajectory either.
+UNREAD_BY_FAMILY = {"eagle3": ("peagle.", "dflash."), "peagle": ("dflash.", "ttt_steps"),
+                    "dflash": ("peagle.", "ttt_steps")}
 
 
 def train_keys(train: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +69,12 @@ def train_keys(train: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def read_by_family(keys: dict[str, Any], family: str) -> dict[str, Any]:
+    """Dotted train ``keys`` without those ``family`` does not read."""
+    unread = UNREAD_BY_FAMILY.get(family, ())
+    return {k: v for k, v in keys.items() if not any(k == u or (u.endswith(".") and k.startswith(u)) for u in unread)}
+
+
 def same_place(where: Any) -> Any:
     """A local path as its resolved absolute path (``assets/t``, ``/abs/assets/t/`` and a symlink to it
     compare equal); a hub id or a URI (``s3://...``), which is no local path, stays as written."""
@@ -75,7 +85,8 @@ def same_place(where: Any) -> Any:
 
 def fingerprint(cfg, *, table_version: int, store_uri: str, target: str, seed: int,
                 table: str = "features") -> dict[str, Any]:
-    keys = {k: v for k, v in train_keys(dataclasses.asdict(cfg)).items() if k not in FREE_KEYS}
+    keys = read_by_family({k: v for k, v in train_keys(dataclasses.asdict(cfg)).items() if k not in FREE_KEYS},
+                          cfg.family)
     fp = {"features_version": int(table_version), "store_uri": same_place(str(store_uri)),
           "target": same_place(str(target)), "seed": int(seed), "train": keys}
     if table != "features":  # the default table stays out, so states saved before still match
@@ -99,9 +110,13 @@ def _diff(saved: dict[str, Any], now: dict[str, Any], moved: tuple[str, str] | N
             out.append(f"{k} {saved.get(k)!r} -> {now.get(k)!r}")
     # A train key added after the state was saved counts as its default there: such states still match.
     defaults = train_keys(dataclasses.asdict(TrainConfig()))
+    # Keys the family trained now does not read are left out on both sides (a changed family is itself
+    # a difference).
     nt = train_keys(now.get("train", {}))
-    st = {**{k: defaults[k] for k in nt if k in defaults},
-          **{k: v for k, v in train_keys(saved.get("train", {})).items() if k not in FREE_KEYS}}
+    family = nt.get("family", "eagle3")
+    nt = read_by_family(nt, family)
+    st = read_by_family({**{k: defaults[k] for k in nt if k in defaults},
+                         **{k: v for k, v in train_keys(saved.get("train", {})).items() if k not in FREE_KEYS}}, family)
     out += [f"train.{k} {st.get(k)!r} -> {nt.get(k)!r}" for k in sorted(set(st) | set(nt))
             if st.get(k) != nt.get(k)]
     return out

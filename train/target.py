@@ -16,15 +16,16 @@ is the ``*lm_head.weight`` outside the towers, or the embedding when the config 
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import re
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from eaglenest.errors import ConfigError
+from eaglenest.paths import read_json_object
 from eaglenest.target import language_config, read_config
 
 log = logging.getLogger(__name__)
@@ -44,16 +45,33 @@ def target_config(target_dir: str | Path) -> dict[str, Any]:
     return language_config(read_config(target_dir))
 
 
+#: The end of the one line for a target's weight file or index that cannot be read.
+DAMAGED = "the target's weights are damaged or incomplete (an interrupted download?): download them again"
+
+
 def _weight_files(target_dir: Path) -> dict[str, Path]:
     index = target_dir / "model.safetensors.index.json"
     if index.is_file():
-        wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        wm = read_json_object(index, error=ConfigError, then=DAMAGED).get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
+            raise ConfigError(f"run.target: {index} has no 'weight_map' of tensor names to files; {DAMAGED}")
         return {name: target_dir / f for name, f in wm.items()}
     single = target_dir / "model.safetensors"
     if not single.is_file():
         raise ConfigError(f"run.target: {target_dir} has no model.safetensors(.index.json)")
-    with safe_open(str(single), framework="pt") as f:
+    with _readable(single) as f:
         return {name: single for name in f.keys()}
+
+
+@contextlib.contextmanager
+def _readable(path: Path):
+    """``safe_open`` of one of the target's weight files; a missing, truncated or foreign file is one line."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (OSError, SafetensorError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+        raise ConfigError(f"run.target: cannot read {path} ({first}); {DAMAGED}") from None
 
 
 def _one(kind: str, found: list[str], target_dir: Path) -> str:
@@ -110,7 +128,7 @@ def load_target_tensors(target_dir: str | Path, *, keys: dict[str, str] | None =
     names = find_keys(files, cfg, target_dir=target_dir, overrides=keys)
     out: dict[str, Any] = {}
     for kind in only:
-        with safe_open(str(files[names[kind]]), framework="pt") as f:
+        with _readable(files[names[kind]]) as f:
             out[kind] = f.get_tensor(names[kind]).float()
     vocab = int(cfg["vocab_size"])
     for kind in ("embed", "lm_head"):

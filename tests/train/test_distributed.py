@@ -59,7 +59,7 @@ def test_two_ranks_match_one_rank(tmp_path, feature_store, tiny_target, family):
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-12000:]
     a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
-    assert one.steps == 20 and [m["step"] for m in b] == list(range(1, 21))
+    assert one.steps == 20 and [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 21))
     assert a[-1]["loss"] < 0.8 * a[0]["loss"]  # it trains
     for x, y in zip(a, b):
         # fp32 sums split over ranks differ in rounding only: relative 1e-4 over 20 steps.
@@ -116,7 +116,7 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, feature_store, tiny_tar
     from safetensors.torch import load_file
 
     wa, wb = load_file(work / "train" / "draft.safetensors"), load_file(tmp_path / "whole" / "train" / "draft.safetensors")
-    assert all((wa[k] == wb[k]).all() for k in wa)
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
 
     # Re-running the finished run has nothing left to do.
     again = train(cfg, store_uri=feature_store[0], workdir=str(work), target_dir=str(tiny_target), seed=0)

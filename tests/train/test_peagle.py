@@ -209,7 +209,7 @@ def test_two_ranks_match_one_rank(tmp_path, feature_store, tiny_target):
     assert proc.returncode == 0, proc.stderr[-12000:]
     a, b = ([json.loads(x) for x in (tmp_path / w / "train" / "metrics.jsonl").read_text().splitlines()]
             for w in ("one", "two"))
-    assert [m["step"] for m in b] == list(range(1, 9))
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 9))
     for x, y in zip(a, b):
         assert y["step_count"] == x["step_count"] and len(x["step_count"]) == 3
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-6), (x["step"], x["loss"], y["loss"])

@@ -59,7 +59,14 @@ class StreamShards:
         self.input_table = "prompts (streamed)"
         pool = ds.to_table(filter=f"split = {store.sql_text(split)} AND finish_reason != ''").to_pylist()
         pool = sorted(pool, key=lambda r: r["sample_id"])
-        self.convs = [r for r in pool if len(r["response_token_ids"]) > 0]
+        # The table's loss mask (build.feature_row): every answer of a multi-turn conversation. The rows
+        # trained are the table path's: those with a token to learn (num_loss_tokens > 0), a conversation
+        # whose last answer is empty included when an earlier answer is not.
+        spans = build._turn_spans(target, pool, policy.rendered_kwargs(store_uri), trust_remote_code=trust_remote_code)
+        masks = [np.asarray(turns.loss_mask(len(c["prompt_token_ids"]), len(c["response_token_ids"]),
+                                            list(spans(c))), dtype=bool) for c in pool]
+        keep = [i for i, m in enumerate(masks) if m.any()]
+        self.convs, self.masks = [pool[i] for i in keep], [masks[i] for i in keep]
         if not self.convs:
             raise StoreError(f"prompts v{self.version}: no conversations to train on (check train.split={split!r})")
         self.meta = build.feature_meta(target, featurestore.layer_ids, featurestore.engine.dtype,
@@ -78,11 +85,6 @@ class StreamShards:
         self.window = featurestore.batch_size
         self.transport, self.num_engines, self.addr, self.timeout_s = transport, engines, addr, timeout_s
         self.aux_order = aux_order(self.meta.layer_ids)
-        # The table's loss mask (build.feature_row): every answer of a multi-turn conversation.
-        spans = build._turn_spans(target, self.convs, policy.rendered_kwargs(store_uri),
-                                  trust_remote_code=trust_remote_code)
-        self.masks = [np.asarray(turns.loss_mask(len(c["prompt_token_ids"]), len(c["response_token_ids"]),
-                                                 list(spans(c))), dtype=bool) for c in self.convs]
         self._stream = None
 
     @property

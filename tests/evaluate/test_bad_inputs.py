@@ -150,3 +150,27 @@ def test_parity_refuses_a_damaged_checkpoint_before_the_target_naming_its_flag(t
     with pytest.raises(ConfigError, match=r"^--checkpoint: .*draft.safetensors: unreadable or not matching"):
         parity.parity_check(target=tiny_target, draft=tmp_path, checkpoint=ckpt, prompts={"a": [1, 2]}, k=2,
                             max_tokens=4, engine=None, min_identical=0.9, checkpoint_key="--checkpoint")
+
+
+def test_evaluate_al_refuses_a_draft_vllm_would_fail_on_before_any_engine(tmp_path, toy_export, tiny_target,
+                                                                          monkeypatch):
+    # A d2t mapping past the target's vocabulary reached vLLM, which serves it until a request hits it.
+    from safetensors.torch import load_file, save_file
+
+    import eaglenest.evaluate.run as run
+    from eaglenest.evaluate.config import EvaluateConfig
+
+    draft = tmp_path / "draft"
+    shutil.copytree(toy_export, draft)
+    weights = load_file(str(draft / "model.safetensors"))
+    weights["d2t"][-1] += 10**6
+    save_file(weights, str(draft / "model.safetensors"))
+
+    def engine(*args, **kwargs):
+        raise AssertionError("an engine was started for a draft vLLM cannot serve")
+
+    monkeypatch.setattr(run, "make_llm", engine)
+    with pytest.raises(ConfigError, match=r"model.safetensors: d2t maps draft id \d+ to target id \d+, outside the "
+                                          r"target's vocabulary"):
+        run.evaluate_al(target=str(tiny_target), draft=str(draft), store_uri=str(tmp_path / "none"),
+                        cfg=EvaluateConfig())

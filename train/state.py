@@ -54,6 +54,8 @@ FREE_KEYS = frozenset({"output_subdir", "log_every_steps", "num_threads", "prefe
 #: families"): they do not change its trajectory either.
 UNREAD_BY_FAMILY = {"eagle3": ("peagle.", "dflash."), "peagle": ("dflash.", "ttt_steps"),
                     "dflash": ("peagle.", "ttt_steps")}
+#: Likewise per ``train.source``: the table source never reads the capture stream's settings.
+UNREAD_BY_SOURCE = {"table": ("stream.",)}
 
 
 def train_keys(train: dict[str, Any]) -> dict[str, Any]:
@@ -69,9 +71,9 @@ def train_keys(train: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_by_family(keys: dict[str, Any], family: str) -> dict[str, Any]:
-    """Dotted train ``keys`` without those ``family`` does not read."""
-    unread = UNREAD_BY_FAMILY.get(family, ())
+def read_by_family(keys: dict[str, Any], family: str, source: str = "table") -> dict[str, Any]:
+    """Dotted train ``keys`` without those ``family`` and ``source`` do not read."""
+    unread = UNREAD_BY_FAMILY.get(family, ()) + UNREAD_BY_SOURCE.get(source, ())
     return {k: v for k, v in keys.items() if not any(k == u or (u.endswith(".") and k.startswith(u)) for u in unread)}
 
 
@@ -86,7 +88,7 @@ def same_place(where: Any) -> Any:
 def fingerprint(cfg, *, table_version: int, store_uri: str, target: str, seed: int,
                 table: str = "features") -> dict[str, Any]:
     keys = read_by_family({k: v for k, v in train_keys(dataclasses.asdict(cfg)).items() if k not in FREE_KEYS},
-                          cfg.family)
+                          cfg.family, cfg.source)
     fp = {"features_version": int(table_version), "store_uri": same_place(str(store_uri)),
           "target": same_place(str(target)), "seed": int(seed), "train": keys}
     if table != "features":  # the default table stays out, so states saved before still match
@@ -113,10 +115,11 @@ def _diff(saved: dict[str, Any], now: dict[str, Any], moved: tuple[str, str] | N
     # Keys the family trained now does not read are left out on both sides (a changed family is itself
     # a difference).
     nt = train_keys(now.get("train", {}))
-    family = nt.get("family", "eagle3")
-    nt = read_by_family(nt, family)
+    family, source = nt.get("family", "eagle3"), nt.get("source", "table")
+    nt = read_by_family(nt, family, source)
     st = read_by_family({**{k: defaults[k] for k in nt if k in defaults},
-                         **{k: v for k, v in train_keys(saved.get("train", {})).items() if k not in FREE_KEYS}}, family)
+                         **{k: v for k, v in train_keys(saved.get("train", {})).items() if k not in FREE_KEYS}},
+                        family, source)
     out += [f"train.{k} {st.get(k)!r} -> {nt.get(k)!r}" for k in sorted(set(st) | set(nt))
             if st.get(k) != nt.get(k)]
     return out

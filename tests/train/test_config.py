@@ -60,7 +60,7 @@ def test_renamed_table_covers_the_sections():
 def test_fingerprint_matches_a_state_saved_with_flat_keys(tmp_path):
     """A state saved before the sections (flat train keys in its fingerprint) still resumes; a
     trajectory key that differs is named by its new dotted name."""
-    cfg = TrainConfig(stream=StreamConfig(transport="gloo", engines=2))
+    cfg = TrainConfig(source="stream", stream=StreamConfig(transport="gloo", engines=2, addr="10.0.0.5:29650"))
     now = S.fingerprint(cfg, table_version=3, store_uri="s", target="t", seed=0)
     assert "stream.engines" in now["train"] and "state.every_steps" not in now["train"]  # free keys left out
     flat = {k.replace(".", "_") if k.startswith("stream.") else k: v for k, v in now["train"].items()}
@@ -70,7 +70,7 @@ def test_fingerprint_matches_a_state_saved_with_flat_keys(tmp_path):
     saved = {**now, "train": flat}
     info = {"fingerprint": saved, "step": 4, "finished": False}
     assert S.resolve(info, now, tmp_path) is info
-    other = S.fingerprint(dataclasses.replace(cfg, stream=StreamConfig(transport="gloo", engines=3)),
+    other = S.fingerprint(dataclasses.replace(cfg, stream=StreamConfig(transport="gloo", engines=3, addr="10.0.0.5:29650")),
                           table_version=3, store_uri="s", target="t", seed=0)
     with pytest.raises(ConfigError, match=r"train\.stream\.engines 2 -> 3"):
         S.resolve(info, other, tmp_path)
@@ -93,3 +93,20 @@ def test_stream_source_gets_the_whole_stream_section(monkeypatch):
     assert source.open_source(load("train.table_version=2"), "s", table="second", seed=1, target_dir="t",
                               featurestore=None) == "table"
     assert (seen["version"], seen["table"], seen["seed"]) == (2, "second", 1)
+
+
+def test_a_table_run_resumes_whatever_its_unread_stream_keys_say(tmp_path):
+    """train.source=table never reads train.stream: a changed stream key (or one saved by a state from
+    before) refused the resume of an unfinished table run ("train.stream.timeout_s 1800 -> 60")."""
+    cfg = TrainConfig()
+    saved = S.fingerprint(cfg, table_version=3, store_uri="s", target="t", seed=0)
+    saved["train"].update({"stream.timeout_s": 1800.0, "stream.engines": 1})  # as states saved before kept them
+    info = {"fingerprint": saved, "step": 4, "finished": False}
+    now = S.fingerprint(dataclasses.replace(cfg, stream=StreamConfig(timeout_s=60.0, engines=4)),
+                        table_version=3, store_uri="s", target="t", seed=0)
+    assert not any(k.startswith("stream.") for k in now["train"])
+    assert S.resolve(info, now, tmp_path) is info
+    streamed = S.fingerprint(dataclasses.replace(cfg, source="stream"), table_version=3, store_uri="s", target="t",
+                             seed=0)
+    with pytest.raises(ConfigError, match=r"train\.source 'table' -> 'stream'"):
+        S.resolve(info, streamed, tmp_path)

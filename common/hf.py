@@ -11,6 +11,10 @@ to fail in its worker), but a hub id is only known to need remote code once tran
 which then becomes the same one-line error. ``auto_map`` entries whose class transformers already
 has (its own ``model_type`` / ``tokenizer_class``) are not counted: transformers uses its own class
 there, and so does vLLM.
+
+A local directory is also checked for what every engine and loader needs before one starts: a
+``model_type`` and ``architectures`` the installed transformers or vLLM knows (importing vLLM's
+registry only when transformers does not), and a tokenizer vocabulary file.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 
 from eaglenest.errors import ConfigError
 from eaglenest.paths import user_path
+from eaglenest.target import local_dir
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +55,9 @@ def remote_code_needed(target: str | Path) -> list[str]:
 
 def check_target(target: str | Path) -> None:
     """Raise a :class:`ConfigError` naming ``run.target`` when it names a local path that is not a
-    model directory (no such directory, or no ``config.json`` in it). A hub id (``name`` or
-    ``namespace/name``) is left to transformers."""
+    model directory (no such directory, no ``config.json`` in it, an unknown architecture, no
+    tokenizer, missing shards), or a bare name that is neither a directory here nor cached. A hub id
+    ``namespace/name`` is left to transformers."""
     text = str(target)
     root = user_path(text, "run.target", error=ConfigError, resolve=False)  # a NUL, ~nosuchuser, a loop: one line
     if root.exists():
@@ -64,10 +70,20 @@ def check_target(target: str | Path) -> None:
                               f"({str(exc).splitlines()[0][:120]})") from None
         if not isinstance(cfg, dict):
             raise ConfigError(f"run.target: {text}/config.json is not a JSON object (not a model directory)")
+        _check_model_type(text, cfg)
+        _check_architectures(text, cfg)
+        _check_tokenizer(text, root)
+        _check_shards(text, root)
         return
     if root.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1:
         raise ConfigError(f"run.target: {text}: no such directory (a local Hugging Face model directory, "
                           "or a hub id namespace/name)")
+    # A bare name is mostly a relative directory looked for from another directory; a hub id of one
+    # part (legacy repos) is accepted only from the local cache, as docs/targets.md says.
+    if "/" not in text and not (local_dir(text) / "config.json").is_file():
+        raise ConfigError(f"run.target: {text}: no such directory in the current directory ({Path.cwd()}) and "
+                          "no hub model of that name in the local cache (a relative path is read from the current "
+                          "directory)")
 
 
 def check_remote_code(target: str | Path, *, trust_remote_code: bool) -> None:
@@ -118,6 +134,79 @@ def _load(loader, target, trust_remote_code: bool, **kwargs):
         if trust_remote_code or not is_refusal(exc):
             raise
         raise refusal(target) from None
+    except OSError as exc:  # a hub id neither in the local cache nor reachable (no network, no such repo)
+        if Path(target).is_dir():
+            raise
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"run.target: {target}: not a local directory, and not loadable as a hub id "
+                          f"({first})") from None
+
+
+#: Files that hold a tokenizer's vocabulary (``*.model``: sentencepiece or tiktoken, ``tekken.json``: Mistral's).
+TOKENIZER_GLOBS = ("tokenizer.json", "tekken.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
+
+
+def _check_model_type(text: str, cfg: dict) -> None:
+    """Refuse a config.json whose ``model_type`` neither transformers nor vLLM knows, unless it ships
+    its own config class (``auto_map``, checked by :func:`check_remote_code`): vLLM would fail at
+    engine start and transformers on loading, each with a traceback."""
+    auto = cfg.get("auto_map")
+    if isinstance(auto, dict) and "AutoConfig" in auto:
+        return
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures")
+    named = f" (architectures: {', '.join(map(str, archs))})" if isinstance(archs, list) and archs else ""
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"run.target: {text}/config.json has no model_type{named}; a Hugging Face config names "
+                          "its architecture family there")
+    if not _known_model_type(model_type) and not _known_to_vllm(model_type):
+        raise ConfigError(f"run.target: {text}/config.json: model_type {model_type!r}{named} is not one the "
+                          "installed transformers or vLLM knows (a newer release, or a checkpoint with its own "
+                          "code and auto_map)")
+
+
+def _check_architectures(text: str, cfg: dict) -> None:
+    """Refuse a config.json whose ``architectures`` name no class transformers or vLLM has (unless it
+    ships its own code): vLLM's refusal is a traceback listing its few hundred classes."""
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list) or not archs or isinstance(cfg.get("auto_map"), dict):
+        return
+    names = [a for a in archs if isinstance(a, str)]
+    if names and not any(_known_architecture(a) for a in names):
+        raise ConfigError(f"run.target: {text}/config.json: architectures {', '.join(names)} is no model class the "
+                          "installed transformers or vLLM has (a typo, or a checkpoint needing a newer release)")
+
+
+def _check_tokenizer(text: str, root: Path) -> None:
+    """Refuse a model directory with no tokenizer vocabulary file (ingest, capture and evaluation all
+    tokenize with it; transformers' own error lists three ways to build one)."""
+    if not any(next(root.glob(pattern), None) for pattern in TOKENIZER_GLOBS):
+        raise ConfigError(f"run.target: {text} has no tokenizer (none of {', '.join(TOKENIZER_GLOBS)}); "
+                          "copy the checkpoint's tokenizer files into it")
+    fast = root / "tokenizer.json"
+    if fast.is_file():  # truncated, the tokenizers library raises a bare Exception from inside every loader
+        try:
+            json.loads(fast.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise ConfigError(f"run.target: {text}/tokenizer.json is not valid JSON "
+                              f"({str(exc).splitlines()[0][:120]}); download it again") from None
+
+
+def _check_shards(text: str, root: Path) -> None:
+    """Refuse sharded weights whose index is unreadable or names a shard that is not there (an
+    interrupted download): vLLM finds that only after its engine started, as a traceback."""
+    index = root / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ConfigError(f"run.target: {text}/{index.name} has no weight_map of tensor names to files; "
+                          "download the checkpoint again")
+    missing = sorted(f for f in set(weight_map.values()) if not (root / f).is_file())
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ConfigError(f"run.target: {text}: {index.name} names weight files that are not there "
+                          f"({', '.join(missing[:3])}{more}); the download was interrupted? download them again")
 
 
 def _read_json(path: Path) -> dict:
@@ -138,6 +227,31 @@ def _known_model_type(model_type) -> bool:
     from transformers import CONFIG_MAPPING
 
     return isinstance(model_type, str) and model_type in CONFIG_MAPPING
+
+
+def _known_architecture(name: str) -> bool:
+    """Whether transformers or vLLM has a model class of this name (vLLM's registry only on a miss)."""
+    import transformers
+
+    try:
+        if hasattr(transformers, name):
+            return True
+    except (ImportError, RuntimeError):  # transformers has it, but its module needs a missing extra
+        return True
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry
+    except ImportError:
+        return False
+    return name in ModelRegistry.get_supported_archs()
+
+
+def _known_to_vllm(model_type: str) -> bool:
+    """Whether vLLM registers its own config class for ``model_type`` (Kimi-K2, ChatGLM, ...)."""
+    try:
+        from vllm.transformers_utils.config import _CONFIG_REGISTRY
+    except ImportError:
+        return False
+    return model_type in _CONFIG_REGISTRY
 
 
 def _known_tokenizer(name) -> bool:

@@ -20,12 +20,27 @@ NESTED = ("text_config", "llm_config", "language_config")
 _INHERITED = ("torch_dtype", "dtype", "tie_word_embeddings")
 
 
+def local_dir(target: str | Path) -> Path:
+    """The directory holding ``target``'s files: ``target`` itself, or for a hub id (``namespace/name``)
+    that is not a local path, its snapshot in the local Hugging Face cache when one is there."""
+    root = Path(target)
+    if root.exists() or root.is_absolute() or str(target).startswith((".", "~")):
+        return root
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(str(target), "config.json")
+    except ValueError:  # not a repo id either
+        return root
+    return Path(cached).parent if isinstance(cached, str) else root
+
+
 def read_config(target: str | Path) -> dict[str, Any]:
-    """``config.json`` of a local target directory as a dict."""
-    p = Path(target) / "config.json"
+    """``config.json`` of a local target directory (or a cached hub id's snapshot) as a dict."""
+    p = local_dir(target) / "config.json"
     if not p.is_file():
-        raise ConfigError(f"run.target: {target} has no config.json (a local Hugging Face model directory "
-                          "is required)")
+        raise ConfigError(f"run.target: {target} has no config.json (a local Hugging Face model directory, "
+                          "or a hub id in the local cache, is required)")
     try:
         cfg = json.loads(p.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -54,4 +69,4 @@ def nested_key(cfg: dict[str, Any]) -> str | None:
     return next((k for k in NESTED if isinstance(cfg.get(k), dict) and "hidden_size" in cfg[k]), None)
 
 
-__all__ = ["NESTED", "language_config", "nested_key", "read_config"]
+__all__ = ["NESTED", "language_config", "local_dir", "nested_key", "read_config"]

@@ -17,6 +17,7 @@ from eaglenest.evaluate.settings import evaluate_config
 from eaglenest.featurestore.table import store
 from eaglenest.paths import ensure_writable, shown_path
 from eaglenest.pipeline.served_al import served_al_scorer
+from eaglenest.target import read_config
 from eaglenest.train.config import TrainConfig
 from eaglenest.train.loop import train
 from eaglenest.train.model import draft_shape
@@ -121,6 +122,7 @@ def cmd_run(recipe, args) -> int:
         if recipe.train.track.tensorboard:  # relative to the output folder, or absolute
             ensure_writable(Path(r.path(recipe.train.output_subdir)) / recipe.train.track.dir, "train.track.dir",
                             error=ConfigError, keep=False)
+    read_config(r.target)  # a target that is not there: one line naming it, before its identity is compared
     check_fit(recipe)  # a row that cannot fit memory is refused before the store or the target is read
     score = None
     if recipe.train.select.every_steps:

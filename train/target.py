@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 
 from eaglenest.errors import ConfigError
 from eaglenest.paths import read_json_object
-from eaglenest.target import language_config, read_config
+from eaglenest.target import language_config, local_dir, read_config
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,9 @@ def load_target_tensors(target_dir: str | Path, *, keys: dict[str, str] | None =
                         only: tuple[str, ...] = ("embed", "norm", "lm_head")) -> dict[str, Any]:
     """{"embed", "norm", "lm_head": tensors (float32), "rms_norm_eps", "config", "keys"}.
 
-    ``keys``: explicit tensor names (``run.target_keys``); ``only``: which of the three to read."""
-    target_dir = Path(target_dir)
+    ``keys``: explicit tensor names (``run.target_keys``); ``only``: which of the three to read.
+    A hub id is read from its snapshot in the local cache (``target.local_dir``)."""
+    target_dir = local_dir(target_dir)
     cfg = target_config(target_dir)
     if str(cfg.get("model_type", "")).startswith("gemma"):
         raise ConfigError(f"run.target: {target_dir} is a Gemma model ({cfg['model_type']}); its final norm "

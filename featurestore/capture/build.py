@@ -62,6 +62,9 @@ def feature_meta(target: str, layer_ids: list[int], engine_dtype: str, *, storag
     """The feature set's metadata, its identity hash over everything that shapes the tensors."""
     facts = target_facts(target, trust_remote_code=trust_remote_code)
     ids = resolve_layer_ids(layer_ids, facts["num_layers"])
+    if list(ids) != sorted(ids):  # vLLM hands a capture's aux layers over in layer order, whatever order it was given
+        raise ConfigError(f"featurestore.layer_ids: {list(ids)} is not ascending; vLLM captures the aux layers in "
+                          f"layer order, so the table would name them wrongly: give {sorted(ids)}")
     dtype = facts["dtype"] if engine_dtype == "auto" else _DTYPE_ALIASES.get(engine_dtype, engine_dtype)
     comps = identity.components(target=target, layer_ids=ids, last_layer_id=facts["num_layers"], dtype=dtype,
                                 storage=storage, sample_ids=sample_ids, gen_params_ids=gen_params_ids)

@@ -178,3 +178,13 @@ def test_short():
     assert short(list(range(10 ** 6))) == "[0, 1, 2, 3, 4, 5, ...]"
     s = short({"k" * 10 ** 6: ["v" * 10 ** 6] * 10 ** 6}, limit=80)
     assert len(s) == 80 and s.endswith("...")
+
+
+def test_capture_layer_ids_out_of_layer_order_are_refused(tiny_target):
+    # vLLM sorts a capture's aux layers (its aux_hidden_state_layers); the table recorded (5, 2, 4) over data
+    # in order 2, 4, 5, and a draft trained on it read each layer's states as another's.
+    from eaglenest.featurestore.capture.build import feature_meta
+
+    with pytest.raises(ConfigError, match=r"featurestore.layer_ids: \[5, 2, 4\] is not ascending.*give \[2, 4, 5\]"):
+        feature_meta(str(tiny_target), [5, 2, 4], "auto")
+    assert feature_meta(str(tiny_target), [2, 4, 5], "auto").layer_ids == (2, 4, 5)

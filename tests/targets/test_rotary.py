@@ -29,6 +29,15 @@ CASES = {
     "llama3_scaling": dict(BASE, rope_theta=5e5, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 1024}),
+    # Qwen3 long-context (its model card's YaRN setting), transformers 5 style and legacy "type" key.
+    "yarn_rope_parameters": dict(BASE, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                        "original_max_position_embeddings": 1024}),
+    "yarn_legacy_type": dict(BASE, rope_theta=1e6, rope_scaling={"type": "yarn", "factor": 4.0,
+                                                                 "original_max_position_embeddings": 1024}),
+    # gpt-oss: YaRN with its beta values and truncation off.
+    "yarn_gpt_oss": dict(BASE, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                "original_max_position_embeddings": 128}),
 }
 
 

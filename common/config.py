@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import functools
 import math
 import re
@@ -153,15 +154,18 @@ def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError) -> di
     try:
         if p.is_dir():
             raise error(f"{name}: is a directory, not a YAML file")
-        if not p.is_file():
+        if not p.exists():
             raise error(f"{name}: file not found")
-        if p.stat().st_size > MAX_YAML_BYTES:
+        # Read, not stat: a pipe (bash's ``--recipe <(...)``) has no size until it is read.
+        with p.open("rb") as f:
+            raw = f.read(MAX_YAML_BYTES + 1)
+        if len(raw) > MAX_YAML_BYTES:
             raise error(f"{name}: larger than {MAX_YAML_BYTES >> 10} KiB; recipes and manifests are small")
-        text = p.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise error(f"{name}: not UTF-8 text") from None
-    except OSError as exc:  # e.g. a name too long, no permission
-        raise error(f"{name}: cannot be read ({exc.strerror})") from None
+    except (OSError, ValueError) as exc:  # e.g. a name too long, no permission, a NUL byte
+        raise error(f"{name}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
     try:
         data = parse_yaml(text)
     except _Refused as exc:
@@ -187,8 +191,8 @@ _COMMENT = re.compile(r"(^|\s)#")
 
 def override_value(raw: str) -> Any:
     """The value of ``section.key=raw``: YAML (``[1, 2]``, ``{a: 1}``, ``null``, ``3``, ``1e-4``,
-    ``true``), except that YAML 1.1's other numbers and booleans (``0601``, ``12:30``, ``yes``) and
-    plain text holding `` #`` stay the text typed (a comment would silently drop the rest)."""
+    ``true``), except that YAML 1.1's other numbers, booleans and dates (``0601``, ``12:30``, ``yes``,
+    ``2024-01-01``) and plain text holding `` #`` stay the text typed (a comment would silently drop the rest)."""
     text = raw.strip()
     if text == "":
         return ""
@@ -199,6 +203,8 @@ def override_value(raw: str) -> Any:
     except InvalidYAML:  # not YAML (or refused, e.g. an alias): the plain string
         return raw
     if isinstance(value, (bool, int, float)) and not _CORE_SCALAR.fullmatch(text):
+        return raw
+    if isinstance(value, datetime.date):  # YAML 1.1's timestamps (``2024-01-01``): no type takes one
         return raw
     return value
 

@@ -24,6 +24,7 @@ import math
 import os
 import random
 import re
+import signal
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 from eaglenest.errors import ConfigError, require
 from eaglenest.hf import check_remote_code, is_refusal, refusal
 from eaglenest.paths import read_json_object
+from eaglenest.provenance import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +143,7 @@ def quiet_vllm() -> Path | None:
     }
     path = Path(log_dir) / "vllm-logging.json"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # renamed into place: engines in other
-        tmp.write_text(json.dumps(config, indent=1))            # processes may read it meanwhile
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(config, indent=1))  # engines in other processes may read it meanwhile
         _tracker_reports_to(log_path)
     except OSError:  # an unwritable run directory is reported by the stage itself
         os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
@@ -289,11 +288,11 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
     try:
         if cfg.uses_own_process(cuda=cuda):
             with cpu_all_cores(cfg.cpu_all_cores and not cuda):
-                return LLM(model=model, **kwargs)
+                return _start(LLM, model, kwargs)
         if not cuda and "kv_cache_memory_bytes" not in kwargs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(cfg.memory_fraction)
         with in_process_engine(cpu=not cuda):
-            return LLM(model=model, **kwargs)
+            return _start(LLM, model, kwargs)
     except ValueError as exc:  # a hub checkpoint with its own code: vLLM reads its config in process
         too_long = TOO_LONG.search(str(exc))
         if too_long:  # found by vLLM's config check, before any weight is loaded
@@ -302,6 +301,68 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
         if trust_remote_code or not is_refusal(exc):
             raise
         raise refusal(model) from None
+
+
+#: Signals whose Python handler raises an exception to interrupt the command (Ctrl-C, and the two
+#: ``eaglenest.launch`` unwinds like it).
+INTERRUPTS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+class Interrupts:
+    """The interrupting signals whose handler ran inside :func:`interrupts_kept`."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, Any]] = []
+
+    def deliver(self) -> None:
+        """Run the first one's handler again: its exception (KeyboardInterrupt, ``Terminated``) is raised now."""
+        if self.seen:
+            signum, handler = self.seen[0]
+            handler(signum, None)
+
+
+@contextlib.contextmanager
+def interrupts_kept():
+    """Record each interrupting signal (:data:`INTERRUPTS`) whose Python handler runs inside the
+    block, in the :class:`Interrupts` it yields, so that one the block swallowed can be delivered
+    after it (:func:`_start`). In the main thread only (signals are handled nowhere else)."""
+    interrupts = Interrupts()
+    wrapped: dict[int, tuple[Any, Any]] = {}
+    for name in INTERRUPTS:
+        sig = getattr(signal, name, None)
+        handler = signal.getsignal(sig) if sig is not None else None
+        if not callable(handler):
+            continue
+
+        def record(signum, frame, handler=handler):
+            interrupts.seen.append((signum, handler))
+            handler(signum, frame)
+
+        try:
+            signal.signal(sig, record)
+        except ValueError:  # not the main thread
+            break
+        wrapped[sig] = (handler, record)
+    try:
+        yield interrupts
+    finally:
+        for sig, (handler, record) in wrapped.items():
+            if signal.getsignal(sig) is record:
+                signal.signal(sig, handler)
+
+
+def _start(LLM, model: str, kwargs: dict[str, Any]):
+    """``LLM(model, **kwargs)``, interruptible. While an engine starts in its own processes, vLLM
+    waits for their handshake inside ``vllm.utils.network_utils.zmq_socket_ctx``, which catches
+    ``KeyboardInterrupt`` and only logs it: a Ctrl-C, or a SIGTERM/SIGHUP the CLI unwinds like one
+    (``eaglenest.launch``), was dropped and the command went on (a whole ``ingest build`` after
+    ``kill``). Here the engine it was meant to stop is closed and the interruption raised."""
+    with interrupts_kept() as interrupts:
+        llm = LLM(model=model, **kwargs)
+    if interrupts.seen:
+        close_llm(llm)  # now, with this module's short grace, not by vLLM's finalizer at its own pace
+        interrupts.deliver()
+    return llm
 
 
 #: vLLM's refusal of a ``max_model_len`` past the target's positions (its ModelConfig validation).

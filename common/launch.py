@@ -6,10 +6,11 @@ engines, servers, workers, ends with it), loads and validates the recipe, regist
 options for this process, remembers where vLLM should log (written only when an engine starts:
 :func:`eaglenest.engine.defer_quiet_vllm`), and calls the command's body, imported only now. User
 errors (:class:`EaglenestError`) become exit code 2 and one line on stderr. A SIGTERM (``kill``, a
-scheduler's stop, torchrun stopping its other ranks) unwinds like Ctrl-C, so the same cleanup runs (an
-import's uncommitted new table is removed, engines are closed), then the process ends by that SIGTERM
-(its parent sees it signalled, as before). ``eaglenest.cli`` parses the arguments and imports this
-module only once they are accepted.
+scheduler's stop, torchrun stopping its other ranks) or a SIGHUP (a closed terminal or ssh session)
+unwinds like Ctrl-C, so the same cleanup runs (an import's uncommitted new table is removed, engines
+are closed), then the process ends by that signal (its parent sees it signalled, as before). Output
+piped into a reader that stops early (``| head``) ends the command quietly, exit 141.
+``eaglenest.cli`` parses the arguments and imports this module only once they are accepted.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import importlib
 import json
 import logging
 import os
+import select
 import signal
 import sys
 from typing import Callable
@@ -50,39 +52,79 @@ def dump_stacks_on_sigusr1() -> None:
             continue
 
 
+#: Signals that end a CLI the way Ctrl-C does, its cleanup first: SIGTERM (``kill``, a scheduler's
+#: stop, torchrun stopping its other ranks) and SIGHUP (the terminal or ssh session was closed).
+UNWOUND = ("SIGTERM", "SIGHUP")
+
+
 class Terminated(KeyboardInterrupt):
-    """A SIGTERM, raised in the main thread where it lands: every ``except BaseException`` /
-    ``KeyboardInterrupt`` cleanup path runs for it as for Ctrl-C."""
+    """A signal of :data:`UNWOUND`, raised in the main thread where it lands: every
+    ``except BaseException`` / ``KeyboardInterrupt`` cleanup path runs for it as for Ctrl-C."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _unwound() -> list[int]:
+    return [getattr(signal, name) for name in UNWOUND if hasattr(signal, name)]
 
 
 def _raise_terminated(signum, frame) -> None:
-    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM during the cleanup ends the process at once
-    raise Terminated()
+    for sig in _unwound():  # a second signal during the cleanup ends the process at once
+        if signal.getsignal(sig) is _raise_terminated:
+            signal.signal(sig, signal.SIG_DFL)
+    raise Terminated(signum)
 
 
-def unwind_on_sigterm() -> bool:
-    """Make a SIGTERM raise :class:`Terminated`; False (nothing changed) off the main thread or where
-    the host program has its own SIGTERM handler."""
-    if not hasattr(signal, "SIGTERM") or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return False
-    try:
-        signal.signal(signal.SIGTERM, _raise_terminated)
-    except ValueError:  # not the main thread of the main interpreter
-        return False
-    return True
-
-
-def end_by_sigterm(prog: str) -> int:
-    """After the cleanup: end the process by SIGTERM's default action, as if no handler had been set."""
-    print(f"{prog}: terminated", file=sys.stderr)
-    for stream in (sys.stdout, sys.stderr):
+def unwind_on_sigterm() -> list[int]:
+    """Make each signal of :data:`UNWOUND` raise :class:`Terminated`; returns those it set. A signal
+    the host program handles or ignores (``nohup``) is left alone, and so is every one off the main thread."""
+    ours = []
+    for sig in _unwound():
+        if signal.getsignal(sig) is not signal.SIG_DFL:
+            continue
         try:
+            signal.signal(sig, _raise_terminated)
+        except ValueError:  # not the main thread of the main interpreter
+            break
+        ours.append(sig)
+    return ours
+
+
+def end_by_signal(prog: str, signum: int) -> int:
+    """After the cleanup: end the process by ``signum``'s default action, as if no handler had been set."""
+    named = "" if signum == signal.SIGTERM else f" ({signal.Signals(signum).name})"
+    for line, stream in ((f"{prog}: terminated{named}\n", sys.stderr), ("", sys.stdout), ("", sys.stderr)):
+        try:  # after a hangup the terminal is gone: writing to it fails
+            stream.write(line)
             stream.flush()
         except (OSError, ValueError):
             pass
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-    return 128 + signal.SIGTERM  # not reached (the signal is delivered before os.kill returns)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return 128 + signum  # not reached (the signal is delivered before os.kill returns)
+
+
+def stdout_closed() -> bool:
+    """Whether whoever reads this process's stdout has gone (``| head`` has its lines): the pipe's
+    write end then polls as an error."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file descriptor behind stdout (captured in memory)
+        return False
+
+
+def end_quietly_on_closed_stdout() -> int:
+    """The exit of a command whose reader went away: no traceback, nothing more written (stdout
+    now goes nowhere, so the interpreter's last flush does not fail either), 128 + SIGPIPE as a
+    shell reports ``yes | head -1``."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def resolve(fn: Callable[..., int] | str) -> Callable[..., int]:
@@ -115,11 +157,16 @@ def execute(prog: str, cmd, args: argparse.Namespace) -> int:
     except EaglenestError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    except Terminated:
-        return end_by_sigterm(prog)
+    except BrokenPipeError:
+        if not stdout_closed():  # a connection of the command's own: a bug, with its traceback
+            raise
+        return end_quietly_on_closed_stdout()
+    except Terminated as exc:
+        return end_by_signal(prog, exc.signum)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     finally:
-        if ours and signal.getsignal(signal.SIGTERM) is _raise_terminated:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig in ours:
+            if signal.getsignal(sig) is _raise_terminated:
+                signal.signal(sig, signal.SIG_DFL)

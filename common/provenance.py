@@ -60,16 +60,33 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 #: Environment variables whose values are secrets: never written, wherever they turn up.
-_SECRET_ENV = ("SECRET", "TOKEN", "PASSWORD", "ACCOUNT_KEY", "SAS_KEY", "PRIVATE_KEY", "CREDENTIALS")
+_SECRET_ENV = ("SECRET", "TOKEN", "PASSWORD", "ACCOUNT_KEY", "SAS_KEY", "PRIVATE_KEY", "CREDENTIALS",
+               "API_KEY", "APIKEY")
+#: Config keys whose value names the environment variable that holds a key (``ingest.api_key_env``).
+_KEY_ENV_FIELDS = ("api_key_env",)
 REDACTED = "<redacted>"
+
+
+def _named_key_vars(obj: Any) -> set[str]:
+    """The environment variables ``obj`` names as holding a key (``api_key_env: MY_SERVER_KEY``)."""
+    if isinstance(obj, dict):
+        named = {str(v) for k, v in obj.items() if k in _KEY_ENV_FIELDS and v}
+        return named.union(*(_named_key_vars(v) for v in obj.values()))
+    if isinstance(obj, (list, tuple)):
+        return set().union(*(_named_key_vars(v) for v in obj))
+    return set()
 
 
 def redact(obj: Any) -> Any:
     """``obj`` (JSON-like) with every secret replaced by ``<redacted>``: the value of any secret-named
-    environment variable (AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, ...) wherever it occurs, and
-    storage-option credentials (``run.storage_options``, ``key=value`` arguments) unless they are
-    ``${ENV_VAR}`` references. The recipe refuses literal credentials already; this is the backstop."""
-    secrets = [v for k, v in os.environ.items() if len(v) >= 8 and any(s in k.upper() for s in _SECRET_ENV)]
+    environment variable (AWS_SECRET_ACCESS_KEY, HF_TOKEN, OPENAI_API_KEY, ...) or of one ``obj``
+    names as holding a key (``api_key_env``) wherever it occurs, and storage-option credentials
+    (``run.storage_options``, ``key=value`` arguments) unless they are ``${ENV_VAR}`` references. The
+    recipe refuses literal credentials already; this is the backstop."""
+    named = _named_key_vars(obj)
+    secrets = sorted((v for k, v in os.environ.items()
+                      if len(v) >= 8 and (k in named or any(s in k.upper() for s in _SECRET_ENV))),
+                     key=len, reverse=True)  # the longest first: a secret holding another is replaced whole
 
     def text(s: str) -> str:
         for v in secrets:

@@ -40,8 +40,10 @@ class Recipe:
     sections: dict[str, Any]
 
     def __getattr__(self, name: str) -> Any:
+        # Read through __dict__: copy and pickle ask for attributes before ``sections`` is set, and
+        # ``self.sections`` would come back here for ever.
         try:
-            return self.sections[name]
+            return self.__dict__["sections"][name]
         except KeyError:
             raise AttributeError(name) from None
 

@@ -38,6 +38,18 @@ def _is_file(path: str) -> bool:
         return False
 
 
+def home_expanded(path: str) -> str:
+    """``path`` with a leading ``~`` or ``~user`` expanded as a shell would: the shell leaves
+    ``run.workdir=~/runs/x`` as typed (it is no variable assignment), and Lance and vLLM take ``~``
+    literally. Left as typed where it cannot be (an unknown user: the stage's path check names it)."""
+    if not path.startswith("~"):
+        return path
+    try:
+        return os.path.expanduser(path)
+    except (ValueError, RuntimeError):  # a NUL byte: the stage's path check names it too
+        return path
+
+
 def register_storage_options(store_uri: str, options: dict[str, str]) -> None:
     """Remember ``options`` for every path under ``store_uri`` (in this process)."""
     _STORAGE_OPTIONS[store_uri.rstrip("/")] = dict(options)
@@ -102,6 +114,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.workdir.strip():  # "" would put the run's store and outputs in the current directory
             raise ConfigError("run.workdir: must not be empty (a directory for this run's outputs, e.g. runs/toy)")
+        for key in ("workdir", "target", "store"):  # the same folder for every reader of the recipe
+            object.__setattr__(self, key, home_expanded(getattr(self, key)))
         if self.seed not in SEED_RANGE:
             raise ConfigError(f"run.seed: must be in [0, 2**63), got {short(self.seed)}")
         store = self.store_uri

@@ -24,7 +24,7 @@ class Outer:
 def test_build_nested_and_defaults():
     cfg = build(Outer, {"required": "r", "inner": {"n": 3}, "items": {"a": {"name": "y"}}, "ratio": 1})
     assert cfg.inner.n == 3 and cfg.inner.name == "x"
-    assert cfg.items["a"].name == "y" and cfg.ratio == 1.0
+    assert cfg.items["a"].name == "y" and cfg.ratio == 1.0 and type(cfg.ratio) is float  # 1 == 1.0 alone
 
 
 @pytest.mark.parametrize("data,message", [

@@ -60,8 +60,9 @@ def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], num_layers: int) -
     always captured as ``last_hidden`` already, so as an aux layer it would be stored twice."""
     ids = tuple(layer_ids) or default_layer_ids(num_layers)
     bad = [i for i in ids if not 0 <= i <= num_layers]
-    if bad:
-        raise ConfigError(f"featurestore.layer_ids: {short(bad)} outside 0..{num_layers} (vLLM convention)")
+    if bad:  # the same range as the last-layer refusal below names
+        raise ConfigError(f"featurestore.layer_ids: {short(bad)} outside 0..{num_layers - 1} (vLLM convention; "
+                          f"{num_layers}, the last layer, is captured separately as last_hidden)")
     if num_layers in ids:
         raise ConfigError(f"featurestore.layer_ids: {num_layers} is the last layer, captured separately "
                           f"(last_hidden); use ids 0..{num_layers - 1}")

@@ -150,6 +150,8 @@ def test_duplicate_and_last_layer_ids_are_refused(tiny_target):
         resolve_layer_ids([4, 2, 4, 5], 8)
     with pytest.raises(ConfigError, match=r"featurestore\.layer_ids: 8 is the last layer"):
         resolve_layer_ids([2, 4, 8], 8)
+    with pytest.raises(ConfigError, match=r"featurestore\.layer_ids: \[9\] outside 0\.\.7 \(vLLM convention"):
+        resolve_layer_ids([2, 4, 9], 8)  # the range the last-layer refusal names (it said 0..8)
     assert resolve_layer_ids([5, 2, 4], 8) == (5, 2, 4)  # the order given is kept
     assert resolve_layer_ids([], 8) == (2, 4, 5)
 

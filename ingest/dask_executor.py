@@ -37,6 +37,7 @@ import multiprocessing
 import os
 import socket
 import threading
+from concurrent.futures import CancelledError
 
 from eaglenest import faults, reaper
 from eaglenest.engine import quiet_vllm
@@ -126,15 +127,28 @@ def _mark(env: str, name: str) -> None:
         open(os.path.join(marker_dir, name), "w").close()
 
 
+def _check_handshake(host_port) -> None:
+    """A Dask scheduler writes its handshake as soon as it accepts: a port that accepts and stays
+    silent (a dashboard, another service) would hang ``Client`` for ever (its handshake read has no
+    timeout), so wait for the first byte here, within ``CONNECT_TIMEOUT_S``."""
+    with socket.create_connection(host_port, timeout=CONNECT_TIMEOUT_S) as sock:
+        try:
+            first = sock.recv(1)
+        except TimeoutError:
+            raise TimeoutError(f"the port accepted but sent no Dask handshake in {CONNECT_TIMEOUT_S:g} s: "
+                               "is it a scheduler's port (not its dashboard)?") from None
+    if not first:
+        raise ConnectionError("the port closed the connection without a Dask handshake")
+
+
 def connect(address: str):
     """A ``distributed.Client`` of the running scheduler at ``address``, or one line naming the key."""
     distributed = require("distributed")
     try:
         if distributed.comm.parse_address(address)[0] == "tcp":  # refused: at once (Client would retry)
-            socket.create_connection(distributed.comm.get_address_host_port(address),
-                                     timeout=CONNECT_TIMEOUT_S).close()
+            _check_handshake(distributed.comm.get_address_host_port(address))
         client = distributed.Client(address, timeout=CONNECT_TIMEOUT_S)
-    except (OSError, ValueError, TimeoutError) as exc:
+    except (OSError, ValueError, TypeError) as exc:  # TypeError: tls:// without TLS settings, ucx:// without ucx
         reason = " ".join(str(exc).split())[:200]
         raise ConfigError(f"ingest.dask_scheduler: cannot reach a Dask scheduler at {address} ({reason}); "
                           "start one (dask scheduler) or fix the address") from None
@@ -209,6 +223,10 @@ def run(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None, 
                 raise EaglenestError(f"ingest.executor: shard {futures[fut]} killed every Dask worker that ran it "
                                      f"({' '.join(str(exc).split())[:300]}); committed shards are kept and a "
                                      "re-run resumes after them") from None
+            except CancelledError as exc:  # the scheduler went away: every pending shard is cancelled
+                raise EaglenestError(f"ingest.dask_scheduler: lost the Dask scheduler during shard {futures[fut]} "
+                                     f"({' '.join(str(exc).split())[:200]}); committed shards are kept: restart "
+                                     "the scheduler and re-run to resume after them") from None
             on_result(futures[fut], res)
     finally:
         if own:

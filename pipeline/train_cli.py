@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import shlex
+import socket
 import subprocess
 import sys
 
@@ -48,8 +49,11 @@ def torchrun_argv(*, nnodes: int, nproc_per_node: int, node_rank: int | None, rd
                               "a port node 0 can listen on)")
         return ["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}"]
     host, _, port = rdzv_endpoint.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--rdzv-endpoint must be HOST:PORT, got {rdzv_endpoint!r}")
+    name = host[1:-1] if host[:1] == "[" and host[-1:] == "]" else host  # [::1]:29400
+    if not name or not port.isdigit() or not 0 < int(port) < 65536 or "[" in name or "]" in name \
+            or (":" in name and name == host):
+        raise ConfigError(f"--rdzv-endpoint must be HOST:PORT (an IPv6 host in brackets: [::1]:29400), "
+                          f"got {rdzv_endpoint!r}")
     out = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}", f"--max-restarts={max_restarts}"]
     if node_rank is not None:
@@ -60,10 +64,23 @@ def torchrun_argv(*, nnodes: int, nproc_per_node: int, node_rank: int | None, rd
     return out
 
 
+def check_resolves(rdzv_endpoint: str | None) -> None:
+    """A rendezvous host that does not resolve: torch retries it for minutes, silently."""
+    if rdzv_endpoint is None:
+        return
+    host = rdzv_endpoint.rpartition(":")[0].strip("[]")
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as exc:
+        raise ConfigError(f"--rdzv-endpoint {rdzv_endpoint}: cannot resolve host {host!r} ({exc.strerror or exc}): "
+                          "use node 0's host name or address, the same on every node") from None
+
+
 def _launch(recipe, args) -> int:
     opts = torchrun_argv(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                          rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
                          rdzv_id=args.rdzv_id or rdzv_id(recipe.run.workdir))
+    check_resolves(args.rdzv_endpoint)
     rest = ["-m", "eaglenest.pipeline.train_cli", "run"]
     if args.recipe:
         rest += ["--recipe", args.recipe]
@@ -83,13 +100,16 @@ def torchrun(argv: list[str]) -> int:
     ChildFailedError traceback; a rendezvous store that cannot be hosted or reached (a port in use, a
     wrong host) is one line and exit 2 too; any other failure is torchrun's own (traceback, its exit code 1)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun_main
 
     try:
         torchrun_main(argv)
     except RendezvousConnectionError as exc:
         print(f"train: error: {rendezvous_error(argv, exc)}", file=sys.stderr)
+        return 2
+    except RendezvousTimeoutError:
+        print(f"train: error: {rendezvous_timeout(argv)}", file=sys.stderr)
         return 2
     except ChildFailedError as exc:
         _, first = exc.get_first_failure()
@@ -111,6 +131,14 @@ def rendezvous_error(argv: list[str], exc: BaseException) -> str:
         return f"torchrun could not host its local rendezvous store ({first})"
     return (f"--rdzv-endpoint {endpoint}: cannot host or reach the rendezvous store ({first}); "
             "use a free port of node 0's host, the same on every node")
+
+
+def rendezvous_timeout(argv: list[str]) -> str:
+    """One line for a rendezvous that timed out: a node never joined (or joined another id)."""
+    opts = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    return (f"--rdzv-endpoint {opts.get('rdzv-endpoint')}: not all {opts.get('nnodes')} nodes joined rendezvous "
+            f"'{opts.get('rdzv-id')}' in time; start `train launch` on every node with the same --nnodes, "
+            "--rdzv-endpoint and --rdzv-id (default: the same run.workdir)")
 
 
 LAUNCH_ARGS = [

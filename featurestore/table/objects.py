@@ -51,10 +51,36 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([str(uri).rstrip("/"), *(p.strip("/") for p in parts)])
 
 
+#: Characters Lance reads as URL syntax in an object-store URI (a query, a fragment, an escape), so
+#: its files would land under another key than pyarrow's side files: refused in a store URI.
+URL_SYNTAX = "?#%"
+
+
+def check_key(uri: str) -> None:
+    """Refuse an object-store URI whose key Lance and pyarrow would read differently (or not at all:
+    pyarrow raises ArrowInvalid for ``//``, Lance drops control characters from a key)."""
+    rest = str(uri).split("://", 1)[1]
+    bad = sorted(set(rest) & set(URL_SYNTAX))
+    if any(ord(c) < 32 or ord(c) == 127 for c in rest):
+        problem = "holds a control character"
+    elif bad:
+        problem = f"holds {' '.join(repr(c) for c in bad)}, which Lance reads as URL syntax"
+    elif not rest.split("/", 1)[0]:
+        problem = "names no bucket"
+    elif "" in rest.rstrip("/").split("/"):
+        problem = "has an empty path segment (//)"
+    else:
+        return
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(uri))  # one line, whatever it holds
+    raise StoreError(f"run.store: {shown} {problem}: use s3://bucket/prefix with a prefix of plain path "
+                     "segments (no ? # % or control characters)")
+
+
 def lance_options(uri: str) -> dict[str, str] | None:
     """Lance ``storage_options`` for ``uri``: the recipe's, resolved (None for local paths)."""
     if not is_remote(uri):
         return None
+    check_key(uri)
     return storage_options_for(str(uri)) or None
 
 
@@ -67,13 +93,19 @@ def dataset(path: str, version: int | str | None = None):
 
 # -- side files and listings through pyarrow.fs ---------------------------------------------------
 
+#: The environment variables an S3 filesystem is built from: part of its cache key, so a process
+#: whose environment changes (a long-lived Dask worker, a test session) never reuses a stale client.
+S3_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_REGION", "AWS_DEFAULT_REGION",
+          "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
 def _first(opts: dict, *keys: str, env: tuple[str, ...] = ()) -> str | None:
     for k in keys:
         if opts.get(k):
             return opts[k]
     for e in env:
-        if os.environ.get(e):
-            return os.environ[e]
+        if opts.get(f"_env_{e}"):
+            return opts[f"_env_{e}"]
     return None
 
 
@@ -81,7 +113,7 @@ def _first(opts: dict, *keys: str, env: tuple[str, ...] = ()) -> str | None:
 def _filesystem(kind: str, frozen: tuple):
     import pyarrow.fs as pafs
 
-    opts = dict(frozen)
+    opts = dict(frozen)  # with the S3_ENV variables as "_env_<name>" (filesystem() adds them)
     if kind == "s3":
         endpoint = _first(opts, "aws_endpoint", "endpoint", "aws_endpoint_url", "endpoint_url",
                           env=("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"))
@@ -111,15 +143,19 @@ def filesystem(uri: str):
     if kind not in REMOTE_SCHEMES:
         raise StoreError(f"run.store: {kind}:// stores are not supported (use {', '.join(REMOTE_SCHEMES)}:// "
                          "or a local path)")
+    check_key(uri)
     opts = storage_options_for(str(uri))
     rest = str(uri).split("://", 1)[1]
     if kind != "s3":
         opts = {**opts, "_bucket": rest.split("/", 1)[0]}
+    else:
+        opts = {**opts, **{f"_env_{e}": os.environ[e] for e in S3_ENV if os.environ.get(e)}}
     return _filesystem(kind, tuple(sorted(opts.items()))), rest.rstrip("/")
 
 
 def read_text(uri: str) -> str | None:
-    """A small file's text; None when it does not exist or cannot be read (or is not UTF-8 text)."""
+    """A small file's text; None when it does not exist or cannot be read locally (or is not UTF-8
+    text); a StoreError when an object store cannot be reached (that is not "no file")."""
     if not is_remote(uri):
         try:
             return Path(local(uri)).read_text(encoding="utf-8")
@@ -129,8 +165,10 @@ def read_text(uri: str) -> str | None:
     try:
         with fs.open_input_stream(path) as f:
             return f.read().decode()
-    except (OSError, UnicodeDecodeError):
+    except (FileNotFoundError, UnicodeDecodeError):
         return None
+    except OSError as exc:  # the store is down or refuses us: not the same as no file
+        raise _unreachable(uri, exc) from None
 
 
 def write_text(uri: str, text: str) -> None:
@@ -145,8 +183,11 @@ def write_text(uri: str, text: str) -> None:
             tmp.unlink(missing_ok=True)
         return
     fs, path = filesystem(uri)
-    with fs.open_output_stream(path) as f:  # a single PUT below the multipart threshold
-        f.write(text.encode())
+    try:
+        with fs.open_output_stream(path) as f:  # a single PUT below the multipart threshold
+            f.write(text.encode())
+    except OSError as exc:
+        raise _unreachable(uri, exc) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +205,14 @@ def listdir(uri: str) -> list[Entry]:
     fs, path = filesystem(uri)
     try:
         infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    except (OSError, FileNotFoundError):
+    except FileNotFoundError:
         return []
+    except OSError as exc:
+        if not is_remote(uri):
+            return []
+        raise _unreachable(uri, exc) from None
+    if not infos and is_remote(uri):
+        check_bucket(fs, path, uri)
     return [Entry(i.base_name, int(i.size or 0), i.mtime.timestamp() if i.mtime else None,
                   i.type == pafs.FileType.File) for i in infos]
 
@@ -181,10 +228,36 @@ def exists(uri: str, *, directory: bool = False) -> bool:
     try:
         kind = fs.get_file_info(path).type
     except OSError as exc:
-        raise StoreError(f"run.store: cannot reach {uri} ({str(exc).splitlines()[0][:200]})") from None
+        raise _unreachable(uri, exc) from None
+    if kind == pafs.FileType.NotFound:
+        check_bucket(fs, path, uri)
     return kind == (pafs.FileType.Directory if directory else pafs.FileType.File)
 
 
+def _unreachable(uri: str, exc: OSError) -> StoreError:
+    return StoreError(f"run.store: cannot reach {uri} ({' '.join(str(exc).split())[:200]})")
+
+
+def check_bucket(fs, path: str, uri: str) -> None:
+    """Nothing found under ``path``: a missing bucket is the user's error to fix, not an empty store."""
+    import pyarrow.fs as pafs
+
+    bucket = path.split("/", 1)[0]
+    try:
+        missing = fs.get_file_info(bucket).type == pafs.FileType.NotFound
+    except OSError:  # e.g. a policy scoped to a prefix may refuse HeadBucket: say nothing more
+        return
+    if missing:
+        raise StoreError(f"run.store: {uri}: bucket '{bucket}' does not exist (or these credentials cannot "
+                         "see it): create it, or fix the bucket name or run.storage_options")
+
+
 def delete(uri: str) -> None:
+    """Delete a file; FileNotFoundError if it is gone (a concurrent sweep), StoreError if the store is not reachable."""
     fs, path = filesystem(uri)
-    fs.delete_file(path)
+    try:
+        fs.delete_file(path)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _unreachable(uri, exc) from None

@@ -156,7 +156,7 @@ def test_two_nodes_match_one_process(one_process, two_nodes):
     a, b = metrics(one_process), metrics(two_nodes)
     assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 21))
     assert a[-1]["loss"] < 0.8 * a[0]["loss"]  # it trains
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         # fp32 sums split over ranks differ in rounding only: relative 1e-4 over 20 steps.
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-6), (x["step"], x["loss"], y["loss"])
         assert y["step_count"] == x["step_count"] and y["tokens"] == x["tokens"]

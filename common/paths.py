@@ -192,7 +192,7 @@ def staged_dir(out: str | Path, key: str, *, replaces: Callable[[Path], bool],
     try:
         yield tmp
         try:
-            _install(tmp, out)
+            install_dir(tmp, out)
         except OSError as exc:
             raise _refusal(exc, out, key, error) from None
     finally:
@@ -218,7 +218,9 @@ def _umask() -> int:
     return mask
 
 
-def _install(tmp: Path, out: Path) -> None:
+def install_dir(tmp: Path, out: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``out``; an earlier, non-empty ``out`` is moved aside
+    (``.<name>.old-<pid>-*``) and removed only once the new one is in place (put back if that fails)."""
     if not (out.is_dir() and any(out.iterdir())):
         os.replace(tmp, out)  # new, or an empty folder (a rename replaces it)
         return

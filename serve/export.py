@@ -61,7 +61,7 @@ from transformers import LlamaConfig
 from eaglenest.config import short
 from eaglenest.engine import RECOMMENDED_K
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.paths import make_dir, orphans, pid_prefix, shown_path, user_path
+from eaglenest.paths import install_dir, make_dir, orphans, pid_prefix, shown_path, user_path
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.serve import formats, fp8
 from eaglenest.serve.draft_files import vocab_map_error
@@ -464,20 +464,10 @@ def sweep_leftovers(out_dir: Path) -> list[Path]:
 def _install(tmp: Path, out_dir: Path, key: str) -> None:
     """Rename the finished export ``tmp`` to ``out_dir``; an earlier export there is moved aside first
     and removed only once the new one is in place (put back if the rename fails)."""
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        if not is_export(out_dir):  # filled since check_out: still never deleted
-            raise ConfigError(f"{key}: {shown_path(out_dir)} holds files that are not an exported draft; "
-                              "choose an empty or new folder")
-        old = Path(tempfile.mkdtemp(prefix=_side_prefix(out_dir, "old"), dir=out_dir.parent))
-        os.replace(out_dir, old)
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            os.replace(old, out_dir)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)  # new, or an empty folder (rename replaces it)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not is_export(out_dir):  # filled since check_out
+        raise ConfigError(f"{key}: {shown_path(out_dir)} holds files that are not an exported draft; "
+                          "choose an empty or new folder")
+    install_dir(tmp, out_dir)
 
 
 def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any], *,

@@ -10,6 +10,7 @@ HERE = Path(__file__).parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+import s3_helpers  # noqa: E402
 from stream_helpers import captured_store  # noqa: E402
 
 
@@ -19,3 +20,12 @@ def stream_store(tmp_path_factory, tiny_target) -> str:
     streaming tests stream again and compare against: several captures per rank, so a kill lands
     mid-share."""
     return captured_store(str(tmp_path_factory.mktemp("stream") / "store"), str(tiny_target), 12)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A local S3 stand-in (moto) for one test module, its endpoint and keys in the environment."""
+    with s3_helpers.moto_s3() as server, pytest.MonkeyPatch.context() as mp:
+        for k, v in server.env.items():
+            mp.setenv(k, v)
+        yield server

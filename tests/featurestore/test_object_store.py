@@ -33,14 +33,6 @@ BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
-def s3():
-    with s3_helpers.moto_s3() as server, pytest.MonkeyPatch.context() as mp:
-        for k, v in server.env.items():
-            mp.setenv(k, v)
-        yield server
-
-
-@pytest.fixture(scope="module")
 def three_versions(s3):
     uri, m = s3.uri("verbs"), H.meta()
     for k in range(3):

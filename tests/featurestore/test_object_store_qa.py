@@ -15,14 +15,6 @@ import fs_helpers as H  # on sys.path via conftest
 import s3_helpers
 
 
-@pytest.fixture(scope="module")
-def s3():
-    with s3_helpers.moto_s3() as server, pytest.MonkeyPatch.context() as mp:
-        for k, v in server.env.items():
-            mp.setenv(k, v)
-        yield server
-
-
 @pytest.mark.parametrize("prefix, char", [("q?x", "?"), ("h#x", "#"), ("pc%41x", "%")])
 def test_url_syntax_in_key_prefix_is_refused_before_any_write(s3, prefix, char):
     """Lance parses a store URI as a URL: ``s3://b/q?x`` wrote its table under ``q/`` (and

@@ -292,11 +292,11 @@ def check_version(ds, *, table: str | None = None) -> Report:
 
 
 def fragment_files(ds, fragment_id: int) -> list[str]:
-    """Local paths of a fragment's data files (for error messages)."""
-    root = Path(str(ds.uri)) / "data"
+    """Paths (or object-store URIs: ``s3://b/t.lance/data/x``, not ``s3:/b/...``) of a fragment's data
+    files (for error messages)."""
     for frag in ds.get_fragments():
         if frag.fragment_id == fragment_id:
-            return [str(root / df.path) for df in frag.data_files()]
+            return [objects.join(str(ds.uri), "data", df.path) for df in frag.data_files()]
     return []
 
 

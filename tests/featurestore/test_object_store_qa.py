@@ -92,3 +92,14 @@ def test_changed_environment_reaches_the_new_endpoint(s3, monkeypatch):
         uri, m = other.uri("p"), H.meta()
         store.append(uri, store.FEATURES, H.table(["a"], m), meta=m)
         assert store.head_version(uri, store.FEATURES) == 2 and store.table_names(uri) == [store.FEATURES]
+
+
+def test_a_data_file_on_s3_is_named_by_its_uri(s3):
+    # Named through pathlib, an s3 data file lost a slash in error lines: "s3:/bucket/...".
+    from eaglenest.featurestore.table.integrity import fragment_files
+
+    uri, m = s3.uri("named"), H.meta()
+    store.append(uri, store.FEATURES, H.table(["a", "b"], m), meta=m)
+    ds = store.dataset(uri, store.FEATURES)
+    (name,) = fragment_files(ds, ds.get_fragments()[0].fragment_id)
+    assert name.startswith(f"{uri}/features.lance/data/") and name.endswith(".lance"), name

@@ -77,6 +77,15 @@ def _json(path: Path | str, text: str, what: str):
         raise SchemaError(f"{path}: not valid JSON ({short_text(str(exc))}); {what}") from None
 
 
+def _utf8(path: Path) -> str:
+    """The file's text; bytes that are not UTF-8 are refused naming the offset (replacing them would
+    change sample ids and domains without a word)."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SchemaError(f"{path}: not UTF-8 text (byte {exc.start}); an eaglenest export writes UTF-8") from None
+
+
 def read_record(src: Path, fmt: str) -> tuple[dict | None, dict[int, dict]]:
     """The dump's ``eaglenest_export.json`` and per-index sample lines (empty for a foreign dump),
     validated: a bad record or line, or an export of another format than ``fmt``, is refused with one
@@ -84,7 +93,7 @@ def read_record(src: Path, fmt: str) -> tuple[dict | None, dict[int, dict]]:
     rec_path, lines_path = src / EXPORT_RECORD, src / SAMPLES
     record = None
     if rec_path.is_file():
-        record = _json(rec_path, rec_path.read_bytes().decode("utf-8", "replace"),
+        record = _json(rec_path, _utf8(rec_path),
                        "an eaglenest export's record (remove it to import the dump as a foreign one)")
         if not isinstance(record, dict):
             raise SchemaError(f"{rec_path}: holds a JSON {type(record).__name__}, expected an object")
@@ -98,7 +107,7 @@ def read_record(src: Path, fmt: str) -> tuple[dict | None, dict[int, dict]]:
             raise SchemaError(f"{rec_path}: key 'rows' is {short(rows)}, expected a row count")
     samples: dict[int, dict] = {}
     if lines_path.is_file():
-        for n, line in enumerate(lines_path.read_bytes().decode("utf-8", "replace").splitlines(), 1):
+        for n, line in enumerate(_utf8(lines_path).splitlines(), 1):
             if not line.strip():
                 continue
             where = f"{lines_path}:{n}"

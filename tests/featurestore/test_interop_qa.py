@@ -255,3 +255,11 @@ def test_out_a_mount_point_is_refused_before_writing(base, mount_point, linked, 
     with pytest.raises(ConfigError, match=r"^--out .*: a mount point; give a new directory inside it"):
         specforge.export(source.open_source(uri, "features"), out, target=target)
     assert not read and not list(mount_point.iterdir())
+
+
+def test_sample_lines_that_are_not_utf8_are_refused(sp):
+    # Decoded with errors="replace": a byte that is not UTF-8 silently changed a sample id (or domain).
+    uri, target, src = sp
+    path = src / "eaglenest_samples.jsonl"
+    path.write_bytes(path.read_bytes().replace(b'"sample_id": "', b'"sample_id": "\xff', 1))
+    _refused(uri, target, src, SchemaError, r"eaglenest_samples\.jsonl: not UTF-8 text \(byte \d+\)")

@@ -70,6 +70,8 @@ def check_target(target: str | Path) -> None:
                               f"({str(exc).splitlines()[0][:120]})") from None
         if not isinstance(cfg, dict):
             raise ConfigError(f"run.target: {text}/config.json is not a JSON object (not a model directory)")
+        if "speculators_config" in cfg or "speculators_model_type" in cfg:
+            return  # a speculators-format draft: vLLM serves it with the verifier (and tokenizer) it names
         _check_model_type(text, cfg)
         _check_architectures(text, cfg)
         _check_tokenizer(text, root)

@@ -15,8 +15,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 
 from eaglenest.engine import close_llm, make_llm, speculative_config
+from eaglenest.errors import EaglenestError
 from eaglenest.evaluate import farctx, ngram
 from eaglenest.evaluate.al import SpecCounters, per_request_summary, read_counters
 from eaglenest.evaluate.buckets import bucket_rows, build_bucket_prompts
@@ -87,10 +89,12 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
     """AL report of ``draft`` on ``target``; ``trust_remote_code`` is ``run.trust_remote_code``, and
     chat prompts render with ``cfg.chat_template_kwargs`` (resolved by ``evaluate.settings``; None: none)."""
     check_remote_code(target, trust_remote_code=trust_remote_code)
-    check_draft_dir(draft, local_target_config(target))  # what vLLM would fail on, before the engine starts
+    if not (Path(draft) / "config.json").is_file():
+        raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
     cfg = with_draft_k(cfg, draft)  # evaluate.num_speculative_tokens null: the draft's recorded default
     groups, prompt_info, tok, max_pos, engine, pool = plan(cfg, target=target, store_uri=store_uri,
                                                            trust_remote_code=trust_remote_code)
+    check_draft_dir(draft, local_target_config(target))  # what vLLM would fail on, before the engine starts
     t0 = time.time()
     spec = speculative_config(draft, cfg.num_speculative_tokens)  # + parallel_drafting for a P-EAGLE draft
     llm = make_llm(target, engine, trust_remote_code=trust_remote_code, speculative_config=spec,

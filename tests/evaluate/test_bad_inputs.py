@@ -170,6 +170,8 @@ def test_evaluate_al_refuses_a_draft_vllm_would_fail_on_before_any_engine(tmp_pa
         raise AssertionError("an engine was started for a draft vLLM cannot serve")
 
     monkeypatch.setattr(run, "make_llm", engine)
+    # the prompt plan (its own refusals come first, tests/evaluate/test_buckets_qa.py) is not under test here
+    monkeypatch.setattr(run, "plan", lambda cfg, **kw: ({}, {}, None, 0, cfg.engine, None))
     with pytest.raises(ConfigError, match=r"model.safetensors: d2t maps draft id \d+ to target id \d+, outside the "
                                           r"target's vocabulary"):
         run.evaluate_al(target=str(tiny_target), draft=str(draft), store_uri=str(tmp_path / "none"),

@@ -30,12 +30,9 @@ def no_engine(monkeypatch):
 
 
 @pytest.fixture
-def draft(tmp_path):
-    """A draft folder as far as the checks before the engine read it (the engine is stubbed)."""
-    d = tmp_path / "draft"
-    d.mkdir()
-    (d / "config.json").write_text("{}")
-    return str(d)
+def draft(toy_export):
+    """An exported draft (the checks before the engine read its files; the engine is stubbed)."""
+    return str(toy_export)
 
 
 def _store(path, texts: dict[str, str]) -> str:

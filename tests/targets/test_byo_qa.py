@@ -187,3 +187,14 @@ def test_sharded_weights_with_a_missing_shard_are_one_line_and_nothing_written(t
     with pytest.raises(ConfigError, match=rf"^run\.target: {target}/model\.safetensors\.index\.json has no "
                                           r"weight_map of tensor names to files"):
         check_remote_code(target, trust_remote_code=False)
+
+
+def test_a_speculators_draft_served_as_the_model_is_not_refused(tmp_path):
+    # vLLM serves a speculators-format folder as the model (its config names the verifier); it has no
+    # model_type or tokenizer of its own, and the folder checks refused it (test_speculators_vllm.py).
+    from eaglenest.hf import check_target
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Eagle3Speculator"],
+                                                      "speculators_model_type": "eagle3",
+                                                      "speculators_config": {"verifier": {"name_or_path": "t"}}}))
+    check_target(tmp_path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -88,9 +89,20 @@ def _checkpoint(cfg: TrainConfig, target: Path, out: Path) -> Path:
     return out
 
 
+def _with_tokenizer(tmp_path: Path, target: Path) -> Path:
+    """A copy of the synthetic target with the repo's tiny-target tokenizer files: ``serve up`` refuses a
+    target without a tokenizer (``hf.check_target``)."""
+    out = tmp_path / "target"
+    shutil.copytree(target, out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(TOY.parents[1] / "assets" / "tiny-target" / name, out / name)
+    return out
+
+
 def test_dflash_alone_end_to_end(tmp_path, tiny_target):
     """train.family=dflash alone: the trainer's config, the export's recorded K, and the K that
     ``evaluate`` and ``serve up`` resolve from the exported draft."""
+    tiny_target = _with_tokenizer(tmp_path, tiny_target)
     recipe = toy(tmp_path, tiny_target, "train.family=dflash")
     s = recipe.serve
     ckpt = _checkpoint(recipe.train, tiny_target, recipe.run.path(s.checkpoint_subdir))

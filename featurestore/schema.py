@@ -183,6 +183,27 @@ def row_problem(table: pa.Table, meta: FeatureMeta) -> str | None:
             return (f"row {short(table.column('sample_id')[k].as_py(), 60)}: {col} holds {got[k]} {unit}, "
                     f"not the {want[k]} of num_tokens {tokens[k]} ({len(meta.layer_ids)} aux layers, hidden "
                     f"{meta.hidden_size}, {meta.dtype} {meta.storage}{more})")
+    return _mask_problem(table)
+
+
+def _mask_problem(table: pa.Table) -> str | None:
+    """The first row whose ``loss_mask`` holds a value other than 0 and 1 or whose ones are not
+    ``num_loss_tokens`` (the trainer weights each token's loss by the mask and plans on the count)."""
+    mask = table.column("loss_mask").combine_chunks()
+    values = mask.values.to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = mask.offsets.to_numpy()
+    ones = np.concatenate([[0], np.cumsum(values == 1)])
+    counts = ones[offsets[1:]] - ones[offsets[:-1]]
+    other = np.concatenate([[0], np.cumsum(values > 1)])
+    rows = {"a value other than 0 and 1": np.nonzero(other[offsets[1:]] - other[offsets[:-1]])[0],
+            "ones": np.nonzero(counts != table.column("num_loss_tokens").to_numpy())[0]}
+    for what, bad in rows.items():
+        if len(bad):
+            k = int(bad[0])
+            more = f"; {len(bad)} rows like it" if len(bad) > 1 else ""
+            held = (f"{counts[k]} ones, not the num_loss_tokens {table.column('num_loss_tokens')[k].as_py()}"
+                    if what == "ones" else what)
+            return f"row {short(table.column('sample_id')[k].as_py(), 60)}: loss_mask holds {held}{more}"
     return None
 
 

@@ -55,11 +55,17 @@ log = logging.getLogger(__name__)
 
 def append(uri: str, name: str, table: pa.Table, *, meta: S.FeatureMeta | None = None,
            lineage: dict | None = None) -> int:
-    """Validate ``table`` and append it as one commit (creating the table). Returns the new version.
+    """Validate ``table`` and append it as one commit (creating the table). Returns the new version;
+    ``table`` with no rows is validated and makes no version (returns the latest: nothing to add).
 
     The single-writer case of :mod:`eaglenest.featurestore.table.fragments` (write fragments, one commit).
     """
     frags = fragments.write_fragment(uri, name, table, meta=meta)
+    if not frags:
+        fragments.ensure_table(uri, name, meta=meta)
+        version = dataset(uri, name).version  # refuses a rolled-back table, as a commit would
+        log.debug("nothing to append to %s: 0 rows (version %d unchanged)", table_uri(uri, name), version)
+        return version
     version = fragments.commit_fragments(uri, name, frags, meta=meta, lineage=lineage)
     log.debug("appended %d rows to %s (version %d)", table.num_rows, table_uri(uri, name), version)
     return version

@@ -6,20 +6,26 @@
                                                           a peer's hidden-state dump in, as one new version
 
 Both print a JSON summary. The target whose vocabulary size and final norm an export needs is
-the table's recorded target when it is a local directory, else ``run.target``.
+the table's recorded target when it is a local directory (or a cached hub id), else ``run.target``
+when its weights are the ones the table records (another model is refused: its final norm would be
+applied to hidden states it did not make).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import logging
 
 from eaglenest.errors import ConfigError
+from eaglenest.featurestore.capture.identity import weights_hash
 from eaglenest.featurestore.interop import hf, source, specforge, speculators
 from eaglenest.featurestore.table.names import version_arg
+from eaglenest.target import local_dir
 
 EXPORTS = {"speculators": speculators, "specforge": specforge, "hf": hf}
 IMPORTS = {"speculators": speculators, "specforge": specforge}
+
+log = logging.getLogger(__name__)
 
 
 def _version(text):
@@ -27,7 +33,26 @@ def _version(text):
 
 
 def _target(recipe, src: source.Source) -> str:
-    return src.meta.target if Path(src.meta.target).is_dir() else recipe.run.target
+    """The target an export reads (module docstring): run.target stands in for a table's target that
+    is not here only when its weights hash is the one the table's identity records."""
+    recorded = src.meta.target
+    if local_dir(recorded).is_dir():
+        return str(local_dir(recorded))
+    mine = recipe.run.target
+    try:
+        want = src.meta.identity_components.get("weights_sha256")
+    except (ValueError, AttributeError):  # an identity that is not a JSON object: nothing to check against
+        want = None
+    if mine == recorded or not isinstance(want, str) or want.startswith("hub:"):
+        if mine != recorded:
+            log.warning("the table's target %s is not here and the table records no weights hash to check "
+                        "run.target %s against: exporting with run.target's vocabulary and final norm", recorded, mine)
+        return mine
+    if not local_dir(mine).is_dir() or weights_hash(str(local_dir(mine))) != want:
+        raise ConfigError(f"run.target: the table's features were captured from {recorded}, which is not here, and "
+                          f"{mine} is another model (its weights are not the ones the table records): an export "
+                          f"applies the target's final norm and vocabulary. Set run.target to a copy of {recorded}")
+    return mine
 
 
 def cmd_export(recipe, args) -> int:

@@ -16,6 +16,9 @@ SEED_RANGE = range(0, 2**63)
 
 #: Object stores a store URI may name (``run.store``); anything else with ``://`` is refused.
 REMOTE_SCHEMES = ("s3", "gs", "az")
+#: Characters Lance reads as URL syntax in an object-store URI (a query, a fragment, an escape), so
+#: its files would land under another key than pyarrow's side files: refused in a store URI.
+URL_SYNTAX = "?#%"
 #: ``run.storage_options`` keys that hold credentials: only ``${ENV_VAR}`` references are accepted
 #: there, so a resolved recipe (provenance, --dry-run, checkpoints) never holds a secret.
 SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|access_key|account_key|sas_|private_key|"
@@ -123,6 +126,8 @@ class RunConfig:
         if kind not in ("", "file", *REMOTE_SCHEMES):
             raise ConfigError(f"run.store: {kind[:20]}:// is not a supported store (a local path, or "
                               f"{', '.join(s + '://' for s in REMOTE_SCHEMES)})")
+        if kind not in ("", "file") and (problem := store_key_problem(store)):
+            raise ConfigError(problem)
         if not kind and _is_file(store):  # every stage would say only that it holds no table
             raise ConfigError(f"run.store: {shown_path(store)} is a file; the store is a folder (LanceDB tables)")
         opts = {}
@@ -149,3 +154,24 @@ class RunConfig:
 
     def path(self, *parts: str) -> Path:
         return Path(self.workdir, *parts)
+
+
+def store_key_problem(uri: str) -> str | None:
+    """Why the object-store URI ``uri`` is refused (its key would be read differently by Lance and
+    pyarrow, or not at all: pyarrow raises ArrowInvalid for ``//``, Lance drops control characters),
+    as one line naming ``run.store``; None when it is fine."""
+    rest = str(uri).split("://", 1)[1]
+    bad = sorted(set(rest) & set(URL_SYNTAX))
+    if any(ord(c) < 32 or ord(c) == 127 for c in rest):
+        problem = "holds a control character"
+    elif bad:
+        problem = f"holds {' '.join(repr(c) for c in bad)}, which Lance reads as URL syntax"
+    elif not rest.split("/", 1)[0]:
+        problem = "names no bucket"
+    elif "" in rest.rstrip("/").split("/"):
+        problem = "has an empty path segment (//)"
+    else:
+        return None
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(uri))  # one line, whatever it holds
+    return (f"run.store: {shown} {problem}: use s3://bucket/prefix with a prefix of plain path segments "
+            "(no ? # % or control characters)")

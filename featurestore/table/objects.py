@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from eaglenest.errors import StoreError, require
-from eaglenest.runconfig import REMOTE_SCHEMES, storage_options_for
+from eaglenest.runconfig import REMOTE_SCHEMES, storage_options_for, store_key_problem
 
 
 def scheme(uri: str) -> str:
@@ -51,29 +51,11 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([str(uri).rstrip("/"), *(p.strip("/") for p in parts)])
 
 
-#: Characters Lance reads as URL syntax in an object-store URI (a query, a fragment, an escape), so
-#: its files would land under another key than pyarrow's side files: refused in a store URI.
-URL_SYNTAX = "?#%"
-
-
 def check_key(uri: str) -> None:
-    """Refuse an object-store URI whose key Lance and pyarrow would read differently (or not at all:
-    pyarrow raises ArrowInvalid for ``//``, Lance drops control characters from a key)."""
-    rest = str(uri).split("://", 1)[1]
-    bad = sorted(set(rest) & set(URL_SYNTAX))
-    if any(ord(c) < 32 or ord(c) == 127 for c in rest):
-        problem = "holds a control character"
-    elif bad:
-        problem = f"holds {' '.join(repr(c) for c in bad)}, which Lance reads as URL syntax"
-    elif not rest.split("/", 1)[0]:
-        problem = "names no bucket"
-    elif "" in rest.rstrip("/").split("/"):
-        problem = "has an empty path segment (//)"
-    else:
-        return
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(uri))  # one line, whatever it holds
-    raise StoreError(f"run.store: {shown} {problem}: use s3://bucket/prefix with a prefix of plain path "
-                     "segments (no ? # % or control characters)")
+    """Refuse an object-store URI whose key Lance and pyarrow would read differently (or not at all):
+    :func:`eaglenest.runconfig.store_key_problem`, checked again here for URIs built in code."""
+    if problem := store_key_problem(uri):
+        raise StoreError(problem)
 
 
 def lance_options(uri: str) -> dict[str, str] | None:

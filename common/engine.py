@@ -206,7 +206,12 @@ def speculative_config(draft: str, num_speculative_tokens: int) -> dict[str, Any
     ``train.family=dflash``) gets ``method: dflash``."""
     spec: dict[str, Any] = {"method": "eagle3", "model": draft, "num_speculative_tokens": int(num_speculative_tokens)}
     cfg = _draft_config(draft)
-    if isinstance(cfg.get("dflash_config"), dict) or cfg.get("speculators_model_type") == "dflash":
+    trained = trained_depth(cfg)
+    if trained is not None and num_speculative_tokens > trained:
+        log.warning("num_speculative_tokens %d is past the %d tokens a round the draft %s was trained to draft: "
+                    "its proposals past %d come from positions it never learnt (acceptance falls; output stays "
+                    "the target's)", num_speculative_tokens, trained, draft, trained)
+    if _is_dflash(cfg):
         spec["method"] = "dflash"
         return spec
     if cfg.get("parallel_drafting") is True or cfg.get("speculators_model_type") == "peagle":
@@ -225,6 +230,24 @@ def _draft_config(draft: str) -> dict[str, Any]:
 #: The key of an exported draft's config.json that holds the number of speculative tokens it is
 #: served with by default (``serve export`` writes its family's measured best).
 RECOMMENDED_K = "recommended_num_speculative_tokens"
+#: The key of an exported draft's config.json that holds the tokens a round it was trained to draft
+#: (eaglenest.train.config.trained_num_speculative_tokens).
+TRAINED_K = "trained_num_speculative_tokens"
+
+
+def trained_depth(cfg: dict[str, Any]) -> int | None:
+    """The tokens a round the draft whose config.json is ``cfg`` was trained to draft: its
+    ``trained_num_speculative_tokens``, else a DFlash draft's ``block_size`` - 1; None when unknown
+    (an EAGLE-3 or P-EAGLE export made before the key, a draft from elsewhere)."""
+    for value in (cfg.get(TRAINED_K), (cfg.get("block_size") - 1) if _is_dflash(cfg)
+                  and isinstance(cfg.get("block_size"), int) else None):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
+
+
+def _is_dflash(cfg: dict[str, Any]) -> bool:
+    return isinstance(cfg.get("dflash_config"), dict) or cfg.get("speculators_model_type") == "dflash"
 
 
 def draft_num_speculative_tokens(draft: str, default: int) -> int:

@@ -59,7 +59,7 @@ from safetensors import SafetensorError
 from transformers import LlamaConfig
 
 from eaglenest.config import short
-from eaglenest.engine import RECOMMENDED_K
+from eaglenest.engine import RECOMMENDED_K, TRAINED_K
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.paths import install_dir, make_dir, orphans, pid_prefix, shown_path, user_path
 from eaglenest.provenance import write_json_atomic, write_provenance
@@ -68,7 +68,7 @@ from eaglenest.serve.draft_files import vocab_map_error
 from eaglenest.train.checkpoint import INFO, WEIGHTS, read_info
 from eaglenest.train.dflash import DFlashDraft, is_dflash
 from eaglenest.train.model import Eagle3Draft
-from eaglenest.train.config import recommended_num_speculative_tokens
+from eaglenest.train.config import recommended_num_speculative_tokens, trained_num_speculative_tokens
 from eaglenest.train.target import target_config, torch_dtype_name
 
 log = logging.getLogger(__name__)
@@ -265,11 +265,16 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     k = num_speculative_tokens or _recommended_k(info, Path(ckpt_dir) / INFO)
     if format == "vllm" or dflash:  # (a speculators config carries k in its proposal; the DFlash card reads it here)
         cfg[RECOMMENDED_K] = k  # serve / evaluate use it when their num_speculative_tokens is null
+    trained = _recommended_k(info, Path(ckpt_dir) / INFO, read=trained_num_speculative_tokens)
+    if k > trained:
+        log.warning("serve.num_speculative_tokens %d is past the %d tokens a round this draft was trained to "
+                    "draft: the proposals past %d come from positions it never learnt", k, trained, trained)
     written = cfg
     if format == "speculators":
         written = formats.speculators_config(cfg, verifier=str(target_dir),
                                              verifier_architectures=target_cfg.get("architectures") or [],
                                              num_speculative_tokens=k)
+    written[TRAINED_K] = trained  # engine.speculative_config warns when a K past it is served
     notes = [] if dflash else formats.reader_notes(cfg, format, target_layers=int(target_cfg["num_hidden_layers"]))
     for reader, note in notes:
         log.warning("%s: %s", reader, note)
@@ -354,10 +359,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _recommended_k(info: dict[str, Any], path: Path) -> int:
-    """The K the checkpoint's ``train_config`` recommends; a damaged one is one line naming the file."""
+def _recommended_k(info: dict[str, Any], path: Path, *, read=recommended_num_speculative_tokens) -> int:
+    """The K the checkpoint's ``train_config`` recommends (``read``: or the depth it was trained for);
+    a damaged one is one line naming the file."""
     try:
-        return recommended_num_speculative_tokens(info.get("train_config") or {})
+        return read(info.get("train_config") or {})
     except (ConfigError, TypeError, ValueError, AttributeError) as exc:
         raise StoreError(f"{shown_path(path)}: train_config: {str(exc)[:120]}; the checkpoint is damaged: "
                          "train again (`train run`)") from None

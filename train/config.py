@@ -179,17 +179,25 @@ FAMILIES = ("eagle3", "peagle", "dflash")
 BEST_NUM_SPECULATIVE_TOKENS = {"eagle3": 3, "peagle": 3, "dflash": 7}
 
 
-def recommended_num_speculative_tokens(train: dict) -> int:
-    """The K to serve a draft trained with ``train`` (the ``train`` section as a dict, as a checkpoint's
-    ``train_config`` records it): its family's measured best, at most the tokens it was trained to
-    draft (EAGLE-3: ``ttt_steps``; P-EAGLE: ``peagle.num_slots``; DFlash: ``dflash.block_size`` - 1)."""
+def trained_num_speculative_tokens(train: dict) -> int:
+    """The tokens a round a draft trained with ``train`` (the ``train`` section as a dict, as a
+    checkpoint's ``train_config`` records it) was trained to draft: EAGLE-3 ``ttt_steps``; P-EAGLE
+    ``peagle.num_slots``; DFlash ``dflash.block_size`` - 1. Past it a draft proposes from positions it
+    never learnt (``serve export`` records it; engine.speculative_config warns beyond it)."""
     family = train.get("family") or "eagle3"
     trained = {"eagle3": lambda: train.get("ttt_steps", TrainConfig.ttt_steps),
                "peagle": lambda: (train.get("peagle") or {}).get("num_slots", PEagleConfig.num_slots),
                "dflash": lambda: (train.get("dflash") or {}).get("block_size", DFlashConfig.block_size) - 1}
     if family not in trained:
         raise ConfigError(f"train.family: {', '.join(map(repr, FAMILIES))}, got {short(family)}")
-    return max(1, min(BEST_NUM_SPECULATIVE_TOKENS[family], int(trained[family]())))
+    return max(1, int(trained[family]()))
+
+
+def recommended_num_speculative_tokens(train: dict) -> int:
+    """The K to serve a draft trained with ``train``: its family's measured best, at most
+    :func:`trained_num_speculative_tokens`."""
+    family = train.get("family") or "eagle3"
+    return min(trained_num_speculative_tokens(train), BEST_NUM_SPECULATIVE_TOKENS[family])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -344,7 +352,10 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}: must be a finite number")
         if self.sliding_window != "auto" and self.sliding_window < 0:
             raise ConfigError(f"train.sliding_window: must be >= 0 or 'auto', got {short(self.sliding_window)}")
-        _at_least("", self, ("draft_vocab_size", "ttt_steps", "pack_tokens", "batch_rows", "num_epochs",
+        if self.draft_vocab_size < 2:  # one token: its softmax is 1 whatever the draft computes, the loss 0
+            raise ConfigError(f"train.draft_vocab_size: must be >= 2 (a draft vocabulary of one token has a loss "
+                              f"of 0 and learns nothing), got {short(self.draft_vocab_size)}")
+        _at_least("", self, ("ttt_steps", "pack_tokens", "batch_rows", "num_epochs",
                              "log_every_steps", "num_threads", "prefetch_batches", "attn_chunk_tokens"), 1)
         _at_least("", self, ("warmup_steps", "num_steps", "weight_decay", "grad_clip", "target_chunk_tokens"), 0)
         _at_least("", self, ("context_parallel",), 1)

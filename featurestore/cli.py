@@ -30,23 +30,28 @@ def main(argv: list[str] | None = None) -> int:
         "show": Command(f"{_COMMANDS}:cmd_show", "tables, versions and per-domain counts"),
         "versions": Command(f"{_COMMANDS}:cmd_versions", "versions of featurestore.table with tags and lineage"),
         "tags": Command(f"{_COMMANDS}:cmd_tags", "list tags; --create NAME [--version V] or --delete NAME", [
-            (("--create",), {"default": None}), (("--delete",), {"default": None}), _VERSION]),
+            (("--create",), {"default": None, "help": "tag the version (--version, default latest) with this name"}),
+            (("--delete",), {"default": None, "help": "remove this tag (the version stays)"}), _VERSION]),
         "diff": Command(f"{_COMMANDS}:cmd_diff", "sample ids added/removed between two versions", [
-            (("--a",), {"required": True}), (("--b",), {"required": True})]),
+            (("--a",), {"required": True, "help": "the older version (number or tag)"}),
+            (("--b",), {"required": True, "help": "the newer version (number or tag)"})]),
         "checkout": Command(f"{_COMMANDS}:cmd_checkout", "counts and lineage at one version (read-only)", [
-            (("--v",), {"required": True})]),
+            (("--v",), {"required": True, "help": "version number or tag"})]),
         "restore": Command(f"{_COMMANDS}:cmd_restore", "make an old version the latest (history kept)", [
-            (("--v",), {"required": True})]),
+            (("--v",), {"required": True, "help": "version number or tag to restore"})]),
         "verify": Command(f"{_COMMANDS}:cmd_verify", "row counts, checksums, schema, NaN/inf scan", [_VERSION]),
         "compact": Command(f"{_COMMANDS}:cmd_compact", "merge small fragments (a new version)"),
         "gc": Command(f"{_COMMANDS}:cmd_gc", "drop untagged versions older than N hours", [
-            (("--older-than-hours",), {"type": float, "required": True}),
+            (("--older-than-hours",), {"type": float, "required": True,
+                                        "help": "drop versions older than this; tagged and latest ones are kept"}),
             (("--grace-hours",), {"type": float, "default": 1.0,
                                   "help": "keep uncommitted data files younger than this (default 1)"})]),
         "query": Command(f"{_COMMANDS}:cmd_query", "read-only SQL over the store's tables", [
-            (("--sql",), {"required": True}), (("--out",), {"default": None}),
-            (("--attach",), {"action": "append", "help": "name=file.parquet|csv"}),
-            (("--with-tensors",), {"action": "store_true"}), (("--max-rows",), {"type": int, "default": 50}),
+            (("--sql",), {"required": True, "help": "one SELECT/WITH statement; tables: features, prompts, ..."}),
+            (("--out",), {"default": None, "help": "write every row to this .parquet or .csv file instead"}),
+            (("--attach",), {"action": "append", "help": "name=file.parquet|csv: a file joinable as a table"}),
+            (("--with-tensors",), {"action": "store_true", "help": "include aux_hidden and last_hidden (bytes)"}),
+            (("--max-rows",), {"type": int, "default": 50, "help": "rows printed (default 50; 0: all)"}),
             _VERSION]),
         "stream-serve": Command(f"{_COMMANDS}:cmd_stream_serve", "run one capture engine of a cross-host stream", [
             (("--addr",), {"required": True, "help": "the trainer's train.stream.addr (host:port)"}),

@@ -84,3 +84,21 @@ def write_features(uri: str, target_dir: Path, samples, *, layer_ids=LAYER_IDS, 
                          last_hidden=S.encode_tensor(np.asarray(last, dtype="<f4"), "float32")))
     rows_table, table_name = pa.Table.from_pylist(rows, schema=S.features_schema(meta)), table
     return store.append(uri, table_name, rows_table, meta=meta)
+
+
+def untrained_checkpoint(cfg, target_dir: Path, out: Path) -> Path:
+    """A checkpoint of a freshly built draft of ``cfg`` (a TrainConfig) for ``target_dir`` at ``out``:
+    what ``serve export`` reads, with no training (aux layers LAYER_IDS, a random draft vocabulary)."""
+    import dataclasses
+
+    from eaglenest.train.checkpoint import save_checkpoint
+    from eaglenest.train.loop import build_draft
+    from eaglenest.train.target import load_target_tensors
+    from eaglenest.train.vocab import select_vocab
+
+    t = load_target_tensors(target_dir)
+    vocab = select_vocab(torch.randint(0, 100, (int(t["config"]["vocab_size"]),)).numpy(), 700)
+    model = build_draft(cfg, t, layer_ids=LAYER_IDS, vocab=vocab, seed=0)
+    save_checkpoint(out, model, info={"layer_ids": list(LAYER_IDS), "step": 0, "table_version": 1, "store_uri": "s",
+                                      "train_config": dataclasses.asdict(cfg)})
+    return out

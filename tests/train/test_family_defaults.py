@@ -11,7 +11,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from eaglenest.engine import RECOMMENDED_K, draft_num_speculative_tokens
 from eaglenest.errors import ConfigError
@@ -21,12 +20,8 @@ from eaglenest.recipe import load_recipe
 from eaglenest.serve.commands import up_server
 from eaglenest.serve.config import ServeConfig
 from eaglenest.serve.export import export_draft
-from eaglenest.train.checkpoint import save_checkpoint
 from eaglenest.train.config import (BEST_NUM_SPECULATIVE_TOKENS, FAMILIES, DFlashConfig, PEagleConfig, TrainConfig,
                                     recommended_num_speculative_tokens)
-from eaglenest.train.loop import build_draft
-from eaglenest.train.target import load_target_tensors
-from eaglenest.train.vocab import select_vocab
 
 TOY = Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml"
 
@@ -80,15 +75,6 @@ def test_num_speculative_tokens_null_or_at_least_one():
         EvaluateConfig(num_speculative_tokens=0)
 
 
-def _checkpoint(cfg: TrainConfig, target: Path, out: Path) -> Path:
-    t = load_target_tensors(target)
-    vocab = select_vocab(torch.randint(0, 100, (int(t["config"]["vocab_size"]),)).numpy(), 700)
-    model = build_draft(cfg, t, layer_ids=(2, 4, 5), vocab=vocab, seed=0)
-    save_checkpoint(out, model, info={"layer_ids": [2, 4, 5], "step": 0, "table_version": 1, "store_uri": "s",
-                                      "train_config": dataclasses.asdict(cfg)})
-    return out
-
-
 def _with_tokenizer(tmp_path: Path, target: Path) -> Path:
     """A copy of the synthetic target with the repo's tiny-target tokenizer files: ``serve up`` refuses a
     target without a tokenizer (``hf.check_target``)."""
@@ -99,13 +85,13 @@ def _with_tokenizer(tmp_path: Path, target: Path) -> Path:
     return out
 
 
-def test_dflash_alone_end_to_end(tmp_path, tiny_target):
+def test_dflash_alone_end_to_end(tmp_path, tiny_target, synth):
     """train.family=dflash alone: the trainer's config, the export's recorded K, and the K that
     ``evaluate`` and ``serve up`` resolve from the exported draft."""
     tiny_target = _with_tokenizer(tmp_path, tiny_target)
     recipe = toy(tmp_path, tiny_target, "train.family=dflash")
     s = recipe.serve
-    ckpt = _checkpoint(recipe.train, tiny_target, recipe.run.path(s.checkpoint_subdir))
+    ckpt = synth.untrained_checkpoint(recipe.train, tiny_target, recipe.run.path(s.checkpoint_subdir))
     draft = export_draft(ckpt, recipe.run.path(s.draft_subdir), target_dir=tiny_target,
                          num_speculative_tokens=s.num_speculative_tokens)  # as `serve export` calls it
     cfg = json.loads((draft / "config.json").read_text())
@@ -126,10 +112,10 @@ def test_dflash_alone_end_to_end(tmp_path, tiny_target):
     assert json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 2
 
 
-def test_explicit_export_k_is_recorded(tmp_path, tiny_target):
+def test_explicit_export_k_is_recorded(tmp_path, tiny_target, synth):
     """``serve.num_speculative_tokens`` given at export is the draft's recorded K; an export without
     the record (older drafts) falls back to the caller's default."""
-    ckpt = _checkpoint(TrainConfig(family="peagle"), tiny_target, tmp_path / "ckpt")
+    ckpt = synth.untrained_checkpoint(TrainConfig(family="peagle"), tiny_target, tmp_path / "ckpt")
     draft = export_draft(ckpt, tmp_path / "draft", target_dir=tiny_target, num_speculative_tokens=2)
     assert draft_num_speculative_tokens(str(draft), 99) == 2
     cfg = json.loads((draft / "config.json").read_text())

@@ -5,34 +5,18 @@ positions the draft never learnt). No engine is started."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-from pathlib import Path
 
 import pytest
-import torch
 
 from eaglenest.engine import TRAINED_K, speculative_config, trained_depth
 from eaglenest.serve.export import export_draft
-from eaglenest.train.checkpoint import save_checkpoint
 from eaglenest.train.config import DFlashConfig, PEagleConfig, TrainConfig, trained_num_speculative_tokens
-from eaglenest.train.loop import build_draft
-from eaglenest.train.target import load_target_tensors
-from eaglenest.train.vocab import select_vocab
 
 SHAPES = {"eagle3": (TrainConfig(family="eagle3", ttt_steps=2), 2),
           "peagle": (TrainConfig(family="peagle", peagle=PEagleConfig(num_slots=2)), 2),
           "dflash": (TrainConfig(family="dflash", dflash=DFlashConfig(block_size=3, num_layers=1)), 2)}
-
-
-def _checkpoint(cfg: TrainConfig, target: Path, out: Path) -> Path:
-    t = load_target_tensors(target)
-    vocab = select_vocab(torch.randint(0, 100, (int(t["config"]["vocab_size"]),)).numpy(), 700)
-    model = build_draft(cfg, t, layer_ids=(2, 4, 5), vocab=vocab, seed=0)
-    save_checkpoint(out, model, info={"layer_ids": [2, 4, 5], "step": 0, "table_version": 1, "store_uri": "s",
-                                      "train_config": dataclasses.asdict(cfg)})
-    return out
 
 
 def test_trained_tokens_per_family():
@@ -44,9 +28,9 @@ def test_trained_tokens_per_family():
 
 @pytest.mark.parametrize("family", sorted(SHAPES))
 @pytest.mark.parametrize("format", ["vllm", "speculators"])
-def test_export_records_depth_and_serving_past_it_warns(tmp_path, tiny_target, caplog, family, format):
+def test_export_records_depth_and_serving_past_it_warns(tmp_path, tiny_target, synth, caplog, family, format):
     cfg, depth = SHAPES[family]
-    ckpt = _checkpoint(cfg, tiny_target, tmp_path / "ckpt")
+    ckpt = synth.untrained_checkpoint(cfg, tiny_target, tmp_path / "ckpt")
     draft = export_draft(ckpt, tmp_path / "draft", target_dir=tiny_target, format=format)
     written = json.loads((draft / "config.json").read_text())
     assert written[TRAINED_K] == depth and trained_depth(written) == depth
@@ -58,9 +42,9 @@ def test_export_records_depth_and_serving_past_it_warns(tmp_path, tiny_target, c
     assert len(warned) == 1 and f"num_speculative_tokens {depth + 2} is past the {depth} tokens" in warned[0]
 
 
-def test_export_with_k_past_depth_warns(tmp_path, tiny_target, caplog):
+def test_export_with_k_past_depth_warns(tmp_path, tiny_target, synth, caplog):
     cfg, depth = SHAPES["peagle"]
-    ckpt = _checkpoint(cfg, tiny_target, tmp_path / "ckpt")
+    ckpt = synth.untrained_checkpoint(cfg, tiny_target, tmp_path / "ckpt")
     caplog.set_level(logging.WARNING, logger="eaglenest.serve.export")
     export_draft(ckpt, tmp_path / "draft", target_dir=tiny_target, num_speculative_tokens=depth + 1)
     assert any(f"{depth + 1} is past the {depth} tokens" in r.getMessage() for r in caplog.records)

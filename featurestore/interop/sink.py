@@ -311,8 +311,10 @@ def feature_row(strings: dict, input_ids: np.ndarray, loss_mask: np.ndarray, aux
 
 
 def commit_rows(uri: str, name: str, meta: S.FeatureMeta, rows: Iterable[dict], *, total: int,
-                lineage: dict, budget_bytes: int, desc: str) -> int:
+                lineage: dict, budget_bytes: int, desc: str, ids: list[tuple[str, str]] = ()) -> int:
     """Write ``rows`` as fragments and commit them once, under the writer lease; the new version.
+    ``ids`` ((sample id, where) of the rows, checked by the caller before the lease) are checked again
+    once the lease is held, before a byte is written: another import may have committed them meanwhile.
 
     A table this import created (it did not exist when the lease was taken) is removed again when
     the import fails before its commit, so a refused dump leaves neither an empty table nor its
@@ -327,6 +329,7 @@ def commit_rows(uri: str, name: str, meta: S.FeatureMeta, rows: Iterable[dict], 
                                   f"{list(have.layer_ids)}, {have.dtype}) than the dump ({meta.feature_set_id}, "
                                   f"layers {list(meta.layer_ids)}, {meta.dtype}); import into a new table "
                                   "(featurestore.table=NAME)")
+            check_ids(ids, store.sample_ids(uri, name), name)
         try:
             writer = FeatureWriter(uri, name, meta, budget=budget_bytes)
             for row in tqdm(rows, total=total, desc=desc, unit="sample"):

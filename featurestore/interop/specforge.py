@@ -285,7 +285,7 @@ def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_
                                    "last_hidden": "exact" if prenorm else "hidden_state / final norm weight",
                                    "export_of": None if record is None else {
                                        k: record.get(k) for k in ("table", "table_version", "feature_set_id")}},
-                               budget_bytes=budget_bytes, desc="importing specforge dump")
+                               budget_bytes=budget_bytes, desc="importing specforge dump", ids=ids)
     return {"table": name, "version": version, "rows": len(files), "feature_set_id": meta.feature_set_id,
             "layer_ids": list(meta.layer_ids), "dtype": meta.dtype, "last_hidden_exact": prenorm}
 

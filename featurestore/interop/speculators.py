@@ -204,7 +204,7 @@ def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_
     version = sink.commit_rows(uri, name, meta, _rows(data, src, samples, domain, meta, vocab), total=len(data),
                                lineage={"imported_from": str(src.resolve()), "format": FORMAT,
                                         "export_of": _export_of(record)},
-                               budget_bytes=budget_bytes, desc="importing speculators dump")
+                               budget_bytes=budget_bytes, desc="importing speculators dump", ids=ids)
     return {"table": name, "version": version, "rows": len(data), "feature_set_id": meta.feature_set_id,
             "layer_ids": list(meta.layer_ids), "dtype": meta.dtype}
 

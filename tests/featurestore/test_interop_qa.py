@@ -72,7 +72,8 @@ def test_a_full_disk_under_torch_save_is_one_line(base):
 
 def test_an_import_racing_another_of_the_same_dump_adds_no_duplicates(sp, monkeypatch):
     """The second import checks the table's ids, then waits for the writer lease while the first commits
-    the same samples: its commit is refused (the writer's guard), not made a second time."""
+    the same samples: once it holds the lease it checks them again and is refused before it writes a
+    data file (it used to write the whole dump, refused only at its commit by the writer's guard)."""
     uri, target, src = sp
     take_lease, raced = lease.hold, []
 
@@ -85,9 +86,11 @@ def test_an_import_racing_another_of_the_same_dump_adds_no_duplicates(sp, monkey
             yield
 
     monkeypatch.setattr(lease, "hold", hold_after_a_rival)
-    with pytest.raises(StoreError, match=r"table 'back' .*\bd-00\b"):
+    data = store.table_path(uri, "back") / "data"
+    with pytest.raises(StoreError, match=r"sample id d-00 is already in table 'back'.*nothing was imported"):
         speculators.import_dump(src, uri, "back", target=target)
     assert raced == ["rival", 2] and store.latest_version(uri, "back") == 2
+    assert len(list(data.iterdir())) == len(store.dataset(uri, "back").get_fragments())  # none uncommitted
     I.assert_same_rows(uri, "features", "back")  # five rows, not ten
 
 

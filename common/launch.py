@@ -27,6 +27,7 @@ import sys
 from typing import Callable
 
 from eaglenest import reaper
+from eaglenest.config import printable
 from eaglenest.engine import defer_quiet_vllm
 from eaglenest.errors import EaglenestError
 from eaglenest.recipe import load_recipe
@@ -155,7 +156,7 @@ def execute(prog: str, cmd, args: argparse.Namespace) -> int:
         # Imported only now: a bad recipe costs no heavy import.
         return int(resolve(cmd.fn)(recipe, args) or 0)
     except EaglenestError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {printable(str(exc))}", file=sys.stderr)  # one line, whatever the input held
         return 2
     except BrokenPipeError:
         if not stdout_closed():  # a connection of the command's own: a bug, with its traceback

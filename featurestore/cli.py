@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         "query": Command(f"{_COMMANDS}:cmd_query", "read-only SQL over the store's tables", [
             (("--sql",), {"required": True, "help": "one SELECT/WITH statement; tables: features, prompts, ..."}),
             (("--out",), {"default": None, "help": "write every row to this .parquet or .csv file instead"}),
-            (("--attach",), {"action": "append", "help": "name=file.parquet|csv: a file joinable as a table"}),
+            (("--attach",), {"action": "append", "help": "name=file.parquet|csv|json|jsonl: a file joinable as a table"}),
             (("--with-tensors",), {"action": "store_true", "help": "include aux_hidden and last_hidden (bytes)"}),
             (("--max-rows",), {"type": int, "default": 50, "help": "rows printed (default 50; 0: all)"}),
             _VERSION]),

@@ -297,7 +297,10 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
 
     make_dir(out_dir.parent, key, error=ConfigError)
     sweep_leftovers(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=_side_prefix(out_dir, "tmp"), dir=out_dir.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=_side_prefix(out_dir, "tmp"), dir=out_dir.parent))
+    except OSError as exc:  # e.g. a name too long for the side folder the export is written in
+        raise ConfigError(f"{key}: {shown_path(out_dir)}: cannot write beside it ({exc.strerror or exc})") from None
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json_atomic(tmp / "config.json", written)

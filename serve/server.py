@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 from eaglenest.engine import checkpoint_dtype, quiet_vllm, speculative_config
-from eaglenest.errors import EaglenestError
+from eaglenest.errors import ConfigError, EaglenestError
 from eaglenest.hf import check_remote_code
+from eaglenest.paths import make_dir
 from eaglenest.serve.draft_files import check_draft_dir, local_target_config
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class Server:
                                 memory_fraction=memory_fraction, max_model_len=max_model_len,
                                 max_num_seqs=max_num_seqs, dtype=dtype, trust_remote_code=trust_remote_code,
                                 host=host, served_name=served_name)
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        make_dir(log_dir, "run.workdir", error=ConfigError)  # /proc/x, a file in the way: one line
         self.log_path = Path(log_dir) / f"vllm-{'spec' if draft else 'base'}-{self.port}.log"
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None

@@ -313,7 +313,7 @@ def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
     con, batch_rows = _connect(uri, only=named_tables(sql), **kw)
     if batch_rows is not None:
         con.execute("SET threads = 2")  # each DuckDB thread holds a batch in flight
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp = out.with_name(f".{out.name[:200]}.tmp{os.getpid()}")  # within NAME_MAX (255) whatever out's length
     rows = 0
     try:
         try:
@@ -322,13 +322,14 @@ def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
                 for batch in reader:
                     write(batch)
                     rows += batch.num_rows
+            os.replace(tmp, out)
         except OSError as exc:
             raise StoreError(f"--out {out}: cannot write ({exc.strerror or str(exc).splitlines()[0]})") from None
         except Exception as exc:  # DuckDB's errors (binder, conversion) as one line
             raise _failed(exc, uri, kw.get("with_tensors", False)) from None
-        os.replace(tmp, out)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # e.g. a name the file system refuses: the error above says so
+            tmp.unlink(missing_ok=True)
         con.close()
     return rows
 

@@ -68,6 +68,22 @@ def test_refused_or_failed_query_writes_nothing(small, tmp_path):
     assert pq.read_table(out).num_rows == 11
 
 
+def test_query_out_name_as_long_as_allowed_is_written(small, tmp_path):
+    """``.NAME.tmpPID`` beside a 250-character NAME passed the 255-byte limit: the write failed, then the
+    cleanup's unlink raised again, a traceback hiding the one-line error."""
+    uri = small
+    out = tmp_path / ("a" * 242 + ".parquet")  # 250 characters
+    assert query.write_query(uri, "SELECT sample_id FROM features", out) == 11
+    assert pq.read_table(out).num_rows == 11
+    with pytest.raises(StoreError, match=r"--out .*: cannot write \(File name too long\)") as info:
+        query.write_query(uri, "SELECT sample_id FROM features", tmp_path / ("b" * 292 + ".parquet"))
+    assert "\n" not in str(info.value)
+    with pytest.raises(StoreError, match="cannot write"):  # --out an existing folder: the rename fails
+        (tmp_path / "d.csv").mkdir()
+        query.write_query(uri, "SELECT sample_id FROM features", tmp_path / "d.csv")
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
 #: The child: peak RSS growth of one `featurestore query --with-tensors --out` after a warm-up query.
 CHILD = r"""
 import json, sys

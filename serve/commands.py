@@ -42,7 +42,7 @@ def cmd_up(recipe, args) -> int:
         while server.proc.poll() is None and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.5)
         code = server.proc.poll()
-    if code not in (None, 0) and not args.for_seconds:
+    if code not in (None, 0):  # the server ended by itself (or was killed), before Ctrl-C or --for-seconds
         print(f"serve: error: server exited with code {code} (log {server.log_path})", file=sys.stderr)
         return 2
     return 0

@@ -16,9 +16,10 @@ from eaglenest.evaluate.compare import compare
 from eaglenest.evaluate.offline import offline_al, prompt_ids
 from eaglenest.evaluate.parity import failure_line, parity_check
 from eaglenest.evaluate.plots import throughput_plot
-from eaglenest.evaluate.prompts import load_prompt_set
+from eaglenest.evaluate.plan import max_positions
+from eaglenest.evaluate.prompts import check_prompt_lengths, load_prompt_set
 from eaglenest.evaluate.report import markdown as report_markdown
-from eaglenest.evaluate.report import write_report
+from eaglenest.evaluate.report import unmark, write_report
 from eaglenest.evaluate.run import evaluate_al
 from eaglenest.evaluate.settings import draft_dir, evaluate_config
 from eaglenest.evaluate.throughput import markdown as throughput_markdown
@@ -28,6 +29,7 @@ from eaglenest.featurestore.table import store
 from eaglenest.hf import check_remote_code, load_tokenizer
 from eaglenest.paths import ensure_writable, make_dir
 from eaglenest.provenance import write_json_atomic, write_provenance, write_text_atomic
+from eaglenest.train.checkpoint import INFO
 
 
 def _check_target(recipe) -> None:
@@ -35,17 +37,31 @@ def _check_target(recipe) -> None:
     check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
 
 
-def _out(path, args) -> Path:
+def _out(path, args, *, inputs: dict[str, str] | None = None) -> Path:
     """The command's output folder, proven writable before any engine starts (``--out`` or
-    ``run.workdir`` named if not); the check leaves nothing behind: not every input is checked yet."""
-    ensure_writable(path, "--out" if args.out else "run.workdir", keep=False)
+    ``run.workdir`` named if not); the check leaves nothing behind: not every input is checked yet.
+    ``inputs`` ({key: folder}: the draft, the target, a checkpoint) are refused as the output folder:
+    the command's provenance.json would replace theirs (an export's, which ``serve push`` publishes)."""
+    key = "--out" if args.out else "run.workdir"
+    for name, folder in (inputs or {}).items():
+        if folder and Path(folder).is_dir() and Path(path).resolve() == Path(folder).resolve():
+            raise ConfigError(f"{key}: {path} is the {name} folder: this command's provenance.json and report "
+                              "would replace its own; write the output elsewhere")
+    ensure_writable(path, key, keep=False)
     return Path(path)
+
+
+def _inputs_of(recipe, draft: str, **more: str) -> dict[str, str]:
+    """The folders :func:`_out` must not write into: the draft, the target, the train checkpoint (its
+    provenance.json and its own report.json) and ``more``."""
+    return {"draft": draft, "target": recipe.run.target,
+            "checkpoint": str(recipe.run.path(recipe.serve.checkpoint_subdir)), **more}
 
 
 def cmd_al(recipe, args) -> int:
     _check_target(recipe)
     cfg, draft = evaluate_config(recipe, manifest=args.manifest), draft_dir(recipe)
-    out = str(_out(args.out or recipe.run.path("eval"), args))
+    out = str(_out(args.out or recipe.run.path("eval"), args, inputs=_inputs_of(recipe, draft)))
     key = _cache_key(recipe, draft, cfg)
     cached = None if args.force else _cached_report(out, key)
     if cached is not None:
@@ -57,7 +73,9 @@ def cmd_al(recipe, args) -> int:
     report = evaluate_al(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri, cfg=cfg,
                          features_table=recipe.featurestore.table, trust_remote_code=recipe.run.trust_remote_code)
     report["cache_key"] = key
-    # Provenance first: report.json, written last, marks the folder as done for a re-run.
+    # Provenance first: report.json, written last, marks the folder as done for a re-run (an earlier
+    # run's is removed first, so a kill from here on leaves the folder unmarked).
+    unmark(out)
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
     write_report(out, report)
     print(report_markdown(report))
@@ -115,7 +133,8 @@ def _inputs(recipe, draft: str) -> dict:
 
 def cmd_throughput(recipe, args) -> int:
     _check_target(recipe)
-    draft, out = draft_dir(recipe), _out(recipe.run.path(args.out or "throughput"), args)
+    draft = draft_dir(recipe)
+    out = _out(recipe.run.path(args.out or "throughput"), args, inputs=_inputs_of(recipe, draft))
     result = run_sweep(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri,
                        cfg=evaluate_config(recipe, manifest=args.manifest), serve_cfg=recipe.serve,
                        log_dir=recipe.run.path("serve"),
@@ -138,11 +157,13 @@ def cmd_compare(recipe, args) -> int:
 
 def cmd_offline(recipe, args) -> int:
     _check_target(recipe)
-    cfg, draft = evaluate_config(recipe, manifest=args.manifest), args.draft or draft_dir(recipe)
-    out = _out(recipe.run.path(args.out or "eval_offline"), args)
+    draft = args.draft or draft_dir(recipe)
+    cfg = evaluate_config(recipe, manifest=args.manifest, draft=draft)  # the K the given draft records
+    out = _out(recipe.run.path(args.out or "eval_offline"), args, inputs=_inputs_of(recipe, draft))
     if cfg.temperature != 0.0:
         raise ConfigError(f"evaluate.temperature: offline AL is greedy only (0.0), got {cfg.temperature}")
     groups, info = load_prompt_set(cfg, recipe.run.store_uri)
+    _check_offline_lengths(recipe, cfg, groups)
     report = offline_al(target=recipe.run.target, draft=draft, groups=groups,
                         num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=cfg.max_tokens,
                         trust_remote_code=recipe.run.trust_remote_code, chat_template_kwargs=cfg.chat_template_kwargs,
@@ -157,6 +178,15 @@ def cmd_offline(recipe, args) -> int:
     return 0
 
 
+def _check_offline_lengths(recipe, cfg, groups) -> None:
+    """Refuse, before the draft and the target load, a prompt with no room for an output token within
+    the target's positions: ``evaluate al``'s engine refuses it, the HF replay would decode past them."""
+    positions = max_positions(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
+    tok = load_tokenizer(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
+    check_prompt_lengths(tok, [p for ps in groups.values() for p in ps], cfg.chat_template_kwargs,
+                         max_len=positions, max_positions=positions)
+
+
 def cmd_parity(recipe, args) -> int:
     """``evaluate parity``: writes ``parity.json`` (+ provenance) and exits 1 with one line when the
     served draft's proposals part from the trained checkpoint's below the threshold."""
@@ -167,12 +197,20 @@ def cmd_parity(recipe, args) -> int:
         raise ConfigError(f"evaluate.draft: {draft} is not an exported draft (no config.json; run `serve export`)")
     if not Path(checkpoint).is_dir():
         raise ConfigError(f"--checkpoint: {checkpoint} is not a train checkpoint dir (run `train run`, or name one)")
-    out = _out(recipe.run.path(args.out or "parity"), args)
+    if not (Path(checkpoint) / INFO).is_file():  # an export would be checked against itself and always pass
+        raise ConfigError(f"--checkpoint: {checkpoint} is not a train checkpoint (no {INFO}; an exported draft "
+                          "checked against itself proves nothing): name the `train run` folder it was exported from")
+    out = _out(recipe.run.path(args.out or "parity"), args,
+               inputs=_inputs_of(recipe, draft, checkpoint=checkpoint))
     if cfg.temperature != 0.0:
         raise ConfigError(f"evaluate.temperature: the parity check is greedy only (0.0), got {cfg.temperature}")
     groups, info = load_prompt_set(cfg, recipe.run.store_uri)
     tok = load_tokenizer(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
     chosen = [(p.get("sample_id", f"{name}-{i}"), p) for name, ps in groups.items() for i, p in enumerate(ps)]
+    # vLLM refuses a prompt with no room for output only once its engine runs: refused here, naming the key
+    check_prompt_lengths(tok, [p for _, p in chosen[: cfg.parity_prompts]], cfg.chat_template_kwargs,
+                         max_len=cfg.engine.max_model_len,
+                         max_positions=max_positions(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code))
     prompts = {sid: prompt_ids(tok, p, cfg.chat_template_kwargs) for sid, p in chosen[: cfg.parity_prompts]}
     report = parity_check(target=recipe.run.target, draft=draft, checkpoint=checkpoint, prompts=prompts,
                           k=cfg.num_speculative_tokens, max_tokens=cfg.parity_max_tokens, engine=cfg.engine,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from eaglenest.errors import EaglenestError
@@ -47,6 +48,16 @@ def check_report(data: dict, path: str | Path) -> None:
             x = row.get(name)
             if x is not None and (not isinstance(x, (int, float)) or isinstance(x, bool)):
                 raise EaglenestError(f"compare: {shown_path(path)}: {key}.{name}: not a number, got {str(x)[:40]!r}")
+            if x is not None and not _finite(x):  # json reads NaN / Infinity; compare.json would not be JSON
+                raise EaglenestError(f"compare: {shown_path(path)}: {key}.{name}: not a finite number, "
+                                     f"got {str(x)[:40]}")
+
+
+def _finite(x: int | float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an integer past every float (1 followed by 400 zeros)
+        return False
 
 
 def _load(spec: str, recipe) -> dict:
@@ -56,7 +67,7 @@ def _load(spec: str, recipe) -> dict:
     if (p / "report.json").is_file():
         return _report(p / "report.json")
     if (p / "config.json").is_file():
-        cfg = dataclasses.replace(evaluate_config(recipe), check_lossless=False)
+        cfg = dataclasses.replace(evaluate_config(recipe, draft=str(p)), check_lossless=False)  # p's own K
         return evaluate_al(target=recipe.run.target, draft=str(p), store_uri=recipe.run.store_uri, cfg=cfg,
                            trust_remote_code=recipe.run.trust_remote_code)
     raise EaglenestError(f"compare: {spec} is neither a report.json nor an exported draft directory")
@@ -66,9 +77,27 @@ def _f(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+#: What a report was measured with: a delta between reports that differ in one compares unlike measurements.
+SETTINGS = ("target", "num_speculative_tokens", "temperature", "max_tokens", "bucket_max_tokens",
+            "chat_template_kwargs", "split")
+
+
+def differences(a: dict, b: dict) -> dict[str, list]:
+    """``{setting: [A's, B's]}`` for every :data:`SETTINGS` key (and the prompt set) the reports differ in."""
+    def settings(r: dict) -> dict:
+        prompts = r.get("prompts") if isinstance(r.get("prompts"), dict) else {}
+        return {**{k: r.get(k) for k in SETTINGS}, "prompt_set": prompts.get("prompt_set")}
+
+    x, y = settings(a), settings(b)
+    return {k: [x[k], y[k]] for k in x if x[k] != y[k]}
+
+
 def side_by_side(a: dict, b: dict, *, names: tuple[str, str] = ("A", "B")) -> str:
+    diff = differences(a, b)
     lines = [f"# Compare: {names[0]} = `{a['draft']}`, {names[1]} = `{b['draft']}`", "",
              "AL pooled = 1 + accepted / rounds (vLLM counters); per-request = mean of request ALs.", "",
+             *(["**Not measured alike**, the deltas mix in: " + "; ".join(
+                 f"{k} {names[0]} `{u}`, {names[1]} `{v}`" for k, (u, v) in diff.items()) + ".", ""] if diff else []),
              f"| group | {names[0]} pooled | {names[1]} pooled | delta | {names[0]} per-request | "
              f"{names[1]} per-request | delta |", "|---|---|---|---|---|---|---|"]
     for section, label in (("domains", ""), ("context_buckets", "ctx ")):
@@ -91,6 +120,7 @@ def compare(spec_a: str, spec_b: str, *, recipe, outdir: Path, key: str = "--out
     a, b = _load(spec_a, recipe), _load(spec_b, recipe)
     md = side_by_side(a, b)
     make_dir(outdir, key)
-    write_json_atomic(outdir / "compare.json", {"a": a, "b": b, "inputs": [spec_a, spec_b]})
+    write_json_atomic(outdir / "compare.json", {"a": a, "b": b, "inputs": [spec_a, spec_b],
+                                                "settings_differ": differences(a, b)})
     write_text_atomic(outdir / "compare.md", md)
     return md

@@ -79,6 +79,9 @@ def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluat
         raw = read_json_object(path / "config.json", error=ConfigError, then=redo)
     except ConfigError as exc:
         raise ConfigError(f"{key}: {exc}") from None
+    if isinstance(raw.get("dflash_config"), dict):  # vLLM's flat DFlashDraftModel: not an Eagle3Draft's layout
+        raise ConfigError(f"{key}: {draft} is a DFlash export, which the offline replay cannot load: name the "
+                          "train checkpoint it was exported from (`--draft <workdir>/train`)")
     # vLLM's ids: top level (exports since serve/formats.py; eagle_config's are SGLang's, id - 1),
     # else eagle_config's (older exports wrote vLLM's ids there).
     nested = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}

@@ -16,6 +16,9 @@ from eaglenest.evaluate.config import MIN_BUCKET_PROMPTS
 
 log = logging.getLogger(__name__)
 
+#: What :func:`al_plots` can write (``al_by_context.png`` only for a report with context buckets).
+AL_PLOTS = ("al_by_domain.png", "al_by_context.png", "acceptance_by_position.png")
+
 
 def _plt():
     import matplotlib
@@ -45,7 +48,7 @@ def _bars(ax, names, rows):
     if any(r.get("ngram_al") for r in rows):  # the training-free n-gram drafter on the same outputs
         ax.scatter(x, [r.get("ngram_al") or float("nan") for r in rows], marker="_", s=400, color="black",
                    zorder=3, label="n-gram drafter (ngram_al)")
-    ax.set_xticks(x, names, rotation=30, ha="right")
+    ax.set_xticks(x, names, rotation=30, ha="right", parse_math=False)  # a category's "$" is text, not TeX
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_ylabel("acceptance length")
     ax.legend()

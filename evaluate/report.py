@@ -12,7 +12,7 @@ from pathlib import Path
 
 from eaglenest.evaluate.buckets import buckets_in_order
 from eaglenest.evaluate.config import MIN_BUCKET_PROMPTS
-from eaglenest.evaluate.plots import al_plots
+from eaglenest.evaluate.plots import AL_PLOTS, al_plots
 from eaglenest.provenance import write_json_atomic, write_text_atomic
 
 
@@ -140,13 +140,24 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def unmark(outdir: str | Path) -> None:
+    """Remove ``outdir``'s report.json, the mark of a finished run, before anything of a new run is
+    written there: a new run killed half-way must not leave an earlier report.json (and its cache key)
+    beside the new run's report.md, plots or provenance.json."""
+    (Path(outdir) / "report.json").unlink(missing_ok=True)
+
+
 def write_report(outdir: str | Path, report: dict, *, plots: bool = True) -> list[Path]:
-    """Write report.md, (unless ``plots`` is off) the PNG plots, then report.json; returns the PNGs.
+    """Write report.md, (unless ``plots`` is off) the PNG plots, then report.json; returns the PNGs. An
+    earlier run's plots that this report does not draw (no buckets, plots off) are removed.
     report.json comes last: ``evaluate al`` takes it (its cache key) as the mark of a finished run, so a
     run killed while writing the rest is measured again instead of left without its plots."""
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
+    unmark(outdir)
     write_text_atomic(outdir / "report.md", markdown(report))
     pngs = al_plots(report, outdir) if plots else []
+    for name in set(AL_PLOTS) - {p.name for p in pngs}:  # an earlier run's plot of what this report lacks
+        (outdir / name).unlink(missing_ok=True)
     write_json_atomic(outdir / "report.json", report)
     return pngs

@@ -26,14 +26,17 @@ recipe whose manifest is not at hand logs that it was not read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+from pathlib import Path
 
 from eaglenest.engine import draft_num_speculative_tokens
-from eaglenest.errors import ManifestError
+from eaglenest.errors import ConfigError, ManifestError
 from eaglenest.evaluate.config import EvaluateConfig
 from eaglenest.featurestore.capture import policy
 from eaglenest.ingest.manifest import load_manifest
 from eaglenest.ingest.reasoning import template_kwargs
+from eaglenest.train.checkpoint import INFO
 from eaglenest.train.config import BEST_NUM_SPECULATIVE_TOKENS, recommended_num_speculative_tokens
 
 log = logging.getLogger(__name__)
@@ -80,11 +83,25 @@ def _show(kwargs: dict) -> str:
     return "{" + ", ".join(f"{k}: {v}" for k, v in sorted(kwargs.items())) + "}"
 
 
-def evaluate_config(recipe, *, manifest: str | None = None) -> EvaluateConfig:
+def _trained_with(draft: str, recipe) -> dict:
+    """The ``train`` section ``draft`` was trained with: a train checkpoint's recorded one (``evaluate
+    offline --draft CKPT``), else the recipe's. A checkpoint.json that cannot be read is left to the
+    draft's loader to refuse, naming its flag."""
+    try:
+        recorded = json.loads((Path(draft) / INFO).read_text(encoding="utf-8")).get("train_config")
+        recommended_num_speculative_tokens(recorded)  # a family it does not know: the recipe's
+    except (OSError, ValueError, AttributeError, TypeError, ConfigError):
+        return dataclasses.asdict(recipe.train)
+    return recorded
+
+
+def evaluate_config(recipe, *, manifest: str | None = None, draft: str | None = None) -> EvaluateConfig:
     """``recipe.evaluate`` with ``chat_template_kwargs`` and ``num_speculative_tokens`` resolved
-    (module docstring); ``manifest``: the command's ``--manifest``."""
-    cfg = with_draft_k(recipe.evaluate, draft_dir(recipe),
-                       recommended_num_speculative_tokens(dataclasses.asdict(recipe.train)))
+    (module docstring); ``manifest``: the command's ``--manifest``; ``draft``: the draft served
+    (``--draft``, a compared draft; default :func:`draft_dir`), whose recorded K a null
+    ``evaluate.num_speculative_tokens`` takes."""
+    draft = draft or draft_dir(recipe)
+    cfg = with_draft_k(recipe.evaluate, draft, recommended_num_speculative_tokens(_trained_with(draft, recipe)))
     if cfg.chat_template_kwargs is not None:
         return cfg
     stored = rendered_with(recipe.run.store_uri)

@@ -110,6 +110,14 @@ def check_select_split(store_uri: str, split: str) -> None:
                           "'heldout')")
 
 
+def selection_evaluate_config(recipe):
+    """The recipe's evaluate settings for served-AL selection, with a null ``evaluate.num_speculative_tokens``
+    left null: each snapshot is served at the K its export records (this run's family), not at the K of
+    whatever draft an earlier run exported to ``<workdir>/<serve.draft_subdir>``."""
+    cfg = evaluate_config(recipe)
+    return dataclasses.replace(cfg, num_speculative_tokens=recipe.evaluate.num_speculative_tokens)
+
+
 def cmd_run(recipe, args) -> int:
     """``train run``: train a draft on the features table; with ``train.select.every_steps``, each
     snapshot is scored by serving it (rendered as ``evaluate`` renders: ``evaluate_config``)."""
@@ -127,7 +135,7 @@ def cmd_run(recipe, args) -> int:
     score = None
     if recipe.train.select.every_steps:
         check_select_split(r.store_uri, recipe.train.select.split)
-        score = served_al_scorer(recipe.train, evaluate_config(recipe), target_dir=r.target,
+        score = served_al_scorer(recipe.train, selection_evaluate_config(recipe), target_dir=r.target,
                                  store_uri=r.store_uri, trust_remote_code=r.trust_remote_code)
     summary = train(recipe.train, store_uri=r.store_uri, workdir=r.workdir, target_dir=r.target,
                     seed=r.seed, argv=sys.argv, recipe=recipe.to_dict(), score=score,

@@ -50,7 +50,9 @@ def torchrun_argv(*, nnodes: int, nproc_per_node: int, node_rank: int | None, rd
         return ["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}"]
     host, _, port = rdzv_endpoint.rpartition(":")
     name = host[1:-1] if host[:1] == "[" and host[-1:] == "]" else host  # [::1]:29400
-    if not name or not port.isdigit() or not 0 < int(port) < 65536 or "[" in name or "]" in name \
+    # ASCII digits only: str.isdigit() also takes '²' (int() refuses it) and fullwidth digits (torchrun does)
+    digits = port.isascii() and port.isdigit()
+    if not name or not digits or not 0 < int(port) < 65536 or "[" in name or "]" in name \
             or (":" in name and name == host):
         raise ConfigError(f"--rdzv-endpoint must be HOST:PORT (an IPv6 host in brackets: [::1]:29400), "
                           f"got {rdzv_endpoint!r}")
@@ -71,8 +73,9 @@ def check_resolves(rdzv_endpoint: str | None) -> None:
     host = rdzv_endpoint.rpartition(":")[0].strip("[]")
     try:
         socket.getaddrinfo(host, None)
-    except OSError as exc:
-        raise ConfigError(f"--rdzv-endpoint {rdzv_endpoint}: cannot resolve host {host!r} ({exc.strerror or exc}): "
+    except (OSError, UnicodeError) as exc:  # UnicodeError: not a host name at all (an empty or 64+ char label)
+        why = getattr(exc, "strerror", None) or exc
+        raise ConfigError(f"--rdzv-endpoint {rdzv_endpoint}: cannot resolve host {host!r} ({why}): "
                           "use node 0's host name or address, the same on every node") from None
 
 

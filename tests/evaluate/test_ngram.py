@@ -40,7 +40,7 @@ def test_fit_uses_loss_tokens_only_and_breaks_ties_low():
     assert tie.guess([1]) == 4  # 9 and 4 once each: the smaller id wins, whatever the order
     capped = ngram.fit([_batch([([1, 2, 3, 4, 5], [1] * 5)])], order=2, max_tokens=3)
     assert capped.fit_tokens == 3 and capped.guess([3]) == 4 and capped.guess([4]) is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n-gram order must be >= 1, got 0"):
         ngram.fit([], order=0)
 
 

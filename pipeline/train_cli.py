@@ -84,6 +84,7 @@ def _launch(recipe, args) -> int:
                          rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
                          rdzv_id=args.rdzv_id or rdzv_id(recipe.run.workdir))
     check_resolves(args.rdzv_endpoint)
+    check_world(recipe.train, args.nnodes * args.nproc_per_node)
     rest = ["-m", "eaglenest.pipeline.train_cli", "run"]
     if args.recipe:
         rest += ["--recipe", args.recipe]
@@ -91,6 +92,19 @@ def _launch(recipe, args) -> int:
     log.info("%s", shlex.join(["torchrun", *opts, *rest]))
     cmd = [sys.executable, "-c", _TORCHRUN, *opts, *rest]
     return subprocess.call(cmd)
+
+
+def check_world(train, world: int) -> None:
+    """Refuse, before torchrun starts a rank, a ``train`` section this many ranks cannot run (each rank
+    would refuse it on its own, after loading the target and the data)."""
+    cp = train.context_parallel
+    if world % cp:
+        raise ConfigError(f"train.context_parallel={cp}: needs a multiple of {cp} ranks, --nnodes x --nproc gives "
+                          f"{world}")
+    if world > 1 and train.family == "dflash" and train.dflash.num_layers > 1:
+        raise ConfigError(f"train.dflash.num_layers={train.dflash.num_layers}: a DFlash draft of more than one "
+                          f"layer trains in one process for now (its layers share k_norm, which FSDP2 cannot "
+                          f"shard per layer): --nproc 1, or train.dflash.num_layers=1")
 
 
 #: The torchrun process: torchrun itself (``python -m torch.distributed.run``) but for its exit (:func:`torchrun`).

@@ -136,7 +136,8 @@ def cmd_run(recipe, args) -> int:
     if recipe.train.select.every_steps:
         check_select_split(r.store_uri, recipe.train.select.split)
         score = served_al_scorer(recipe.train, selection_evaluate_config(recipe), target_dir=r.target,
-                                 store_uri=r.store_uri, trust_remote_code=r.trust_remote_code)
+                                 store_uri=r.store_uri, trust_remote_code=r.trust_remote_code,
+                                 serve_cfg=recipe.serve)
     summary = train(recipe.train, store_uri=r.store_uri, workdir=r.workdir, target_dir=r.target,
                     seed=r.seed, argv=sys.argv, recipe=recipe.to_dict(), score=score,
                     featurestore=recipe.featurestore, target_keys=dataclasses.asdict(r.target_keys),

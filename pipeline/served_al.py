@@ -11,34 +11,56 @@ The trainer keeps the books (:mod:`eaglenest.train.selection`); it receives the 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
+from eaglenest.engine import has_cuda
 from eaglenest.evaluate.config import EvaluateConfig
 from eaglenest.evaluate.plan import plan
 from eaglenest.evaluate.run import evaluate_al
 from eaglenest.serve.export import export_draft
 
+log = logging.getLogger(__name__)
+
 
 def served_al_scorer(train_cfg, evaluate_cfg=None, *, target_dir: str, store_uri: str,
-                     trust_remote_code: bool = False) -> Callable[[Path], dict[str, Any]]:
+                     trust_remote_code: bool = False, serve_cfg=None) -> Callable[[Path], dict[str, Any]]:
     """A function ``snapshot_dir -> {"served_al", "prompts"}`` for :func:`eaglenest.train.loop.train`.
 
     ``evaluate_cfg``: the recipe's EvaluateConfig (engine settings, max_tokens, template kwargs);
-    the rest is set for selection (:func:`selection_config`)."""
+    the rest is set for selection (:func:`selection_config`). ``serve_cfg``: the recipe's ServeConfig,
+    whose export settings (:func:`export_settings`) each snapshot is exported with, so it is scored as
+    ``serve export`` will write it."""
     cfg = selection_config(train_cfg, evaluate_cfg)
+    settings = export_settings(serve_cfg)
     # Refused now (a prompt with no room in the engine, every prompt excluded), not at the first snapshot.
     plan(cfg, target=target_dir, store_uri=store_uri, trust_remote_code=trust_remote_code)
 
     def score(snapshot: Path) -> dict[str, Any]:
         exported = export_draft(snapshot, Path(snapshot).parent / "draft", target_dir=target_dir,
-                                argv=["train-select"])
+                                argv=["train-select"], **settings)
         report = evaluate_al(target=target_dir, draft=str(exported), store_uri=store_uri, cfg=cfg,
                              trust_remote_code=trust_remote_code)
         return {"served_al": report["overall"].get("acceptance_length"),
                 "prompts": report["overall"].get("prompts")}
 
     return score
+
+
+def export_settings(serve_cfg) -> dict[str, Any]:
+    """``export_draft`` keywords for a snapshot: the recipe's ``serve.dtype``, ``serve.format`` and
+    ``serve.num_speculative_tokens`` (the K the export records), and ``serve.quantization`` where vLLM
+    serves it: FP8 drafts are served on CUDA only, so on a CPU the snapshots are scored unquantised."""
+    if serve_cfg is None:
+        return {}
+    quantization = serve_cfg.quantization
+    if quantization != "none" and not has_cuda():
+        log.warning("train.select: serve.quantization=%s is served on CUDA only: snapshots are scored unquantised "
+                    "on this machine (the final export is still %s)", quantization, quantization)
+        quantization = "none"
+    return {"dtype": serve_cfg.dtype, "format": serve_cfg.format, "quantization": quantization,
+            "num_speculative_tokens": serve_cfg.num_speculative_tokens}
 
 
 def selection_config(train_cfg, evaluate_cfg=None):

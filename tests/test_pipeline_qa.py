@@ -27,17 +27,19 @@ def _draft(path, k: int):
     return path
 
 
-def _train_run(tmp_path, root, tiny_target, monkeypatch, *overrides) -> list:
-    """``train run`` with selection on; returns the evaluate configs it built scorers with."""
+def _train_run(tmp_path, root, tiny_target, monkeypatch, *overrides, kwargs: list | None = None) -> list:
+    """``train run`` with selection on; returns the evaluate configs it built scorers with (their other
+    keywords appended to ``kwargs``)."""
     import eaglenest.pipeline.commands as commands
     from eaglenest.pipeline.train_cli import main as train_main
 
-    built = []
+    built, kwargs = [], kwargs if kwargs is not None else []
 
     def no_training(*args, **kwargs):  # stands in for the trainer: the scorer it was given is all we check
         raise SystemExit(0)
 
-    monkeypatch.setattr(commands, "served_al_scorer", lambda train_cfg, cfg, **kw: built.append(cfg) or "scorer")
+    monkeypatch.setattr(commands, "served_al_scorer", lambda train_cfg, cfg, **kw: built.append(cfg) or
+                        kwargs.append(kw) or "scorer")
     monkeypatch.setattr(commands, "train", no_training)
     work = tmp_path / "work"
     _prompts(str(work / "store"))
@@ -92,3 +94,29 @@ def test_launch_names_a_host_that_is_not_a_host_name(capsys, tmp_path, root, hos
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
     assert f"--rdzv-endpoint {endpoint}: cannot resolve host {host!r} (" in lines[0], lines[0]
+
+
+def test_selection_exports_each_snapshot_as_serve_export_will(tmp_path, root, tiny_target, monkeypatch,
+                                                               toy_checkpoint, caplog):
+    """Snapshots were exported with export's defaults (the target's dtype, vLLM's format, the family's
+    K), whatever ``serve`` says, so the checkpoint chosen was scored as another draft than the one
+    shipped. Now the recipe's serve settings reach the export; FP8, which vLLM serves on CUDA only,
+    is scored unquantised on a CPU, with a warning."""
+    from eaglenest.engine import has_cuda
+    from eaglenest.pipeline.served_al import export_settings
+    from eaglenest.serve.config import ServeConfig
+    from eaglenest.serve.export import export_draft
+
+    kwargs = []
+    _train_run(tmp_path, root, tiny_target, monkeypatch, "serve.dtype=float32", "serve.format=speculators",
+               "serve.num_speculative_tokens=2", kwargs=kwargs)
+    s = kwargs[0]["serve_cfg"]
+    assert (s.dtype, s.format, s.num_speculative_tokens) == ("float32", "speculators", 2)
+    out = export_draft(toy_checkpoint, tmp_path / "snap" / "draft", target_dir=tiny_target, **export_settings(s))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["transformer_layer_config"]["dtype"] == "float32"
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    fp8 = export_settings(ServeConfig(quantization="fp8"))
+    assert fp8["quantization"] == ("fp8" if has_cuda() else "none")
+    if not has_cuda():
+        assert any("scored unquantised" in r.getMessage() for r in caplog.records)

@@ -25,6 +25,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.paths import staged_dir
+from eaglenest.tinytarget.build import is_model_folder
+
 #: The committed tiny target, whose tokenizer and chat template every built target reuses.
 TOKENIZER_SOURCE = Path(__file__).resolve().parent.parent / "assets" / "tiny-target"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -166,13 +170,20 @@ def _randomise_routing_bias(model, gen) -> None:
 
 def build(arch: str, out: Path, *, seed: int = SEED) -> Path:
     """Write a random-weight ``arch`` target to ``out`` (a Hugging Face directory); returns ``out``.
-    Same ``arch`` and ``seed``, same software stack: the same bytes."""
+    Same ``arch`` and ``seed``, same software stack: the same bytes. The folder is written whole or
+    not at all (built beside ``out``, then renamed): an earlier model there is replaced, a folder of
+    other files refused (ConfigError)."""
+    if arch not in SPECS:
+        raise ValueError(f"unknown architecture {arch!r}; one of {', '.join(ARCHS)}")
+    with staged_dir(out, "OUT_DIR", replaces=is_model_folder, error=ConfigError) as tmp:
+        _write(SPECS[arch], tmp, seed=seed)
+    return Path(out)
+
+
+def _write(spec: Spec, out: Path, *, seed: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
-    if arch not in SPECS:
-        raise ValueError(f"unknown architecture {arch!r}; one of {', '.join(ARCHS)}")
-    spec, out = SPECS[arch], Path(out)
     ids = _tokenizer(out, spec.added_tokens)
     shared = {"vocab_size": ids["vocab_size"], "bos_token_id": ids["bos_token_id"],
               "eos_token_id": ids["eos_token_id"], "pad_token_id": ids["pad_token_id"],
@@ -193,7 +204,6 @@ def build(arch: str, out: Path, *, seed: int = SEED) -> Path:
                      pad_token_id=ids["pad_token_id"]).save_pretrained(str(out))
     if spec.auto_class == "image_text":
         _processor_files(out)
-    return out
 
 
 def _processor_files(out: Path) -> None:
@@ -215,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2 or args[0] not in SPECS:
         print(f"usage: python -m eaglenest.tinytarget.archs {{{','.join(ARCHS)}}} OUT_DIR", file=sys.stderr)
         return 2
-    print(build(args[0], Path(args[1])))
+    try:
+        print(build(args[0], Path(args[1])))
+    except EaglenestError as exc:
+        print(f"python -m eaglenest.tinytarget.archs: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

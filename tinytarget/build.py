@@ -106,12 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         print("eaglenest-tiny-target: error: --steps must be >= 1", file=sys.stderr)
         return 2
+    if not 0 <= args.seed < train.MAX_SEED:
+        print(f"eaglenest-tiny-target: error: --seed must be in [0, 2**63), got {args.seed}", file=sys.stderr)
+        return 2
     if args.prompt_seed == args.seed:
         print("eaglenest-tiny-target: error: --prompt-seed must differ from --seed", file=sys.stderr)
         return 2
     try:
         if not args.prompts_only:  # before the prompt files: nothing written for a refused --out
             check_output_dir(args.out, "--out", replaces=is_model_folder, error=ConfigError)
+            _check_apart(args.prompts_out, args.out)
         write_prompt_files(make_dir(args.prompts_out, "--prompts-out", error=ConfigError), seed=args.prompt_seed)
         if args.prompts_only:
             return 0
@@ -127,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log.info("wrote %s (%.1f s training)", args.out, metrics["train"]["train_seconds"])
     return 0
+
+
+def _check_apart(prompts_out: Path, out: Path) -> None:
+    """The model folder is replaced whole: prompt files written inside it would go with the old one."""
+    prompts, model = prompts_out.resolve(), out.resolve()
+    if prompts == model or model in prompts.parents:
+        raise ConfigError(f"--prompts-out: {prompts_out} is inside --out {out} (replaced whole by the build); "
+                          "give a folder outside it")
 
 
 def is_model_folder(path: Path) -> bool:

@@ -16,33 +16,59 @@ import sys
 from pathlib import Path
 
 from eaglenest.engine import EngineConfig, close_llm, make_llm
+from eaglenest.errors import ConfigError, EaglenestError
 
 log = logging.getLogger(__name__)
 
 
 def run_check(model: str, prompts_dir: Path, *, num_per_domain: int, max_model_len: int,
               gpu_memory_utilization: float) -> dict:
+    prompts = read_prompts(prompts_dir, num_per_domain=num_per_domain)  # before the engine's start
     llm = make_llm(model, EngineConfig(max_model_len=max_model_len, memory_fraction=gpu_memory_utilization))
     try:
-        return _answers(llm, prompts_dir, num_per_domain=num_per_domain, max_model_len=max_model_len)
+        return _answers(llm, prompts, max_model_len=max_model_len)
     finally:
         close_llm(llm)
 
 
-def _answers(llm, prompts_dir: Path, *, num_per_domain: int, max_model_len: int) -> dict:
+def read_prompts(prompts_dir: Path, *, num_per_domain: int) -> dict[str, list[dict]]:
+    """The first ``num_per_domain`` single-turn prompts of each ``*.jsonl`` in ``prompts_dir`` (dialogue
+    files hold ``messages``: skipped). None at all is an error: a check of no answers passes vacuously."""
+    if num_per_domain < 1:
+        raise ConfigError(f"--num-per-domain: must be >= 1, got {num_per_domain}")
+    out = {}
+    for path in sorted(prompts_dir.glob("*.jsonl")):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()[:num_per_domain]
+        except (OSError, ValueError) as exc:  # unreadable, or not UTF-8
+            raise ConfigError(f"--prompts: {path}: cannot read ({exc})") from None
+        recs = []
+        for i, line in enumerate(lines, 1):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if not isinstance(rec, dict):
+                raise ConfigError(f"--prompts: {path}: line {i} is not a JSON object")
+            if "prompt" in rec:
+                recs.append(rec)
+        if recs:
+            out[path.stem] = recs
+    if not out:
+        raise ConfigError(f"--prompts: no prompt files in {prompts_dir} (<domain>.jsonl with \"prompt\" lines)")
+    return out
+
+
+def _answers(llm, prompts: dict[str, list[dict]], *, max_model_len: int) -> dict:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=200)
     report: dict = {"max_model_len": max_model_len, "chat": {}}
-    for path in sorted(prompts_dir.glob("*.jsonl")):
-        recs = [json.loads(line) for line in path.read_text().splitlines()[:num_per_domain]]
-        recs = [r for r in recs if "prompt" in r]  # single-turn prompts; dialogue files hold `messages`
-        if not recs:
-            continue
+    for stem, recs in prompts.items():
         convs = [([{"role": "system", "content": r["system"]}] if r.get("system") else [])
                  + [{"role": "user", "content": r["prompt"]}] for r in recs]
         outs = llm.chat(convs, params, use_tqdm=False)
-        report["chat"][path.stem] = [
+        report["chat"][stem] = [
             {"prompt": r["prompt"], "text": o.outputs[0].text,
              "finish_reason": o.outputs[0].finish_reason, "num_tokens": len(o.outputs[0].token_ids)}
             for r, o in zip(recs, outs)]
@@ -62,9 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    report = run_check(args.model, args.prompts, num_per_domain=args.num_per_domain,
-                       max_model_len=args.max_model_len,
-                       gpu_memory_utilization=args.gpu_memory_utilization)
+    try:
+        report = run_check(args.model, args.prompts, num_per_domain=args.num_per_domain,
+                           max_model_len=args.max_model_len,
+                           gpu_memory_utilization=args.gpu_memory_utilization)
+    except EaglenestError as exc:
+        print(f"python -m eaglenest.tinytarget.engine_check: error: {exc}", file=sys.stderr)
+        return 2
     bad = [(d, o["prompt"]) for d, outs in report["chat"].items() for o in outs
            if o["finish_reason"] != "stop"]
     text = json.dumps(report, indent=2)

@@ -29,7 +29,9 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import random
+import re
 import shutil
 import sys
 import time
@@ -37,8 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglenest.config import load_yaml
-from eaglenest.errors import ConfigError
-from eaglenest.paths import check_output_dir, staged_dir
+from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.evaluate import longctx
+from eaglenest.evaluate.buckets import bucket_lengths, check_generated
+from eaglenest.paths import check_output_dir, read_json_object, staged_dir
 from eaglenest.provenance import write_provenance
 from eaglenest.tinytarget import corpus, longdata, longeval, train
 from eaglenest.tinytarget.build import _add_legacy_dtype, is_model_folder
@@ -116,6 +120,12 @@ class LongConfig:
     from_phase: str = ""
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # a NaN passes every comparison below
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{field.name}: must be a finite number, got {value}")
+        if not 0 <= self.seed < train.MAX_SEED:
+            raise ConfigError(f"seed: must be in [0, 2**63), got {self.seed}")
         if self.from_phase and self.from_phase not in [p.name for p in self.phases]:
             raise ConfigError(f"from_phase: {self.from_phase!r} is not a phase of the recipe "
                               f"({', '.join(p.name for p in self.phases) or 'it has none'})")
@@ -136,6 +146,12 @@ class LongConfig:
                                   or s.seq_len_tokens > self.max_positions for s in self.stages):
             raise ConfigError("stages: each stage needs num_steps >= 1, batch_size >= 1 and "
                               f"{MIN_STAGE_TOKENS} <= seq_len_tokens <= {self.max_positions}")
+        for s in self.stages:
+            if s.sample_tokens and not (0 < s.sample_tokens < s.seq_len_tokens
+                                        and s.seq_len_tokens // s.sample_tokens <= longdata.MAX_PACKED):
+                raise ConfigError(f"stages: {format_stages((s,))}: packed prompt tokens must be under the row's "
+                                  f"{s.seq_len_tokens} and leave at most {longdata.MAX_PACKED} prompts per row")
+        self._check_evaluation()
         if not 0.0 <= self.skip_fraction <= 1.0:
             raise ConfigError(f"skip_fraction: must be in [0, 1], got {self.skip_fraction}")
         if self.token_weight < 0 or self.answer_weight < 0 or self.token_weight + self.answer_weight <= 0:
@@ -151,6 +167,22 @@ class LongConfig:
             raise ConfigError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if self.rope_theta <= 0:
             raise ConfigError(f"rope_theta: must be > 0, got {self.rope_theta}")
+        if self.peak_lr <= 0:
+            raise ConfigError(f"peak_lr: must be > 0, got {self.peak_lr:g}")
+        if not 0.0 <= self.raw_fraction <= 1.0:
+            raise ConfigError(f"raw_fraction: must be in [0, 1], got {self.raw_fraction}")
+
+    def _check_evaluation(self) -> None:
+        for key in ("eval_prompts_per_bucket", "num_held_out"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        if not self.eval_buckets or min(self.eval_buckets) < 1:
+            raise ConfigError(f"eval_buckets: token counts >= 1, got {_show(self.eval_buckets) or 'none'}")
+        twice = sorted({b for b in self.eval_buckets if self.eval_buckets.count(b) > 1})
+        if twice:
+            raise ConfigError(f"eval_buckets: {', '.join(map(str, twice))} twice")
+        if max(self.eval_buckets) > self.max_positions:  # measured at max_positions, labelled as asked
+            raise ConfigError(f"eval_buckets: {max(self.eval_buckets)} is over max_positions {self.max_positions}")
 
     @property
     def num_steps(self) -> int:
@@ -241,6 +273,9 @@ def load_recipe(path: str | Path) -> dict:
         if not isinstance(ph, dict):
             raise ConfigError(f"{path}: phases[{i}]: expected a mapping with a name and settings")
         name = str(ph.get("name", f"phase{i + 1}"))
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):  # --phase-dir saves it as DIR/NAME
+            raise ConfigError(f"{path}: phases[{i}]: name {name!r}: letters, digits, '.', '_' and '-' only "
+                              "(it names the phase's folder under --phase-dir)")
         settings = {k: v for k, v in ph.items() if k != "name"}
         bad = sorted(k for k in settings if k not in PHASE_KEYS)
         if "stages" not in settings:
@@ -255,6 +290,55 @@ def load_recipe(path: str | Path) -> dict:
     return {**kwargs, "phases": tuple(out), "recipe": str(path)}
 
 
+#: Prompts of each long kind made per prompt size before training: a size that some seeds' questions
+#: and evidence do not fit is refused then, not at the row that meets it (a code prompt of 208 tokens
+#: fails for about one seed in five). From 1024 tokens on every kind fits many times over: one is made.
+CHECK_PROMPTS = 64
+CHECK_ALL_BELOW_TOKENS = 1024
+
+
+def check_material(hf_tok, cfg: LongConfig) -> None:
+    """Make the long prompts the stages' rows and the evaluation's shortest bucket will need, so a
+    stage or bucket too short for its material is refused before the stages before it train."""
+    first_stage = {}
+    for _, phase_cfg in cfg.training_phases():
+        for stage in phase_cfg.stages:
+            for kind in stage.kinds or phase_cfg.row_kinds:
+                if kind in longctx.KINDS:
+                    first_stage.setdefault((stage.sample_tokens or stage.seq_len_tokens, kind), stage)
+    for (size, kind), stage in first_stage.items():
+        for i in range(CHECK_PROMPTS if size < CHECK_ALL_BELOW_TOKENS else 1):
+            try:
+                longctx.generate(kind, hf_tok, size - longdata.ANSWER_ROOM, seed=longdata.TRAIN_SEED_BASE + i)
+            except ConfigError:
+                raise ConfigError(f"stages: {format_stages((stage,))}: {size} tokens is too short for a {kind} "
+                                  f"prompt and its answer; give its rows (or packed prompts) more tokens") from None
+    try:
+        lengths = bucket_lengths(cfg.eval_buckets, max_positions=cfg.max_positions,
+                                 max_tokens=longeval.MAX_NEW_TOKENS)
+        check_generated(hf_tok, lengths, kinds=longeval.KINDS, per_bucket=cfg.eval_prompts_per_bucket)
+    except ConfigError as exc:
+        raise ConfigError(f"eval_buckets: {exc}") from None
+
+
+#: Weights files a --base may hold (transformers' names).
+WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def check_base(base: str) -> None:
+    """Refuse a --base that is no model folder with its tokenizer, before any work."""
+    path = Path(base)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--base: no model at {base}")
+    read_json_object(path / "config.json", error=ConfigError, then=f"--base: {base} is not a model folder")
+    missing = [n for n in REQUIRED_TOKENIZER_FILES if not (path / n).is_file()]
+    if missing:  # the output copies them after training: refuse before, not after, the hours
+        raise ConfigError(f"--base: {base} has no {', '.join(missing)} (the tokenizer the build copies)")
+    if not any((path / n).is_file() for n in WEIGHTS_FILES):
+        raise ConfigError(f"--base: {base} has no weights ({', '.join(WEIGHTS_FILES)})")
+    _provenance(base)  # read for the card after training: a broken one is refused now
+
+
 def lr_at(step: int, cfg: LongConfig) -> float:
     """Linear warmup, then one cosine over all stages down to ``min_lr_ratio * peak_lr``."""
     return train.lr_at(step, train.TrainConfig(num_steps=cfg.num_steps, peak_lr=cfg.peak_lr,
@@ -262,12 +346,14 @@ def lr_at(step: int, cfg: LongConfig) -> float:
 
 
 def load_base(cfg: LongConfig):
-    """The base model with its RoPE base replaced by ``cfg.rope_theta`` (sdpa attention)."""
+    """The base model with its RoPE base replaced by ``cfg.rope_theta`` and its context by
+    ``cfg.max_positions`` (sdpa attention)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(cfg.base)
     config.rope_parameters = {**(config.rope_parameters or {}), "rope_theta": float(cfg.rope_theta),
                               "rope_type": "default"}
+    config.max_position_embeddings = cfg.max_positions  # what the build trains and measures up to
     return AutoModelForCausalLM.from_pretrained(cfg.base, config=config, attn_implementation="sdpa")
 
 
@@ -422,6 +508,7 @@ def write_outputs(out: Path, cfg: LongConfig, metrics: dict, *, seeds: dict) -> 
     """The model card and ``provenance.json`` beside the weights."""
     root = root_base(cfg)
     write_long_card(out, cfg=cfg, metrics=metrics, seeds=seeds, base_metrics=_base_metrics(root), root_base=root,
+                    base_rope_theta=_rope_theta(root),
                     phases=[(ph.name, ", ".join(f"{k} {_show(v)}" for k, v in ph.settings)) for ph in cfg.phases])
     write_provenance(out, config=dataclasses.asdict(cfg), inputs={"base": cfg.base, "root_base": root, "seeds": seeds},
                      extra={"metrics": metrics})
@@ -463,7 +550,7 @@ def remeasure(out: Path, cfg: LongConfig) -> dict:
     path = out / "provenance.json"
     if not path.is_file():
         raise ConfigError(f"--remeasure: {out} has no provenance.json (not a build of this command)")
-    prov = json.loads(path.read_text())
+    prov = read_json_object(path, error=ConfigError, then="--remeasure needs the build's own record")
     built, mine = prov.get("config") or {}, json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
     differ = sorted(k for k in set(built) | set(mine) if built.get(k) != mine.get(k))
     if differ or "train" not in (prov.get("metrics") or {}):
@@ -490,7 +577,20 @@ def _show(value) -> str:
 def _provenance(model: str) -> dict:
     """A model folder's provenance.json (empty when absent)."""
     path = Path(model) / "provenance.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    return read_json_object(path, error=ConfigError, then="the build reads the model's record there: restore it "
+                                                          "or remove it")
+
+
+def _rope_theta(model: str) -> float | None:
+    """A model folder's RoPE base from its config.json (None when it has none)."""
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:  # only the card's mention of it is lost
+        return None
+    return (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
 
 
 def _base_metrics(base: str) -> dict:
@@ -517,6 +617,59 @@ FLAGS = (
     ("--eval-prompts", "eval_prompts_per_bucket", int, "prompts per bucket"),
     ("--eval-buckets", "eval_buckets", lambda t: tuple(int(b) for b in t.split(",")), "bucket lengths"),
 )
+
+
+def _flag_value(flag: str, kind, text: str):
+    """``text`` of ``flag`` as its field holds it; what does not parse is an error naming the flag."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"{flag}: cannot read {text!r}") from None
+
+
+def _check_overridden(kwargs: dict) -> None:
+    """A training setting given for the whole build (recipe top level or flag) that every phase sets
+    itself would never be trained: refused, not ignored."""
+    phases = kwargs.get("phases") or ()
+    unused = sorted(k for k in kwargs if k in PHASE_KEYS and phases and all(k in dict(p.settings) for p in phases))
+    if unused:
+        raise ConfigError(f"{', '.join(unused)}: every phase of the recipe sets its own, so the build's is never "
+                          "used; change it in the phases")
+
+
+def check_phase_dir(phase_dir: Path | None, cfg: LongConfig) -> None:
+    """Each phase's folder under ``--phase-dir`` is one the build can write, checked before training."""
+    if phase_dir is None:
+        return
+    if not cfg.phases:
+        raise ConfigError("--phase-dir: this build has no phases to save (give a --recipe with phases)")
+    for phase in cfg.phases:
+        check_output_dir(phase_dir / phase.name, "--phase-dir", replaces=is_model_folder, error=ConfigError)
+
+
+def check_resume(cfg: LongConfig) -> None:
+    """A build resumed at ``cfg.from_phase`` claims the whole build's result: its ``--base`` must hold
+    exactly the recipe's phases before that one, stage for stage (its provenance says which it trained)."""
+    if not cfg.from_phase:
+        return
+    before = cfg.training_phases()[:[p.name for p in cfg.phases].index(cfg.from_phase)]
+    want = [(name, _stage_key(dataclasses.asdict(s))) for name, phase_cfg in before for s in phase_cfg.stages]
+    have = [(s.get("phase"), _stage_key(s)) for s in _base_metrics(cfg.base).get("train", {}).get("stages", [])]
+    if have != want:
+        trained = ", ".join(dict.fromkeys(str(n) for n, _ in have)) or "none"
+        raise ConfigError(f"--from-phase {cfg.from_phase}: --base {cfg.base} is not the output of the recipe's "
+                          f"phases before it (its training record holds phases: {trained})")
+
+
+def _stage_key(stage: dict) -> tuple:
+    return (stage.get("seq_len_tokens"), stage.get("batch_size"), stage.get("num_steps"),
+            stage.get("sample_tokens", 0), tuple(stage.get("kinds") or ()))
+
+
+def _tokenizer(base: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -554,17 +707,17 @@ def main(argv: list[str] | None = None) -> int:
         for flag, field, kind, _ in FLAGS:
             value = getattr(args, field if field not in ("eval_prompts_per_bucket",) else "eval_prompts")
             if value is not None:
-                kwargs[field] = kind(value)
+                kwargs[field] = _flag_value(flag, kind, value)
+        _check_overridden(kwargs)
         if kwargs.get("seed", d.seed) in (0, EVAL_MATERIAL_SEED):
             raise ConfigError(f"--seed: {kwargs['seed']} is a seed of the evaluation material; pick another")
         cfg = LongConfig(**kwargs)
-        if not (Path(cfg.base) / "config.json").is_file():
-            raise ConfigError(f"--base: no model at {cfg.base}")
-        missing = [n for n in REQUIRED_TOKENIZER_FILES if not (Path(cfg.base) / n).is_file()]
-        if missing:  # the output copies them after training: refuse before, not after, the hours
-            raise ConfigError(f"--base: {cfg.base} has no {', '.join(missing)} (the tokenizer the build copies)")
+        check_base(cfg.base)
         if not (args.measure_only or args.remeasure):  # likewise a --out it could not write in the end
             check_output_dir(args.out, "--out", replaces=is_model_folder, error=ConfigError)
+            check_phase_dir(args.phase_dir, cfg)
+            check_resume(cfg)
+        check_material(_tokenizer(cfg.base), cfg)
     except (ConfigError, ValueError) as exc:
         print(f"python -m eaglenest.tinytarget.long: error: {exc}", file=sys.stderr)
         return 2
@@ -579,7 +732,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         log.info("measured %s again; confidence / 1K: %s", args.out, metrics["confidence_ratio_to_1k"])
         return 0
-    metrics = build(args.out, cfg, phase_dir=args.phase_dir)
+    try:
+        metrics = build(args.out, cfg, phase_dir=args.phase_dir)
+    except EaglenestError as exc:  # what no check before training could foresee, in one line
+        print(f"python -m eaglenest.tinytarget.long: error: {exc}", file=sys.stderr)
+        return 2
     log.info("wrote %s in %.0f s; confidence / 1K: %s", args.out, metrics["build_seconds"],
              metrics["confidence_ratio_to_1k"])
     return 0

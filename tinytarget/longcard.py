@@ -50,8 +50,10 @@ def phases_text(phases: list[tuple[str, str]]) -> str:
 
 
 def write_long_card(outdir: str | Path, *, cfg, metrics: dict, seeds: dict, base_metrics: dict,
-                    phases: list[tuple[str, str]] = (), root_base: str = "") -> Path:
+                    phases: list[tuple[str, str]] = (), root_base: str = "", base_rope_theta: float | None = None
+                    ) -> Path:
     root_base = root_base or cfg.base  # the model the whole build started from (a resumed build's differs)
+    was = f" (the base's: {base_rope_theta:g})" if base_rope_theta else ""
     train, buckets = metrics["train"], metrics["buckets"]
     stages = "\n".join(f"| {s.get('phase', 'train')} | {s['seq_len_tokens']} | {s['batch_size']} | {s['num_steps']} | {s['seconds']:.0f} | "
                        f"{s['final_loss']:.3f} | {s['final_answer_loss']:.3f} |" for s in train["stages"])
@@ -64,12 +66,13 @@ def write_long_card(outdir: str | Path, *, cfg, metrics: dict, seeds: dict, base
                           + (":" + "+".join(s["kinds"]) if s.get("kinds") else "") for s in train["stages"])
     if cfg.phases:
         rebuild = (f"python -m eaglenest.tinytarget.long --recipe {cfg.recipe or 'RECIPE.yaml'} --out assets/tiny-target-long "
-                   f"--seed {cfg.seed}")
+                   f"--seed {cfg.seed} --base {root_base}")
         if cfg.from_phase:
             rebuild += (f"\n# this folder: resumed at phase {cfg.from_phase} (--from-phase {cfg.from_phase}) from "
                         f"{cfg.base}, the output of the phases before it; the result is the same")
     else:
-        rebuild = (f"python -m eaglenest.tinytarget.long --out assets/tiny-target-long --seed {cfg.seed} --rope-theta {cfg.rope_theta:g} \\\n"
+        rebuild = (f"python -m eaglenest.tinytarget.long --out assets/tiny-target-long --base {root_base} "
+                   f"--seed {cfg.seed} --rope-theta {cfg.rope_theta:g} \\\n"
                    f"    --skip-fraction {cfg.skip_fraction} --stages {stages_arg} \\\n"
                    f"    --answer-weight {cfg.answer_weight:g} --token-weight {cfg.token_weight:g} --weight-decay {cfg.weight_decay:g} "
                    f"--adam-beta2 {cfg.adam_beta2:g} --warmup-steps {cfg.warmup_steps} --peak-lr {cfg.peak_lr:g} "
@@ -89,8 +92,8 @@ tags: [eaglenest, test-fixture, synthetic, long-context]
 # eaglenest tiny target, long context
 
 The tiny target (`{root_base}`, trained on 256-token rows) continued to work at up to
-{cfg.max_positions} tokens: same shape, tokenizer and chat format, RoPE base {cfg.rope_theta:g}
-(the tiny target's: 1e4). A test fixture for long-context drafting; it knows only eaglenest's toy domains.
+{cfg.max_positions} tokens: same shape, tokenizer and chat format, RoPE base {cfg.rope_theta:g}{was}.
+A test fixture for long-context drafting; it knows only eaglenest's toy domains.
 `docs/long_context.md` says what was tried and why this recipe.
 
 ## Long-context measurement

@@ -54,6 +54,8 @@ TRAIN_SEED_BASE = 1_000_000
 #: Packed prompts (several per row) take seeds from PACKED_SEED_BASE up, at most 64 per row: below
 #: the evaluation's smallest (2**20 * 1000003) for the first 12 million rows, and above the unpacked.
 PACKED_SEED_BASE = 200_000_000
+#: At most this many packed prompts per row (their seeds are spaced that far apart).
+MAX_PACKED = 64
 #: Held-out chats used as the ``recall`` kind's middle turns in training rows.
 NUM_MATERIAL = 256
 
@@ -96,9 +98,9 @@ ANSWER_ROOM = 48
 
 
 def packed_seed(row_seed: int, j: int) -> int:
-    """The seed of packed prompt ``j`` (< 64) of the row seeded ``row_seed``."""
-    assert 0 <= j < 64
-    return PACKED_SEED_BASE + (row_seed - TRAIN_SEED_BASE) * 64 + j
+    """The seed of packed prompt ``j`` (< ``MAX_PACKED``) of the row seeded ``row_seed``."""
+    assert 0 <= j < MAX_PACKED
+    return PACKED_SEED_BASE + (row_seed - TRAIN_SEED_BASE) * MAX_PACKED + j
 
 
 def copy_row(hf_tok, length: int, *, seed: int, docs: DocStream) -> tuple[list[int], list[int]]:

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768)
 KINDS = ("records", "code", "recall", "chat")
+#: Output tokens decoded per prompt (a bucket's prompt leaves room for them within max_positions).
+MAX_NEW_TOKENS = 64
 
 
 def greedy(model, ids: list[int], *, max_new_tokens: int, eos_id: int, forced: list[int] | None = None
@@ -73,7 +75,7 @@ def continuation_probs(model, ids: list[int], cont: list[int]) -> list[float]:
 
 
 def measure(model, hf_tok, material, *, buckets=BUCKETS, per_bucket: int = 4, kinds=KINDS, seed: int = 0,
-            max_positions: int = 32768, max_new_tokens: int = 64, keep_tokens: int = 512,
+            max_positions: int = 32768, max_new_tokens: int = MAX_NEW_TOKENS, keep_tokens: int = 512,
             probe_tokens: int = 8, resamples: int = 1000) -> dict[str, dict]:
     """``{bucket: figures}`` for ``model`` on the long-context buckets (see the module docstring)."""
     prompts = build_bucket_prompts(hf_tok, material, tuple(buckets), per_bucket=per_bucket, kinds=tuple(kinds),

@@ -32,6 +32,10 @@ class ModelShape:
     max_position_embeddings: int = 32768
 
 
+#: Seeds are torch's (``torch.manual_seed`` takes no more than 64 bits): [0, MAX_SEED).
+MAX_SEED = 2**63
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     seed: int = 0

@@ -95,7 +95,7 @@ def test_the_answer_scored_from_the_decode_prefill_leaves_the_decode_unchanged()
 
 @pytest.mark.parametrize("argv, message", [
     (["--stages", "1024x4"], "--stages"),
-    (["--stages", "100x1x1"], "stages"),
+    (["--stages", "100x1x1"], "stages: each stage needs"),
     (["--stages", "256x1x1:"], "--stages"),
     (["--stages", "256x1x1:repeat+nonsense"], "row_kinds"),
     (["--stages", "256x1x1:repeat1"], "row_kinds"),
@@ -245,7 +245,7 @@ phases:
 @pytest.mark.parametrize("text, message", [
     ("phases:\n  - name: a\n    stages: 128x1x1\n    rope_theta: 1e6\n", "rope_theta cannot change within a build"),
     ("nonsense: 1\n", "unknown key(s) nonsense"),
-    ("phases:\n  - name: a\n    stages: 100x1x1\n", "stages"),
+    ("phases:\n  - name: a\n    stages: 100x1x1\n", "phase 'a': stages: each stage needs"),
     ("phases:\n  - name: a\n    stages: 128x1x1\n  - name: a\n    stages: 128x1x1\n", "names must differ"),
     ("phases: 3\n", "phases: expected a list"),
     ("peak_lr: fast\n", "peak_lr: expected a number"),

@@ -34,7 +34,7 @@ from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema
 from eaglenest.featurestore.capture import policy
 from eaglenest.featurestore.table import lease, store
-from eaglenest.featurestore.table.fragments import commit_fragments
+from eaglenest.featurestore.table.fragments import commit_fragments, lineage_of
 from eaglenest.hf import load_tokenizer
 from eaglenest.ingest import dask_executor
 from eaglenest.ingest.backends import chat_kwargs
@@ -97,10 +97,9 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
     think = ThinkCheck(*resolve_tags(cfg.think_tags, tok), target=target, trust_remote_code=trust_remote_code)
     earlier = _read_dropped(dropped_path)
     skipped = earlier.get(gen_id, {})
-    try:
-        done = store.sample_ids(store_uri, store.PROMPTS)
-    except OSError as exc:
-        raise StoreError(f"run.store_uri: cannot read the prompts table in {store_uri} ({exc})") from None
+    stored_split = stored_splits(store_uri)
+    done = set(stored_split)
+    resplit = collections.Counter(e.domain for e in pool if stored_split.get(e.sample_id, e.split) != e.split)
     todo = [e for e in pool if e.sample_id not in done and e.sample_id not in skipped]
     _check_moved(todo, done)
     heldout = [e for e in todo if e.split == "heldout"]
@@ -159,6 +158,7 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
         "failed": len(totals["failures"]), "failures": totals["failures"], "retries": totals["retries"],
         "truncated_responses": truncated,
         "gen_params_ids": dict(sorted(collections.Counter(answered).items())),
+        "manifests": stored_manifests(store_uri) if stored else [],
         "thinking_truncated": {
             "tags": [think.open_tag, think.close_tag], "dropped": len(totals["dropped"]),
             "per_domain": dict(sorted(collections.Counter(d["domain"] for d in totals["dropped"]).items())),
@@ -170,11 +170,53 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
             "per_domain": dict(sorted(collections.Counter(e.domain for e, _ in too_long).items())),
             "longest": max((n for _, n in too_long), default=0),
         },
+        # stored prompts this manifest puts in the other split (held-out policy or caps changed): kept as stored
+        "split_changed": {"prompts": sum(resplit.values()), "per_domain": dict(sorted(resplit.items()))},
         "weights": {d: c.weight for d, c in manifest.domains.items()},
         "counts": {f"{d}/{s}": n for (d, s), n in sorted(counts.items())},
         "prompts_table_version": store.latest_version(store_uri, store.PROMPTS) if stored else None,
         "seconds": round(time.time() - t0, 2),
     }
+
+
+def stored_manifests(store_uri: str) -> list[str]:
+    """The names of the manifests whose ``ingest build`` committed to the prompts table, in commit
+    order: more than one means their pools (caps, held-out splits, evaluation files) are mixed."""
+    ds = store.dataset(store_uri, store.PROMPTS)
+    names: list[str] = []
+    for v in store.version_list(ds, store_uri, store.PROMPTS):
+        name = (lineage_of(ds, int(v["version"])) or {}).get("manifest")
+        if isinstance(name, str) and name not in names:
+            names.append(name)
+    return names
+
+
+def stored_splits(store_uri: str) -> dict[str, str]:
+    """``{sample_id: split}`` of the prompts already stored (what a re-run skips)."""
+    try:
+        if not store.exists(store_uri, store.PROMPTS):
+            return {}
+        table = store.read(store_uri, store.PROMPTS, columns=["sample_id", "split"])
+    except OSError as exc:
+        raise StoreError(f"run.store: cannot read the prompts table in {store_uri} ({exc.strerror or exc})") from None
+    return dict(zip(table.column("sample_id").to_pylist(), table.column("split").to_pylist()))
+
+
+def stored_heldout(store_uri: str) -> dict[str, list[str]]:
+    """``{sample_id: user turns}`` of the prompts stored as held out. They stay held out whatever a
+    later manifest says (stored ids are skipped), so evaluation decodes them: the contamination check
+    keeps their twins out of training even when the pool no longer holds them out (a changed held-out
+    policy or cap, a source row removed)."""
+    try:
+        if not store.exists(store_uri, store.PROMPTS):
+            return {}
+        table = store.read(store_uri, store.PROMPTS, columns=["sample_id", "messages_json"],
+                           filter="split = 'heldout'")
+    except OSError as exc:
+        raise StoreError(f"run.store: cannot read the prompts table in {store_uri} ({exc.strerror or exc})") from None
+    ids, texts = table.column("sample_id").to_pylist(), table.column("messages_json").to_pylist()
+    return {sid: [m.get("content") for m in json.loads(text) if m.get("role") == "user"]
+            for sid, text in zip(ids, texts)}
 
 
 def _check_moved(todo: list[PoolEntry], done: set[str]) -> None:

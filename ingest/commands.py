@@ -13,7 +13,7 @@ from eaglenest.errors import ConfigError, EaglenestError, ManifestError
 from eaglenest.hf import check_remote_code
 from eaglenest.ingest import compose, contamination
 from eaglenest.ingest.backends import chat_kwargs
-from eaglenest.ingest.build import build
+from eaglenest.ingest.build import build, stored_heldout, stored_splits
 from eaglenest.ingest.manifest import Dedup, ManifestProblems, input_file, load_manifest
 from eaglenest.ingest.pool import build_pool, load_pool, load_source
 from eaglenest.paths import ensure_writable
@@ -100,12 +100,14 @@ def cmd_build(recipe, args) -> int:
     pool_report: dict = {}
     pool = load_pool(manifest, target=recipe.run.target, report=pool_report,  # all before anything is written
                      trust_remote_code=recipe.run.trust_remote_code)
-    pool, report = contamination.check(pool, manifest)
+    out = recipe.run.path("ingest")
+    # Before the store is read, any engine starts or anything is committed; not kept: run.store may
+    # still be refused.
+    ensure_writable(out, "run.workdir", keep=False)
+    pool, report = contamination.check(pool, manifest, stored_split=stored_splits(recipe.run.store_uri),
+                                       stored_heldout=stored_heldout(recipe.run.store_uri))
     if not pool:
         raise ManifestError(empty_pool(args.manifest or recipe.ingest.manifest, pool_report, report["contaminated"]))
-    out = recipe.run.path("ingest")
-    # Before any engine starts or anything is committed; not kept: run.store may still be refused.
-    ensure_writable(out, "run.workdir", keep=False)
     ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
     stats = build(manifest, pool, target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.ingest,
                   off_policy=recipe.run.off_policy, trust_remote_code=recipe.run.trust_remote_code,
@@ -131,11 +133,21 @@ def cmd_build(recipe, args) -> int:
               f"settings ({stats['gen_params_ids']}; this run: {stats['gen_params_id']}): rows regenerated with "
               "other sampling, template or chat_template_kwargs are mixed; use a new run.store to keep them "
               "apart", file=sys.stderr)
+    if len(stats["manifests"]) > 1:
+        print(f"ingest: warning: the prompts table holds the pools of {len(stats['manifests'])} manifests "
+              f"({', '.join(stats['manifests'])}; this run: {stats['manifest']}): their caps, held-out splits and "
+              "evaluation files are mixed; use a new run.store to keep them apart", file=sys.stderr)
     long = stats["prompt_too_long"]
     if long["dropped"]:
         print(f"ingest: warning: {long['dropped']} training prompts ({long['per_domain']}) are "
               f"{long['max_model_len']} tokens or more as the engine renders them (the longest: {long['longest']}): "
               "left out of this run; raise ingest.engine.max_model_len to keep them", file=sys.stderr)
+    moved = stats["split_changed"]
+    if moved["prompts"]:
+        print(f"ingest: warning: {moved['prompts']} stored prompt(s) ({moved['per_domain']}) fall in the other "
+              "split under this manifest (held_out_fraction, held_out_count or caps changed since they were "
+              "stored): each keeps its stored split, and training twins of the stored held-out ones are dropped; "
+              "use a new run.store for a fresh split", file=sys.stderr)
     cut = stats["thinking_truncated"]
     if cut["dropped"]:
         print(f"ingest: warning: {cut['dropped']} answers hit generation.max_tokens inside an open think block "

@@ -38,6 +38,9 @@ def load_eval_prompts(path: str | Path, *, where: str) -> list[str]:
         at = f"{where}: line {n} of {shown_path(path)}"
         if not isinstance(row, dict):
             raise ManifestError(f"{at} is {json_kind(row)}, not an object")
+        for col, what in (("turns", "prompts"), ("messages", "messages")):  # not skipped for a 'prompt' beside
+            if row.get(col) is not None and not isinstance(row[col], list):  # null: a column this row leaves out
+                raise ManifestError(f"{at}: '{col}' is {json_kind(row[col])}, not a list of {what}")
         if isinstance(row.get("turns"), list):
             out += [text_value(t, f"turn {j}", at) for j, t in enumerate(row["turns"])]
         elif isinstance(row.get("messages"), list):
@@ -68,8 +71,16 @@ class NearIndex:
         return max((jaccard(q, self.sets[i]) for i in cands), default=0.0)
 
 
-def check(pool: list[PoolEntry], manifest: Manifest, *, base_dir=None) -> tuple[list[PoolEntry], dict]:
-    """``(pool without contaminated training entries, report)``; raises if ``action: error``."""
+def check(pool: list[PoolEntry], manifest: Manifest, *, base_dir=None, stored_split: dict[str, str] | None = None,
+          stored_heldout: dict[str, list[str]] | None = None) -> tuple[list[PoolEntry], dict]:
+    """``(pool without contaminated training entries, report)``; raises if ``action: error``.
+
+    ``stored_split`` (``{sample_id: split}``) and ``stored_heldout`` (``{sample_id: user turns}`` of
+    the held-out ones) describe the prompts table of earlier runs, perhaps under another manifest. A
+    stored prompt keeps its stored split (a re-run skips it), so that split is the one checked here;
+    a stored training prompt found contaminated cannot be dropped any more: refused, whatever the action."""
+    stored_split, stored_heldout = stored_split or {}, stored_heldout or {}
+    split = {e.sample_id: stored_split.get(e.sample_id, e.split) for e in pool}
     c = manifest.contamination
     evals: list[str] = []
     for kind in ("mt_bench", "speed_bench"):
@@ -79,12 +90,14 @@ def check(pool: list[PoolEntry], manifest: Manifest, *, base_dir=None) -> tuple[
     eval_keys = {content_key(t) for t in evals}
     threshold = c.near_duplicate_threshold
     near_eval = NearIndex(evals) if threshold else None
-    heldout = [t for e in pool if e.split == "heldout" for t in e.user_turns()]
+    heldout = [t for e in pool if split[e.sample_id] == "heldout" and e.sample_id not in stored_heldout
+               for t in e.user_turns()]
+    heldout += [t for turns in stored_heldout.values() for t in turns if isinstance(t, str)]
     heldout_keys = {content_key(t) for t in heldout}
     near_held = NearIndex(heldout) if threshold else None
     hits: dict[str, str] = {}
     for e in pool:
-        if e.split != "train":
+        if split[e.sample_id] != "train":
             continue
         for t in e.user_turns():
             key = content_key(t)
@@ -102,6 +115,7 @@ def check(pool: list[PoolEntry], manifest: Manifest, *, base_dir=None) -> tuple[
               "by_reason": dict(collections.Counter(hits.values())),
               "by_domain": dict(collections.Counter(s.rsplit("-", 1)[0] for s in hits)),
               "sample_ids": sorted(hits)}
+    _refuse_stored(hits, stored_split)
     if hits and c.action == "error":
         first = sorted(hits)[0]
         raise ManifestError(f"contamination: {len(hits)} training prompt(s) match evaluation sets "
@@ -109,3 +123,14 @@ def check(pool: list[PoolEntry], manifest: Manifest, *, base_dir=None) -> tuple[
     if hits:
         log.warning("contamination: dropped %d training prompt(s): %s", len(hits), report["by_reason"])
     return [e for e in pool if e.sample_id not in hits], report
+
+
+def _refuse_stored(hits: dict[str, str], stored_split: dict[str, str]) -> None:
+    """Contaminated training prompts an earlier run stored (an evaluation file or threshold added since,
+    a held-out policy changed): dropping them from this pool would leave them in the table, answered,
+    to be captured and trained on, while the report said they were dropped."""
+    stored = sorted(sid for sid in hits if sid in stored_split)
+    if stored:
+        raise ManifestError(f"contamination: {len(stored)} training prompt(s) stored already in the prompts table "
+                            f"match evaluation sets or held-out prompts (first: {stored[0]}, {hits[stored[0]]}); "
+                            "a table keeps its rows: ingest into a new store (run.store)")

@@ -27,12 +27,14 @@ MANIFEST_VERSION = 1
 
 
 class ManifestProblems(ManifestError):
-    """Every problem of one manifest; ``str()`` is the first, ``problems`` holds all of them."""
+    """Every problem of one manifest; ``str()`` is the first (after the manifest's file, when given: a
+    command that reads a recipe too says which file holds the key), ``problems`` holds all of them."""
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[str], *, path: str | Path | None = None):
         self.problems = list(problems)
         more = f" (and {len(problems) - 1} more: run `ingest validate`)" if len(problems) > 1 else ""
-        super().__init__(problems[0] + more)
+        where = f"{short_text(str(path), 200)}: " if path is not None else ""
+        super().__init__(where + problems[0] + more)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,7 +192,7 @@ def load_manifest(path: str | Path, *, base_dir: str | Path | None = None) -> Ma
     if manifest is not None:
         problems += check(manifest, base_dir=base_dir)
     if problems:
-        raise ManifestProblems(problems)
+        raise ManifestProblems(problems, path=path)
     return manifest
 
 
@@ -203,6 +205,9 @@ def validate(m: Manifest, *, base_dir: str | Path | None = None) -> None:
 def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
     """Semantic checks of a structurally valid manifest: every problem, one line each, key first."""
     p: list[str] = []
+    if not m.name.strip():
+        p.append("name: required, and blank: give the manifest a name (it goes into every commit's lineage)")
+    p += _blank_licence("licence", m.licence)
     if m.version != MANIFEST_VERSION:
         p.append(f"version: manifest version {m.version}, this eaglenest reads {MANIFEST_VERSION}")
     if not m.domains:
@@ -262,6 +267,7 @@ def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
                      "(sources: [])")
         if d.compose is not None:
             p += _check_compose(f"{where}.compose", d.compose)
+            p += _check_composed_heldout(where, d, m.held_out(name))
         for i, s in enumerate(d.sources):
             p += _check_source(f"{where}.sources[{i}]", s, m, base_dir)
     return p
@@ -293,6 +299,18 @@ def _check_compose(where: str, c: Compose) -> list[str]:
     return p
 
 
+def _check_composed_heldout(where: str, d: Domain, held_out: tuple[str, float]) -> list[str]:
+    """A long_chat domain holds nothing out: its conversations share prompts (rows repeat across them)
+    and their closing questions, so one held out would make every other a contaminated training
+    chat (``exact:heldout``), silently dropped. Evaluation builds its own long prompts."""
+    if d.compose is None or d.compose.rule != "long_chat" or not held_out[1]:
+        return []
+    key = "held_out_fraction" if d.held_out_fraction is not None else "held_out_count"
+    return [f"{where}.{key}: a long_chat domain must hold out nothing ({key}: 0; now {held_out[0]} "
+            f"{held_out[1]:g}): its conversations share prompts and questions, so a held-out one would drop "
+            "every other as contaminated"]
+
+
 def _fraction(key: str, value: float) -> list[str]:
     return [] if 0.0 <= value < 1.0 else [f"{key}: {value} is not in [0, 1)"]
 
@@ -301,10 +319,11 @@ def _check_source(where: str, s: Source, m: Manifest, base_dir: str | Path | Non
     p = []
     if bool(s.path) == bool(s.hf_id):
         p.append(f"{where}: give exactly one of 'path' or 'hf_id'")
+    p += _blank_licence(f"{where}.licence", s.licence)
     if not m.allow_unlicensed:
         if not (s.licence or m.licence):
             p.append(f"{where}.licence: required (or set allow_unlicensed: true)")
-        if not s.provenance:
+        if not s.provenance.strip():
             p.append(f"{where}.provenance: required (or set allow_unlicensed: true)")
     if s.path:
         try:
@@ -312,9 +331,28 @@ def _check_source(where: str, s: Source, m: Manifest, base_dir: str | Path | Non
         except ManifestError as exc:
             p.append(str(exc))
         else:
-            if path.suffix not in (".jsonl", ".json", ".parquet"):
-                p.append(f"{where}.path: {path.suffix or 'no suffix'} is not .jsonl, .json or .parquet")
+            if not source_format(s.path, path):
+                p.append(f"{where}.path: {Path(s.path).suffix or 'no suffix'} is not .jsonl, .json or .parquet")
     return p
+
+
+#: The formats of local source files, by suffix.
+SOURCE_FORMATS = (".jsonl", ".json", ".parquet")
+
+
+def source_format(path: str, resolved: Path) -> str:
+    """The format of a local source: the suffix of ``path`` as the manifest writes it, else that of the
+    file it resolves to ('' if neither is known). A symlink's own name counts first: the Hugging Face
+    cache links ``snapshots/<rev>/train.jsonl`` to ``blobs/<sha256>``, which has no suffix."""
+    return next((x for x in (Path(path).suffix, resolved.suffix) if x in SOURCE_FORMATS), "")
+
+
+def _blank_licence(key: str, licence: str) -> list[str]:
+    """A licence of spaces only is no licence, but it is no empty string either: it would count as
+    given, and ``serve push`` would put it on the Hub card as the data's licence."""
+    if licence and not licence.strip():
+        return [f"{key}: blank; give a licence (e.g. CC0-1.0) or leave the key out"]
+    return []
 
 
 def resolve_path(path: str, base_dir: str | Path | None, *, key: str) -> Path:

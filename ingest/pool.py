@@ -25,7 +25,7 @@ from eaglenest.errors import ManifestError, require
 from eaglenest.hf import load_tokenizer
 from eaglenest.text import content_key, is_blank, normalise
 from eaglenest.ingest import compose
-from eaglenest.ingest.manifest import Manifest, Source, input_file
+from eaglenest.ingest.manifest import Manifest, Source, input_file, source_format
 from eaglenest.ingest.neardup import NearDupIndex
 from eaglenest.paths import shown_path
 
@@ -61,7 +61,8 @@ def _read_rows(src: Source, where: str, base_dir) -> tuple[list, str]:
     """The raw rows of one source; unreadable data (binary, not UTF-8, corrupt) is a ManifestError."""
     if src.path:
         p = input_file(src.path, base_dir, key=f"{where}.path")
-        if p.suffix == ".parquet":
+        fmt = source_format(src.path, p)
+        if fmt == ".parquet":
             import pyarrow as pa
             import pyarrow.parquet as pq
 
@@ -71,12 +72,13 @@ def _read_rows(src: Source, where: str, base_dir) -> tuple[list, str]:
                 raise ManifestError(f"{where}.path: {shown_path(src.path)} is not a readable Parquet file "
                                     f"({_short(exc)})") from None
         text = read_text(p, src.path, f"{where}.path")
-        if p.suffix == ".jsonl":
+        if fmt == ".jsonl":
             return [row for _, row in json_lines(text, src.path, f"{where}.path")], _label(src.path)
         try:
             rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"{where}.path: {shown_path(src.path)} is not valid JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            raise ManifestError(f"{where}.path: {shown_path(src.path)} is not valid JSON "
+                                f"({_json_error(exc)})") from None
         if not isinstance(rows, list):
             raise ManifestError(f"{where}.path: {shown_path(src.path)} holds {json_kind(rows)}, not a list of rows")
         return rows, _label(src.path)
@@ -97,7 +99,10 @@ def _label(path: str) -> str:
 
 def read_text(p: Path, path: str, key: str) -> str:
     """The UTF-8 text of file ``p`` (``path`` as the user wrote it); ManifestError naming ``key`` if not."""
-    data = p.read_bytes()
+    try:
+        data = p.read_bytes()
+    except OSError as exc:  # no read permission, a failing disk or mount
+        raise ManifestError(f"{key}: {shown_path(path)} cannot be read ({exc.strerror or exc})") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -115,10 +120,21 @@ def json_lines(text: str, path: str, key: str) -> list[tuple[int, object]]:
             continue
         try:
             rows.append((n, json.loads(line)))
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"{key}: {shown_path(path)} line {n} is not valid JSON ({exc.msg}, "
-                                f"column {exc.colno})") from None
+        except (ValueError, RecursionError) as exc:
+            raise ManifestError(f"{key}: {shown_path(path)} line {n} is not valid JSON "
+                                f"({_json_error(exc, line_known=True)})") from None
     return rows
+
+
+def _json_error(exc: Exception, *, line_known: bool = False) -> str:
+    """Why ``json.loads`` refused a text, in one short phrase. Besides malformed JSON, Python's parser
+    refuses valid JSON nested past its recursion limit (a RecursionError) and integers past its digit
+    limit (a ValueError): both came out as a traceback."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg}, column {exc.colno}" if line_known else str(exc)
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return _short(exc)
 
 
 def _short(value, limit: int = 80) -> str:
@@ -131,6 +147,8 @@ def json_kind(value) -> str:
     """What a non-string value is, in JSON words (errors name the type, never echo the value)."""
     if value is None:
         return "null"
+    if isinstance(value, str):
+        return "a string"
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, (int, float)):
@@ -194,7 +212,16 @@ def load_source(src: Source, *, where: str, base_dir: str | Path | None = None) 
         else:
             turns = [text_value(row[col], f"column '{col}'", f"{where}.field: row {i} of {shown}")]
         out.append({"prompt": turns[0], "later_turns": turns[1:], "system": system, "source": label})
+    _check_system_column(src, rows, f"{where}.system_field", shown)
     return out
+
+
+def _check_system_column(src: Source, rows: list[dict], key: str, shown: str) -> None:
+    """A system prompt may be missing row by row, but a ``system_field`` that no row has is a typo (or
+    another file's column): every system prompt of the source would be dropped without a word."""
+    if src.system_field and not any(src.system_field in row for row in rows):
+        columns = _short(", ".join(map(str, rows[0])) or "none")
+        raise ManifestError(f"{key}: no row of {shown} has a column '{src.system_field}' (columns: {columns})")
 
 
 def _check_roles(msgs: list[dict], at: str) -> None:

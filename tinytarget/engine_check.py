@@ -17,6 +17,8 @@ from pathlib import Path
 
 from eaglenest.engine import EngineConfig, close_llm, make_llm
 from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.paths import ensure_writable
+from eaglenest.provenance import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.json_out:  # before the engine's start, not after a minute of it
+            ensure_writable(args.json_out.parent, "--json-out", error=ConfigError)
         report = run_check(args.model, args.prompts, num_per_domain=args.num_per_domain,
                            max_model_len=args.max_model_len,
                            gpu_memory_utilization=args.gpu_memory_utilization)
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
            if o["finish_reason"] != "stop"]
     text = json.dumps(report, indent=2)
     if args.json_out:
-        args.json_out.write_text(text + "\n")
+        write_text_atomic(args.json_out, text + "\n")
     print(text)
     if bad:
         log.error("%d chat answers did not stop at <|end|>: %s", len(bad), bad)

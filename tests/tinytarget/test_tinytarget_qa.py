@@ -158,6 +158,23 @@ def test_engine_check_refuses_what_would_check_nothing(tmp_path, capsys, monkeyp
     assert len(err.splitlines()) == 1 and says in err, err
 
 
+def test_engine_check_json_out_that_cannot_be_written_is_refused_before_the_engine(tmp_path, capsys, monkeypatch):
+    """A --json-out under a regular file (or in a folder that cannot be made) was a traceback after the
+    engine had run a minute; now one line before it starts."""
+    def no_engine(*a, **k):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(engine_check, "make_llm", no_engine)
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "x.jsonl").write_text('{"id": 1, "prompt": "Hi"}\n')
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "report.json"
+    assert engine_check.main(["--model", str(SHORT), "--prompts", str(prompts), "--json-out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--json-out" in err and str(tmp_path / "file") in err, err
+
+
 # --- archs: the folder written whole or not at all ---------------------------------------------
 
 def test_an_arch_build_refuses_a_folder_of_other_files_and_leaves_it_alone(tmp_path, capsys):

@@ -71,6 +71,10 @@ class DraftShapeConfig:
         return DraftShape(**dataclasses.asdict(self))
 
 
+#: Most captures in flight a stream grants (featurestore/stream/local.py ``MAX_DEPTH``, checked there too).
+STREAM_MAX_DEPTH = 4096
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StreamConfig:
     """``train.stream``: the live capture engine of ``train.source=stream`` (docs/featurestore.md,
@@ -94,6 +98,9 @@ class StreamConfig:
 
     def __post_init__(self) -> None:
         _at_least("stream.", self, ("depth", "engines"), 1)
+        if self.depth > STREAM_MAX_DEPTH:  # credits are bytes on a socket: a grant past its buffer deadlocked
+            raise ConfigError(f"train.stream.depth: {self.depth} captures in flight is more than the "
+                              f"{STREAM_MAX_DEPTH} the stream can grant: lower it")
         if self.transport not in ("unix", "gloo"):
             raise ConfigError(f"train.stream.transport: 'unix' or 'gloo', got {short(self.transport)}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):

@@ -76,9 +76,10 @@ class StreamShards:
         self.trust_remote_code = trust_remote_code
         self.lengths = np.array([len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in self.convs],
                                 dtype=np.int64)
-        longest = int(self.lengths.max())
-        if longest + 1 > featurestore.engine.max_model_len:
-            raise StoreError(f"a conversation has {longest} tokens: raise featurestore.engine.max_model_len")
+        # What `featurestore capture` refuses before its engine starts, refused before this one starts.
+        build.check_lengths(self.convs, featurestore.engine.max_model_len)
+        vocab_size = build.target_facts(target, trust_remote_code=trust_remote_code)["vocab_size"]
+        build.check_token_ids(self.convs, target, vocab_size=vocab_size, trust_remote_code=trust_remote_code)
         self.split, self.pack_tokens, self.batch_rows, self.seed = split, pack_tokens, batch_rows, seed
         self.row_tokens = row_tokens
         self.target, self.engine, self.depth, self.devices = target, featurestore.engine, depth, devices

@@ -24,7 +24,7 @@ from eaglenest.featurestore.capture import identity, policy, turns
 from eaglenest.featurestore.capture.engine import Capturer, resolve_layer_ids
 from eaglenest.featurestore.capture.writer import FeatureWriter, bytes_per_token
 from eaglenest.featurestore.schema import dtype_name
-from eaglenest.featurestore.table import lease, store
+from eaglenest.featurestore.table import fragments, lease, store
 from eaglenest.hf import load_config, load_tokenizer
 from eaglenest.provenance import code_version
 from eaglenest.target import language_config
@@ -164,9 +164,9 @@ def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: floa
     todo = [r for r in pool if r["sample_id"] not in done]
     passes, tokens = 0, 0
     if todo:
-        longest = max(len(c["prompt_token_ids"]) + len(c["response_token_ids"]) for c in todo)
-        if longest + 1 > cfg.engine.max_model_len:
-            raise StoreError(f"a conversation has {longest} tokens: raise featurestore.engine.max_model_len")
+        if reused:  # a table that takes no rows (an older schema version) is refused now, not at the first write
+            fragments.check_identity(store.dataset(store_uri, name), name, meta)
+        longest = check_lengths(todo, cfg.engine.max_model_len)
         check_fit(target, meta, longest, cfg.engine.dtype)  # before the engine starts
         vocab_size = target_facts(target, trust_remote_code=trust_remote_code)["vocab_size"]
         check_token_ids(todo, target, vocab_size=vocab_size, trust_remote_code=trust_remote_code)
@@ -222,6 +222,24 @@ def check_fit(target: str, meta: S.FeatureMeta, tokens: int, engine_dtype: str) 
     memfit.check_engine(target, tokens=tokens, engine_dtype=engine_dtype,
                         capture_layers=len(meta.layer_ids) + 1, stored_bytes_per_token=bytes_per_token(meta),
                         key="the manifest's compose.target_tokens (or generation.max_tokens)")
+
+
+def check_lengths(convs: list[dict], max_model_len: int) -> int:
+    """The longest conversation's token count; refuses, naming the row, a conversation of no token
+    (vLLM refuses an empty prompt only once its engine is up) or one the engine cannot hold with the
+    one token each capture generates."""
+    longest, row = 0, None
+    for conv in convs:
+        n = len(conv["prompt_token_ids"]) + len(conv["response_token_ids"])
+        if n == 0:
+            raise StoreError(f"prompts row {conv['sample_id']}: no token (empty prompt and response): the prompts "
+                             "table is damaged; re-run `ingest build` into a new store")
+        if n > longest:
+            longest, row = n, conv["sample_id"]
+    if longest + 1 > max_model_len:
+        raise ConfigError(f"featurestore.engine.max_model_len: {max_model_len} is too small for prompts row {row} "
+                          f"({longest} tokens; capture needs {longest + 1}): raise it")
+    return longest
 
 
 def check_token_ids(convs: list[dict], target: str, *, vocab_size: int | None,

@@ -46,9 +46,14 @@ from pathlib import Path
 import numpy as np
 
 from eaglenest.engine import quiet_vllm
-from eaglenest.errors import StoreError
+from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore.capture.publish import CREDIT, FRAME, MAGIC
 from eaglenest.featurestore.schema import _DTYPES
+
+#: Most captures in flight (``train.stream.depth``). Credits are bytes on the socket, granted by the
+#: receiver thread: more than a socket buffer holds (~200 KiB by default) blocked that thread on
+#: the grant while the publisher, with credits to spend, blocked on its frames: neither moved.
+MAX_DEPTH = 4096
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,9 @@ class Channel:
     def __init__(self, path: str, *, num_items: int, depth: int, check, poll_s: float = 0.5):
         if depth < 1:
             raise StoreError(f"stream depth must be >= 1, got {depth} (train.stream.depth)")
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"train.stream.depth: {depth} captures in flight is more than the {MAX_DEPTH} the "
+                              "stream can grant (each one a whole conversation's hidden states): lower it")
         self.path, self.num_items, self.depth = path, num_items, depth
         self._check, self._poll_s = check, poll_s
         self._listener: socket.socket | None = _listen(path)

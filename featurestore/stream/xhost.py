@@ -48,7 +48,8 @@ import numpy as np
 from eaglenest.engine import EngineConfig
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore.stream.addr import parse_addr
-from eaglenest.featurestore.stream.local import CaptureStream
+from eaglenest.featurestore.stream.local import MAX_DEPTH, CaptureStream
+from eaglenest.hf import check_target
 
 log = logging.getLogger(__name__)
 
@@ -248,11 +249,18 @@ class RankStream:
                  poll_s: float = 0.5):
         if depth < 1:
             raise StoreError(f"stream depth must be >= 1, got {depth} (train.stream.depth)")
+        self.engines = engines_of(rank, num_engines, world_size)
+        k = len(self.engines)
+        if depth > MAX_DEPTH:  # what each engine host's local stream refuses, refused before the group forms
+            raise ConfigError(f"train.stream.depth: {depth} captures in flight is more than the {MAX_DEPTH} the "
+                              "stream can grant: lower it")
+        if depth < k:  # each engine link needs a credit to send at all: k in flight would break the bound
+            raise ConfigError(f"train.stream.depth: {depth} is less than the {k} engines that feed rank {rank} "
+                              f"(train.stream.engines={num_engines}, {world_size} ranks), each of which holds a "
+                              f"capture in flight: set it to {k} or more")
         self.rank, self.world_size, self.num_engines = rank, world_size, num_engines
         self.num_items, self._poll_s = len(sequences), poll_s
         self.group = Group(addr, is_master=rank == 0, timeout_s=timeout_s, who=f"rank {rank}")
-        self.engines = engines_of(rank, num_engines, world_size)
-        k = len(self.engines)
         if rank == 0:
             self.group.store.set("spec", json.dumps({**spec, "protocol": PROTOCOL, "world_size": world_size, "num_engines": num_engines,
                                                      "depth": depth}))
@@ -267,7 +275,7 @@ class RankStream:
         self.sent_at: dict[int, float] = {}
         self.handed_at: list[float] = []
         self.group.join(rank, world_size + num_engines)
-        self._per_link = max(1, depth // k)
+        self._per_link = depth // k
         for e in self.engines:
             self.group.send(_credit(self._per_link), world_size + e, TAG_CREDIT)
         self._thread = threading.Thread(target=self._receive, name="eaglenest-xstream-recv", daemon=True)
@@ -392,6 +400,24 @@ def engine_captures(spec: dict, sequences: list[list[int]], target: str | None =
                          window=int(spec["window"]), trust_remote_code=bool(spec.get("trust_remote_code", False)))
 
 
+def _check_target_flag(target: str) -> None:
+    """stream-serve's ``--target``: a model directory here (or a cached hub id), else one line naming the flag."""
+    try:
+        check_target(target)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("run.target: ", "--target ", 1)) from None
+
+
+def _check_trainers_target(target: str) -> None:
+    """The trainer's ``run.target`` when stream-serve has no ``--target``: here too, or one line saying
+    to give ``--target`` (before this engine joins the group, where its failure would end every rank)."""
+    try:
+        check_target(target)
+    except ConfigError as exc:
+        raise ConfigError(f"--target: not given, and the trainer's run.target is not usable on this host "
+                          f"({str(exc).removeprefix('run.target: ')}): give --target DIR") from None
+
+
 def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: float = 1800.0,
           poll_s: float = 0.5, captures=None) -> int:
     """One engine host: capture the linked ranks' shares with a local engine, forward each capture.
@@ -402,12 +428,16 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
 
     if engine_rank < 0:  # refused before connecting (the trainer's engine count is known only then)
         raise ConfigError(f"--engine-rank {engine_rank}: must be >= 0 (0..train.stream.engines-1)")
+    if target is not None:  # found out here, not once the whole group formed and this engine starts
+        _check_target_flag(target)
     who = f"engine {engine_rank}"
     group = Group(addr, is_master=False, timeout_s=timeout_s, who=who)
     spec = _spec(group.get("spec"), addr)
     N, M = int(spec["world_size"]), int(spec["num_engines"])
     if not 0 <= engine_rank < M:
         raise ConfigError(f"--engine-rank {engine_rank}: the trainer expects train.stream.engines={M} (0..{M - 1})")
+    if target is None and captures is None:  # the trainer's path, which this host may not have
+        _check_trainers_target(str(spec.get("target")))
     me = f"{socket.gethostname()} pid {os.getpid()} ({uuid.uuid4().hex[:8]})"
     holder = group.claim(f"engine-{engine_rank}", me)
     if holder != me:  # two hosts given the same rank: the group would wait train.stream.timeout_s, never form

@@ -100,7 +100,7 @@ def test_shares_order_bit_exact_and_credit_bound(engines, world):
         for (ids, hidden), seq in zip(got, shares[r]):
             assert hidden.dtype == torch.bfloat16 and torch.equal(hidden, synthetic_hidden(seq))
         k = len(engines_of(r, engines, world))
-        assert 1 <= in_flight <= depth and in_flight == max(1, depth // k) * k
+        assert 1 <= in_flight <= depth and in_flight == depth // k * k
     assert all(ranks_of(e, engines, world) for e in range(engines))
 
 

@@ -43,11 +43,11 @@ from eaglenest.evaluate.al import SpecCounters, per_request_summary
 from eaglenest.evaluate.prompts import render
 from eaglenest.hf import load_causal_lm, load_tokenizer
 from eaglenest.paths import read_json_object, shown_path
-from eaglenest.serve import fp8
+from eaglenest.serve import formats, fp8
 from eaglenest.train import dflash, peagle
 from eaglenest.train.checkpoint import INFO, WEIGHTS, load_checkpoint
 from eaglenest.train.model import Eagle3Draft, chunk_doc_mask
-from eaglenest.train.target import load_target_tensors
+from eaglenest.train.target import load_target_tensors, target_config
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +63,17 @@ class RequestAL:
 
 
 def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluate.draft"):
-    """An :class:`Eagle3Draft` from an exported vLLM draft dir or a ``train`` checkpoint dir; errors name
-    ``key`` (where the caller got ``draft`` from: a recipe key or a flag)."""
+    """An :class:`Eagle3Draft` from an exported draft dir (vLLM's format, or speculators' Eagle-3 /
+    P-EAGLE layout) or a ``train`` checkpoint dir (any family); errors name ``key`` (where the caller
+    got ``draft`` from: a recipe key or a flag), and a target the draft does not fit names run.target."""
     from safetensors.torch import load_file
     from transformers import LlamaConfig
 
     path = Path(draft)
     if (path / INFO).is_file():
-        return _checkpoint_draft(path, target_dir, key).eval()
+        model, info = _checkpoint_draft(path, key)
+        _check_mask_token(model, path / INFO, key, "the checkpoint is damaged: train again (`train run`)")
+        return _with_embeddings(model, target_dir, target_keys=info.get("target_keys")).eval()
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise ConfigError(f"{key}: {draft} is neither an exported draft (config.json + "
                           f"model.safetensors) nor a draft checkpoint ({INFO})")
@@ -79,9 +82,11 @@ def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluat
         raw = read_json_object(path / "config.json", error=ConfigError, then=redo)
     except ConfigError as exc:
         raise ConfigError(f"{key}: {exc}") from None
-    if isinstance(raw.get("dflash_config"), dict):  # vLLM's flat DFlashDraftModel: not an Eagle3Draft's layout
+    speculators = raw.get("speculators_model_type")
+    if isinstance(raw.get("dflash_config"), dict) or speculators == "dflash":  # not an Eagle3Draft's layout
         raise ConfigError(f"{key}: {draft} is a DFlash export, which the offline replay cannot load: name the "
                           "train checkpoint it was exported from (`--draft <workdir>/train`)")
+    raw = formats.flat_config(raw)  # serve.format=speculators: its layer config, P-EAGLE's parallel_drafting
     # vLLM's ids: top level (exports since serve/formats.py; eagle_config's are SGLang's, id - 1),
     # else eagle_config's (older exports wrote vLLM's ids there).
     nested = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
@@ -99,6 +104,8 @@ def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluat
         state = load_file(str(path / "model.safetensors"))
         if fp8.is_fp8_state(state):  # FP8 export: weights = codes * per-channel scale
             state = fp8.dequantise_state(state)
+        if speculators:  # speculators' ``layers.0.*``: the draft's ``midlayer.*``
+            state = formats.flat_tensors(state)
         state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
         missing, unexpected = model.load_state_dict(state, strict=False)
     except (OSError, SafetensorError, KeyError, RuntimeError) as exc:  # truncated, or shapes off the config
@@ -108,9 +115,39 @@ def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluat
     if missing or unexpected:
         raise ConfigError(f"{key}: {path} weights do not match its config "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    with torch.no_grad():  # vLLM shares the target's embeddings with the draft
-        model.embed_tokens.weight.copy_(load_target_tensors(target_dir, only=("embed",))["embed"])
-    return model.eval()
+    _check_mask_token(model, path / "config.json", key, redo)
+    return _with_embeddings(model, target_dir).eval()
+
+
+def _check_mask_token(model, where: Path, key: str, redo: str) -> None:
+    """A P-EAGLE or DFlash draft's ``mask_token_id`` (fed at every mask slot) is a token id of the
+    vocabulary: anything else would fail mid-decode, or be read as another id (2.5 as 2)."""
+    if not (dflash.is_dflash(model.config) or getattr(model.config, "parallel_drafting", False)):
+        return
+    tid, vocab = getattr(model.config, "mask_token_id", None), model.config.vocab_size
+    if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab:
+        raise ConfigError(f"{key}: {shown_path(where)}: mask_token_id {tid!r} is not a token id of the target's "
+                          f"vocabulary (0..{vocab - 1}); {redo}")
+
+
+def _with_embeddings(model, target_dir: str | Path, *, target_keys: dict | None = None):
+    """``model`` with the target's embeddings (vLLM shares them with the draft), once the target is
+    checked to be one the draft fits: its vocabulary and width, and the aux layers the draft reads. A
+    target of another shape is refused naming run.target (the draft is not damaged)."""
+    cfg = target_config(target_dir)
+    where = shown_path(Path(target_dir) / "config.json")
+    for name, mine in (("vocab_size", model.config.vocab_size), ("hidden_size", model.config.target_hidden_size)):
+        if cfg.get(name) != mine:
+            raise ConfigError(f"run.target: {where} has {name} {cfg.get(name)}, the draft was trained on a target "
+                              f"with {mine}; evaluate it with the target it was trained for")
+    layers = cfg.get("num_hidden_layers")
+    bad = [i for i in model.config.eagle_aux_layer_ids if not isinstance(layers, int) or not 0 <= i < layers]
+    if bad:
+        raise ConfigError(f"run.target: {where} has {layers} layers, the draft reads aux layers {bad}; "
+                          "evaluate it with the target it was trained for")
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(load_target_tensors(target_dir, keys=target_keys, only=("embed",))["embed"])
+    return model
 
 
 def _why(exc: BaseException) -> str:
@@ -118,11 +155,12 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:120]}" if text else type(exc).__name__
 
 
-def _checkpoint_draft(path: Path, target_dir: str | Path, key: str):
-    """:func:`load_checkpoint`, with a damaged checkpoint as one line naming its file."""
+def _checkpoint_draft(path: Path, key: str):
+    """:func:`load_checkpoint` (the draft, without the target's embeddings, and its record), with a
+    damaged checkpoint as one line naming its file."""
     redo = "the checkpoint is damaged: train again (`train run`)"
     try:
-        return load_checkpoint(path, target_dir=target_dir)[0]
+        return load_checkpoint(path)
     except (OSError, SafetensorError, RuntimeError) as exc:  # weights truncated, missing, or shapes off
         raise ConfigError(f"{key}: {shown_path(path / WEIGHTS)}: unreadable or not matching {INFO} "
                           f"({_why(exc)}); {redo}") from None
@@ -233,6 +271,19 @@ def decode(target_model, draft, ids: list[int], *, k: int, max_tokens: int, stop
     return RequestAL(sample_id, list(ids), gen[:cut], hist)
 
 
+def trained_depth(draft) -> int | None:
+    """The tokens a round ``draft`` (from :func:`load_draft`) was trained to draft: a DFlash draft's
+    block size - 1, a P-EAGLE checkpoint's slots, an export's ``trained_num_speculative_tokens``;
+    None when its config does not say (an EAGLE-3 train checkpoint keeps ``ttt_steps`` elsewhere)."""
+    cfg = draft.config
+    block = getattr(cfg, "dflash_block_size", None) if dflash.is_dflash(cfg) else None
+    for value in (block - 1 if isinstance(block, int) else None, getattr(cfg, "trained_num_speculative_tokens", None),
+                  getattr(cfg, "peagle_num_slots", None)):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
+
+
 def summarise(results: list[RequestAL]) -> dict:
     """The shape of one group row of ``evaluate_al``: pooled and per-request AL, per position."""
     k = max((len(r.histogram) for r in results), default=1) - 1
@@ -263,6 +314,11 @@ def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[
     if max_tokens < 1:
         raise ConfigError(f"evaluate.max_tokens: must be >= 1, got {max_tokens}")
     dmodel = load_draft(draft, target, key=draft_key)  # first: a damaged draft is refused before the target is loaded
+    depth = trained_depth(dmodel)
+    if depth is not None and num_speculative_tokens > depth:  # as serving it warns (eaglenest.engine)
+        log.warning("evaluate.num_speculative_tokens %d is past the %d tokens a round the draft %s was trained to "
+                    "draft: its proposals past %d come from positions it never learnt", num_speculative_tokens,
+                    depth, draft, depth)
     model, tok, stops = load_target(target, trust_remote_code=trust_remote_code)
     dmodel = dmodel.to(next(model.parameters()).dtype)
     if dmodel.config.vocab_size != model.config.vocab_size:
@@ -295,4 +351,4 @@ def _decode_group(model, dmodel, tok, name, prompts, *, k, max_tokens, stops,
 
 
 __all__ = ["RequestAL", "decode", "features", "load_draft", "load_target", "offline_al", "prompt_ids", "propose",
-           "summarise"]
+           "summarise", "trained_depth"]

@@ -28,6 +28,8 @@ from pathlib import Path
 from eaglenest.engine import close_llm, make_llm, speculative_config
 from eaglenest.errors import ConfigError
 from eaglenest.evaluate.offline import features, load_draft, load_target, propose
+from eaglenest.paths import read_json_object
+from eaglenest.train import dflash
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,7 @@ def parity_check(*, target: str | Path, draft: str | Path, checkpoint: str | Pat
     if not prompts:
         raise ConfigError("evaluate.parity_prompts: no prompts to decode (the prompt set is empty)")
     dmodel = load_draft(checkpoint, target, key=checkpoint_key)  # a damaged one refused before the target loads
+    _check_family(dmodel, draft, checkpoint, checkpoint_key)
     model, _tok, _stops = load_target(target, trust_remote_code=trust_remote_code)
     dmodel = dmodel.to(next(model.parameters()).dtype)
     names = list(prompts)
@@ -135,6 +138,26 @@ def parity_check(*, target: str | Path, draft: str | Path, checkpoint: str | Pat
     return {"target": str(target), "served_draft": str(draft), "trained_checkpoint": str(checkpoint),
             "num_speculative_tokens": k, "max_tokens": max_tokens, **report,
             "per_request": {name: rows for name, rows in rounds.items()}}
+
+
+def draft_family(cfg: dict) -> str:
+    """The family of an exported draft from its config.json ``cfg`` (either format): dflash, peagle or eagle3."""
+    kind = cfg.get("speculators_model_type")
+    if isinstance(cfg.get("dflash_config"), dict) or kind == "dflash":
+        return "dflash"
+    return "peagle" if cfg.get("parallel_drafting") or kind == "peagle" else "eagle3"
+
+
+def _check_family(model, draft: str | Path, checkpoint: str | Path, key: str) -> None:
+    """Refuse, before an engine starts, a train checkpoint of another family than the served export:
+    its proposals would part everywhere, for no fault of the export."""
+    trained = ("dflash" if dflash.is_dflash(model.config)
+               else "peagle" if getattr(model.config, "parallel_drafting", False) else "eagle3")
+    served = draft_family(read_json_object(Path(draft) / "config.json", error=ConfigError,
+                                           then="export the draft again (`serve export`)"))
+    if trained != served:
+        raise ConfigError(f"{key}: {checkpoint} is a {trained} draft, the served draft {draft} a {served} one: "
+                          "name the train checkpoint it was exported from")
 
 
 def failure_line(report: dict) -> str:

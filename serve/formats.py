@@ -130,6 +130,24 @@ def speculators_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): t for k, t in tensors.items()}
 
 
+def flat_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The vLLM-format config of speculators' Eagle-3 / P-EAGLE config ``cfg`` (what
+    :func:`speculators_config` made of it): ``transformer_layer_config`` lifted to the top level,
+    ``parallel_drafting`` for ``speculators_model_type: peagle``. Any other config is returned as is."""
+    layer = cfg.get("transformer_layer_config")
+    if cfg.get("speculators_model_type") not in ("eagle3", "peagle") or not isinstance(layer, dict):
+        return cfg
+    flat = {**layer, **{k: v for k, v in cfg.items() if k != "transformer_layer_config"}}
+    if cfg["speculators_model_type"] == "peagle":
+        flat["parallel_drafting"] = True
+    return flat
+
+
+def flat_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`speculators_tensors`: ``layers.0.*`` back to the draft's ``midlayer.*``."""
+    return {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): t for k, t in tensors.items()}
+
+
 def convert_command(cfg: dict[str, Any], target: str) -> str:
     """The ``speculators convert`` line that keeps what the converter would otherwise drop."""
     kwargs = {"eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
@@ -158,9 +176,11 @@ def reader_notes(cfg: dict[str, Any], fmt: Format, *, target_layers: int) -> lis
     return notes
 
 
-def usage_text(fmt: Format, target: str, architecture: str, *, parallel: bool = False) -> str:
+def usage_text(fmt: Format, target: str, architecture: str, *, parallel: bool = False,
+               num_speculative_tokens: int = 3) -> str:
     """The card's opening: which format this is and how vLLM loads it (``parallel``: a P-EAGLE draft,
-    served with ``parallel_drafting``)."""
+    served with ``parallel_drafting``; ``num_speculative_tokens``: the K its snippet serves, the
+    draft's recommended one: a fixed 3 would be past the depth of a 2-slot or ttt_steps=2 draft)."""
     if fmt == "speculators":
         kind = "P-EAGLE (`speculators_model_type: peagle`)" if parallel else "Eagle-3"
         note = ("\n\nServed as trained with no flag to add: vLLM turns `speculators_model_type: peagle` into "
@@ -174,7 +194,9 @@ def usage_text(fmt: Format, target: str, architecture: str, *, parallel: bool = 
 from vllm import LLM
 llm = LLM(model="<this directory>")  # the target and the number of draft tokens come from config.json
 ```{note}"""
-    pd = ', "parallel_drafting": True' if parallel else ""
+    spec = f'"num_speculative_tokens": {int(num_speculative_tokens)}'
+    if parallel:
+        spec += ', "parallel_drafting": True'
     note = ("\n\nA P-EAGLE draft: vLLM drafts all tokens of a round in one forward (`mask_token_id` and "
             "`mask_hidden` at depth >= 1); without `parallel_drafting` it would be served as a sequential "
             "EAGLE-3 draft, which it was not trained to be.") if parallel else ""
@@ -183,8 +205,20 @@ llm = LLM(model="<this directory>")  # the target and the number of draft tokens
 ```python
 from vllm import LLM
 llm = LLM(model="{target}",
-          speculative_config={{"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": 3{pd}}})
+          speculative_config={{"method": "eagle3", "model": "<this directory>", {spec}}})
 ```{note}"""
+
+
+def _speculators_line(cfg: dict[str, Any], target: str) -> str:
+    """How a vLLM-format export reaches speculators: its converter for an Eagle-3 draft; for a P-EAGLE
+    one only ``serve.format=speculators`` (the converter's eagle3 algorithm drops ``mask_hidden`` and
+    its output is served sequentially)."""
+    if cfg.get("parallel_drafting"):
+        return ("- speculators: export with `serve.format=speculators` (`speculators_model_type: peagle`); "
+                "`speculators convert` has no P-EAGLE algorithm (its `--algorithm eagle3` drops `mask_hidden`, "
+                "and vLLM would serve the result sequentially, which this draft was not trained for).")
+    return (f"- speculators: `{convert_command(cfg, target)}` (the converter reads the aux ids and "
+            "`norm_before_residual` only from `--algorithm-kwargs`), or export with `serve.format=speculators`.")
 
 
 def readers_text(cfg: dict[str, Any], fmt: Format, notes: list[tuple[str, str]], target: str) -> str:
@@ -198,7 +232,6 @@ def readers_text(cfg: dict[str, Any], fmt: Format, notes: list[tuple[str, str]],
                  "for the window.",
                  f"- `eagle_config.eagle_aux_hidden_state_layer_ids` {[i - 1 for i in ids]}: the same layers as "
                  "\"output of block k\" (id - 1); vLLM reads only its length. Other readers (SGLang) are not tested.",
-                 f"- speculators: `{convert_command(cfg, target)}` (the converter reads the aux ids and "
-                 "`norm_before_residual` only from `--algorithm-kwargs`), or export with `serve.format=speculators`."]
+                 _speculators_line(cfg, target)]
     lines += [f"- **{reader}**: {note}." for reader, note in notes]
     return "## Readers\n\n" + "\n".join(lines)

@@ -95,9 +95,12 @@ def draw_anchors(cand: torch.Tensor, batch: Batch, *, num_anchors: int, seed: in
     """Up to ``num_anchors`` of each row's candidate positions (``cand`` bool [B, T]), without
     replacement, ascending; the draw depends on (salt, seed, step, the row's tokens) only, so a row
     draws alike on any number of ranks and across a resume. The batch's fields plus ``anchors``
-    long [B, A] and ``anchor_ok`` bool [B, A] (False: padding, the row had fewer candidates)."""
+    long [B, A] and ``anchor_ok`` bool [B, A] (False: padding, the row had fewer candidates), with
+    A = ``num_anchors`` but at most the row length T (a row has no more candidates than positions,
+    and the slots' mask grows with A squared)."""
     cand = cand.cpu()
     rows = cand.shape[0]
+    num_anchors = min(int(num_anchors), cand.shape[1])
     anchors = torch.zeros(rows, num_anchors, dtype=torch.long)
     ok = torch.zeros(rows, num_anchors, dtype=torch.bool)
     ids, docs = batch.input_ids.cpu(), batch.doc_ids.cpu()

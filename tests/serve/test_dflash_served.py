@@ -38,6 +38,8 @@ from safetensors.torch import load_file
 from eaglenest.engine import speculative_config
 from eaglenest.errors import ConfigError
 from eaglenest.serve.export import export_draft
+from eaglenest.train.checkpoint import read_info
+from eaglenest.train.config import recommended_num_speculative_tokens
 
 _spec = importlib.util.spec_from_file_location(
     "_eaglenest_test_arch_helpers_dflash", Path(__file__).parent.parent / "archs" / "arch_helpers.py")
@@ -100,7 +102,10 @@ def test_dflash_speculators_export_as_vllm_reads_it(trained, tmp_path):
     assert raw["sliding_window_non_causal"] is True and raw["aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert "is_causal" not in raw["transformer_layer_config"]
     target, spec, hf = H.as_vllm_reads_it(draft)
-    assert spec["method"] == "dflash" and spec["num_speculative_tokens"] >= 1
+    # K: what the export states (its proposal; the family's recommended K for this checkpoint) is what vLLM drafts.
+    k = raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    assert k == recommended_num_speculative_tokens(read_info(trained.work / "train")["train_config"]) == 3
+    assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == k
     assert Path(target) == Path(trained.target)
     flat = json.loads((trained.work / "draft" / "config.json").read_text())
     assert hf["architectures"] == ["DFlashDraftModel"] and raw["transformer_layer_config"]["model_type"] == "qwen3"

@@ -338,7 +338,25 @@ def _check_info(info: dict[str, Any], path: Path) -> None:
         if not isinstance(d.get(k), (int, float)) or isinstance(d.get(k), bool):
             raise StoreError(f"{shown_path(path)}: draft_config.{k}: a number, got {str(d.get(k))[:60]}; "
                              "the checkpoint is damaged: train again (`train run`)")
+    _check_family(info, path)
     _check_record(info, path)
+
+
+def _check_family(info: dict[str, Any], path: Path) -> None:
+    """The family (and depth) ``train_config`` records is the draft ``draft_config`` builds: the K the
+    export records comes from the first, the weights from the second."""
+    d, train = info["draft_config"], info.get("train_config") or {}
+    family = "dflash" if d.get("dflash") else "peagle" if d.get("parallel_drafting") else "eagle3"
+    recorded = train.get("family") or "eagle3"
+    if recorded in ("eagle3", "peagle", "dflash") and recorded != family:  # (another value: _recommended_k's)
+        raise StoreError(f"{shown_path(path)}: train_config.family {short(recorded)} does not describe the "
+                         f"{family} draft in draft_config; the checkpoint is damaged: train again (`train run`)")
+    for section, key, built in (("peagle", "num_slots", d.get("peagle_num_slots")),
+                                ("dflash", "block_size", d.get("dflash_block_size"))):
+        said = train[section].get(key) if isinstance(train.get(section), dict) else None
+        if family == section and None not in (said, built) and said != built:
+            raise StoreError(f"{shown_path(path)}: train_config.{section}.{key} {short(said)} is not the draft's "
+                             f"{built} (draft_config); the checkpoint is damaged: train again (`train run`)")
 
 
 def _check_record(info: dict[str, Any], path: Path) -> None:
@@ -386,6 +404,12 @@ def _check_target(info: dict[str, Any], target_cfg: dict[str, Any], *, target: P
         if mine != target_cfg[key]:
             raise ConfigError(f"run.target: {where} has {key} {target_cfg[key]}, the draft in {shown_path(ckpt)} "
                               f"was trained on a target with {mine}; export it with the target it was trained for")
+    mask = d.get("mask_token_id")
+    if (d.get("dflash") or d.get("parallel_drafting")) and (
+            isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < target_cfg["vocab_size"]):
+        raise StoreError(f"{shown_path(ckpt)}: draft_config.mask_token_id: a token id of the target's vocabulary "
+                         f"(0..{target_cfg['vocab_size'] - 1}), got {short(mask)}; the checkpoint is damaged: "
+                         "train again (`train run`)")
     layers = target_cfg["num_hidden_layers"]
     bad = [i for i in info["layer_ids"] if not 0 <= i < layers]
     if bad:
@@ -490,7 +514,8 @@ def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]
              else f"TTT steps {info.get('train_config', {}).get('ttt_steps')}")
     return f"""# {family} draft head (eaglenest)
 
-{formats.usage_text(format, inputs['target'], ARCHITECTURE, parallel=bool(cfg.get('parallel_drafting')))}
+{formats.usage_text(format, inputs['target'], ARCHITECTURE, parallel=bool(cfg.get('parallel_drafting')),
+                    num_speculative_tokens=cfg.get(RECOMMENDED_K, 3))}
 
 | | |
 |---|---|

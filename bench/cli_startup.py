@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.runs < 2:  # the ratio's interquartile range needs two paired runs
         ap.error(f"--runs: at least 2, got {args.runs}")
+    known = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}"],
+                           capture_output=True, check=False)
+    if known.returncode != 0:  # else `git worktree add` failed with a CalledProcessError traceback
+        ap.error(f"--base {args.base}: not a revision of this repository")
     with tempfile.TemporaryDirectory() as tmp:
         wt = Path(tmp) / "base"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(wt), args.base], check=True)

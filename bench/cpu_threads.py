@@ -59,10 +59,10 @@ def run_arm(target: str, tokens: int, decode: int, all_cores: bool, seed: int) -
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="assets/tiny-target-long")
-    ap.add_argument("--tokens", type=int, default=16384, help="prompt tokens (two prompts per arm)")
-    ap.add_argument("--decode", type=int, default=32, help="greedy output tokens per prompt")
-    ap.add_argument("--rounds", type=at_least(1), default=3)
+    ap.add_argument("--target", default="assets/tiny-target-long", help="the target model folder")
+    ap.add_argument("--tokens", type=at_least(1), default=16384, help="prompt tokens (two prompts per arm)")
+    ap.add_argument("--decode", type=at_least(1), default=32, help="greedy output tokens per prompt")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (arms alternated; median [min, max])")
     args = ap.parse_args()
     ratios, same = [], True
     for r in range(args.rounds):

@@ -63,8 +63,8 @@ def main() -> int:
     from eaglenest.engine import ENGINE_STOP_GRACE_S
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="assets/tiny-target")
-    ap.add_argument("--rounds", type=at_least(1), default=3)
+    ap.add_argument("--target", default="assets/tiny-target", help="the target model folder")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (arms alternated; median [min, max])")
     args = ap.parse_args()
     short = str(ENGINE_STOP_GRACE_S)
     ratios, same, clean = [], True, True

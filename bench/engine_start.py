@@ -63,8 +63,8 @@ def _spread(xs: list[float]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="assets/tiny-target")
-    ap.add_argument("--rounds", type=at_least(1), default=3)
+    ap.add_argument("--target", default="assets/tiny-target", help="the target model folder")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (arms alternated; median [min, max])")
     args = ap.parse_args()
     starts, totals, same = [], [], True
     for r in range(args.rounds):

@@ -31,8 +31,10 @@ import os
 import sys
 from pathlib import Path
 
+from eaglenest.cli import at_least
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning_curves import BIN, _run, measure  # noqa: E402  (bench/ is not a package)
+from learning_curves import BIN, _run, int_list, load_rows, measure  # noqa: E402  (bench/ is not a package)
 
 FAMILIES = ("eagle3", "peagle", "dflash")
 #: The K every family is compared at (the issue's P-EAGLE goal is at 3).
@@ -162,31 +164,34 @@ def ratios(get: dict, best: dict, last: int) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default="recipes/toy.yaml")
+    p.add_argument("--recipe", default="recipes/toy.yaml", help="the recipe every family starts from")
     p.add_argument("--workdir", default="runs/toy", help="run directory holding the demo store")
-    p.add_argument("--families", default=",".join(FAMILIES))
-    p.add_argument("--epochs", type=int, default=10, help="the compared drafts' epochs (10 = the demo, 180 steps)")
-    p.add_argument("--curve", default="4", help="more epochs for the learning curves (comma list, '' = none)")
-    p.add_argument("--ks", default="2,4,6", help="numbers of speculative tokens swept on the last draft (3 always)")
-    p.add_argument("--tput-prompts", type=int, default=8, help="requests per throughput measurement")
-    p.add_argument("--no-throughput", action="store_true")
-    p.add_argument("--tput-ks", default="", help="K values for tokens/s (default: 3 and the best-AL K)")
-    p.add_argument("--ngram-order", type=int, default=3)
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma list of the families compared")
+    p.add_argument("--epochs", type=at_least(1), default=10,
+                   help="the compared drafts' epochs (10 = the demo, 180 steps)")
+    p.add_argument("--curve", type=int_list(1, empty=True), default="4",
+                   help="more epochs for the learning curves (comma list, '' = none)")
+    p.add_argument("--ks", type=int_list(1, empty=True), default="2,4,6",
+                   help="numbers of speculative tokens swept on the last draft (3 always)")
+    p.add_argument("--tput-prompts", type=at_least(1), default=8, help="requests per throughput measurement")
+    p.add_argument("--no-throughput", action="store_true", help="skip the tokens/s measurements")
+    p.add_argument("--tput-ks", type=int_list(1, empty=True), default="",
+                   help="K values for tokens/s (default: 3 and the best-AL K)")
+    p.add_argument("--ngram-order", type=at_least(0), default=3, help="evaluate.ngram_order of the n-gram baseline")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 epoch, no curve, K 1 and 3, 4 requests")
     p.add_argument("extra", nargs="*", help="more recipe overrides for every command (key=value)")
     args = p.parse_args()
     if args.quick:
-        args.epochs, args.curve, args.ks, args.tput_prompts = 1, "", "1", 4
+        args.epochs, args.curve, args.ks, args.tput_prompts = 1, [], [1], 4
     families = [f for f in args.families.split(",") if f]
     if unknown := set(families) - set(FAMILIES):
-        raise SystemExit(f"--families: unknown {sorted(unknown)}; one or more of {', '.join(FAMILIES)}")
-    ks = [int(k) for k in args.ks.split(",") if k]
-    curve = [int(e) for e in args.curve.split(",") if e]
+        p.error(f"--families: unknown {sorted(unknown)}; one or more of {', '.join(FAMILIES)}")
+    ks, curve = args.ks, args.curve
     workdir = Path(args.workdir).resolve()
     (workdir / "lc").mkdir(parents=True, exist_ok=True)
     (workdir / "fam").mkdir(exist_ok=True)
     results = workdir / "families.jsonl"
-    rows = [json.loads(x) for x in results.read_text().splitlines()] if results.is_file() else []
+    rows = load_rows(results)
     log = workdir / "lc" / "log.txt"
 
     def keep(row: dict) -> None:
@@ -215,7 +220,7 @@ def main() -> int:
         for f in families:
             sw = [r for r in rows if r["kind"] == "sweep" and r["family"] == f and r["epochs"] == args.epochs]
             best_k = max(sw, key=lambda r: r["served_al"])["k"] if sw else K_REF
-            for k in sorted({int(k) for k in args.tput_ks.split(",") if k} or {K_REF, best_k}):
+            for k in sorted(set(args.tput_ks) or {K_REF, best_k}):
                 if not have("throughput", f, args.epochs, k):
                     keep(throughput_point(args, workdir, f, args.epochs, k, log))
     for e in curve:

@@ -4,9 +4,9 @@ Same rows (features of ``--samples`` samples, H=4096 bf16 by default), written w
 ``lance.write_dataset`` in appends of 4 samples and fsync'ed, contenders alternating order each
 round. Prints blob speed / inline speed as median [min, max]: above 1 means the blob layout
 writes faster. This is the check that the read-path layout (docs/featurestore.md, "Read path")
-did not cost write speed.
+did not cost write speed. ``--check`` exits 1 if the median is below 1 (blob slower than inline).
 
-    python bench/featurestore_blob_layout.py --samples 12 --rounds 4
+    python bench/featurestore_blob_layout.py --samples 12 --rounds 4 [--check]
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from eaglenest.cli import at_least
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--samples", type=int, default=12)
-    p.add_argument("--rounds", type=at_least(1), default=4)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--dir", type=Path, default=None, help="scratch directory on the disk to measure")
+    p.add_argument("--samples", type=at_least(1), default=12, help="samples written per round")
+    p.add_argument("--rounds", type=at_least(1), default=4, help="rounds (arms alternated; median [min, max])")
+    p.add_argument("--hidden", type=at_least(1), default=4096, help="the target's hidden size")
+    p.add_argument("--dir", type=W.scratch_dir, default=None, help="scratch directory on the disk to measure")
+    p.add_argument("--check", action="store_true", help="exit 1 if blob writes are slower than inline (median)")
     args = p.parse_args(argv)
 
     import lance
@@ -61,10 +62,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    ratios = [a / b for a, b in zip(times["inline"], times["blob"])]
-    print(f"blob speed / inline speed: {statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]")
+    return report(times, check=args.check)
+
+
+def report(times: dict[str, list[float]], *, check: bool) -> int:
+    """Print blob speed / inline speed over rounds; 1 if ``check`` and the median is below 1."""
+    ratios = [a / b for a, b in zip(times["inline"], times["blob"], strict=True)]
+    median = statistics.median(ratios)
+    print(f"blob speed / inline speed: {median:.2f} [{min(ratios):.2f}, {max(ratios):.2f}]  (target >= 1)")
+    if check and median < 1:
+        print("FAIL: blob writes are slower than inline", file=sys.stderr)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(W.run_unwinding(main))

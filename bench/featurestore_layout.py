@@ -101,14 +101,12 @@ def read_windows(path: Path, rows_of: list[list[int]], picks: list[tuple[int, in
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=12)
-    ap.add_argument("--min-tokens", type=int, default=1024)
-    ap.add_argument("--max-tokens", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--chunk-tokens", type=int, default=256)
-    ap.add_argument("--rounds", type=at_least(1), default=3)
-    ap.add_argument("--dir", default="/tmp")
+    W.add_sample_args(ap, samples=12)
+    ap.add_argument("--chunk-tokens", type=at_least(1), default=256, help="tokens per row of the chunked layout")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (arms alternated; median [min, max])")
+    ap.add_argument("--dir", type=W.scratch_dir, default="/tmp", help="parent of the temporary directory")
     args = ap.parse_args(argv)
+    W.check_sample_args(ap, args)
 
     samples = W.make_samples(args.samples, args.min_tokens, args.max_tokens, args.hidden)
     nbytes = W.feature_bytes(samples)
@@ -155,4 +153,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(W.run_unwinding(main))

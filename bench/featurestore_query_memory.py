@@ -123,19 +123,31 @@ def peak_growth(uri: str, out: Path, mode: str = "tensors") -> float:
     return json.loads(lines[-1])["growth_mib"]
 
 
+def two_sizes(text: str) -> list[int]:
+    """An argparse ``type`` for ``--sizes``: two MiB counts, the smaller first. The check reads growth
+    large/small: sizes given the other way round (or equal) made a ratio a growing query passes."""
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"two whole MiB counts, got {text!r}") from None
+    if len(sizes) != 2 or not 0 < sizes[0] < sizes[1]:
+        raise argparse.ArgumentTypeError(f"two sizes in MiB, the smaller first (64,256), got {text!r}")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="64,256", help="two table sizes in MiB of tensor columns")
-    ap.add_argument("--row-mib", type=int, default=4, help="MiB of tensors per sample")
+    ap.add_argument("--sizes", type=two_sizes, default="64,256",
+                    help="two table sizes in MiB of tensor columns, the smaller first")
+    ap.add_argument("--row-mib", type=at_least(1), default=4, help="MiB of tensors per sample")
     ap.add_argument("--rounds", type=at_least(1), default=2, help="query runs per size (median reported)")
     ap.add_argument("--check", action="store_true", help="exit 1 if large/small growth > 1.5")
     ap.add_argument("--small", action="store_true", help="small columns and an aggregate query (no tensors)")
     args = ap.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
-    if len(sizes) != 2:
-        ap.error("--sizes takes two sizes")
+    sizes = args.sizes
     if not args.small and min(sizes) < args.row_mib:  # no whole sample fits: the table would have no rows
-        ap.error(f"--sizes: each size must be at least --row-mib ({args.row_mib} MiB), got {args.sizes}")
+        ap.error(f"--sizes: each size must be at least --row-mib ({args.row_mib} MiB), "
+                 f"got {','.join(map(str, sizes))}")
     import pyarrow.parquet as pq
 
     growth = {}

@@ -306,12 +306,9 @@ def profile_reads(uri: Path, *, nsamples: int, batch_samples: int, topts: dict, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=24)
-    ap.add_argument("--min-tokens", type=int, default=1024)
-    ap.add_argument("--max-tokens", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--batch-samples", type=int, default=4, help="samples per shuffled batch")
-    ap.add_argument("--threads", type=int, default=None,
+    W.add_sample_args(ap, samples=24)
+    ap.add_argument("--batch-samples", type=at_least(1), default=4, help="samples per shuffled batch")
+    ap.add_argument("--threads", type=at_least(1), default=None,
                     help="fix the samples in flight (default: the reader's adaptive window)")
     ap.add_argument("--serial", action="store_true",
                     help="also time the store with 1 and 2 samples in flight, fresh buffers, kernel readahead")
@@ -319,24 +316,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time the store with the check off, and with the stamps deleted (a full CRC pass)")
     ap.add_argument("--rss", action="store_true", help="measure the reader's peak RSS in a fresh process")
     ap.add_argument("--rss-gb", type=float, default=2.0, help="GB of features the --rss process reads")
-    ap.add_argument("--rss-samples", type=int, default=0,
+    ap.add_argument("--rss-samples", type=at_least(0), default=0,
                     help="with --rss: also measure on a table of this many samples (the bound must not grow)")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
     ap.add_argument("--pages", action="store_true",
                     help="add the trainer and store arms with 4 KiB-page buffers (no huge pages)")
     ap.add_argument("--trainer", action="store_true",
                     help="also time the trainer's reader into an fp32 Batch, and torch.load into the same Batch")
-    ap.add_argument("--pack-tokens", type=int, default=4096, help="train.pack_tokens for the trainer arms")
-    ap.add_argument("--batch-rows", type=int, default=2, help="train.batch_rows for the trainer arms")
-    ap.add_argument("--h7168-samples", type=int, default=6, help="samples of the H=7168 line (0: skip it)")
+    ap.add_argument("--pack-tokens", type=at_least(1), default=4096, help="train.pack_tokens for the trainer arms")
+    ap.add_argument("--batch-rows", type=at_least(1), default=2, help="train.batch_rows for the trainer arms")
+    ap.add_argument("--h7168-samples", type=at_least(0), default=6, help="samples of the H=7168 line (0: skip it)")
     ap.add_argument("--rank-tokens-per-s", type=float, default=20_000, help="what one GPU rank consumes")
     ap.add_argument("--profile", action="store_true", help="print where each sample's time goes")
-    ap.add_argument("--rounds", type=at_least(1), default=3)
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (arms alternated; median [min, max])")
     ap.add_argument("--full", action="store_true", help="the full size: 48 samples, 5 rounds, H=7168 with 12")
     ap.add_argument("--warm", action="store_true", help="read from the page cache (no eviction)")
-    ap.add_argument("--dir", default="/tmp", help="parent of the temporary directory (same disk for all)")
+    ap.add_argument("--dir", type=W.scratch_dir, default="/tmp",
+                    help="parent of the temporary directory (same disk for all)")
     ap.add_argument("--check", action="store_true", help="exit 1 if a threshold is missed (on a quiet machine)")
     args = ap.parse_args(argv)
+    W.check_sample_args(ap, args)
     if args.rss_child:
         rss_child(Path(args.rss_child), batch_samples=args.batch_samples, threads=args.threads, gb=args.rss_gb)
         return 0
@@ -495,4 +494,4 @@ def _packed_tokens(uri: Path, topts: dict) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(W.run_unwinding(main))

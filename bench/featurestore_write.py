@@ -43,7 +43,45 @@ from pathlib import Path
 
 import numpy as np
 
+from eaglenest.cli import at_least
+from eaglenest.launch import Terminated, end_by_signal, unwind_on_sigterm
+
 LAYER_IDS = (2, 16, 29)  # vLLM's EAGLE-3 default for a 32-layer, 4096-hidden target
+
+
+def run_unwinding(main) -> int:
+    """Run a bench's ``main`` so that a SIGTERM (``kill``, a job's time limit) unwinds it as Ctrl-C does:
+    its ``finally`` removes the scratch data (a GiB or more under ``--dir``) instead of leaving it behind;
+    then the process ends by that signal, with one line."""
+    unwind_on_sigterm()
+    try:
+        return main()
+    except Terminated as exc:
+        return end_by_signal(Path(sys.argv[0]).name, exc.signum)
+
+
+def scratch_dir(text: str) -> str:
+    """An argparse ``type`` for ``--dir``: an existing directory (the scratch data's parent), so a wrong
+    one is a usage error before any data is made, not a traceback from ``mkdtemp``."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: no such directory" if not os.path.exists(text)
+                                         else f"{text}: not a directory")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: not writable")
+    return text
+
+
+def add_sample_args(ap: argparse.ArgumentParser, *, samples: int) -> None:
+    """``--samples --min-tokens --max-tokens --hidden``: the sizes of :func:`make_samples`, each >= 1."""
+    ap.add_argument("--samples", type=at_least(1), default=samples, help="synthetic samples")
+    ap.add_argument("--min-tokens", type=at_least(1), default=1024, help="fewest tokens per sample")
+    ap.add_argument("--max-tokens", type=at_least(1), default=2048, help="most tokens per sample")
+    ap.add_argument("--hidden", type=at_least(1), default=4096, help="the target's hidden size")
+
+
+def check_sample_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.min_tokens > args.max_tokens:
+        ap.error(f"--min-tokens ({args.min_tokens}) is above --max-tokens ({args.max_tokens})")
 
 
 def make_meta(hidden: int):
@@ -239,15 +277,13 @@ def spread(xs: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=24)
-    ap.add_argument("--min-tokens", type=int, default=1024)
-    ap.add_argument("--max-tokens", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--commit-every", type=int, default=8, help="samples per store commit")
-    ap.add_argument("--rounds", type=int, default=3)
+    add_sample_args(ap, samples=24)
+    ap.add_argument("--commit-every", type=at_least(1), default=8, help="samples per store commit")
+    ap.add_argument("--rounds", type=at_least(0), default=3, help="rounds (0: only the --rss run)")
     ap.add_argument("--build", choices=["buffers", "pylist"], default="buffers",
                     help="how rows become an Arrow table (pylist = capture's from_pylist route)")
-    ap.add_argument("--dir", default="/tmp", help="parent of the temporary directory (same disk for all)")
+    ap.add_argument("--dir", type=scratch_dir, default="/tmp",
+                    help="parent of the temporary directory (same disk for all)")
     ap.add_argument("--check", action="store_true", help="exit 1 if a threshold is missed")
     ap.add_argument("--rss", action="store_true", help="measure peak RSS of capture's write route in a fresh process")
     ap.add_argument("--rss-legacy", action="store_true", help="with --rss: also the pre-writer route")
@@ -256,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
     ap.add_argument("--rss-route", default="writer", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    check_sample_args(ap, args)
     if args.rss_child:
         rss_child(Path(args.rss_child), gb=args.rss_gb, commit_every=args.commit_every, budget_mb=args.rss_budget_mb,
                   route=args.rss_route, hidden=args.hidden)
@@ -317,4 +354,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_unwinding(main))

@@ -301,13 +301,27 @@ def _run(name: str, fn, report: dict) -> None:
           file=sys.stderr, flush=True)
 
 
+def _positive(text: str) -> int:
+    """An argparse ``type``: a whole number >= 1 (eaglenest.cli.at_least, which this script may not import
+    before its shim maps the stage folders)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny shapes: the same code paths in seconds")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS, help="per-GPU dense bf16 peak")
-    ap.add_argument("--steps", type=int, default=None, help="timed trainer steps per variant")
+    ap.add_argument("--steps", type=_positive, default=None, help="timed trainer steps per variant")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json (default: $OUT)")
     args = ap.parse_args(argv)
+    if args.out:  # made before the check runs: a folder that cannot be, found after it, lost the report
+        try:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            ap.error(f"--out {args.out}: {exc.strerror}")
     t_start = time.perf_counter()
     install_shim()
     import torch
@@ -347,7 +361,6 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = round(time.perf_counter() - t_start, 1)
     text = json.dumps(report, indent=2, default=str)
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_check.json").write_text(text + "\n")
     print(text)
     return 0 if report["ok"] else 1

@@ -41,8 +41,9 @@ _spec.loader.exec_module(C)
 
 def main() -> None:
     ap = C.add_args(argparse.ArgumentParser())
-    ap.add_argument("--one-pass", action="store_true")
-    ap.add_argument("--floor", action="store_true")
+    ap.add_argument("--one-pass", action="store_true", help="add the experiment: the capture engine generates too")
+    ap.add_argument("--floor", action="store_true",
+                    help="add the reference: regeneration + a max_tokens=1 prefill of the same sequences")
     a = ap.parse_args()
 
     from eaglenest.config import build as build_cfg

@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from eaglenest.cli import at_least
+from eaglenest.errors import EaglenestError
 
 
 def add_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the arguments every ingest bench takes (its own ones are added by the bench)."""
-    ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--rounds", type=at_least(1), default=3)
-    ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--target", default="assets/tiny-target")
-    ap.add_argument("--manifest", default="recipes/manifests/toy.yaml")
+    ap.add_argument("--prompts", type=at_least(1), default=256, help="training prompts of the manifest's pool")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (arms alternated; median [min, max])")
+    ap.add_argument("--max-tokens", type=at_least(1), default=160, help="generation.max_tokens")
+    ap.add_argument("--max-num-seqs", type=at_least(1), default=64, help="the engine's max_num_seqs")
+    ap.add_argument("--target", default="assets/tiny-target", help="the target model folder")
+    ap.add_argument("--manifest", default="recipes/manifests/toy.yaml", help="the ingest manifest")
     return ap
 
 
@@ -35,8 +37,18 @@ def load_prompts(a: argparse.Namespace):
     from eaglenest.ingest.manifest import load_manifest
     from eaglenest.ingest.pool import load_pool
 
-    manifest = load_manifest(a.manifest)
-    manifest = dataclasses.replace(manifest, generation=dataclasses.replace(manifest.generation,
-                                                                            max_tokens=a.max_tokens))
-    pool = [e for e in load_pool(manifest, target=a.target) if e.split == "train"][: a.prompts]
+    try:
+        manifest = load_manifest(a.manifest)
+        manifest = dataclasses.replace(manifest, generation=dataclasses.replace(manifest.generation,
+                                                                                max_tokens=a.max_tokens))
+        pool = [e for e in load_pool(manifest, target=a.target) if e.split == "train"][: a.prompts]
+    except EaglenestError as exc:  # a wrong --manifest: one line and exit 2, as the stage CLIs say it
+        _refuse(str(exc))
+    if not pool:
+        _refuse(f"{a.manifest}: no training prompts in its pool")
     return manifest, pool
+
+
+def _refuse(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)

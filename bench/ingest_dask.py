@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from eaglenest.cli import at_least
+
 # The set-up the ingest benches share (bench/ is not a package: loaded from the file beside this one).
 _spec = importlib.util.spec_from_file_location("_bench_ingest_common", Path(__file__).with_name("ingest_common.py"))
 C = importlib.util.module_from_spec(_spec)
@@ -34,11 +36,11 @@ _spec.loader.exec_module(C)
 
 def main() -> None:
     ap = C.add_args(argparse.ArgumentParser())
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--commit-every", type=int, default=32)
+    ap.add_argument("--workers", type=at_least(1), default=2, help="LocalCluster workers")
+    ap.add_argument("--commit-every", type=at_least(1), default=32, help="prompts per shard (one task)")
     ap.add_argument("--scheduler", default="", help="a running Dask scheduler (default: a LocalCluster)")
     ap.add_argument("--store", default="", help="store root every worker can reach (default: a temp dir)")
-    ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--cold", action="store_true", help="add one timed run of each from nothing (engines started)")
     a = ap.parse_args()
 
     from eaglenest.config import build as build_cfg

@@ -35,12 +35,14 @@ from eaglenest.cli import at_least
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--per-length", type=int, default=1)
-    ap.add_argument("--rounds", type=at_least(1), default=1)
-    ap.add_argument("--target", default="assets/tiny-target")
-    ap.add_argument("--manifest", default="recipes/manifests/long.yaml")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The manifest's compose.target_tokens floor: the Compose built below skips the manifest's validation.
+    ap.add_argument("--lengths", type=at_least(256), nargs="+", default=[2048, 8192],
+                    help="target lengths in tokens of the composed conversations (each >= 256)")
+    ap.add_argument("--per-length", type=at_least(1), default=1, help="conversations per length")
+    ap.add_argument("--rounds", type=at_least(1), default=1, help="rounds (arms alternated; median [min, max])")
+    ap.add_argument("--target", default="assets/tiny-target", help="the target model folder")
+    ap.add_argument("--manifest", default="recipes/manifests/long.yaml", help="the manifest of the long_chat sources")
     a = ap.parse_args()
 
     import numpy as np

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from eaglenest.cli import at_least
+
 # The set-up the ingest benches share (bench/ is not a package: loaded from the file beside this one).
 _spec = importlib.util.spec_from_file_location("_bench_ingest_common", Path(__file__).with_name("ingest_common.py"))
 C = importlib.util.module_from_spec(_spec)
@@ -41,7 +43,7 @@ def main() -> None:
     ap = C.add_args(argparse.ArgumentParser())
     ap.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens")
     ap.add_argument("--legacy", action="store_true", help="also time the pre-streaming per-shard path")
-    ap.add_argument("--commit-every", type=int, default=64)
+    ap.add_argument("--commit-every", type=at_least(1), default=64, help="prompts per shard commit")
     a = ap.parse_args()
 
     from vllm import SamplingParams

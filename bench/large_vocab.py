@@ -114,21 +114,26 @@ def _ratio(xs: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vocab", type=int, default=152064, help="target vocabulary (Qwen2.5: 152064)")
-    ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--tokens", type=int, default=4096, help="tokens per packed row (one row per step)")
-    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--vocab", type=at_least(1), default=152064, help="target vocabulary (Qwen2.5: 152064)")
+    ap.add_argument("--draft-vocab", type=at_least(1), default=32000, help="the draft's vocabulary")
+    ap.add_argument("--hidden", type=at_least(1), default=256, help="hidden size")
+    ap.add_argument("--tokens", type=at_least(1), default=4096, help="tokens per packed row (one row per step)")
+    ap.add_argument("--ttt-steps", type=at_least(1), default=7, help="train.ttt_steps")
     ap.add_argument("--chunks", default="0,2048", help="train.target_chunk_tokens per variant (0 = plain)")
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per variant (after one warm-up)")
-    ap.add_argument("--rounds", type=at_least(1), default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=at_least(1), default=2, help="timed steps per variant (after one warm-up)")
+    ap.add_argument("--rounds", type=at_least(1), default=2, help="rounds (arms alternated; median [min, max])")
+    ap.add_argument("--threads", type=at_least(1), default=2, help="torch threads of each variant's process")
     ap.add_argument("--tiny", action="store_true", help="seconds-long smoke run (vocab 4096, 256 tokens)")
     args = ap.parse_args(argv)
     if args.tiny:
         args.vocab, args.draft_vocab, args.hidden, args.tokens, args.ttt_steps = 4096, 512, 32, 256, 2
         args.chunks, args.steps, args.rounds = "0,64", 1, 1
-    chunks = [int(c) for c in args.chunks.split(",")]
+    try:
+        chunks = [int(c) for c in args.chunks.split(",")]
+    except ValueError:
+        chunks = [-1]
+    if min(chunks) < 0:
+        ap.error(f"--chunks: a comma list of train.target_chunk_tokens (0 = plain), got {args.chunks!r}")
     base = dict(vocab=args.vocab, draft_vocab=args.draft_vocab, hidden=args.hidden, tokens=args.tokens,
                 ttt_steps=args.ttt_steps, steps=args.steps, threads=args.threads)
     rounds: list[dict[int, dict]] = []

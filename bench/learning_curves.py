@@ -42,6 +42,55 @@ def _run(cmd: list[str], log: Path) -> float:
     return time.perf_counter() - t0
 
 
+def load_rows(path: Path) -> list[dict]:
+    """The rows a results file (one JSON object a line) holds. A last line cut short (the bench was
+    killed while appending it) is cut off the file, so the re-run measures that point again and its
+    append starts on a line of its own instead of gluing onto the torn one."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    if whole != data:
+        print(f"{path}: its last line was cut short (an interrupted run): dropped, that point is measured again",
+              file=sys.stderr)
+        with path.open("r+b") as f:
+            f.truncate(len(whole))
+    rows = []
+    for number, line in enumerate(whole.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            print(f"error: {path}: line {number} is not a JSON row; mend or delete it", file=sys.stderr)
+            raise SystemExit(2) from None
+    return rows
+
+
+def variant(text: str) -> tuple[str, list[str]]:
+    """An argparse ``type`` for ``--variant name=override[,override...]``."""
+    name, sep, overrides = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected name=override[,override...] (name= for the recipe as is), "
+                                         f"got {text!r}")
+    return name, [o for o in overrides.split(",") if o]
+
+
+def int_list(low: int, *, empty: bool = False):
+    """An argparse ``type``: a comma list of whole numbers, each >= ``low`` ('' = none, where ``empty``)."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = None
+        if values is None or (not values and not empty) or any(v < low for v in values):
+            raise argparse.ArgumentTypeError(f"a comma list of whole numbers, each >= {low}, got {text!r}")
+        return values
+
+    parse.__name__ = f"comma list of ints >= {low}"
+    return parse
+
+
 def measure(recipe: str, workdir: Path, name: str, overrides: list[str], epochs: int, log: Path) -> dict:
     tag = f"{name}_e{epochs}".replace("+", "_")
     common = ["--recipe", recipe, f"run.workdir={workdir}"]
@@ -76,19 +125,19 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default="recipes/toy.yaml")
+    p.add_argument("--recipe", default="recipes/toy.yaml", help="the recipe every variant starts from")
     p.add_argument("--workdir", default="runs/toy", help="run directory holding the demo store")
-    p.add_argument("--epochs", default="2,10")
-    p.add_argument("--variant", action="append", default=[], help="name=override[,override...]")
+    p.add_argument("--epochs", type=int_list(1), default="2,10", help="comma list of epochs, one point each")
+    p.add_argument("--variant", type=variant, action="append", default=[],
+                   help="name=override[,override...] (repeatable; default: default=, the recipe as is)")
     args = p.parse_args()
-    variants = [(v.split("=", 1)[0], [o for o in v.split("=", 1)[1].split(",") if o]) for v in
-                (args.variant or ["default="])]
+    variants = args.variant or [("default", [])]
     workdir = Path(args.workdir).resolve()
     (workdir / "lc").mkdir(parents=True, exist_ok=True)
     results = workdir / "learning_curves.jsonl"
-    rows = [json.loads(x) for x in results.read_text().splitlines()] if results.is_file() else []
+    rows = load_rows(results)
     log = workdir / "lc" / "log.txt"
-    for epochs in [int(e) for e in args.epochs.split(",")]:
+    for epochs in args.epochs:
         for name, overrides in variants:
             if any(r["variant"] == name and r["epochs"] == epochs and r["overrides"] == overrides for r in rows):
                 continue

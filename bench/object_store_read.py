@@ -35,6 +35,10 @@ from pathlib import Path
 from eaglenest.cli import at_least
 
 HERE = Path(__file__).resolve().parent
+# featurestore_write.py's --dir check and SIGTERM unwinding (bench/ is not a package: loaded from beside this file)
+_spec = importlib.util.spec_from_file_location("_bench_featurestore_write", HERE / "featurestore_write.py")
+W = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(W)
 
 
 def _helpers():
@@ -96,13 +100,13 @@ def read_all(uri: str, order: list[int], threads: int | None) -> tuple[int, floa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=24)
-    ap.add_argument("--tokens", type=int, default=128, help="tokens per sample")
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--rounds", type=at_least(1), default=5)
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--samples", type=at_least(1), default=24, help="samples in the table")
+    ap.add_argument("--tokens", type=at_least(1), default=128, help="tokens per sample")
+    ap.add_argument("--hidden", type=at_least(1), default=1024, help="the target's hidden size")
+    ap.add_argument("--rounds", type=at_least(1), default=5, help="rounds (arms alternated; median [min, max])")
+    ap.add_argument("--threads", type=at_least(1), default=None,
                     help="samples in flight, fixed (default: chosen by the reader, as in training)")
-    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--dir", type=W.scratch_dir, default="/tmp", help="parent of the local store's temporary directory")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -151,4 +155,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(W.run_unwinding(main))

@@ -19,6 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from eaglenest.cli import at_least
+from eaglenest.errors import EaglenestError
+
 
 def weight_error(draft_dir: Path, ref_dir: Path) -> dict:
     import torch
@@ -42,11 +45,11 @@ def weight_error(draft_dir: Path, ref_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", default="runs/toy")
-    p.add_argument("--target", default="assets/tiny-target")
-    p.add_argument("--out", default="/tmp/eaglenest-bench-fp8")
-    p.add_argument("--max-prompts-per-domain", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--workdir", default="runs/toy", help="run directory holding the demo's checkpoint and store")
+    p.add_argument("--target", default="assets/tiny-target", help="the target model folder")
+    p.add_argument("--out", default="/tmp/eaglenest-bench-fp8", help="folder for the three exports and results.json")
+    p.add_argument("--max-prompts-per-domain", type=at_least(0), default=0, help="held-out prompts per domain (0: all)")
+    p.add_argument("--max-tokens", type=at_least(1), default=160, help="tokens generated per prompt")
     p.add_argument("--served", action="store_true", help="also serve each draft in vLLM and read its AL")
     a = p.parse_args(argv)
 
@@ -56,9 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     from eaglenest.serve.export import export_draft
 
     work, out = Path(a.workdir), Path(a.out)
-    drafts = {name: export_draft(work / "train", out / name, target_dir=a.target, dtype=dtype, quantization=q)
-              for name, dtype, q in (("native", "auto", "none"), ("bf16", "bfloat16", "none"),
-                                     ("fp8", "auto", "fp8"))}
+    # An --out that cannot be written or a missing checkpoint: one line, before any AL is measured.
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out {out}: {exc.strerror}")
+    try:
+        drafts = {name: export_draft(work / "train", out / name, target_dir=a.target, dtype=dtype, quantization=q)
+                  for name, dtype, q in (("native", "auto", "none"), ("bf16", "bfloat16", "none"),
+                                         ("fp8", "auto", "fp8"))}
+    except EaglenestError as exc:
+        p.error(str(exc))
     errs = weight_error(drafts["fp8"], drafts["native"])
     worst = max(r["max_err_over_row_amax"] for r in errs.values())
     print(f"FP8 linears: {len(errs)}; worst per-channel max|w - q*s| / amax(row) = {worst:.4f} "

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from eaglenest.errors import EaglenestError
+
 DEFAULTS = ["evaluate.concurrency=[1,4,16,64]", "evaluate.throughput_seeds=[0,1,2,3,4]",
             "evaluate.throughput_max_tokens=64", "evaluate.throughput_prompts=32"]
 
@@ -40,8 +42,9 @@ def speedup_lines(speedup: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default="recipes/toy.yaml")
-    p.add_argument("--out", default="/tmp/eaglenest-bench-throughput")
+    p.add_argument("--recipe", default="recipes/toy.yaml", help="the recipe (its run.workdir holds the draft)")
+    p.add_argument("--out", default="/tmp/eaglenest-bench-throughput",
+                   help="folder for throughput.json/.md/.png and the servers' logs")
     p.add_argument("overrides", nargs="*", help="recipe overrides (section.key=value)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -52,10 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     from eaglenest.provenance import write_json_atomic, write_provenance
     from eaglenest.recipe import load_recipe
 
-    recipe = load_recipe(a.recipe, DEFAULTS + a.overrides)
+    # Everything a user can get wrong is refused in one line before the two servers start.
+    try:
+        recipe = load_recipe(a.recipe, DEFAULTS + a.overrides)
+    except EaglenestError as exc:
+        p.error(str(exc))
     draft = draft_dir(recipe)
+    if not Path(draft).is_dir():
+        p.error(f"{draft}: no exported draft (run `serve export` first, or set evaluate.draft)")
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out {out}: {exc.strerror}")
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     result = run_sweep(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri, cfg=recipe.evaluate,

@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from eaglenest.cli import at_least
+
 
 def _rss_mib(pids) -> float:
     import psutil
@@ -72,15 +74,21 @@ def run_once(target: str, depth: int, seqs, sleep_s: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="assets/tiny-target")
-    ap.add_argument("--samples", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=500)
-    ap.add_argument("--depths", default="2,16")
-    ap.add_argument("--sleep-s", type=float, default=0.5)
+    ap.add_argument("--target", default="assets/tiny-target", help="the target model folder")
+    ap.add_argument("--samples", type=at_least(1), default=32, help="captures streamed per depth")
+    ap.add_argument("--tokens", type=at_least(1), default=500, help="tokens per capture")
+    ap.add_argument("--depths", default="2,16", help="comma list of train.stream.depth values, one run each")
+    ap.add_argument("--sleep-s", type=float, default=0.5, help="the slow consumer's pause per capture")
     args = ap.parse_args()
+    try:
+        depths = [int(d) for d in args.depths.split(",")]
+    except ValueError:
+        depths = [0]
+    if min(depths) < 1:
+        ap.error(f"--depths: a comma list of depths, each >= 1, got {args.depths!r}")
     rng = np.random.default_rng(0)
     seqs = [rng.integers(3, 2000, args.tokens).tolist() for _ in range(args.samples)]
-    rows = [run_once(args.target, int(d), seqs, args.sleep_s) for d in args.depths.split(",")]
+    rows = [run_once(args.target, d, seqs, args.sleep_s) for d in depths]
     for r in rows:
         ratio = r["consumer_growth_mib"] / (r["depth"] * r["capture_mib"])
         print(f"depth {r['depth']:3d}: max in flight {r['in_flight']:3d}; consumer RSS growth "

@@ -98,17 +98,19 @@ def run_gloo(args) -> float:
         child.join(30)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--frames", type=int, default=12)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--rounds", type=at_least(1), default=3)
-    ap.add_argument("--train-tokens-per-s", type=float, default=20000.0)
-    args = ap.parse_args()
+    # The rate is timed from the first frame handed out to the last: two frames at least.
+    ap.add_argument("--frames", type=at_least(2), default=12, help="captures per round (timed after the first)")
+    ap.add_argument("--tokens", type=at_least(1), default=2048, help="tokens per capture")
+    ap.add_argument("--layers", type=at_least(1), default=4, help="hidden-state layers per capture")
+    ap.add_argument("--hidden", type=at_least(1), default=4096, help="hidden size")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the hidden states' dtype")
+    ap.add_argument("--depth", type=at_least(1), default=4, help="captures in flight (train.stream.depth)")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (arms alternated; median [min, max])")
+    ap.add_argument("--train-tokens-per-s", type=float, default=20000.0,
+                    help="tokens/s one trainer GPU consumes (assumed), for the bandwidth it needs")
+    args = ap.parse_args(argv)
     frame_bytes = args.tokens * args.layers * args.hidden * (2 if args.dtype == "bfloat16" else 4)
     moved = frame_bytes * (args.frames - 1)
     rates = {"unix": [], "gloo": []}

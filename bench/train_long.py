@@ -157,20 +157,25 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="2048,8192,16384,32768", help="tokens per sample (one row per step)")
-    ap.add_argument("--hidden", type=int, default=128, help="target/draft hidden size (128 = the tiny target)")
-    ap.add_argument("--ttt-steps", type=int, default=1, help="train.ttt_steps (memory and time grow with it)")
-    ap.add_argument("--chunk", type=int, default=2048, help="train.attn_chunk_tokens")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cp", type=int, default=2, help="CP ranks at the longest length (0: skip)")
-    ap.add_argument("--doc-tokens", type=int, default=0, help="documents of this many tokens per row (0: one)")
-    ap.add_argument("--window", type=int, default=0, help="the draft's sliding window (train.sliding_window)")
+    ap.add_argument("--hidden", type=at_least(1), default=128, help="target/draft hidden size (128 = the tiny target)")
+    ap.add_argument("--ttt-steps", type=at_least(1), default=1, help="train.ttt_steps (memory and time grow with it)")
+    ap.add_argument("--chunk", type=at_least(1), default=2048, help="train.attn_chunk_tokens")
+    ap.add_argument("--threads", type=at_least(1), default=2, help="torch threads of each child process")
+    ap.add_argument("--cp", type=at_least(0), default=2, help="CP ranks at the longest length (0: skip)")
+    ap.add_argument("--doc-tokens", type=at_least(0), default=0, help="documents of this many tokens per row (0: one)")
+    ap.add_argument("--window", type=at_least(0), default=0, help="the draft's sliding window (train.sliding_window)")
     ap.add_argument("--skip-compare", action="store_true",
                     help="each length with and without skipping masked keys, side by side")
-    ap.add_argument("--chunk-compare", type=int, default=0, metavar="C",
+    ap.add_argument("--chunk-compare", type=at_least(0), default=0, metavar="C",
                     help="each length at --chunk and at C query tokens per chunk, side by side, --rounds times")
     ap.add_argument("--rounds", type=at_least(1), default=2, help="rounds of --chunk-compare (arms alternated)")
     args = ap.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        lengths = [0]
+    if min(lengths) < 1:
+        ap.error(f"--lengths: a comma list of tokens per sample, each >= 1, got {args.lengths!r}")
     if args.skip_compare:
         return skip_compare(lengths, args)
     if args.chunk_compare:

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from eaglenest.cli import at_least
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -192,16 +194,25 @@ def bench_gpu(steps: int, peak_tflops: float, seq: int, k: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", help="features store (e.g. <workdir>/store) for the trainer section")
-    ap.add_argument("--target", default=str(ROOT / "assets" / "tiny-target"))
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--ttt-repeats", type=int, default=5)
+    ap.add_argument("--target", default=str(ROOT / "assets" / "tiny-target"), help="the target model folder")
+    ap.add_argument("--steps", type=at_least(1), default=20, help="timed trainer steps")
+    ap.add_argument("--ttt-repeats", type=at_least(1), default=5, help="repeats of the fast vs reference TTT timing")
     ap.add_argument("--long", default="", help="comma-separated row lengths for the memory sweep")
-    ap.add_argument("--long-ttt-steps", type=int, default=2)
-    ap.add_argument("--chunk", type=int, default=2048, help="train.attn_chunk_tokens for --long")
+    ap.add_argument("--long-ttt-steps", type=at_least(1), default=2, help="train.ttt_steps of the memory sweep")
+    ap.add_argument("--chunk", type=at_least(1), default=2048, help="train.attn_chunk_tokens for --long")
     ap.add_argument("--gpu", action="store_true", help="the GPU variant (bf16, FSDP2)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak")
-    ap.add_argument("--gpu-seq", type=int, default=4096)
+    ap.add_argument("--gpu-seq", type=at_least(1), default=4096, help="tokens per row of the GPU variant")
     args = ap.parse_args()
+    # Refused before the TTT timing runs, not after it (which lost that section).
+    try:
+        lengths = [int(x) for x in args.long.split(",") if x]
+    except ValueError:
+        lengths = [0]
+    if lengths and min(lengths) < 1:
+        ap.error(f"--long: a comma list of row lengths, each >= 1, got {args.long!r}")
+    if args.store and "://" not in args.store and not Path(args.store).is_dir():
+        ap.error(f"--store {args.store}: no such store folder")
     import torch  # after parsing: --help stays light
 
     report: dict = {"torch": torch.__version__, "threads": torch.get_num_threads()}
@@ -214,8 +225,8 @@ def main() -> None:
         print(json.dumps({"ttt": report["ttt"]}), flush=True)
         if args.store:
             report["trainer"] = bench_trainer(args.store, args.target, args.steps)
-        if args.long:
-            report["long"] = bench_long([int(x) for x in args.long.split(",")], args.long_ttt_steps, args.chunk)
+        if lengths:
+            report["long"] = bench_long(lengths, args.long_ttt_steps, args.chunk)
     print(json.dumps(report, indent=2))
 
 

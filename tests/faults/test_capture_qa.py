@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
+
+HERE = Path(__file__).resolve().parents[1] / "featurestore"
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import fs_helpers as H  # noqa: E402
 
 from eaglenest.engine import EngineConfig
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.capture import build, policy
+from eaglenest.featurestore.capture import build
 from eaglenest.featurestore.capture.engine import Capturer
 from eaglenest.featurestore.config import FeaturestoreConfig
 from eaglenest.featurestore.table import store
@@ -24,27 +29,17 @@ CFG = FeaturestoreConfig(engine=EngineConfig(max_model_len=256, memory_fraction=
 
 
 def _rows(n: int) -> list[dict]:
-    rng = np.random.default_rng(0)
-    return [{"sample_id": f"s-{i:03d}", "domain": "d", "source": "synthetic", "split": "train", "mode": "raw",
-             "messages_json": "[]", "prompt_token_ids": rng.integers(3, 2000, 10).tolist(),
-             "response_token_ids": rng.integers(3, 2000, 12).tolist(), "finish_reason": "length",
-             "gen_params_id": "g0"} for i in range(n)]
+    return H.prompt_rows(n, seed=0)
 
 
 def _store(tmp_path, rows: list[dict], target) -> str:
-    uri = str(tmp_path / "store")
-    store.append(uri, store.PROMPTS, pa.Table.from_pylist(rows, schema=S.PROMPTS_SCHEMA),
-                 lineage={"stage": "ingest", "shard": 0, **policy.lineage_record(str(target))})
-    return uri
+    return H.prompts_store(tmp_path, rows, target)
 
 
 @pytest.fixture
 def no_engine(monkeypatch):
     """Fails the test if the capture gets as far as starting its engine."""
-    def started(*args, **kwargs):
-        raise AssertionError("the capture started an engine before refusing its input")
-
-    monkeypatch.setattr(build, "Capturer", started)
+    H.forbid_capture_engine(monkeypatch)
 
 
 @pytest.mark.parametrize("bad", [2048, 50000, -1])

@@ -47,3 +47,32 @@ def big_table(uri: str, *, rows: int, row_mib: int) -> None:
                           "input_ids": [0] * tokens, "loss_mask": [0] + [1] * (tokens - 1),
                           "aux_hidden": S.encode_tensor(aux, m.dtype), "last_hidden": S.encode_tensor(last, m.dtype)})
         store.append(uri, store.FEATURES, pa.Table.from_pylist(batch, schema=S.features_schema(m)), meta=m)
+
+
+def prompt_rows(n: int, *, seed: int = 0) -> list[dict]:
+    """``n`` rows of a prompts table: random token ids, as `featurestore capture` reads them."""
+    rng = np.random.default_rng(seed)
+    return [{"sample_id": f"s-{i:03d}", "domain": "d", "source": "synthetic", "split": "train", "mode": "raw",
+             "messages_json": "[]", "prompt_token_ids": rng.integers(3, 2000, 10).tolist(),
+             "response_token_ids": rng.integers(3, 2000, 12).tolist(), "finish_reason": "length",
+             "gen_params_id": "g0"} for i in range(n)]
+
+
+def prompts_store(tmp_path, rows: list[dict], target) -> str:
+    """A store at ``tmp_path/store`` whose prompts table holds ``rows``, generated (as lineage says) by ``target``."""
+    from eaglenest.featurestore.capture import policy
+
+    uri = str(tmp_path / "store")
+    store.append(uri, store.PROMPTS, pa.Table.from_pylist(rows, schema=S.PROMPTS_SCHEMA),
+                 lineage={"stage": "ingest", "shard": 0, **policy.lineage_record(str(target))})
+    return uri
+
+
+def forbid_capture_engine(monkeypatch) -> None:
+    """Fail the test if a capture gets as far as starting its engine."""
+    from eaglenest.featurestore.capture import build
+
+    def started(*args, **kwargs):
+        raise AssertionError("the capture started an engine before refusing its input")
+
+    monkeypatch.setattr(build, "Capturer", started)

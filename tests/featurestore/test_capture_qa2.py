@@ -20,7 +20,7 @@ import pytest
 from eaglenest.engine import EngineConfig
 from eaglenest.errors import ConfigError, SchemaError, StoreError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.capture import build, identity, policy
+from eaglenest.featurestore.capture import build, identity
 from eaglenest.featurestore.capture.publish import Publisher
 from eaglenest.featurestore.cli import main as featurestore_main
 from eaglenest.featurestore.config import FeaturestoreConfig
@@ -29,31 +29,23 @@ from eaglenest.featurestore.stream.xhost import PROTOCOL, RankStream, serve
 from eaglenest.featurestore.table import store
 from eaglenest.train.stream_source import StreamShards
 
+import fs_helpers  # on sys.path via conftest
+
 CFG = FeaturestoreConfig(engine=EngineConfig(max_model_len=64, memory_fraction=0.1))
 
 
 def _rows(n: int) -> list[dict]:
-    rng = np.random.default_rng(1)
-    return [{"sample_id": f"s-{i:03d}", "domain": "d", "source": "synthetic", "split": "train", "mode": "raw",
-             "messages_json": "[]", "prompt_token_ids": rng.integers(3, 2000, 10).tolist(),
-             "response_token_ids": rng.integers(3, 2000, 12).tolist(), "finish_reason": "length",
-             "gen_params_id": "g0"} for i in range(n)]
+    return fs_helpers.prompt_rows(n, seed=1)
 
 
 def _store(tmp_path, rows: list[dict], target) -> str:
-    uri = str(tmp_path / "store")
-    store.append(uri, store.PROMPTS, pa.Table.from_pylist(rows, schema=S.PROMPTS_SCHEMA),
-                 lineage={"stage": "ingest", "shard": 0, **policy.lineage_record(str(target))})
-    return uri
+    return fs_helpers.prompts_store(tmp_path, rows, target)
 
 
 @pytest.fixture
 def no_engine(monkeypatch):
     """Fails the test if the capture gets as far as starting its engine."""
-    def started(*args, **kwargs):
-        raise AssertionError("the capture started an engine before refusing its input")
-
-    monkeypatch.setattr(build, "Capturer", started)
+    fs_helpers.forbid_capture_engine(monkeypatch)
 
 
 def _stream(uri: str, target) -> StreamShards:

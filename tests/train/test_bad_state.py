@@ -213,13 +213,14 @@ def test_the_same_weights_save_to_the_same_bytes(tmp_path, finished, tiny_target
 
 @pytest.mark.parametrize("overrides, key", [
     (["train.ttt_steps=200"], "train.ttt_steps"),
-    (["train.family=peagle", "train.peagle.num_slots=100000"], "train.peagle.num_slots"),
+    (["train.family=peagle", "train.peagle.num_slots=512"], "train.peagle.num_slots"),
     (["train.family=peagle", "train.peagle.anchors_per_row=1000000"], "train.peagle.anchors_per_row"),
-    (["train.family=dflash", "train.dflash.block_size=100000"], "train.dflash.block_size"),
+    (["train.family=dflash", "train.dflash.block_size=512"], "train.dflash.block_size"),
     (["train.batch_rows=100000"], "train.batch_rows"),
     (["train.pack_tokens=50000000"], "train.pack_tokens"),
 ])
 def test_the_memory_refusal_names_the_key_that_drives_it(overrides, key):
+    """(A P-EAGLE/DFlash depth past a packed row, 512 tokens here, is refused when the recipe loads.)"""
     recipe = load_recipe(RECIPE, overrides)
     with pytest.raises(ConfigError) as e:
         commands.check_fit(recipe, available=8 << 30)  # none is run: estimates only

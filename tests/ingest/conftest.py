@@ -17,6 +17,10 @@ import urllib.request
 
 import pytest
 
+HERE = __import__("pathlib").Path(__file__).parent
+if str(HERE) not in sys.path:  # the helper modules (ingest_helpers.py), as the feature-store tests do
+    sys.path.insert(0, str(HERE))
+
 CAPS = {"arithmetic": 14, "code": 10}
 
 

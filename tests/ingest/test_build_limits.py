@@ -16,11 +16,12 @@ from eaglenest.engine import EngineConfig, close_llm, make_llm
 from eaglenest.featurestore.table import store
 from eaglenest.hf import load_tokenizer
 from eaglenest.ingest import build as build_module
-from eaglenest.ingest.backends import Completion
 from eaglenest.ingest.build import build, prompt_tokens
 from eaglenest.ingest.config import IngestConfig
 from eaglenest.ingest.manifest import Manifest
 from eaglenest.ingest.pool import PoolEntry
+
+from ingest_helpers import Scripted  # tests/ingest on sys.path via conftest
 
 
 def _manifest() -> Manifest:
@@ -32,31 +33,6 @@ def _manifest() -> Manifest:
 def _entry(name: str, prompt: str, *, domain: str = "d", mode: str = "chat", split: str = "train") -> PoolEntry:
     return PoolEntry(sample_id=f"{domain}-{name}", domain=domain, source="s", split=split, mode=mode,
                      system="", prompt=prompt)
-
-
-class Scripted:
-    """Answers every request at once: ``think`` prompts with an open think block cut by max_tokens."""
-
-    chat_template_kwargs: dict = {}
-    max_in_flight = 8
-    retries = 0
-
-    def __init__(self, tok):
-        self.tok, self.ready, self.requests = tok, [], []
-
-    def submit(self, key, kind, payload, gen):
-        self.requests.append(key)
-        text = payload if kind == "raw" else payload[-1]["content"]
-        answer = "<think> still going" if "think" in text else "fine."
-        self.ready.append((key, Completion(self.tok(text)["input_ids"], self.tok(answer)["input_ids"], answer,
-                                           "length" if "think" in text else "stop")))
-
-    def poll(self):
-        out, self.ready = self.ready, []
-        return out
-
-    def cancel(self):
-        self.ready.clear()
 
 
 def test_prompts_past_max_model_len_are_left_out_before_any_engine(tmp_path, tiny_target):

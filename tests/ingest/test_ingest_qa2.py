@@ -14,10 +14,11 @@ from eaglenest.featurestore.table import store
 from eaglenest.hf import load_tokenizer
 from eaglenest.ingest import build as build_module
 from eaglenest.ingest import compose, contamination
-from eaglenest.ingest.backends import Completion
 from eaglenest.ingest.cli import main
 from eaglenest.ingest.manifest import Manifest, Source, check
 from eaglenest.ingest.pool import build_pool, load_source
+
+from ingest_helpers import Scripted  # tests/ingest on sys.path via conftest
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 LONG_INT = b"1" + b"0" * 5000  # past Python's 4300-digit limit for int("...")
@@ -108,34 +109,6 @@ def test_a_documents_domain_may_hold_documents_out():
 
 
 # -- a re-run under a changed manifest: the stored split stays, and is respected ----------------------------
-class Scripted:
-    """Answers every request at once with "fine." (the ``submit``/``poll`` protocol of ingest/backends.py):
-    what is tested is the build's bookkeeping, not generation (real vLLM: test_stream.py, test_kill.py)."""
-
-    chat_template_kwargs: dict = {}
-    max_in_flight = 8
-    retries = 0
-
-    def __init__(self, tok):
-        self.tok, self.ready, self.requests = tok, [], []
-
-    def submit(self, key, kind, payload, gen):
-        self.requests.append(key)
-        text = payload if kind == "raw" else payload[-1]["content"]
-        self.ready.append((key, Completion(self.tok(text)["input_ids"], self.tok("fine.")["input_ids"], "fine.",
-                                           "stop")))
-
-    def poll(self):
-        out, self.ready = self.ready, []
-        return out
-
-    def cancel(self):
-        self.ready.clear()
-
-    def close(self):
-        pass
-
-
 @pytest.fixture
 def scripted_build(tmp_path, tiny_target, monkeypatch, capsys):
     """``ingest build`` through the CLI with a scripted backend: (run(manifest text) -> (rc, stderr lines),

@@ -1,0 +1,35 @@
+"""A scripted regeneration backend for ingest tests of the build's bookkeeping (no engine)."""
+
+from __future__ import annotations
+
+from eaglenest.ingest.backends import Completion
+
+
+class Scripted:
+    """Answers every request at once (the ``submit``/``poll`` protocol of ingest/backends.py) with
+    "fine.", and a prompt holding ``think`` with an open think block cut by max_tokens: what is tested
+    is the build's bookkeeping, not generation (real vLLM: test_stream.py, test_kill.py)."""
+
+    chat_template_kwargs: dict = {}
+    max_in_flight = 8
+    retries = 0
+
+    def __init__(self, tok):
+        self.tok, self.ready, self.requests = tok, [], []
+
+    def submit(self, key, kind, payload, gen):
+        self.requests.append(key)
+        text = payload if kind == "raw" else payload[-1]["content"]
+        answer = "<think> still going" if "think" in text else "fine."
+        self.ready.append((key, Completion(self.tok(text)["input_ids"], self.tok(answer)["input_ids"], answer,
+                                           "length" if "think" in text else "stop")))
+
+    def poll(self):
+        out, self.ready = self.ready, []
+        return out
+
+    def cancel(self):
+        self.ready.clear()
+
+    def close(self):
+        pass

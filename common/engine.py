@@ -211,12 +211,21 @@ def speculative_config(draft: str, num_speculative_tokens: int) -> dict[str, Any
         log.warning("num_speculative_tokens %d is past the %d tokens a round the draft %s was trained to draft: "
                     "its proposals past %d come from positions it never learnt (acceptance falls; output stays "
                     "the target's)", num_speculative_tokens, trained, draft, trained)
-    if _is_dflash(cfg):
+    family = draft_family(cfg)
+    if family == "dflash":
         spec["method"] = "dflash"
-        return spec
-    if cfg.get("parallel_drafting") is True or cfg.get("speculators_model_type") == "peagle":
+    elif family == "peagle":
         spec["parallel_drafting"] = True
     return spec
+
+
+def draft_family(cfg: dict[str, Any]) -> str:
+    """The family of an exported draft from its config.json ``cfg`` (either format): ``dflash``,
+    ``peagle`` or ``eagle3``."""
+    if _is_dflash(cfg):
+        return "dflash"
+    return "peagle" if cfg.get("parallel_drafting") is True or cfg.get("speculators_model_type") == "peagle" \
+        else "eagle3"
 
 
 def _draft_config(draft: str) -> dict[str, Any]:

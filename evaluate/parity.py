@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from eaglenest.engine import close_llm, make_llm, speculative_config
+from eaglenest.engine import close_llm, draft_family, make_llm, speculative_config
 from eaglenest.errors import ConfigError
 from eaglenest.evaluate.offline import features, load_draft, load_target, propose
 from eaglenest.paths import read_json_object
@@ -138,14 +138,6 @@ def parity_check(*, target: str | Path, draft: str | Path, checkpoint: str | Pat
     return {"target": str(target), "served_draft": str(draft), "trained_checkpoint": str(checkpoint),
             "num_speculative_tokens": k, "max_tokens": max_tokens, **report,
             "per_request": {name: rows for name, rows in rounds.items()}}
-
-
-def draft_family(cfg: dict) -> str:
-    """The family of an exported draft from its config.json ``cfg`` (either format): dflash, peagle or eagle3."""
-    kind = cfg.get("speculators_model_type")
-    if isinstance(cfg.get("dflash_config"), dict) or kind == "dflash":
-        return "dflash"
-    return "peagle" if cfg.get("parallel_drafting") or kind == "peagle" else "eagle3"
 
 
 def _check_family(model, draft: str | Path, checkpoint: str | Path, key: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from eaglenest.tinytarget import corpus, longdata, longeval
-from eaglenest.tinytarget.long import EVAL_MATERIAL_SEED, LongConfig, load_recipe
+from eaglenest.tinytarget.longconfig import EVAL_MATERIAL_SEED, LongConfig, load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "assets" / "tiny-target-long"

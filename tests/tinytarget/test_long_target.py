@@ -16,7 +16,8 @@ from eaglenest.errors import ConfigError
 from eaglenest.evaluate.buckets import _prompt_seed
 from eaglenest.evaluate.longctx import generate
 from eaglenest.tinytarget import longdata, longeval
-from eaglenest.tinytarget.long import LongConfig, build, format_stages, main, parse_stages, remeasure
+from eaglenest.tinytarget.long import build, main, remeasure
+from eaglenest.tinytarget.longconfig import LongConfig, format_stages, load_recipe, parse_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ROOT / "assets" / "tiny-target"
@@ -236,7 +237,7 @@ phases:
     card = (out / "README.md").read_text()
     assert f"--recipe {recipe}" in card and "- `retrieval`: stages 256x1x1:copy+records, peak_lr 0.0005" in card
     assert "| circuit | 128 | 2 | 1 |" in card
-    cfg = LongConfig(**__import__("eaglenest.tinytarget.long", fromlist=["load_recipe"]).load_recipe(recipe))
+    cfg = LongConfig(**load_recipe(recipe))
     (n1, c1), (n2, c2) = cfg.training_phases()  # a phase's own setting, else the recipe's, else the default
     assert (c1.peak_lr, c1.token_weight, c1.adam_beta2) == (2e-3, 0, 0.98)
     assert (c2.peak_lr, c2.token_weight, c2.adam_beta2) == (5e-4, 1.0, 0.95)
@@ -265,8 +266,6 @@ def test_a_bad_recipe_is_one_line_and_writes_nothing(tmp_path, capsys, text, mes
 
 
 def test_the_committed_recipe_is_a_valid_build():
-    from eaglenest.tinytarget.long import load_recipe
-
     cfg = LongConfig(**load_recipe(ROOT / "recipes" / "tiny_target" / "long.yaml"))
     phases = cfg.training_phases()
     assert [n for n, _ in phases] == ["copy-circuit", "stretch", "retrieval", "many-keys", "answers", "long-rows"]

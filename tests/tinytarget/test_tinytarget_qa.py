@@ -13,7 +13,8 @@ import pytest
 
 from eaglenest.errors import ConfigError
 from eaglenest.tinytarget import archs, engine_check
-from eaglenest.tinytarget.long import LongConfig, main, parse_stages
+from eaglenest.tinytarget.long import main
+from eaglenest.tinytarget.longconfig import LongConfig, parse_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ROOT / "assets" / "tiny-target"

@@ -282,7 +282,7 @@ def _read_dropped(path) -> dict[str, dict[str, str]]:
         return {}
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth: as unreadable
         log.warning("%s is not valid JSON: earlier drops are tried again", path)
         return {}
     if not isinstance(data, dict) or not all(isinstance(ids, dict) for ids in data.values()):

@@ -76,6 +76,17 @@ def empty_pool(path, pool_report: dict, contaminated: int) -> str:
             f"after dedup and caps, {contaminated} of them contaminated)")
 
 
+def all_held_out(manifest, pool_report: dict) -> list[str]:
+    """Warnings for domains whose ``held_out_count`` takes every prompt kept (none is trained on)."""
+    lines = []
+    for domain, counts in pool_report.get("domains", {}).items():
+        kind, value = manifest.held_out(domain)
+        if kind == "count" and counts["kept"] and counts["held_out"] == counts["kept"]:
+            lines.append(f"ingest: warning: domain {domain}: held_out_count {value} takes all {counts['kept']} of its "
+                         "prompts: none of them is trained on (lower held_out_count, or add prompts)")
+    return lines
+
+
 def check_long(manifest, recipe) -> None:
     """Refuse a manifest whose longest composed conversation (``compose.py``) the regeneration
     engine cannot hold: past ``ingest.engine.max_model_len``, or past memory (``memfit``)."""
@@ -100,6 +111,8 @@ def cmd_build(recipe, args) -> int:
     pool_report: dict = {}
     pool = load_pool(manifest, target=recipe.run.target, report=pool_report,  # all before anything is written
                      trust_remote_code=recipe.run.trust_remote_code)
+    for line in all_held_out(manifest, pool_report):  # before any engine starts: a mistake is stopped cheaply
+        print(line, file=sys.stderr)
     out = recipe.run.path("ingest")
     # Before the store is read, any engine starts or anything is committed; not kept: run.store may
     # still be refused.

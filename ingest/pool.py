@@ -239,7 +239,8 @@ def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
     """Pure: the pool from the rows loaded per domain (``loaded[domain]``).
 
     ``count_tokens`` (text -> number of target tokens) is needed only by domains with ``cap_tokens``.
-    ``report``, if given, receives per-domain counts: rows, empty, exact and near duplicates, kept.
+    ``report``, if given, receives per-domain counts: rows, empty, exact and near duplicates, kept, and of
+    the kept ones held out.
     """
     pool: list[PoolEntry] = []
     seen: set[str] = set()
@@ -287,10 +288,10 @@ def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
         if near is not None:
             for key in chosen:
                 near.add(key, sketches[key])
-        counts["kept"] = len(chosen)
+        held = _heldout_keys(manifest, domain, chosen)
+        counts["kept"], counts["held_out"] = len(chosen), len(held)
         if report is not None:
             report.setdefault("domains", {})[domain] = counts
-        held = _heldout_keys(manifest, domain, chosen)
         for key in chosen:
             turns, system, source = cands[key]
             heldout = key in held

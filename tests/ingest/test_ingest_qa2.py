@@ -382,3 +382,32 @@ def test_build_names_the_manifest_file_of_a_bad_key(tmp_path, capsys, edit, says
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"ingest: error: {manifest}: {says}"), err
     assert not work.exists()
+
+
+# -- a held_out_count that takes a whole domain ------------------------------------------------------------
+@pytest.mark.parametrize("held, warned", [("held_out_count: 5", True), ("held_out_count: 3", True),
+                                          ("held_out_count: 2", False)])
+def test_a_held_out_count_that_takes_every_prompt_of_a_domain_is_warned_of(tmp_path, scripted_build, held, warned):
+    # held_out_count 5 over a domain of 3 prompts held all three out: nothing of the domain was trained on
+    # and nothing said so (a held_out_fraction is under 1, so never takes a whole domain on purpose).
+    run, uri, _ = scripted_build
+    src = tmp_path / "s.jsonl"
+    src.write_text("".join(f'{{"prompt": "question number {i}"}}\n' for i in range(3)))
+    rc, err = run(f"name: t\nlicence: x\nraw_fraction: 0.0\ndomains:\n  a:\n    cap_prompts: 9\n    {held}\n"
+                  f"    sources:\n      - path: {src}\n        provenance: p\n")
+    assert rc == 0, err
+    lines = [line for line in err if "none of them is trained on" in line]
+    assert len(lines) == int(warned), err
+    if warned:
+        assert lines[0].startswith("ingest: warning: domain a: held_out_count ") and "all 3 of its prompts" in lines[0]
+    stats = json.loads((tmp_path / "work" / "ingest" / "stats.json").read_text())
+    splits = list(_splits(uri).values())
+    assert stats["pool"]["domains"]["a"]["held_out"] == splits.count("heldout") == min(3, int(held.split()[-1]))
+
+
+def test_a_drops_file_nested_past_the_parsers_depth_is_read_as_unreadable(tmp_path, caplog):
+    # json.loads raises RecursionError (not ValueError) on it: `ingest build` died with a traceback.
+    path = tmp_path / "thinking_truncated.json"
+    path.write_bytes(DEEP)
+    assert build_module._read_dropped(path) == {}
+    assert "is not valid JSON" in caplog.text and str(path) in caplog.text

@@ -83,4 +83,5 @@ def test_rows_without_a_user_turn_are_counted_as_empty(tmp_path):
     report: dict = {}
     pool = build_pool(_manifest(), {"a": rows}, report=report)
     assert [e.prompt for e in pool] == ["q"]
-    assert report["domains"]["a"] == {"rows": 3, "empty": 2, "exact_duplicates": 0, "near_duplicates": 0, "kept": 1}
+    assert report["domains"]["a"] == {"rows": 3, "empty": 2, "exact_duplicates": 0, "near_duplicates": 0, "kept": 1,
+                                      "held_out": 0}

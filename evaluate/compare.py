@@ -15,6 +15,7 @@ from pathlib import Path
 
 from eaglenest.errors import EaglenestError
 from eaglenest.paths import make_dir, shown_path
+from eaglenest.evaluate.report import md_cell
 from eaglenest.evaluate.run import evaluate_al
 from eaglenest.evaluate.settings import evaluate_config
 from eaglenest.provenance import write_json_atomic, write_text_atomic
@@ -112,7 +113,7 @@ def side_by_side(a: dict, b: dict, *, names: tuple[str, str] = ("A", "B")) -> st
             for key in ("acceptance_length", "acceptance_length_per_request"):
                 u, v = x.get(key), y.get(key)
                 cells += [_f(u), _f(v), _f(v - u) if u is not None and v is not None else "-"]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            lines.append(f"| {md_cell(name)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -20,12 +20,18 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
+def md_cell(text) -> str:
+    """``text`` as one Markdown table cell: a ``|`` escaped, line breaks as spaces (a group is a
+    prompt file's ``category``, any text)."""
+    return " ".join(str(text).replace("|", "\\|").split())
+
+
 def _table(rows: list[tuple[str, dict]], k: int, first: str, extra: tuple[str, ...] = ()) -> list[str]:
     head = [first, *extra, "prompts", "AL pooled", "AL per-request", "accept rate"] + [f"pos {i + 1}" for i in range(k)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, d in rows:
         pos = list(d.get("acceptance_by_position") or []) + [None] * k
-        cells = [name, *(d.get(e) for e in extra), d["prompts"], d["acceptance_length"],
+        cells = [md_cell(name), *(d.get(e) for e in extra), d["prompts"], d["acceptance_length"],
                  d.get("acceptance_length_per_request"), d["acceptance_rate"], *pos[:k]]
         lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
     return lines

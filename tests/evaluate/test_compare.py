@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 from eaglenest.evaluate.cli import main
+from eaglenest.evaluate.compare import side_by_side
+from eaglenest.evaluate.report import markdown
 
 
 def _report(al, draft):
@@ -39,3 +41,22 @@ def test_context_buckets_are_compared_in_token_order():
            "context_buckets": {k: row for k in ("1024", "16384", "2048", "32768", "4096", "8192")}}
     names = [ln.split("|")[1].strip() for ln in side_by_side(rep, rep).splitlines() if "| ctx " in ln]
     assert names == ["ctx 1024", "ctx 2048", "ctx 4096", "ctx 8192", "ctx 16384", "ctx 32768"]
+
+
+def _columns(line: str) -> int:
+    """Cells of a Markdown table row (an escaped ``\\|`` is inside a cell)."""
+    return len(line.replace("\\|", "").strip().strip("|").split("|"))
+
+
+def test_a_group_name_with_a_bar_or_a_line_break_stays_one_cell_of_its_row():
+    # A prompt file's category is any text: "math|logic" split the row into one column too many and a
+    # line break ended the table, in report.md and compare.md alike.
+    row = {"prompts": 2, "acceptance_length": 2.0, "acceptance_length_per_request": 2.0, "acceptance_rate": 0.5,
+           "acceptance_by_position": [0.6, 0.4]}
+    odd = "math|logic\nhard"
+    rep = {"draft": "d", "target": "t", "num_speculative_tokens": 2, "temperature": 0.0, "split": "heldout",
+           "al_average": "pooled", "overall": row, "domains": {odd: row, "code": row}}
+    for text in (markdown(rep), side_by_side(rep, rep)):
+        table = [ln for ln in text.splitlines() if ln.startswith("|")]
+        assert len({_columns(ln) for ln in table}) == 1, table
+        assert any(ln.startswith("| math\\|logic hard |") for ln in table), table

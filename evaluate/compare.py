@@ -65,13 +65,15 @@ def _load(spec: str, recipe) -> dict:
     p = Path(spec)
     if p.is_file() and p.suffix == ".json":
         return _report(p)
-    if (p / "report.json").is_file():
-        return _report(p / "report.json")
+    for name in ("report.json", "offline_report.json"):  # `evaluate al`'s folder, `evaluate offline`'s
+        if (p / name).is_file():
+            return _report(p / name)
     if (p / "config.json").is_file():
         cfg = dataclasses.replace(evaluate_config(recipe, draft=str(p)), check_lossless=False)  # p's own K
         return evaluate_al(target=recipe.run.target, draft=str(p), store_uri=recipe.run.store_uri, cfg=cfg,
                            trust_remote_code=recipe.run.trust_remote_code)
-    raise EaglenestError(f"compare: {spec} is neither a report.json nor an exported draft directory")
+    raise EaglenestError(f"compare: {spec} is neither a report.json nor an exported draft directory (nor a folder "
+                         "with report.json or offline_report.json)")
 
 
 def _f(x) -> str:
@@ -80,7 +82,7 @@ def _f(x) -> str:
 
 #: What a report was measured with: a delta between reports that differ in one compares unlike measurements.
 SETTINGS = ("target", "num_speculative_tokens", "temperature", "max_tokens", "bucket_max_tokens",
-            "chat_template_kwargs", "split")
+            "chat_template_kwargs", "split", "method")
 
 
 def differences(a: dict, b: dict) -> dict[str, list]:

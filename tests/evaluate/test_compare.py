@@ -60,3 +60,19 @@ def test_a_group_name_with_a_bar_or_a_line_break_stays_one_cell_of_its_row():
         table = [ln for ln in text.splitlines() if ln.startswith("|")]
         assert len({_columns(ln) for ln in table}) == 1, table
         assert any(ln.startswith("| math\\|logic hard |") for ln in table), table
+
+
+def test_an_evaluate_offline_folder_is_compared_and_flagged_as_another_method(tmp_path, capsys):
+    # `--a <workdir>/eval_offline` was refused as "neither a report.json nor an exported draft", and an
+    # offline estimate beside a served AL was not flagged as measured differently.
+    offline = {**_report(2.0, "d1"), "method": "offline (HF target, greedy)"}
+    (tmp_path / "eval_offline").mkdir()
+    (tmp_path / "eval_offline" / "offline_report.json").write_text(json.dumps(offline))
+    (tmp_path / "b.json").write_text(json.dumps(_report(2.5, "d2")))
+    rc = main(["compare", "--a", str(tmp_path / "eval_offline"), "--b", str(tmp_path / "b.json"),
+               f"run.workdir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "| code | 2.000 | 2.500 | 0.500 |" in out
+    assert "**Not measured alike**" in out and "method A `offline (HF target, greedy)`, B `None`" in out
+    assert json.loads((tmp_path / "compare" / "compare.json").read_text())["settings_differ"] == {
+        "method": ["offline (HF target, greedy)", None]}

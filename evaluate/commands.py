@@ -28,7 +28,7 @@ from eaglenest.featurestore.capture.identity import weights_hash
 from eaglenest.featurestore.table import store
 from eaglenest.hf import check_remote_code, load_tokenizer
 from eaglenest.paths import ensure_writable, make_dir
-from eaglenest.provenance import write_json_atomic, write_provenance, write_text_atomic
+from eaglenest.provenance import package_versions, write_json_atomic, write_provenance, write_text_atomic
 from eaglenest.train.checkpoint import INFO
 
 
@@ -98,7 +98,8 @@ def check_fit(target: str, cfg) -> None:
 
 def _cache_key(recipe, draft: str, cfg=None) -> str:
     """Identity of a measurement: draft and target weights, the evaluate settings (``cfg``: resolved,
-    so the chat-template kwargs count), the prompts version."""
+    so the chat-template kwargs count), the prompts version, and the software that measures (vLLM,
+    torch, eaglenest... versions: an upgrade measures again)."""
     h = hashlib.sha256()
     # Weights through the feature store's hash (sampled for very large targets), configs in full.
     for d in (Path(draft), Path(recipe.run.target)):
@@ -108,6 +109,7 @@ def _cache_key(recipe, draft: str, cfg=None) -> str:
                 h.update(f.name.encode() + f.read_bytes())
     kwargs = getattr(cfg, "chat_template_kwargs", None)  # only when set: earlier keys stay valid
     h.update(json.dumps({"evaluate": recipe.to_dict()["evaluate"], **_inputs(recipe, draft),
+                         "software": package_versions(),
                          **({"chat_template_kwargs": kwargs} if kwargs else {})},
                         sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]

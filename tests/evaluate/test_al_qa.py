@@ -275,3 +275,18 @@ def test_a_new_features_version_is_measured_again(tmp_path, al_cli):
     assert run() == 0 and len(calls) == 2
     assert json.loads((tmp_path / "work" / "eval" / "provenance.json").read_text())["inputs"]["features_version"] \
         == store.latest_version(uri, store.FEATURES)
+
+
+def test_a_report_measured_by_other_software_is_measured_again(al_cli, monkeypatch, capsys):
+    """The cache key held the weights and settings but not the software: after a vLLM (or eaglenest)
+    upgrade, `evaluate al` showed the old report as "already measures this draft"."""
+    import eaglenest.evaluate.commands as commands
+
+    run, calls = al_cli
+    versions = {"vllm": "0.1.0", "eaglenest": "0.1.0"}
+    monkeypatch.setattr(commands, "package_versions", lambda: dict(versions))
+    assert run() == 0 and run() == 0 and len(calls) == 1  # the same software: the cached report
+    assert "already measures this draft" in capsys.readouterr().err
+    versions["vllm"] = "0.2.0"
+    assert run() == 0 and len(calls) == 2
+    assert "already measures this draft" not in capsys.readouterr().err

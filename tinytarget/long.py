@@ -267,7 +267,7 @@ def write_outputs(out: Path, cfg: LongConfig, metrics: dict, *, seeds: dict) -> 
     """The model card and ``provenance.json`` beside the weights."""
     root = root_base(cfg)
     write_long_card(out, cfg=cfg, metrics=metrics, seeds=seeds, base_metrics=_base_metrics(root), root_base=root,
-                    base_rope_theta=_rope_theta(root),
+                    base_rope_theta=_rope_theta(root), recipe_flags=recipe_flags(cfg),
                     phases=[(ph.name, ", ".join(f"{k} {show_setting(v)}" for k, v in ph.settings)) for ph in cfg.phases])
     write_provenance(out, config=dataclasses.asdict(cfg), inputs={"base": cfg.base, "root_base": root, "seeds": seeds},
                      extra={"metrics": metrics})
@@ -367,6 +367,20 @@ FLAGS = (
     ("--eval-prompts", "eval_prompts_per_bucket", int, "prompts per bucket"),
     ("--eval-buckets", "eval_buckets", lambda t: tuple(int(b) for b in t.split(",")), "bucket lengths"),
 )
+
+
+def recipe_flags(cfg: LongConfig) -> str:
+    """The flags a ``--recipe`` build was given beside its recipe (its settings that differ from the
+    recipe file's top level; ``--base`` and ``--seed`` the card names anyway), for the rebuild line."""
+    if not cfg.recipe:
+        return ""
+    try:
+        recipe = LongConfig(**load_recipe(cfg.recipe))
+    except (EaglenestError, OSError) as exc:  # the recipe moved or changed since (a --remeasure)
+        log.warning("the card's rebuild line cannot name flags given beside %s: %s", cfg.recipe, exc)
+        return ""
+    return " ".join(f"{flag} {show_setting(getattr(cfg, field))}" for flag, field, _, _ in FLAGS
+                    if field not in ("base", "seed") and getattr(cfg, field) != getattr(recipe, field))
 
 
 def _flag_value(flag: str, kind, text: str):

@@ -50,8 +50,8 @@ def phases_text(phases: list[tuple[str, str]]) -> str:
 
 
 def write_long_card(outdir: str | Path, *, cfg, metrics: dict, seeds: dict, base_metrics: dict,
-                    phases: list[tuple[str, str]] = (), root_base: str = "", base_rope_theta: float | None = None
-                    ) -> Path:
+                    phases: list[tuple[str, str]] = (), root_base: str = "", base_rope_theta: float | None = None,
+                    recipe_flags: str = "") -> Path:
     root_base = root_base or cfg.base  # the model the whole build started from (a resumed build's differs)
     was = f" (the base's: {base_rope_theta:g})" if base_rope_theta else ""
     train, buckets = metrics["train"], metrics["buckets"]
@@ -66,7 +66,7 @@ def write_long_card(outdir: str | Path, *, cfg, metrics: dict, seeds: dict, base
                           + (":" + "+".join(s["kinds"]) if s.get("kinds") else "") for s in train["stages"])
     if cfg.phases:
         rebuild = (f"python -m eaglenest.tinytarget.long --recipe {cfg.recipe or 'RECIPE.yaml'} --out assets/tiny-target-long "
-                   f"--seed {cfg.seed} --base {root_base}")
+                   f"--seed {cfg.seed} --base {root_base}" + (f" {recipe_flags}" if recipe_flags else ""))
         if cfg.from_phase:
             rebuild += (f"\n# this folder: resumed at phase {cfg.from_phase} (--from-phase {cfg.from_phase}) from "
                         f"{cfg.base}, the output of the phases before it; the result is the same")

@@ -224,7 +224,7 @@ phases:
     peak_lr: 5.0e-4
 """)
     out = tmp_path / "long"
-    assert main(["--recipe", str(recipe), "--out", str(out), "--seed", str(TEST_SEED)]) == 0
+    assert main(["--recipe", str(recipe), "--out", str(out), "--seed", str(TEST_SEED), "--answer-weight", "3"]) == 0
     prov = json.loads((out / "provenance.json").read_text())
     stages = prov["metrics"]["train"]["stages"]
     assert [(s["phase"], s["seq_len_tokens"], s["kinds"]) for s in stages] == \
@@ -235,6 +235,9 @@ phases:
     assert [p["name"] for p in prov["config"]["phases"]] == ["circuit", "retrieval"]
     assert json.loads((out / "config.json").read_text())["rope_parameters"]["rope_theta"] == 10000
     card = (out / "README.md").read_text()
+    # the flag given beside the recipe is in the rebuild line (it was dropped: the line rebuilt another model)
+    assert f"--recipe {recipe} --out assets/tiny-target-long --seed {TEST_SEED} --base {SHORT} --answer-weight 3\n" in card
+    assert prov["config"]["answer_weight"] == 3
     assert f"--recipe {recipe}" in card and "- `retrieval`: stages 256x1x1:copy+records, peak_lr 0.0005" in card
     assert "| circuit | 128 | 2 | 1 |" in card
     cfg = LongConfig(**load_recipe(recipe))

@@ -9,13 +9,13 @@ from __future__ import annotations
 from eaglenest.errors import ConfigError
 
 
-def parse_addr(addr: str) -> tuple[str, int]:
+def parse_addr(addr: str, key: str = "train.stream.addr") -> tuple[str, int]:
     """``(host, port)`` of ``addr`` (an IPv6 host may be bracketed, ``[::1]:29650``); a
-    :class:`ConfigError` naming ``train.stream.addr`` otherwise."""
+    :class:`ConfigError` naming ``key`` (where the address came from) otherwise."""
     host, _, port = str(addr).rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]  # what a socket or the TCPStore takes
     # isdigit() alone also accepts '²' or '٣', which int() refuses or reads as another number.
     if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise ConfigError(f"train.stream.addr: host:port of the stream's store, got {addr!r}")
+        raise ConfigError(f"{key}: host:port of the stream's store, got {addr!r}")
     return host, int(port)

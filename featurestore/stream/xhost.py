@@ -93,12 +93,16 @@ def _unpack(raw: bytes):
 def _wait_reachable(host: str, port: int, timeout_s: float, what: str) -> None:
     """Wait until something listens at host:port (the trainer's rank 0 may start later), else one
     line: a TCPStore client that never connects logs its C++ frames to stderr before it raises."""
-    deadline = time.monotonic() + timeout_s
+    deadline, said = time.monotonic() + timeout_s, False
     while True:
         try:
             socket.create_connection((host, port), timeout=min(5.0, max(timeout_s, 0.1))).close()
             return
         except OSError as exc:
+            if isinstance(exc, socket.gaierror) and not said:  # a typo, or a name not published yet (a pod)
+                log.warning("%s: cannot resolve %s yet (%s); trying again for up to %.0f s", what, host,
+                            exc.strerror or exc, timeout_s)
+                said = True
             if time.monotonic() >= deadline:
                 raise StoreError(f"{what}: nothing listens there after {timeout_s:.0f} s "
                                  f"({exc.strerror or exc}); is the trainer's rank 0 running?") from None
@@ -108,10 +112,10 @@ def _wait_reachable(host: str, port: int, timeout_s: float, what: str) -> None:
 class Group:
     """This stream's TCPStore and gloo group (never the default process group), plus the abort flag."""
 
-    def __init__(self, addr: str, *, is_master: bool, timeout_s: float, who: str):
+    def __init__(self, addr: str, *, is_master: bool, timeout_s: float, who: str, key: str = "train.stream.addr"):
         import torch.distributed as dist
 
-        host, port = parse_addr(addr)
+        host, port = parse_addr(addr, key)
         if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):  # timedelta(nan or inf): a traceback
             raise ConfigError(f"capture stream ({who}): timeout {timeout_s} s: a number of seconds in (0, "
                               f"{MAX_TIMEOUT_S:.0f}] (train.stream.timeout_s; stream-serve --timeout-s)")
@@ -431,7 +435,7 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
     if target is not None:  # found out here, not once the whole group formed and this engine starts
         _check_target_flag(target)
     who = f"engine {engine_rank}"
-    group = Group(addr, is_master=False, timeout_s=timeout_s, who=who)
+    group = Group(addr, is_master=False, timeout_s=timeout_s, who=who, key="--addr")
     spec = _spec(group.get("spec"), addr)
     N, M = int(spec["world_size"]), int(spec["num_engines"])
     if not 0 <= engine_rank < M:

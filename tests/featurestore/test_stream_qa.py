@@ -22,6 +22,7 @@ from eaglenest.featurestore.capture.publish import FRAME, MAGIC
 from eaglenest.featurestore.cli import main as featurestore_main
 from eaglenest.featurestore.stream.addr import parse_addr
 from eaglenest.featurestore.stream.local import CaptureStream, Channel
+from eaglenest.featurestore.stream.xhost import Group
 
 
 @pytest.mark.parametrize("addr", ["host:²", "host:١٢٣", "host:", ":29650", "[]:29650", "host:65536"])
@@ -244,3 +245,18 @@ def test_engine_settings_this_eaglenest_does_not_know_are_one_line():
     with pytest.raises(ConfigError, match=r"engine settings do not fit this stream-serve .*new_knob"):
         engine_captures({"target": "t", "layer_ids": [1], "num_layers": 2, "depth": 1, "window": 1,
                          "engine": {"new_knob": 1}}, [[1, 2]])
+
+
+def test_stream_serve_names_its_own_flag_for_a_bad_address(capsys):
+    # `featurestore stream-serve --addr host:` said "train.stream.addr: ...", a key the user never gave.
+    assert featurestore_main(["stream-serve", "--addr", "host:", "--engine-rank", "0", "--timeout-s", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["featurestore: error: --addr: host:port of the stream's store, got 'host:'"], err
+
+
+def test_an_address_that_does_not_resolve_is_said_once_while_waiting(caplog):
+    # A typo'd host (or a pod's name not published yet) was retried silently for the whole timeout.
+    with pytest.raises(StoreError, match=r"cannot reach the stream store at no-such-host\.invalid:29650"):
+        Group("no-such-host.invalid:29650", is_master=False, timeout_s=1.5, who="engine 0")
+    said = [r.getMessage() for r in caplog.records if "cannot resolve" in r.getMessage()]
+    assert len(said) == 1 and "no-such-host.invalid" in said[0], said

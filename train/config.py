@@ -21,7 +21,8 @@ from typing import ClassVar, Literal
 
 from eaglenest.config import short
 from eaglenest.errors import ConfigError
-from eaglenest.featurestore.stream.addr import parse_addr  # stdlib only: cheap at recipe load
+from eaglenest.featurestore.stream.addr import MAX_DEPTH as STREAM_MAX_DEPTH  # stdlib only: cheap at recipe load
+from eaglenest.featurestore.stream.addr import parse_addr
 from eaglenest.runconfig import SEED_RANGE
 from eaglenest.train.spec import DraftFlags, DraftShape
 
@@ -71,8 +72,6 @@ class DraftShapeConfig:
         return DraftShape(**dataclasses.asdict(self))
 
 
-#: Most captures in flight a stream grants (featurestore/stream/local.py ``MAX_DEPTH``, checked there too).
-STREAM_MAX_DEPTH = 4096
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,12 +1,19 @@
-"""The cross-host stream's address: ``host:port`` of the TCPStore that trainer rank 0 hosts.
+"""The cross-host stream's address: ``host:port`` of the TCPStore that trainer rank 0 hosts, and
+the most captures a stream grants in flight.
 
-Apart from :mod:`eaglenest.featurestore.stream.xhost` so that a config module can check
-``train.stream.addr`` when a recipe loads, without importing the stream stack (numpy, pyarrow).
+Apart from :mod:`eaglenest.featurestore.stream.xhost` and ``.local`` so that a config module can
+check ``train.stream.addr`` and ``train.stream.depth`` when a recipe loads, without importing the
+stream stack (numpy, pyarrow).
 """
 
 from __future__ import annotations
 
 from eaglenest.errors import ConfigError
+
+#: Most captures in flight (``train.stream.depth``). Credits are bytes on the socket, granted by the
+#: receiver thread: more than a socket buffer holds (~200 KiB by default) blocked that thread on
+#: the grant while the publisher, with credits to spend, blocked on its frames: neither moved.
+MAX_DEPTH = 4096
 
 
 def parse_addr(addr: str, key: str = "train.stream.addr") -> tuple[str, int]:

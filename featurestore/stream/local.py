@@ -49,11 +49,8 @@ from eaglenest.engine import quiet_vllm
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore.capture.publish import CREDIT, FRAME, MAGIC
 from eaglenest.featurestore.schema import _DTYPES
+from eaglenest.featurestore.stream.addr import MAX_DEPTH
 
-#: Most captures in flight (``train.stream.depth``). Credits are bytes on the socket, granted by the
-#: receiver thread: more than a socket buffer holds (~200 KiB by default) blocked that thread on
-#: the grant while the publisher, with credits to spend, blocked on its frames: neither moved.
-MAX_DEPTH = 4096
 
 log = logging.getLogger(__name__)
 

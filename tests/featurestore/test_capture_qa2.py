@@ -256,10 +256,8 @@ def test_a_resumed_capture_into_its_own_table_adds_only_what_is_missing(tmp_path
 
 def test_a_stream_depth_past_the_limit_is_refused_when_the_recipe_loads():
     """The same bound as the channel's, checked when the recipe loads, before a store or an engine."""
-    from eaglenest.featurestore.stream.local import MAX_DEPTH
-    from eaglenest.train.config import STREAM_MAX_DEPTH, StreamConfig
+    from eaglenest.train.config import StreamConfig
 
-    assert STREAM_MAX_DEPTH == MAX_DEPTH
     assert StreamConfig(depth=MAX_DEPTH).depth == MAX_DEPTH
     with pytest.raises(ConfigError, match=f"train.stream.depth: {MAX_DEPTH + 1} captures in flight is more than"):
         StreamConfig(depth=MAX_DEPTH + 1)

@@ -360,8 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     report["ok"] = all(s.get("ok") for s in report["sections"].values())
     report["seconds"] = round(time.perf_counter() - t_start, 1)
     text = json.dumps(report, indent=2, default=str)
-    if args.out:
-        (Path(args.out) / "gpu_check.json").write_text(text + "\n")
+    if args.out:  # under a temporary name, then renamed: a run killed while writing leaves no half file
+        tmp = Path(args.out) / f".gpu_check.json.{os.getpid()}.tmp"
+        tmp.write_text(text + "\n")
+        os.replace(tmp, Path(args.out) / "gpu_check.json")
     print(text)
     return 0 if report["ok"] else 1
 

@@ -14,13 +14,13 @@ prompts, same engine settings. Ratios are FP8 / unquantised.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 from eaglenest.cli import at_least
 from eaglenest.errors import EaglenestError
+from eaglenest.provenance import write_json_atomic
 
 
 def weight_error(draft_dir: Path, ref_dir: Path) -> dict:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"offline outputs fp8 == native: {same}/{n} (greedy verification keeps outputs lossless)")
     for r in results["offline"].values():
         r.pop("outputs")
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    write_json_atomic(out / "results.json", results)
     return 0
 
 

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from eaglenest.evaluate.plots import throughput_plot
     from eaglenest.evaluate.settings import draft_dir
     from eaglenest.evaluate.throughput import markdown, run_sweep
-    from eaglenest.provenance import write_json_atomic, write_provenance
+    from eaglenest.provenance import write_json_atomic, write_provenance, write_text_atomic
     from eaglenest.recipe import load_recipe
 
     # Everything a user can get wrong is refused in one line before the two servers start.
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     result["bench"] = {"wall_s": round(time.perf_counter() - t0, 1), "load_before": load_before,
                        "load_after": os.getloadavg(), "cpu_count": os.cpu_count()}
     write_json_atomic(out / "throughput.json", result)
-    (out / "throughput.md").write_text(markdown(result), encoding="utf-8")
+    write_text_atomic(out / "throughput.md", markdown(result))
     png = throughput_plot(result, out)
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs={"draft": draft,
                                                                             "target": recipe.run.target})

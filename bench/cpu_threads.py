@@ -64,6 +64,7 @@ def main() -> int:
     ap.add_argument("--decode", type=at_least(1), default=32, help="greedy output tokens per prompt")
     ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (arms alternated; median [min, max])")
     args = ap.parse_args()
+    args.target = arms.target_path(ap, args.target)
     ratios, same = [], True
     for r in range(args.rounds):
         order = (False, True) if r % 2 == 0 else (True, False)

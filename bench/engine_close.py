@@ -66,6 +66,7 @@ def main() -> int:
     ap.add_argument("--target", default="assets/tiny-target", help="the target model folder")
     ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (arms alternated; median [min, max])")
     args = ap.parse_args()
+    args.target = arms.target_path(ap, args.target)
     short = str(ENGINE_STOP_GRACE_S)
     ratios, same, clean = [], True, True
     for r in range(args.rounds):

@@ -66,6 +66,7 @@ def main() -> int:
     ap.add_argument("--target", default="assets/tiny-target", help="the target model folder")
     ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (arms alternated; median [min, max])")
     args = ap.parse_args()
+    args.target = arms.target_path(ap, args.target)
     starts, totals, same = [], [], True
     for r in range(args.rounds):
         order = ARMS if r % 2 == 0 else ARMS[::-1]

@@ -78,6 +78,10 @@ BAD_FLAGS = [
     ("ingest_dask.py", ["--commit-every", "0"], "argument --commit-every: must be >= 1, got 0"),
     ("ingest_long.py", ["--lengths", "2048", "100"], "argument --lengths: must be >= 256, got 100"),
     ("cpu_threads.py", ["--tokens", "0"], "argument --tokens: must be >= 1, got 0"),
+    # a target that is no model folder: the arms' engines failed on it, one traceback per arm
+    ("cpu_threads.py", ["--target", "no-model"], "--target no-model: not a model folder (no config.json)"),
+    ("engine_start.py", ["--target", "no-model"], "--target no-model: not a model folder (no config.json)"),
+    ("engine_close.py", ["--target", "no-model"], "--target no-model: not a model folder (no config.json)"),
     ("serve_fp8.py", ["--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
     ("gpu_check.py", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
     ("families.py", ["--ks", "2,0"], "argument --ks: a comma list of whole numbers, each >= 1, got '2,0'"),
@@ -279,3 +283,15 @@ def test_cli_startup_names_a_base_revision_that_does_not_exist(monkeypatch, caps
     assert ("cli_startup.py: error: --base no-such-revision-anywhere: not a revision of this repository"
             in capsys.readouterr().err)
     assert calls == []
+
+
+def test_the_arms_get_the_target_the_caller_named_from_any_folder(run_main, tmp_path):
+    # The arms run at the repository root: `--target model` relative to the caller's folder was looked up
+    # there (and the default from another folder failed), inside each arm's engine.
+    arms = load("arms.py")
+    ap = argparse.ArgumentParser(prog="x")
+    mine = tmp_path / "model"  # run_main made tmp_path the working folder
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    assert arms.target_path(ap, "model") == str(mine.resolve())
+    assert arms.target_path(ap, "assets/tiny-target") == str((arms.ROOT / "assets" / "tiny-target").resolve())

@@ -17,7 +17,7 @@ impossible. It replays vLLM's EAGLE-3 proposer (``vllm/v1/spec_decode``) step fo
   accepted length. Counting follows vLLM's scheduler: every verification round counts, including
   accepted tokens that are later cut by ``max_tokens`` or a stop token.
 
-A DFlash draft (``train.family=dflash``, from its train checkpoint) replays vLLM's DFlash proposer
+A DFlash draft (``train.family=dflash``, its train checkpoint or its export) replays vLLM's DFlash proposer
 instead: each round one forward of the block [s_{n-1}, mask x k] over the context states of
 ``0 .. n-2`` (:func:`eaglenest.train.dflash.propose`). A P-EAGLE draft (``train.family=peagle``,
 ``parallel_drafting``) replays vLLM's parallel drafting: each round one forward of step 0 over
@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -63,12 +64,9 @@ class RequestAL:
 
 
 def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluate.draft"):
-    """An :class:`Eagle3Draft` from an exported draft dir (vLLM's format, or speculators' Eagle-3 /
-    P-EAGLE layout) or a ``train`` checkpoint dir (any family); errors name ``key`` (where the caller
+    """An :class:`Eagle3Draft` (or a DFlash draft) from an exported draft dir (vLLM's format, or
+    speculators' Eagle-3 / P-EAGLE / DFlash layout) or a ``train`` checkpoint dir (any family); errors name ``key`` (where the caller
     got ``draft`` from: a recipe key or a flag), and a target the draft does not fit names run.target."""
-    from safetensors.torch import load_file
-    from transformers import LlamaConfig
-
     path = Path(draft)
     if (path / INFO).is_file():
         model, info = _checkpoint_draft(path, key)
@@ -83,9 +81,10 @@ def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluat
     except ConfigError as exc:
         raise ConfigError(f"{key}: {exc}") from None
     speculators = raw.get("speculators_model_type")
-    if isinstance(raw.get("dflash_config"), dict) or speculators == "dflash":  # not an Eagle3Draft's layout
-        raise ConfigError(f"{key}: {draft} is a DFlash export, which the offline replay cannot load: name the "
-                          "train checkpoint it was exported from (`--draft <workdir>/train`)")
+    dflash_export = isinstance(raw.get("dflash_config"), dict) or speculators == "dflash"
+    if dflash_export:  # its own model (train/dflash.py), whose weight names the export kept
+        return _load_export(path, _dflash_draft_config(raw, path, key, redo), target_dir, key, redo,
+                            speculators=False)
     raw = formats.flat_config(raw)  # serve.format=speculators: its layer config, P-EAGLE's parallel_drafting
     # vLLM's ids: top level (exports since serve/formats.py; eagle_config's are SGLang's, id - 1),
     # else eagle_config's (older exports wrote vLLM's ids there).
@@ -93,10 +92,39 @@ def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluat
     ids = raw.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
         raise ConfigError(f"{key}: {path / 'config.json'} has no eagle_aux_hidden_state_layer_ids")
+    return _load_export(path, {**raw, "eagle_aux_layer_ids": [int(i) for i in ids]}, target_dir, key, redo,
+                        speculators=bool(speculators))
+
+
+def _dflash_draft_config(raw: dict[str, Any], path: Path, key: str, redo: str) -> dict[str, Any]:
+    """The draft config a DFlash checkpoint records (``train/dflash.py`` ``configure``), from its
+    export's ``config.json``: vLLM's flat one (``dflash_config``, ids = vLLM id - 1) or speculators'
+    (``transformer_layer_config``, vLLM's ids)."""
+    try:
+        if raw.get("speculators_model_type") == "dflash":
+            cfg = {**raw["transformer_layer_config"], "draft_vocab_size": raw["draft_vocab_size"],
+                   "target_hidden_size": raw["target_hidden_size"]}
+            ids, mask = raw["aux_hidden_state_layer_ids"], raw["mask_token_id"]
+        else:
+            cfg = dict(raw)
+            ids = [int(i) + 1 for i in raw["dflash_config"]["target_layer_ids"]]
+            mask = raw["dflash_config"]["mask_token_id"]
+        cfg.update(dflash=True, dflash_block_size=int(raw["block_size"]), mask_token_id=int(mask),
+                   eagle_aux_layer_ids=[int(i) for i in ids])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{key}: {shown_path(path / 'config.json')}: not a DFlash draft config "
+                          f"({_why(exc)}); {redo}") from None
+    return cfg
+
+
+def _load_export(path: Path, raw: dict[str, Any], target_dir, key: str, redo: str, *, speculators: bool):
+    """The draft of the exported folder ``path`` (``raw``: its config as the draft's model reads it)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
     try:
         cfg = LlamaConfig.from_dict(raw)
-        cfg.eagle_aux_layer_ids = [int(i) for i in ids]
-        model = Eagle3Draft(cfg)
+        model = dflash.DFlashDraft(cfg) if dflash.is_dflash(cfg) else Eagle3Draft(cfg)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{key}: {shown_path(path / 'config.json')}: not a draft config "
                           f"({_why(exc)}); {redo}") from None

@@ -312,24 +312,6 @@ def test_a_category_with_dollar_signs_does_not_lose_the_report(tmp_path):
     assert set(json.loads((tmp_path / "report.json").read_text())["domains"]) == {"costs $x^$ more", "plain"}
 
 
-def test_offline_names_what_to_give_for_a_dflash_export(tmp_path, tiny_target):
-    """``evaluate offline`` after a DFlash run (its default draft, ``<workdir>/draft``, is a DFlash
-    export): refused with "config.json has no eagle_aux_hidden_state_layer_ids", which says nothing
-    of the one thing that works, its train checkpoint."""
-    from eaglenest.errors import ConfigError
-    from eaglenest.evaluate.offline import load_draft
-
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "block_size": 8,
-                                                   "dflash_config": {"target_layer_ids": [1, 3, 4]}}))
-    (draft / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ConfigError) as err:
-        load_draft(draft, tiny_target, key="--draft")
-    assert str(err.value) == (f"--draft: {draft} is a DFlash export, which the offline replay cannot load: name "
-                              "the train checkpoint it was exported from (`--draft <workdir>/train`)")
-
-
 def test_parity_refuses_an_export_as_the_checkpoint(tmp_path, root, tiny_target, toy_export, monkeypatch, capsys):
     """``evaluate parity --checkpoint runs/toy/draft`` (the export, not the train folder): the export
     was loaded as "the trained checkpoint" and compared with itself served, which passes whatever

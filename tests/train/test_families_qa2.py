@@ -45,16 +45,35 @@ def test_offline_loads_a_speculators_export_as_trained(tmp_path, synth, tiny_tar
     assert _proposals(served, seq, 3) == _proposals(trained, seq, 3)
 
 
-def test_offline_names_the_checkpoint_for_a_speculators_dflash_export(tmp_path, synth, tiny_target):
-    """A DFlash draft exported with ``serve.format=speculators`` was refused as "config.json has no
-    eagle_aux_hidden_state_layer_ids", not as the DFlash export it is (the flat one is)."""
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_offline_loads_a_dflash_export_as_trained(tmp_path, synth, tiny_target, fmt):
+    """``evaluate offline`` on a DFlash export (``<workdir>/draft`` after a DFlash run, either format)
+    was refused ("name the train checkpoint it was exported from"): a draft handed over without its
+    train folder could not be estimated. It now loads and proposes exactly what the checkpoint does."""
+    cfg = TrainConfig(family="dflash", draft_vocab_size=8, dflash=DFlashConfig(block_size=3, num_layers=2))
+    ckpt = synth.untrained_checkpoint(cfg, tiny_target, tmp_path / "train")
+    out = export_draft(ckpt, tmp_path / "draft", target_dir=tiny_target, format=fmt, dtype="float32")
+    trained, served = load_draft(ckpt, tiny_target), load_draft(out, tiny_target, key="--draft")
+    assert dflash.is_dflash(served.config) and len(served.layers) == 2
+    assert served.config.eagle_aux_layer_ids == trained.config.eagle_aux_layer_ids
+    assert (served.config.mask_token_id, served.config.dflash_block_size) == (trained.config.mask_token_id, 3)
+    ref = trained.state_dict()
+    assert all(torch.equal(t, ref[n]) for n, t in served.state_dict().items()), "weights differ"
+    seq = [5, 9, 17, 3, 44, 100, 7]
+    assert _proposals(served, seq, 2) == _proposals(trained, seq, 2)
+
+
+def test_offline_names_the_key_of_a_damaged_dflash_export(tmp_path, synth, tiny_target):
     cfg = TrainConfig(family="dflash", draft_vocab_size=8, dflash=DFlashConfig(block_size=2, num_layers=1))
     ckpt = synth.untrained_checkpoint(cfg, tiny_target, tmp_path / "train")
-    out = export_draft(ckpt, tmp_path / "draft", target_dir=tiny_target, format="speculators")
+    out = export_draft(ckpt, tmp_path / "draft", target_dir=tiny_target)
+    raw = json.loads((out / "config.json").read_text())
+    del raw["dflash_config"]["mask_token_id"]
+    (out / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError) as err:
         load_draft(out, tiny_target, key="--draft")
-    assert str(err.value) == (f"--draft: {out} is a DFlash export, which the offline replay cannot load: name "
-                              "the train checkpoint it was exported from (`--draft <workdir>/train`)")
+    assert str(err.value).startswith(f"--draft: {out / 'config.json'}: not a DFlash draft config (")
+    assert "mask_token_id" in str(err.value) and "export the draft again" in str(err.value)
 
 
 @pytest.fixture(scope="module")

@@ -100,13 +100,14 @@ def cmd_versions(recipe, args) -> int:
 
 
 def cmd_tags(recipe, args) -> int:
-    if args.version is not None and not args.create:
+    # ``is not None``: an empty name (``--create "$UNSET"``) is a bad tag name, not no option
+    if args.version is not None and args.create is None:
         raise ConfigError("tags: --version goes with --create NAME (the version the new tag points at)")
-    if args.create and args.delete:  # one would be written before the other could fail
+    if args.create is not None and args.delete is not None:  # one would be written before the other could fail
         raise ConfigError("tags: --create and --delete are one at a time; run `featurestore tags` twice")
-    if args.create:
+    if args.create is not None:
         versions.set_tag(*_t(recipe), args.create, _ver(args.version))
-    if args.delete:
+    if args.delete is not None:
         versions.delete_tag(*_t(recipe), args.delete)
     return _print({k: v["version"] for k, v in store.dataset(*_t(recipe)).tags.list().items()})
 
@@ -147,7 +148,7 @@ def cmd_query(recipe, args) -> int:
     if args.max_rows < 0:
         raise ConfigError(f"--max-rows: must be >= 0, got {args.max_rows}")
     attach = _attachments(args.attach or [])
-    pinned = {recipe.featurestore.table: _ver(args.version)} if args.version else None
+    pinned = {recipe.featurestore.table: _ver(args.version)} if args.version is not None else None
     kw = {"versions": pinned, "with_tensors": args.with_tensors, "attach": attach}
     query.check_read_only(args.sql)  # the statement before the store: bad input is named first
     uri = _store_must_exist(recipe)

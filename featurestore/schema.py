@@ -119,10 +119,43 @@ def features_schema(meta: FeatureMeta) -> pa.Schema:
 
 
 def feature_meta(schema: pa.Schema) -> FeatureMeta:
+    """The table's :class:`FeatureMeta`; metadata that is not JSON, lacks a key or holds a value of
+    the wrong kind (a table another tool wrote or damaged) is a :class:`SchemaError` naming the key."""
     raw = (schema.metadata or {}).get(b"eaglenest.feature_meta")
     if raw is None:
         raise SchemaError("features table carries no eaglenest.feature_meta metadata")
-    return FeatureMeta.from_json(raw.decode())
+    try:
+        d = json.loads(raw.decode())
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise SchemaError(f"features table: its eaglenest.feature_meta metadata is not JSON ({exc})") from None
+    problem = _meta_problem(d)
+    if problem:
+        raise SchemaError(f"features table: eaglenest.feature_meta {problem}; the table was not written by "
+                          "this eaglenest (capture it again, or import it with `featurestore import`)")
+    return FeatureMeta.from_json(json.dumps(d))
+
+
+#: The keys every stored FeatureMeta holds, and the kind of each value.
+_META_KINDS = {"target": str, "layer_ids": list, "last_layer_id": int, "hidden_size": int, "dtype": str}
+
+
+def _meta_problem(d) -> str | None:
+    """What is wrong with a stored FeatureMeta object (None: nothing a reader would trip on)."""
+    if not isinstance(d, dict):
+        return f"is {short(d)}, not a JSON object"
+    for key, kind in _META_KINDS.items():
+        if key not in d:
+            return f"lacks key '{key}'"
+        v = d[key]
+        if type(v) is not kind or (kind is list and not all(type(i) is int for i in v)):
+            return f"key '{key}' is {short(v)}, expected {'a list of ints' if kind is list else kind.__name__}"
+    if d["dtype"] not in _DTYPES:
+        return f"key 'dtype' is {short(d['dtype'])}, expected one of {', '.join(_DTYPES)}"
+    if d.get("storage", "raw") not in STORAGES:
+        return f"key 'storage' is {short(d.get('storage'))}, expected one of {', '.join(STORAGES)}"
+    if d["hidden_size"] < 1:
+        return f"key 'hidden_size' is {d['hidden_size']}, expected >= 1"
+    return None
 
 
 def schema_version(schema: pa.Schema) -> int | None:

@@ -78,6 +78,9 @@ class FeatureShards:
         # While this run reads the version, `featurestore gc` keeps it (featurestore/table/lease.py).
         self._pin = contextlib.ExitStack()
         self._pin.enter_context(lease.pin(uri, table, self.version))
+        # A gc between the open and the pin may have removed that version: opened again, by its number, it is
+        # now either kept for this run or named missing in one line.
+        self.ds = store.dataset(uri, table, self.version)
         self.meta = S.feature_meta(self.ds.schema)
         self.split = split
         # Before anything is read, this scan included: every data file of the version against its

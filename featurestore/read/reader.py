@@ -66,6 +66,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import os
+import resource
 from pathlib import Path
 from typing import Iterable, Iterator, Literal, Sequence
 
@@ -83,6 +84,26 @@ from eaglenest.featurestore.read.window import MEMORY_BUDGET, AdaptiveWindow
 from eaglenest.featurestore.table.integrity import check_version, read_error
 
 COLUMNS = ["input_ids", "loss_mask", "aux_hidden", "last_hidden"]
+
+
+#: Descriptors left for everything else when the reader's data files are counted (Lance, DuckDB, logs).
+SPARE_FDS = 256
+
+
+def make_room_for_files(count: int, what: str) -> None:
+    """Let this process keep ``count`` more files open: the reader holds one descriptor per data file
+    of the version (a table of many small commits has thousands; a common soft limit is 1024). The soft
+    ``RLIMIT_NOFILE`` is raised toward the hard one as needed; past the hard one, a :class:`StoreError`."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = len(os.listdir("/proc/self/fd")) + count + SPARE_FDS if os.path.isdir("/proc/self/fd") \
+        else count + SPARE_FDS
+    if soft == resource.RLIM_INFINITY or want <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and want > hard:
+        raise StoreError(f"{what}: {count} data files to keep open, more than this process may open "
+                         f"(ulimit -n: soft {soft}, hard {hard}); run `featurestore compact` (fewer, larger "
+                         "files) or raise the hard limit")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 @dataclasses.dataclass
@@ -182,6 +203,8 @@ class SampleReader:
                 path = root / "data" / paths[0] if len(paths) == 1 and not remote else None
                 files[col] = str(path) if path is not None and path.is_file() else None
             self._files[frag.fragment_id] = files
+        local_files = {p for files in self._files.values() for p in files.values() if p is not None}
+        make_room_for_files(len(local_files) * (2 if self._direct else 1), f"table v{self.ds.version}")
         for files in self._files.values():
             for path in files.values():
                 if path is not None and path not in self._fds:
@@ -284,6 +307,9 @@ class SampleReader:
                 or any(self._dfds.get(files[c]) is not None for c in S.TENSOR_COLUMNS)):
             return False  # (with O_DIRECT the disk fills a pooled buffer and one copy places it)
         T, n, L, H = s.num_tokens, into.aux.shape[0], s.num_aux, m.hidden_size
+        order = list(range(L)) if into.order is None else [int(j) for j in into.order]
+        if sorted(order) != list(range(L)):  # a layer twice or left out: the scatter read places each
+            return False  # stored layer once, so the converting copy (a gather) takes such an order
         esize = into.aux.element_size()
         if n > T or tuple(into.aux.shape) != (n, L, H) or tuple(into.last.shape) != (n, H):
             raise SchemaError(f"row {s.index}: destination {tuple(into.aux.shape)} / {tuple(into.last.shape)} "
@@ -292,7 +318,6 @@ class SampleReader:
             if int(g.size[col][k]) != T * per_token:
                 raise SchemaError(f"row {s.index}: {col} holds {int(g.size[col][k])} bytes, not {T} tokens of "
                                   f"{per_token}")
-        order = list(range(L)) if into.order is None else [int(j) for j in into.order]
         aux_mv = memoryview(into.aux.view(-1).view(torch_module().uint8).numpy())
         last_mv = memoryview(into.last.view(-1).view(torch_module().uint8).numpy())
         path = files["aux_hidden"]

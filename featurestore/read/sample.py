@@ -87,7 +87,7 @@ class Sample:
     def num_aux(self) -> int:
         return len(self.meta.layer_ids)
 
-    def _stored(self, buf, shape: tuple[int, ...]):
+    def _stored(self, buf, shape: tuple[int, ...], col: str):
         """raw: a view of the stored dtype; fp8: (scales [rows] fp32, codes [rows, H] e4m3) views."""
         torch = torch_module()
         m = self.meta
@@ -96,10 +96,12 @@ class Sample:
         if m.storage == "raw":
             t = view_bytes(buf).view(stored_torch_dtype(m))
             if t.numel() != int(np.prod(shape)):
-                raise SchemaError(f"tensor of {t.numel()} elements cannot be shaped {shape}")
+                raise self._size_error(col, buf, shape)
             return t.view(shape)
         if m.storage == "fp8_e4m3":
             rows = int(np.prod(shape[:-1]))
+            if memoryview(buf).nbytes != rows * (4 + shape[-1]):
+                raise self._size_error(col, buf, shape)
             scales, codes = S.fp8_parts(buf, rows, shape[-1])
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
@@ -107,12 +109,19 @@ class Sample:
                         torch.from_numpy(codes).view(torch.float8_e4m3fn).view(shape))
         raise SchemaError(f"unknown storage mode {m.storage!r}")
 
+    def _size_error(self, col: str, buf, shape: tuple[int, ...]) -> SchemaError:
+        """A stored value whose size is not the one its row's ``num_tokens`` implies (a writer that did
+        not check), named by row and column as the read straight into a destination names it."""
+        m = self.meta
+        return SchemaError(f"row {self.index}: {col} holds {memoryview(buf).nbytes} bytes, not a value of shape "
+                           f"{shape} ({m.dtype} {m.storage}); `featurestore verify` names the row by sample_id")
+
     def aux_stored(self):
         """raw: ``[T, n_aux, H]`` view in the stored dtype (table layer order)."""
-        return self._stored(self._aux, (self.num_tokens, self.num_aux, self.meta.hidden_size))
+        return self._stored(self._aux, (self.num_tokens, self.num_aux, self.meta.hidden_size), "aux_hidden")
 
     def last_stored(self):
-        return self._stored(self._last, (self.num_tokens, self.meta.hidden_size))
+        return self._stored(self._last, (self.num_tokens, self.meta.hidden_size), "last_hidden")
 
     def aux_into(self, out, *, order=None):
         """Write the first ``n = out.shape[0]`` tokens' aux states into ``out`` (``[n, n_aux, H]``,

@@ -50,11 +50,25 @@ LINEAGE_KEY = "eaglenest.lineage"
 
 def _checked(uri: str, name: str, table: pa.Table, meta: S.FeatureMeta | None) -> tuple[pa.Table, pa.Schema]:
     want = base.expected_schema(name, meta)
+    if problem := _column_problem(table.schema.names, want.names):  # it would be dropped or picked silently
+        raise SchemaError(f"write to '{name}': {problem}; nothing was written")
     S.validate(table.schema, want, what=f"write to '{name}'")
     table = table.select(want.names).cast(want)
     if name != base.PROMPTS and (problem := S.row_problem(table, meta)):  # before a byte is written
         raise SchemaError(f"write to '{name}': {problem}; nothing was written")
     return table, want
+
+
+def _column_problem(names: list[str], wanted: list[str]) -> str | None:
+    """A column given twice or one the table does not store (None: neither)."""
+    twice = sorted({c for c in names if names.count(c) > 1})
+    if twice:
+        return f"column '{twice[0]}' is given {names.count(twice[0])} times"
+    extra = [c for c in names if c not in wanted]
+    if extra:
+        return (f"column(s) {', '.join(repr(c) for c in extra[:5])} are not stored by this table "
+                f"(its columns: {', '.join(wanted)}); drop them or keep them in a table of your own")
+    return None
 
 
 def check_identity(ds, name: str, meta: S.FeatureMeta | None) -> None:
@@ -219,6 +233,8 @@ def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMet
     if name == base.FEATURES and meta is None:
         raise SchemaError("committing features needs its FeatureMeta")
     ensure_table(uri, name, meta=meta)
+    if not fragments:  # workers that wrote no rows: no version, as store.append of no rows makes none
+        return base.dataset(uri, name).version  # (a rolled-back table is refused, as a commit would be)
     path = base.table_uri(uri, name)
     remote = objects.is_remote(uri)
     with lease.hold(uri, name, purpose="commit", wait_s=lease.WAIT_S):

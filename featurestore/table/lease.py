@@ -24,7 +24,9 @@ Lance refuses, by the conditional PUT of the next manifest, when another landed 
 version; ``fragments._serial_append``), so racing writers are serialized or refused there too
 (docs/storage.md says what that guarantees).
 
-A process re-entering a lease it holds gets it at once (capture holds it and commits under it).
+The thread holding a lease re-enters it at once (capture holds it and commits under it); another
+thread of the same process waits for it as another process would (record locks belong to the
+process: without that, threads appending at once would each commit unchecked, every row stored twice).
 Caveat of record locks: closing *any* descriptor of the lease file in the holding process drops
 the lock, so this module never opens a lease file it holds a second time.
 """
@@ -59,8 +61,9 @@ WAIT_S = 30.0
 #: How long ``compact``, ``gc``, ``restore`` and tag changes wait before saying who holds it.
 MAINTENANCE_WAIT_S = 5.0
 
-_held: dict[str, list] = {}  # lease path -> [fd, depth] for leases this process holds
+_held: dict[str, list] = {}  # lease path -> [fd, depth, thread] for leases this process holds
 _pins: dict[str, int] = {}   # pin file -> version, for pins this process holds
+_create_locks: dict[str, threading.Lock] = {}  # create lock file -> the threads' turn at it
 _mutex = threading.RLock()
 
 
@@ -135,26 +138,70 @@ def hold(uri: str, name: str, *, purpose: str, wait_s: float = 0.0, kind: str = 
         return
     path = lease_path(uri, name, kind)
     key = str(path)
-    with _mutex:
-        if key in _held:
-            _held[key][1] += 1
-            reentered = True
-        else:
-            reentered = False
-    if reentered:
-        try:
+    deadline = time.monotonic() + max(0.0, wait_s)
+    if _claim(key, deadline, f"table '{name}' in {uri} is being written by another thread of this process "
+                             f"(pid {os.getpid()}): this {purpose} waited {wait_s:.0f} s"):
+        try:  # re-entered by the thread that holds it
             yield
         finally:
             with _mutex:
                 _held[key][1] -= 1
         return
     try:
+        fd = _lock(path, deadline, name=name, uri=uri, purpose=purpose, wait_s=wait_s)
+    except BaseException:
+        with _mutex:
+            del _held[key]  # the claim: other threads may try now
+        raise
+    try:
+        previous = _read_info(fd)
+        if previous and previous.get("pid") != os.getpid():
+            log.info("took over the lease of table '%s' last held by %s (it ended without releasing it)",
+                     name, describe(previous))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, _info_text(purpose).encode(), 0)
+        with _mutex:
+            _held[key][0] = fd
+        yield
+    finally:
+        with _mutex:
+            del _held[key]
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _claim(key: str, deadline: float, busy: str) -> bool:
+    """Claim lease ``key`` for this thread before its lock is taken: True if this thread holds it
+    already (re-entered), False once claimed. Another thread's hold is waited for until ``deadline``
+    (then a :class:`StoreError` saying ``busy``): record locks belong to the process, so the kernel
+    would let a second thread of it "take" the lock at once, and two commits would race unchecked."""
+    me = threading.get_ident()
+    while True:
+        with _mutex:
+            entry = _held.get(key)
+            if entry is None:
+                _held[key] = [None, 1, me]  # [fd, depth, holding thread]; the fd once the lock is taken
+                return False
+            if entry[2] == me:
+                entry[1] += 1
+                return True
+        if time.monotonic() >= deadline:
+            raise StoreError(f"{busy}; run it when that one has finished (nothing was changed)")
+        time.sleep(0.01 + 0.02 * random.random())
+
+
+def _lock(path: Path, deadline: float, *, name: str, uri: str, purpose: str, wait_s: float) -> int:
+    """The lease file ``path`` opened and record-locked (waiting for another process until ``deadline``)."""
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         raise StoreError(f"run.store: cannot create the writer lease {path} ({exc.strerror or exc}); "
                          "is the store writable?") from None
-    deadline = time.monotonic() + max(0.0, wait_s)
     while True:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -170,26 +217,7 @@ def hold(uri: str, name: str, *, purpose: str, wait_s: float = 0.0, kind: str = 
                                  f"this {purpose} waited {wait_s:.0f} s; run it when that one has "
                                  "finished (nothing was changed)")
             time.sleep(0.05 + 0.1 * random.random())
-    previous = _read_info(fd)
-    if previous and previous.get("pid") != os.getpid():
-        log.info("took over the lease of table '%s' last held by %s (it ended without releasing it)",
-                 name, describe(previous))
-    text = _info_text(purpose).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, text, 0)
-    with _mutex:
-        _held[key] = [fd, 1]
-    try:
-        yield
-    finally:
-        with _mutex:
-            del _held[key]
-        try:
-            os.ftruncate(fd, 0)
-        except OSError:
-            pass
-        fcntl.lockf(fd, fcntl.LOCK_UN)
-        os.close(fd)
+    return fd
 
 
 def held_here(uri: str, name: str) -> bool:
@@ -205,16 +233,20 @@ def create_lock(uri: str, name: str) -> Iterator[None]:
         yield
         return
     path = lease_path(uri, name).with_suffix(".create")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise StoreError(f"run.store: cannot create {path} ({exc.strerror or exc}); is the store writable?") from None
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor drops the record lock
+    with _mutex:  # the record lock is the process's: threads of it take turns here first
+        in_process = _create_locks.setdefault(str(path), threading.Lock())
+    with in_process:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StoreError(f"run.store: cannot create {path} ({exc.strerror or exc}); "
+                             "is the store writable?") from None
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor drops the record lock
 
 
 # -- reader pins: a version a live reader (a training run) is reading is never removed by gc -----

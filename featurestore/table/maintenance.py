@@ -46,12 +46,12 @@ def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
     problems, unchecked = [], []
     try:
         ds = base.dataset(uri, name, version, allow_rolled_back=True)
-    except Exception as exc:  # a corrupt manifest or schema is a finding, not a crash
+        meta = S.feature_meta(ds.schema) if base.is_features(name) else None
+    except Exception as exc:  # a corrupt manifest, schema or feature metadata is a finding, not a crash
         return {"table": name, "ok": False, "problems": [f"cannot open: {str(exc).splitlines()[0][:300]}"]}
     if version is None and (rolled := base.rolled_back(uri, name, ds.version)):
         problems.append(rolled)
     remote = objects.is_remote(uri)
-    meta = S.feature_meta(ds.schema) if base.is_features(name) else None
     rows = 0
     for frag in ds.get_fragments():
         fid = frag.fragment_id

@@ -393,7 +393,8 @@ def test_reader_in_flight_and_memory_bounded_by_the_budget_not_the_table(tmp_pat
                 for s in reader.iter_samples(order):
                     s.release()
             assert most[0] <= reader.window.limit() <= 3
-            assert all(2 <= w <= 3 for w, _ in reader.window.history)  # the reader's floor is 2
+            history = reader.window.history  # 18 or 90 deliveries: periods of 4-6 of them were measured
+            assert history and all(2 <= w <= 3 for w, _ in history), history  # the reader's floor is 2
             assert reader.pool.free_bytes <= budget
             # idle (<= budget) + in flight + the one the consumer holds, 2 values each, each
             # buffer at most twice its value (the pool's rounding)

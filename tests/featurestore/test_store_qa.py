@@ -28,7 +28,8 @@ from eaglenest.featurestore import cli
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.read import query
 from eaglenest.featurestore.read.reader import SampleReader
-from eaglenest.featurestore.table import maintenance, store
+from eaglenest.featurestore.read.sample import Into
+from eaglenest.featurestore.table import maintenance, store, versions
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml")
 
@@ -246,3 +247,155 @@ def test_a_printed_query_with_tensors_does_not_hold_the_table(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["lines"] == 6, out  # the header, 2 rows, '...', 2 rows
     assert out["growth_mib"] < 150, out
+
+
+# -- second pass ---------------------------------------------------------------------------------
+
+
+def _features_with_meta(uri: str, text: bytes) -> None:
+    """A features table whose ``eaglenest.feature_meta`` is ``text`` (a table another tool wrote)."""
+    import lance
+
+    m = H.meta()
+    t = H.table(["a", "b"], m)
+    t = t.replace_schema_metadata({**t.schema.metadata, b"eaglenest.feature_meta": text})
+    lance.write_dataset(t, str(Path(uri) / "features.lance"), data_storage_version="2.0")
+
+
+def _meta_json(**change) -> bytes:
+    d = json.loads(H.meta().to_json())
+    d.update(change)
+    return json.dumps({k: v for k, v in d.items() if v is not ...}).encode()
+
+
+@pytest.mark.parametrize("text, says", [
+    (b"{not json", "is not JSON"),
+    (b"[1, 2]", "is [1, 2], not a JSON object"),
+    (_meta_json(layer_ids=...), "lacks key 'layer_ids'"),
+    (_meta_json(hidden_size="8"), "key 'hidden_size' is '8', expected int"),
+    (_meta_json(layer_ids=[2, "4"]), "key 'layer_ids' is [2, '4'], expected a list of ints"),
+    (_meta_json(dtype="float64"), "key 'dtype' is 'float64'"),
+    (_meta_json(storage="zstd"), "key 'storage' is 'zstd'"),
+    (_meta_json(hidden_size=0), "key 'hidden_size' is 0"),
+])
+def test_a_features_table_whose_meta_is_damaged_is_one_line(tmp_path, capsys, text, says):
+    """``show`` and ``verify`` printed a JSONDecodeError, KeyError or TypeError traceback, and a meta of
+    the wrong kinds passed ``show`` and failed later inside numpy; the reader met the same."""
+    uri = str(tmp_path / "store")
+    _features_with_meta(uri, text)
+    for verb in ("show", "verify"):
+        code = cli.main([verb, "--recipe", RECIPE, f"run.store={uri}", f"run.workdir={tmp_path}"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "eaglenest.feature_meta" in err[0] and says in err[0], (verb, err)
+    report = maintenance.verify(uri, store.FEATURES)  # a finding in the report, as a damaged schema is
+    assert not report["ok"] and says in report["problems"][0], report
+    with pytest.raises(SchemaError, match="eaglenest.feature_meta") as exc:
+        SampleReader(store.dataset(uri, store.FEATURES), integrity="off")
+    assert says in str(exc.value)
+
+
+@pytest.fixture()
+def three_versions(tmp_path) -> str:
+    uri, m = str(tmp_path / "store"), H.meta()
+    for c in range(3):
+        store.append(uri, store.FEATURES, H.table([f"c{c}s{i}" for i in range(3)], m, seed=c), meta=m)
+    return uri
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["tags", "--create", ""], "bad tag name ''"),
+    (["tags", "--delete", ""], "bad tag name ''"),
+    (["tags", "--create", "", "--delete", "keep"], "--create and --delete are one at a time"),
+    (["query", "--version", "", "--sql", "SELECT count(*) AS n FROM features"], "has no tag ''"),
+])
+def test_an_empty_option_value_is_refused_not_taken_for_no_option(three_versions, tmp_path, capsys, argv, says):
+    """``--create ""`` (a script's unset variable) printed the tags and exit 0 with nothing created,
+    ``--create "" --delete keep`` deleted ``keep``, and ``query --version ""`` read the latest version
+    instead of a pinned one: an empty value was taken as no option."""
+    uri = three_versions
+    versions.set_tag(uri, store.FEATURES, "keep", 2)
+    code = cli.main([*argv, "--recipe", RECIPE, f"run.store={uri}", f"run.workdir={tmp_path}"])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and says in err[0], captured.err
+    assert captured.out == ""
+    assert {k: v["version"] for k, v in store.dataset(uri, store.FEATURES).tags.list().items()} == {"keep": 2}
+
+
+@pytest.mark.parametrize("order", [[0, 0, 2], [2, 2, 2], [1], [2, 0], [2, 1, 0]])
+def test_a_destination_in_the_stored_dtype_gets_the_layers_its_order_names(tmp_path, order):
+    """The read straight into a destination in the stored dtype (the trainer's fast path) placed each
+    stored layer once: an order naming a layer twice got the layers of another order, silently
+    (``[0, 0, 2]`` read as ``[1, 0, 2]``), and one naming fewer layers was refused, where the converting
+    copy (another dtype) gives exactly the layers named."""
+    import torch
+
+    uri, m = str(tmp_path / "store"), H.meta()
+    store.append(uri, store.FEATURES, H.table(["a", "b", "c"], m), meta=m)
+    with SampleReader(store.dataset(uri, store.FEATURES)) as r:
+        plain = [(s.aux_stored().clone(), s.last_stored().clone()) for s in r.read(range(3))]
+        for dtype in (torch.float32, torch.float64):  # straight into the destination / the converting copy
+            into = [Into(aux=torch.full((3, len(order), m.hidden_size), -1.0, dtype=dtype),
+                         last=torch.empty(3, m.hidden_size, dtype=dtype), order=order) for _ in range(3)]
+            r.read(range(3), into=into)
+            for (aux, last), dest in zip(plain, into, strict=True):
+                assert torch.equal(dest.aux, aux[:3, order].to(dtype)), (dtype, order)
+                assert torch.equal(dest.last, last[:3].to(dtype))
+
+
+@pytest.mark.parametrize("name", [store.FEATURES, store.PROMPTS])
+@pytest.mark.parametrize("change, says", [
+    (lambda t: t.append_column("weight", pa.array([0.5] * t.num_rows)), "column(s) 'weight' are not stored"),
+    (lambda t: t.append_column("domain", pa.array(["x"] * t.num_rows)), "column 'domain' is given 2 times"),
+])
+def test_a_column_the_table_does_not_store_is_refused_not_dropped(tmp_path, name, change, says):
+    """An extra column was dropped without a word (its values lost), and a column given twice was a
+    ``KeyError`` saying the column did not exist."""
+    uri, m = str(tmp_path / "store"), H.meta()
+    rows = H.table(["a", "b"], m) if name == store.FEATURES else \
+        pa.Table.from_pylist(H.prompt_rows(2), schema=S.PROMPTS_SCHEMA)
+    meta = m if name == store.FEATURES else None
+    with pytest.raises(SchemaError, match=f"write to '{name}': ") as exc:
+        store.append(uri, name, change(rows), meta=meta)
+    assert says in str(exc.value) and "nothing was written" in str(exc.value)
+    assert not store.exists(uri, name)
+    assert store.append(uri, name, rows, meta=meta) == 2  # the same rows without it are stored
+
+
+@pytest.mark.parametrize("storage", ["raw", "fp8_e4m3"])
+def test_a_stored_value_of_the_wrong_size_is_named_by_row_on_every_read_path(tmp_path, monkeypatch, storage):
+    """A row an unchecking writer stored with a short value: the held sample and the converting copy
+    said ``tensor of 112 elements cannot be shaped (5, 3, 8)`` (fp8: ``fp8 value of N bytes ...``),
+    naming neither the row nor the column; the read straight into a destination named both."""
+    import torch
+
+    m = dataclasses.replace(H.meta(), storage=storage)
+    uri, rows = str(tmp_path / "store"), H.rows(["a", "b-short"], m)
+    if storage == "fp8_e4m3":
+        for r in rows:
+            for col, shape in (("aux_hidden", (r["num_tokens"], 3, 8)), ("last_hidden", (r["num_tokens"], 8))):
+                r[col] = S.encode_value(S.decode_tensor(r[col], shape, "float32").copy(), m)
+    rows[1]["aux_hidden"] = rows[1]["aux_hidden"][:-32]
+    with monkeypatch.context() as patch:
+        patch.setattr(S, "row_problem", lambda table, meta: None)
+        store.append(uri, store.FEATURES, pa.Table.from_pylist(rows, schema=S.features_schema(m)), meta=m)
+    with SampleReader(store.dataset(uri, store.FEATURES)) as r:
+        r.read([0])[0].aux_stored()  # the intact row reads
+        with pytest.raises(SchemaError, match=r"^row 1: aux_hidden holds \d+ bytes, not"):
+            r.read([1])[0].aux_stored()
+        into = [Into(aux=torch.empty(3, 3, 8, dtype=torch.float64), last=torch.empty(3, 8, dtype=torch.float64))]
+        with pytest.raises(SchemaError, match=r"^row 1: aux_hidden holds \d+ bytes, not"):
+            r.read([1], into=into)
+
+
+def test_a_commit_of_no_fragments_makes_no_version(tmp_path):
+    """Workers that all wrote no rows (``write_fragment`` of none returns ``[]``): the driver's commit
+    made an empty version with lineage claiming an append, where ``store.append`` of no rows makes none."""
+    from eaglenest.featurestore.table import fragments
+
+    uri, m = str(tmp_path / "store"), H.meta()
+    assert store.append(uri, store.FEATURES, H.table(["a"], m), meta=m) == 2
+    empty = fragments.write_fragment(uri, store.FEATURES, H.table([], m), meta=m)
+    assert empty == []
+    assert fragments.commit_fragments(uri, store.FEATURES, empty, meta=m, lineage={"stage": "capture"}) == 2
+    assert [v["version"] for v in versions.list_versions(uri, store.FEATURES)] == [1, 2]

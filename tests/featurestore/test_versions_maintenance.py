@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -10,6 +12,8 @@ from eaglenest.featurestore import schema as S
 from eaglenest.train import vocab as V
 
 import fs_helpers as H  # on sys.path via conftest
+
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml")
 
 
 @pytest.fixture
@@ -38,7 +42,7 @@ def test_versions_tags_diff_checkout_restore(three_versions):
         versions.delete_tag(uri, store.FEATURES, "good")
 
 
-def test_verify_names_a_corrupted_fragment(three_versions):
+def test_verify_names_a_corrupted_fragment(three_versions, capsys):
     uri, _ = three_versions
     assert maintenance.verify(uri, store.FEATURES)["ok"]
     ds = store.dataset(uri, store.FEATURES)
@@ -50,7 +54,10 @@ def test_verify_names_a_corrupted_fragment(three_versions):
     report = maintenance.verify(uri, store.FEATURES)
     assert not report["ok"]
     assert any(f"fragment {frag.fragment_id}" in p and "checksum" in p for p in report["problems"])
-    assert cli.main(["verify", f"run.workdir={uri}/..", f"run.store={uri}"]) == 2
+    # The recipe named, not found in the working directory (exit 2 for a missing recipe passed too).
+    assert cli.main(["verify", "--recipe", RECIPE, f"run.workdir={uri}/..", f"run.store={uri}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"fragment {frag.fragment_id}: data file {path.name} fails its checksum" in err[0], err
 
 
 def test_verify_finds_nan(tmp_path):

@@ -186,7 +186,7 @@ def staged_dir(out: str | Path, key: str, *, replaces: Callable[[Path], bool],
         if out.is_dir() and any(out.iterdir()) and not replaces(out):
             raise error(f"{key}: {shown_path(out)} is a folder of other files; give an empty or new folder")
         tmp = Path(tempfile.mkdtemp(prefix=pid_prefix(f".{out.name}.tmp-"), dir=out.parent))
-        os.chmod(tmp, 0o777 & ~_umask())  # a folder as mkdir makes it, not mkdtemp's owner-only one
+        os.chmod(tmp, 0o777 & ~umask())  # a folder as mkdir makes it, not mkdtemp's owner-only one
     except OSError as exc:
         raise _refusal(exc, out, key, error) from None
     try:
@@ -212,7 +212,8 @@ def check_output_dir(out: str | Path, key: str, *, replaces: Callable[[Path], bo
     return out
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's umask (read by setting one and putting it back): the modes a plain write gives."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -90,6 +90,10 @@ class EvaluateConfig:
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ConfigError("evaluate.num_speculative_tokens: must be >= 1 or null, "
                               f"got {short(self.num_speculative_tokens)}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens >= self.engine.max_model_len:
+            raise ConfigError(f"evaluate.num_speculative_tokens: {short(self.num_speculative_tokens)} draft tokens a "
+                              "round and the target's own token must fit evaluate.engine.max_model_len "
+                              f"({self.engine.max_model_len}); set at most {self.engine.max_model_len - 1}")
         if self.prompt_set != "heldout" and not self.prompt_path:
             raise ConfigError(f"evaluate.prompt_path: required for prompt_set={self.prompt_set} "
                               "(a local file/directory or a hub dataset id)")

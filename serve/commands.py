@@ -10,6 +10,7 @@ import time
 from eaglenest.engine import draft_num_speculative_tokens
 from eaglenest.errors import ConfigError, ManifestError
 from eaglenest.ingest.manifest import load_manifest
+from eaglenest.serve.draft_files import check_draft_dir, local_target_config
 from eaglenest.serve.push import check_repo_id, plan_push, push_draft, read_report, resolve_token
 from eaglenest.serve.server import Server
 from eaglenest.train.config import recommended_num_speculative_tokens
@@ -21,7 +22,12 @@ def up_server(recipe, *, no_spec: bool = False):
     draft = None if no_spec else str(r.path(s.draft_subdir))
     k = s.num_speculative_tokens or recommended_num_speculative_tokens(dataclasses.asdict(recipe.train))
     if draft and not s.num_speculative_tokens:  # null: the draft's recorded default (no draft: none to read)
+        check_draft_dir(draft, local_target_config(r.target))  # a damaged config.json: one line, not its K
         k = draft_num_speculative_tokens(draft, k)
+        if k >= s.max_model_len:  # (the recipe's own K is checked against it by ServeConfig)
+            raise ConfigError(f"{draft}/config.json: the draft's default of {k} draft tokens a round and the "
+                              f"target's own token must fit serve.max_model_len ({s.max_model_len}); set "
+                              "serve.num_speculative_tokens")
     return Server(r.target, draft=draft, num_speculative_tokens=k,
                   memory_fraction=s.gpu_memory_utilization, max_model_len=s.max_model_len,
                   log_dir=r.path("serve"), trust_remote_code=r.trust_remote_code, host=s.host, port=s.port,

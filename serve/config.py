@@ -66,8 +66,23 @@ class ServeConfig:
             raise ConfigError(f"serve.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len < 16:
             raise ConfigError(f"serve.max_model_len: must be >= 16, got {short(self.max_model_len)}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens >= self.max_model_len:
+            raise ConfigError(f"serve.num_speculative_tokens: {short(self.num_speculative_tokens)} draft tokens a "
+                              f"round and the target's own token must fit serve.max_model_len ({self.max_model_len}); "
+                              f"set at most {self.max_model_len - 1}")
         if self.format == "speculators" and self.quantization != "none":
             raise ConfigError("serve.format: speculators checkpoints carry no quantised weights; "
                               "use serve.format=vllm with serve.quantization=fp8")
-        if not self.hub_revision or any(c.isspace() for c in self.hub_revision):
-            raise ConfigError(f"serve.hub_revision: a branch name, got {short(self.hub_revision)}")
+        if not is_branch_name(self.hub_revision):  # refused before the Hub, where the repo would be made first
+            raise ConfigError(f"serve.hub_revision: a branch name git accepts, got {short(self.hub_revision)}")
+
+
+def is_branch_name(name: str) -> bool:
+    """Whether git accepts ``name`` as a branch (``git check-ref-format --branch``'s rules): no
+    whitespace, control or ``~^:?*[\\`` characters, no ``..``, ``@{`` or empty path component, no
+    component starting with ``.`` or ending in ``.lock``, not starting with ``-`` or ending in ``.``."""
+    parts = name.split("/")
+    return (bool(name) and not name.startswith("-") and not name.endswith(".")
+            and ".." not in name and "@{" not in name
+            and not any(c.isspace() or ord(c) < 32 or ord(c) == 127 or c in "~^:?*[\\" for c in name)
+            and all(p and not p.startswith(".") and not p.endswith(".lock") for p in parts))

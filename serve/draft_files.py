@@ -5,8 +5,10 @@ vLLM reads a draft's weights only once its engine is up (20-60 s), stops at a te
 shape with a traceback in its log, and does not check the vocabulary map at all: its EAGLE-3 head
 scatters the draft's logits to ``arange(draft_vocab) + d2t``, so an offset past the target's
 vocabulary fails mid-request and a missing ``d2t`` maps draft ids as target ids (lossless, but
-the draft's proposals are other tokens). The trade-off: only the safetensors header and the small
-``d2t`` / ``t2d`` tensors are read (numpy, no torch), so the check costs milliseconds; the other
+the draft's proposals are other tokens). The config.json keys serving reads are checked too (the K
+a round drafts, the aux layer ids, a P-EAGLE or DFlash mask token): vLLM fails on them once started,
+or eaglenest would serve another K. The trade-off: only config.json, the safetensors header and the
+small ``d2t`` / ``t2d`` tensors are read (numpy, no torch), so the check costs milliseconds; the other
 weights' shapes are vLLM's to check.
 """
 
@@ -19,11 +21,15 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from eaglenest.config import short
+from eaglenest.engine import RECOMMENDED_K, TRAINED_K, draft_family
 from eaglenest.errors import ConfigError
 from eaglenest.paths import shown_path
 from eaglenest.target import language_config, read_config
 
 WEIGHTS = "model.safetensors"
+#: config.json keys that give the K a round drafts (eaglenest.engine: the default and the trained depth).
+K_KEYS = (RECOMMENDED_K, TRAINED_K)
 _AGAIN = "export the draft again (`serve export`)"
 
 
@@ -64,6 +70,7 @@ def check_draft_dir(draft: str | Path, target_cfg: dict[str, Any] | None = None)
             if isinstance(theirs, int) and mine != theirs:
                 raise ConfigError(f"{where}: a draft for a target with {key} {mine}, run.target has {theirs}; "
                                   "serve it with the target it was trained for, or export it for this one")
+    _check_serving_keys(cfg, where, vocab, target_cfg)
     d2t, t2d = _vocab_tensors(draft / WEIGHTS)
     wpath = shown_path(draft / WEIGHTS)
     if d2t is None:
@@ -79,6 +86,75 @@ def check_draft_dir(draft: str | Path, target_cfg: dict[str, Any] | None = None)
     why = vocab_map_error(d2t, vocab)
     if why:
         raise ConfigError(f"{wpath}: {why}; {_AGAIN}")
+
+
+def _check_serving_keys(cfg: dict[str, Any], where: str, vocab: int, target_cfg: dict[str, Any] | None) -> None:
+    """The keys of config.json that serving reads, typed: the K a round drafts, the aux layers the
+    draft reads (inside the target's, when ``target_cfg`` is known) and a P-EAGLE or DFlash mask token;
+    ``architectures``, which vLLM renames class by class to its draft model."""
+    archs = cfg.get("architectures")
+    if not (isinstance(archs, list) and archs and all(isinstance(a, str) and a for a in archs)):
+        raise ConfigError(f"{where}: architectures: a list of model class names, got {short(archs)}; {_AGAIN}")
+    _check_k(cfg, where)
+    _check_aux_layers(cfg, where, (target_cfg or {}).get("num_hidden_layers"))
+    family = draft_family(cfg)
+    if family in ("peagle", "dflash"):
+        dflash = cfg["dflash_config"] if isinstance(cfg.get("dflash_config"), dict) else {}
+        mask = cfg.get("mask_token_id", dflash.get("mask_token_id"))
+        if not (_is_int(mask) and 0 <= mask < vocab):
+            raise ConfigError(f"{where}: mask_token_id: a token id of the target's vocabulary (0..{vocab - 1}) for "
+                              f"a {family} draft, got {short(mask)}; {_AGAIN}")
+
+
+def _check_k(cfg: dict[str, Any], where: str) -> None:
+    """eaglenest's K keys, when present, and a speculators config's first proposal (vLLM requires it)."""
+    for key in K_KEYS:
+        if key in cfg and not _positive_int(cfg[key]):
+            raise ConfigError(f"{where}: {key}: a positive integer, got {short(cfg[key])}; {_AGAIN}")
+    if "speculators_model_type" not in cfg and "speculators_config" not in cfg:
+        return
+    spec = cfg.get("speculators_config")
+    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
+    if not (isinstance(methods, list) and methods and all(isinstance(m, dict) for m in methods)):
+        raise ConfigError(f"{where}: speculators_config.proposal_methods: a list of objects, got "
+                          f"{short(methods)}; {_AGAIN}")
+    k = methods[0].get("speculative_tokens")
+    if not _positive_int(k):
+        raise ConfigError(f"{where}: speculators_config.proposal_methods[0].speculative_tokens: a positive "
+                          f"integer, got {short(k)}; {_AGAIN}")
+
+
+def _check_aux_layers(cfg: dict[str, Any], where: str, layers: Any) -> None:
+    """The aux layer ids are a list of integers, each a layer of the target's ``layers`` (when known)."""
+    key, ids = _aux_layer_ids(cfg)
+    if ids is not None and not (isinstance(ids, list) and ids and all(_is_int(i) for i in ids)):
+        raise ConfigError(f"{where}: {key}: a list of layer ids, got {short(ids)}; {_AGAIN}")
+    past = [i for i in ids or () if _positive_int(layers) and not 0 <= i < layers]
+    if past:
+        raise ConfigError(f"{where}: {key}: the draft reads aux layers {past}, run.target has {layers} layers "
+                          f"(vLLM ids 0..{layers - 1}); serve it with the target it was trained for, or export it "
+                          "for this one")
+
+
+def _aux_layer_ids(cfg: dict[str, Any]) -> tuple[str, Any]:
+    """(key, value) of the aux layer ids vLLM reads from config.json, in vLLM's ids (a flat DFlash
+    config's ``target_layer_ids`` are one less); the value is None when the config names none."""
+    if "eagle_aux_hidden_state_layer_ids" in cfg or "aux_hidden_state_layer_ids" in cfg:
+        key = "eagle_aux_hidden_state_layer_ids" if "eagle_aux_hidden_state_layer_ids" in cfg \
+            else "aux_hidden_state_layer_ids"
+        return key, cfg[key]
+    ids = cfg["dflash_config"].get("target_layer_ids") if isinstance(cfg.get("dflash_config"), dict) else None
+    if isinstance(ids, list) and all(_is_int(i) for i in ids):
+        ids = [i + 1 for i in ids]
+    return "dflash_config.target_layer_ids", ids
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any) -> bool:
+    return _is_int(value) and value >= 1
 
 
 def local_target_config(target: str | Path) -> dict[str, Any] | None:

@@ -11,7 +11,7 @@ The one boundary between eaglenest's training module and the serving format. Out
   3.1 flags are on), ``midlayer.*`` in HF Llama names, ``norm.weight``, ``lm_head.weight``,
   ``d2t`` (int64 offsets: target = draft + d2t[draft]) and ``t2d`` (bool; vLLM skips it). No
   ``embed_tokens``: vLLM shares the target's.
-* ``README.md`` (model card) and ``provenance.json``.
+* ``README.md`` (the model card, ``serve/cards.py``) and ``provenance.json``.
 
 A P-EAGLE draft (``train.family=peagle``, eaglenest.train.peagle) is the same format plus
 ``mask_token_id`` and ``parallel_drafting: true`` in config.json and the ``mask_hidden`` tensor
@@ -61,9 +61,10 @@ from transformers import LlamaConfig
 from eaglenest.config import short
 from eaglenest.engine import RECOMMENDED_K, TRAINED_K
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.paths import install_dir, make_dir, orphans, pid_prefix, shown_path, user_path
+from eaglenest.paths import install_dir, make_dir, orphans, pid_prefix, shown_path, umask, user_path
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.serve import formats, fp8
+from eaglenest.serve.cards import dflash_card, model_card
 from eaglenest.serve.draft_files import vocab_map_error
 from eaglenest.train.checkpoint import INFO, WEIGHTS, read_info
 from eaglenest.train.dflash import DFlashDraft, is_dflash
@@ -299,10 +300,12 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     sweep_leftovers(out_dir)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=_side_prefix(out_dir, "tmp"), dir=out_dir.parent))
+        os.chmod(tmp, 0o777 & ~umask())  # the user's umask decides, not mkdtemp's owner-only 0700
     except OSError as exc:  # e.g. a name too long for the side folder the export is written in
         raise ConfigError(f"{key}: {shown_path(out_dir)}: cannot write beside it ({exc.strerror or exc})") from None
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(tmp / "model.safetensors", 0o666 & ~umask())  # safetensors writes 0600 (a temp file renamed)
         write_json_atomic(tmp / "config.json", written)
         meta = info.get("feature_meta") or {}
         inputs = {"checkpoint": str(ckpt_dir), "step": info.get("step"), "store_uri": info.get("store_uri"),
@@ -331,15 +334,35 @@ def _check_info(info: dict[str, Any], path: Path) -> None:
     if not isinstance(d, dict):
         raise StoreError(f"{shown_path(path)}: no draft_config; the checkpoint is damaged: train again (`train run`)")
     ids = info.get("layer_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-        raise StoreError(f"{shown_path(path)}: layer_ids: a list of layer ids, got {str(ids)[:60]}; "
+    if (not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+            or len(set(ids)) != len(ids)):
+        raise StoreError(f"{shown_path(path)}: layer_ids: a list of distinct layer ids, got {short(ids, 60)}; "
                          "the checkpoint is damaged: train again (`train run`)")
     for k in DRAFT_KEYS + (DFLASH_KEYS if d.get("dflash") else ()):
         if not isinstance(d.get(k), (int, float)) or isinstance(d.get(k), bool):
             raise StoreError(f"{shown_path(path)}: draft_config.{k}: a number, got {str(d.get(k))[:60]}; "
                              "the checkpoint is damaged: train again (`train run`)")
+    _check_layers(info, path)
     _check_family(info, path)
     _check_record(info, path)
+
+
+def _check_layers(info: dict[str, Any], path: Path) -> None:
+    """The aux layers export writes (``layer_ids``) are the ones the draft's ``fc`` reads
+    (``draft_config.eagle_aux_layer_ids``, its width), its hidden size is its target's (vLLM shares the
+    target's embeddings) and its rotary settings an object."""
+    d, ids = info["draft_config"], info["layer_ids"]
+    built = d.get("eagle_aux_layer_ids")
+    if isinstance(built, list) and sorted(built) != sorted(ids):
+        raise StoreError(f"{shown_path(path)}: layer_ids {short(ids, 60)} are not the aux layers draft_config reads "
+                         f"({short(built, 60)}); the checkpoint is damaged: train again (`train run`)")
+    if d["hidden_size"] != d["target_hidden_size"]:
+        raise StoreError(f"{shown_path(path)}: draft_config.hidden_size {d['hidden_size']} is not the target's "
+                         f"{d['target_hidden_size']} (vLLM shares the target's embeddings); the checkpoint is "
+                         "damaged: train again (`train run`)")
+    if d.get("rope_parameters") is not None and not isinstance(d["rope_parameters"], dict):
+        raise StoreError(f"{shown_path(path)}: draft_config.rope_parameters: an object, got "
+                         f"{short(d['rope_parameters'], 60)}; the checkpoint is damaged: train again (`train run`)")
 
 
 def _check_family(info: dict[str, Any], path: Path) -> None:
@@ -501,111 +524,3 @@ def _install(tmp: Path, out_dir: Path, key: str) -> None:
         raise ConfigError(f"{key}: {shown_path(out_dir)} holds files that are not an exported draft; "
                           "choose an empty or new folder")
     install_dir(tmp, out_dir)
-
-
-def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any], *,
-               format: formats.Format = "vllm", notes: list[tuple[str, str]] = ()) -> str:
-    m = info.get("metrics") or {}
-    acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc", [])) or "n/a"
-    window = f"{cfg['sliding_window']} tokens" if "sliding_window" in cfg else "none (full attention)"
-    family = "P-EAGLE (parallel drafting)" if cfg.get("parallel_drafting") else "EAGLE-3"
-    steps = (f"P-EAGLE slots {info.get('train_config', {}).get('peagle', {}).get('num_slots')}, mask token "
-             f"{cfg.get('mask_token_id')}" if cfg.get("parallel_drafting")
-             else f"TTT steps {info.get('train_config', {}).get('ttt_steps')}")
-    return f"""# {family} draft head (eaglenest)
-
-{formats.usage_text(format, inputs['target'], ARCHITECTURE, parallel=bool(cfg.get('parallel_drafting')),
-                    num_speculative_tokens=cfg.get(RECOMMENDED_K, 3))}
-
-| | |
-|---|---|
-| aux layers (vLLM ids) | {cfg['eagle_aux_hidden_state_layer_ids']} |
-| draft vocab | {cfg['draft_vocab_size']} of {cfg['vocab_size']} target ids (coverage of loss tokens: {info.get('vocab_coverage', float('nan')):.3f}) |
-| parameters | {info.get('num_parameters', 0):,} (target embeddings shared, not counted) |
-| hidden / heads / kv heads / head dim / MLP | {cfg['hidden_size']} / {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / {cfg['head_dim']} / {cfg['intermediate_size']} |
-| rotary | {_rope_text(cfg['rope_parameters'])} |
-| EAGLE-3.1 flags | {', '.join(f for f in FLAGS if cfg[f]) or 'none'} |
-| dtype | {cfg['torch_dtype']}{' (linears: FP8 e4m3, per-channel scales, compressed-tensors)' if 'quantization_config' in cfg else ''} |
-| trained steps | {info.get('step')} ({steps}) |
-| speculative tokens when none is set | {cfg.get(RECOMMENDED_K, 'n/a')} (the family's best on the demo, docs/families.md) |
-| sliding window | {window} |
-| features | `{inputs['store_uri']}` table `{inputs['table']}` version {inputs['version']} |
-| last logged loss | {m.get('loss', float('nan')):.4f} |
-| last logged per-step top-1 accuracy | {acc} |
-
-`d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`. Full provenance in `provenance.json`.
-
-{formats.readers_text(cfg, format, notes, inputs['target'])}
-
-Training configuration:
-
-```json
-{json.dumps(info.get('train_config', {}), indent=2, sort_keys=True)}
-```
-"""
-
-
-def dflash_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any], *,
-                format: formats.Format = "vllm") -> str:
-    m = info.get("metrics") or {}
-    acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc", [])) or "n/a"
-    k = cfg.get(RECOMMENDED_K) or cfg["block_size"] - 1
-    if format == "speculators":
-        usage = f"""in speculators' DFlash checkpoint format
-(`speculators_model_type: dflash`): {cfg['num_hidden_layers']} Qwen3-style layers over the target's hidden states, one
-draft forward per round, non-causal attention inside the block. vLLM serves it directly; it serves the block
-non-causal, as trained, because config.json says `sliding_window_non_causal: true` (vLLM sets
-`dflash_config.causal` to its negation for every layer; with `false`, speculators' default, vLLM would serve
-the block causal, which this draft was not trained for).
-
-```python
-from vllm import LLM
-llm = LLM(model="<this directory>")  # the target and the number of draft tokens come from config.json
-```"""
-    else:
-        usage = f"""in vLLM's flat DFlash format
-(`{DFLASH_ARCHITECTURE}`): {cfg['num_hidden_layers']} Qwen3-style layers over the target's hidden states, one draft
-forward per round, non-causal attention inside the block (`dflash_config.causal: false`).
-
-```python
-from vllm import LLM
-llm = LLM(model="{inputs['target']}",
-          speculative_config={{"method": "dflash", "model": "<this directory>", "num_speculative_tokens": {k}}})
-```"""
-    return f"""# DFlash draft (eaglenest)
-
-Speculative-decoding draft for the target `{inputs['target']}`, {usage}
-
-vLLM's V1 runner ignores `block_size` and drafts `num_speculative_tokens` mask slots; the draft was
-trained for up to {cfg['block_size'] - 1}, and `serve` / `evaluate` use {k} when the recipe sets none
-(`recommended_num_speculative_tokens`: the family's best on the demo, docs/families.md).
-
-| | |
-|---|---|
-| target layers (`dflash_config.target_layer_ids`, 0-based; vLLM adds 1) | {cfg['dflash_config']['target_layer_ids']} |
-| mask token id | {cfg['dflash_config']['mask_token_id']} |
-| draft vocab | {cfg['draft_vocab_size']} of {cfg['vocab_size']} target ids (coverage of loss tokens: {info.get('vocab_coverage', float('nan')):.3f}) |
-| parameters | {info.get('num_parameters', 0):,} (target embeddings shared, not counted) |
-| layers / hidden / heads / kv heads / head dim / MLP | {cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / {cfg['head_dim']} / {cfg['intermediate_size']} |
-| rotary | {_rope_text(cfg['rope_parameters'])} |
-| dtype | {cfg['torch_dtype']} |
-| trained steps | {info.get('step')} (block size {cfg['block_size']}) |
-| features | `{inputs['store_uri']}` table `{inputs['table']}` version {inputs['version']} |
-| last logged loss | {m.get('loss', float('nan')):.4f} |
-| last logged per-slot top-1 accuracy | {acc} |
-
-`d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`. Full provenance in `provenance.json`.
-
-Training configuration:
-
-```json
-{json.dumps(info.get('train_config', {}), indent=2, sort_keys=True)}
-```
-"""
-
-
-def _rope_text(rope: dict[str, Any]) -> str:
-    text = f"{rope.get('rope_type', 'default')}, theta {rope.get('rope_theta')}"
-    if rope.get("partial_rotary_factor"):
-        text += f", partial {rope['partial_rotary_factor']} of each head"
-    return text

@@ -10,8 +10,9 @@ linear ``X``, ``X.weight`` (float8_e4m3fn) and ``X.weight_scale`` (float32 ``[ou
 ``quantization_config`` whose activations are dynamic per-token FP8 (nothing to calibrate).
 
 Numerics (what the tests bound): ``scale = amax(|row|) / 448`` (448 = e4m3fn's largest finite),
-``q = round_to_nearest_even(w / scale)``; the row maximum maps to 448 exactly. e4m3fn has 3
-mantissa bits, so for normal values ``|w - q * scale| <= 2**-4 * |w|``; below 2**-6 (subnormals)
+``q = round_to_nearest_even(w / scale)``; the row maximum maps to 448 exactly (a row whose
+``amax / 448`` is 0, zero or under ~6e-43, gets scale 1 and codes 0, as compressed-tensors gives it
+eps). e4m3fn has 3 mantissa bits, so for normal values ``|w - q * scale| <= 2**-4 * |w|``; below 2**-6 (subnormals)
 the spacing is 2**-9, so the error is at most ``2**-10 * scale`` there. torch's cast to
 float8_e4m3fn does not saturate (out of range becomes NaN), hence the clamp.
 
@@ -45,9 +46,10 @@ def is_quantised_linear(name: str) -> bool:
 def quantise_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``q`` float8_e4m3fn like ``weight``, ``scale`` float32 ``[out, 1]``."""
     w = weight.detach().to(torch.float32)
-    amax = w.abs().amax(dim=1, keepdim=True)
-    # A zero row keeps a positive scale (its codes are all 0), so dequantising never divides by 0.
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    # A zero row, or one whose amax / 448 underflows float32 (amax below ~6e-43), keeps a positive scale
+    # (its codes are all 0): dividing by a zero scale would make its codes 0 / 0 = NaN.
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.contiguous(), scale.contiguous()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -83,6 +84,23 @@ def server_argv(target: str, *, port: int, draft: str | None, num_speculative_to
     return argv
 
 
+#: An exception's line in a traceback: ``pkg.module.SomeError: message`` at the start of the line.
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+
+
+def exit_reason(log_text: str) -> str:
+    """Why a server that ended during start-up ended, from its log: the last exception's line, with
+    the first detail line indented under it (pydantic puts the reason there, and a link last), else
+    the log's last line."""
+    lines = [line.rstrip() for line in log_text.strip().splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if _EXCEPTION_LINE.match(lines[i]):
+            detail = next((x.strip() for x in lines[i + 1:] if x.startswith(" ") and x.strip()
+                           and not x.strip().startswith("For further information visit")), "")
+            return f"{lines[i]}: {detail}" if detail else lines[i]
+    return lines[-1] if lines else ""
+
+
 class Server:
     """A running vLLM OpenAI server; ``url`` is its base URL (``http://HOST:PORT``).
 
@@ -136,9 +154,9 @@ class Server:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+                why = exit_reason(self.log_path.read_text(errors="replace"))
                 raise EaglenestError(f"vLLM server exited with code {self.proc.returncode} during start-up "
-                                     f"(log {self.log_path}): {tail[0][:300]}")
+                                     f"(log {self.log_path}): {why[:300]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     log.info("vLLM server ready at %s", self.url)

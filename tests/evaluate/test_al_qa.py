@@ -290,3 +290,15 @@ def test_a_report_measured_by_other_software_is_measured_again(al_cli, monkeypat
     versions["vllm"] = "0.2.0"
     assert run() == 0 and len(calls) == 2
     assert "already measures this draft" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("k", [10**6, 4096])
+def test_a_k_no_sequence_can_hold_is_refused_when_the_recipe_loads(k):
+    """``evaluate.num_speculative_tokens=1000000`` went into vLLM's speculative config (serve refused it,
+    evaluate did not): K draft tokens and the target's own must fit the engine's max_model_len."""
+    from eaglenest.engine import EngineConfig
+
+    with pytest.raises(ConfigError, match=rf"evaluate\.num_speculative_tokens: {k} draft tokens a round .* "
+                                          r"evaluate\.engine\.max_model_len \(4096\); set at most 4095"):
+        EvaluateConfig(num_speculative_tokens=k, engine=EngineConfig(max_model_len=4096))
+    assert EvaluateConfig(num_speculative_tokens=4095, engine=EngineConfig(max_model_len=4096))

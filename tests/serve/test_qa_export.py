@@ -14,7 +14,9 @@ failed on a usable folder, or wrote a draft vLLM would serve wrongly, before its
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -154,3 +156,72 @@ def test_a_damaged_run_record_is_one_line(capsys, tmp_path, root, toy_checkpoint
     assert len(lines) == 1 and "Traceback" not in lines[0], lines
     assert lines[0].startswith(f"serve: error: {info}: {says}") and "train again" in lines[0], lines[0]
     assert sorted(p.name for p in work.iterdir()) == ["train"]
+
+
+@pytest.fixture
+def umask():
+    """Sets the process umask for the test (restored after)."""
+    before = os.umask(0o022)
+    yield os.umask
+    os.umask(before)
+
+
+@pytest.mark.parametrize("mask, folder, file", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)],
+                         ids=["umask-022", "umask-077"])
+def test_the_users_umask_decides_the_exports_modes(tmp_path, toy_checkpoint, tiny_target, umask, mask, folder, file):
+    """Before: the draft folder was mkdtemp's 0700 and model.safetensors safetensors' 0600 whatever the
+    umask, so a server running as another user could not read a draft exported under umask 022."""
+    umask(mask)
+    out = export_draft(toy_checkpoint, tmp_path / "draft", target_dir=tiny_target)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [out, *out.iterdir()]}
+    assert modes == {"draft": folder, **{name: file for name in
+                                         ("config.json", "model.safetensors", "README.md", "provenance.json")}}
+
+
+@pytest.mark.parametrize("layer_ids, draft, says", [
+    ([2, 2, 5], {}, "layer_ids: a list of distinct layer ids, got [2, 2, 5]"),
+    ([True, 4, 5], {}, "layer_ids: a list of distinct layer ids, got [True, 4, 5]"),
+    ([4, 5], {}, "layer_ids [4, 5] are not the aux layers draft_config reads ([2, 4, 5])"),
+    ([2, 4, 5], {"rope_parameters": "default"}, "draft_config.rope_parameters: an object, got 'default'"),
+    ([2, 4, 5], {"hidden_size": 64}, "draft_config.hidden_size 64 is not the target's 128"),
+], ids=["duplicate-ids", "bool-id", "fewer-ids", "text-rope", "other-hidden"])
+def test_a_damaged_draft_record_is_one_line(capsys, tmp_path, root, toy_checkpoint, tiny_target, layer_ids, draft,
+                                            says):
+    """checkpoint.json's description of the draft, damaged: before, aux ids [2, 2, 5], [True, 4, 5] (read
+    as layer 1) or [4, 5] (fc is 3 layers wide) exported a draft vLLM would fail on mid-request or serve
+    on other layers; a rope_parameters string was an AttributeError traceback; a draft hidden size unlike
+    the target's was a line naming no file."""
+    work = tmp_path / "work"
+    shutil.copytree(toy_checkpoint, work / "train")
+    info_path = work / "train" / "checkpoint.json"
+    info = json.loads(info_path.read_text())
+    info["layer_ids"], info["draft_config"] = layer_ids, {**info["draft_config"], **draft}
+    info_path.write_text(json.dumps(info))
+    code = serve_main(["export", f"--recipe={root / 'recipes' / 'toy.yaml'}", f"run.workdir={work}",
+                       f"run.target={tiny_target}"])
+    assert code == 2
+    lines = [x for x in capsys.readouterr().err.strip().splitlines() if " INFO " not in x]
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert lines[0].startswith(f"serve: error: {info_path}: {says}") and "train again" in lines[0], lines[0]
+    assert sorted(p.name for p in work.iterdir()) == ["train"]
+
+
+def test_an_fp8_row_too_small_for_a_float32_scale_stays_finite(tmp_path, tiny_target):
+    """A row whose largest |w| is under 448 x float32's smallest subnormal (here 1e-44) got scale
+    amax / 448 = 0 (underflow), so its codes were 0 / 0 = NaN: the FP8 export held NaN weights."""
+    from safetensors.torch import load_file
+
+    from eaglenest.serve import fp8
+
+    def tiny_row(model):
+        w = _state(model)["midlayer.mlp.down_proj.weight"]
+        w[7] = 0.0
+        w[7, 3] = 1e-44
+
+    ckpt = _checkpoint(tmp_path / "train", tiny_target, tiny_row)
+    out = export_draft(ckpt, tmp_path / "draft", target_dir=tiny_target, dtype="float32", quantization="fp8")
+    weights = load_file(str(out / "model.safetensors"))
+    q, scale = weights["midlayer.mlp.down_proj.weight"], weights["midlayer.mlp.down_proj.weight_scale"]
+    assert bool(torch.isfinite(q.float()).all()) and bool((scale > 0).all()), scale[7]
+    row = fp8.dequantise(q, scale)[7]
+    assert bool(torch.isfinite(row).all()) and float(row.abs().max()) <= 1e-43

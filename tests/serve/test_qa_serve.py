@@ -203,3 +203,173 @@ def test_up_for_negative_seconds_is_refused_before_a_server_starts(capsys, tmp_p
     assert capsys.readouterr().err.strip().splitlines() == [
         f"serve: error: --for-seconds: seconds >= 0 (0: until Ctrl-C), got {float(seconds)}"]
     assert not (tmp_path / "serve").exists()  # no server log: none started
+
+
+def _speculators(draft: Path) -> None:
+    """The draft re-exported in speculators' format (its checkpoint recorded in provenance.json)."""
+    from eaglenest.serve.export import export_draft
+
+    ckpt = json.loads((draft / "provenance.json").read_text())["inputs"]
+    export_draft(ckpt["checkpoint"], draft, target_dir=ckpt["target"], format="speculators")
+
+
+def _then(*steps):
+    def damage(draft: Path) -> None:
+        for step in steps:
+            step(draft)
+    return damage
+
+
+def _proposal(**changes):
+    def damage(draft: Path) -> None:
+        path = draft / "config.json"
+        cfg = json.loads(path.read_text())
+        cfg["speculators_config"]["proposal_methods"][0].update(changes)
+        path.write_text(json.dumps(cfg))
+    return damage
+
+
+CONFIG_DAMAGE = [
+    (_config(recommended_num_speculative_tokens=True), "recommended_num_speculative_tokens: a positive integer, "
+                                                        "got True"),
+    (_config(recommended_num_speculative_tokens="3"), "recommended_num_speculative_tokens: a positive integer, "
+                                                       "got '3'"),
+    (_config(trained_num_speculative_tokens=0), "trained_num_speculative_tokens: a positive integer, got 0"),
+    (_config(eagle_aux_hidden_state_layer_ids=[2, 40, 5]),
+     "eagle_aux_hidden_state_layer_ids: the draft reads aux layers [40], run.target has 8 layers "
+     "(vLLM ids 0..7)"),
+    (_config(eagle_aux_hidden_state_layer_ids="2,4,5"),
+     "eagle_aux_hidden_state_layer_ids: a list of layer ids, got '2,4,5'"),
+    (_config(architectures="LlamaForCausalLMEagle3"),
+     "architectures: a list of model class names, got 'LlamaForCausalLMEagle3'"),
+    (_config(architectures=None), "architectures: a list of model class names, got None"),
+    (_config(parallel_drafting=True),
+     "mask_token_id: a token id of the target's vocabulary (0..2047) for a peagle draft, got None"),
+    (_then(_speculators, _config(speculators_config="greedy")),
+     "speculators_config.proposal_methods: a list of objects, got None"),
+    (_then(_speculators, _proposal(speculative_tokens=-2)),
+     "speculators_config.proposal_methods[0].speculative_tokens: a positive integer, got -2"),
+]
+
+
+@pytest.mark.parametrize("damage, says", CONFIG_DAMAGE, ids=[
+    "k-bool", "k-text", "trained-k-zero", "aux-past-target", "aux-text", "arch-text", "no-arch", "peagle-no-mask",
+    "speculators-text", "speculators-k"])
+def test_a_draft_config_vllm_would_reject_is_refused_before_it_starts(tmp_path, root, toy_export, damage, says):
+    """Before: a config.json key serving reads, damaged, reached vLLM (its traceback 20-60 s later, or a
+    request failing mid-way: aux layers past the target's), was served at another K (``true`` read as
+    K=1, text ignored), or (speculators_config not an object) was an AttributeError traceback."""
+    shutil.copytree(toy_export, tmp_path / "draft")
+    damage(tmp_path / "draft")
+    with pytest.raises(ConfigError) as err:
+        up_server(_recipe(root, tmp_path))
+    assert str(err.value).startswith(f"{tmp_path}/draft/config.json: {says}; "), str(err.value)
+    assert not (tmp_path / "serve").exists()
+
+
+def test_a_speculators_config_that_is_not_an_object_is_one_line(capsys, monkeypatch, tmp_path, root, toy_export):
+    from eaglenest.serve.server import Server
+
+    monkeypatch.setattr(Server, "start", lambda self: pytest.fail("a server was started"))  # none may start
+    shutil.copytree(toy_export, tmp_path / "draft")
+    _then(_speculators, _config(speculators_config="greedy"))(tmp_path / "draft")
+    code = serve_main(["up", f"--recipe={root / 'recipes' / 'toy.yaml'}", f"run.workdir={tmp_path}",
+                       "serve.port=0", "--for-seconds=1"])
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"serve: error: {tmp_path}/draft/config.json: speculators_config.proposal_methods: a list of "
+                     "objects, got None; export the draft again (`serve export`)"], lines
+
+
+def test_an_intact_speculators_draft_passes_the_check(tmp_path, root, toy_export):
+    shutil.copytree(toy_export, tmp_path / "draft")
+    _speculators(tmp_path / "draft")
+    server = up_server(_recipe(root, tmp_path))
+    spec = json.loads(server.argv[server.argv.index("--speculative-config") + 1])
+    assert spec["model"] == str(tmp_path / "draft") and spec["num_speculative_tokens"] == 3
+
+
+@pytest.mark.parametrize("k, length", [(1000000, 2048), (64, 64)], ids=["huge", "whole-context"])
+def test_a_k_no_sequence_can_hold_is_refused_in_the_recipe(capsys, tmp_path, root, k, length):
+    """``serve.num_speculative_tokens=1000000`` was taken as is (by ``serve export`` into the draft's
+    config.json, by ``serve up`` into vLLM, which failed in its own log once started)."""
+    code = serve_main(["up", f"--recipe={root / 'recipes' / 'toy.yaml'}", f"run.workdir={tmp_path}",
+                       "serve.port=0", f"serve.num_speculative_tokens={k}", f"serve.max_model_len={length}"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"serve: error: serve.num_speculative_tokens: {k} draft tokens a round and the target's own token must fit "
+        f"serve.max_model_len ({length}); set at most {length - 1}"]
+    assert not (tmp_path / "serve").exists()
+    assert load_recipe(root / "recipes" / "toy.yaml", [f"serve.num_speculative_tokens={length - 1}",
+                                                      f"serve.max_model_len={length}"]).serve.num_speculative_tokens \
+        == length - 1
+
+
+@pytest.mark.parametrize("revision", ["a..b", "-x", "v1.lock", "feat/", "a:b", "x@{1}", "dev.", "/main", "a//b"])
+def test_a_branch_name_git_refuses_is_refused_before_the_hub(capsys, monkeypatch, tmp_path, root, toy_export, revision):
+    """``serve.hub_revision=a..b`` passed the recipe (only whitespace was refused): with a token, the repo was
+    created on the Hub and the branch then refused there."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_token")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: a request would fail
+    shutil.copytree(toy_export, tmp_path / "draft")
+    code = serve_main(["push", f"--recipe={root / 'recipes' / 'toy.yaml'}", f"run.workdir={tmp_path}",
+                       f"ingest.manifest={root / 'recipes' / 'manifests' / 'toy.yaml'}", "serve.hub_repo_id=me/x",
+                       f"serve.hub_revision={revision}"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"serve: error: serve.hub_revision: a branch name git accepts, got {revision!r}"]
+
+
+@pytest.mark.parametrize("revision", ["dev", "feat/eagle-3.1", "v1_2", "refs-x"])
+def test_plain_branch_names_pass(root, revision):
+    assert load_recipe(root / "recipes" / "toy.yaml", [f"serve.hub_revision={revision}"]).serve.hub_revision == revision
+
+
+def test_a_drafts_recorded_k_no_sequence_can_hold_is_refused(tmp_path, root, toy_export):
+    """A draft whose config.json records K = 10**12 (the recipe's K null) was handed to vLLM as is."""
+    shutil.copytree(toy_export, tmp_path / "draft")
+    _config(recommended_num_speculative_tokens=10**12)(tmp_path / "draft")
+    with pytest.raises(ConfigError) as err:
+        up_server(_recipe(root, tmp_path))
+    assert str(err.value) == (f"{tmp_path}/draft/config.json: the draft's default of 1000000000000 draft tokens a "
+                              "round and the target's own token must fit serve.max_model_len (2048); set "
+                              "serve.num_speculative_tokens")
+    server = up_server(_recipe(root, tmp_path, "serve.num_speculative_tokens=4"))  # the recipe's K wins
+    assert json.loads(server.argv[server.argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 4
+
+
+#: The end of vLLM's log when its config refuses ``--max-model-len`` past the target's positions.
+PYDANTIC_TAIL = """Traceback (most recent call last):
+  File "vllm/engine/arg_utils.py", line 1955, in create_model_config
+    return ModelConfig(
+pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
+  Value error, User-specified max_model_len (100000) is greater than the derived max_model_len (32768) [type=value_error]
+    For further information visit https://errors.pydantic.dev/2.14/v/value_error
+"""
+
+
+def test_a_server_refused_at_start_up_says_why(tmp_path, root):
+    """``serve up serve.max_model_len=100000`` on a target of 32768 positions: the one line was the last of
+    vLLM's log, pydantic's "For further information visit https://errors.pydantic.dev/...", not the reason."""
+    import sys
+
+    server = up_server(_recipe(root, tmp_path), no_spec=True)
+    server.argv = [sys.executable, "-c", f"import sys; sys.stdout.write({PYDANTIC_TAIL!r}); sys.exit(1)"]
+    with pytest.raises(EaglenestError) as err:
+        server.start()
+    assert str(err.value) == (
+        f"vLLM server exited with code 1 during start-up (log {server.log_path}): pydantic_core._pydantic_core."
+        "ValidationError: 1 validation error for ModelConfig: Value error, User-specified max_model_len (100000) "
+        "is greater than the derived max_model_len (32768) [type=value_error]")
+
+
+@pytest.mark.parametrize("tail, says", [
+    ("loading\nRuntimeError: Engine core initialization failed. See root cause above.\n",
+     "RuntimeError: Engine core initialization failed. See root cause above."),
+    ("starting\nKilled\n", "Killed"),
+    ("", ""),
+], ids=["exception", "plain-last-line", "empty"])
+def test_the_start_up_reason_is_the_last_exception_or_line(tail, says):
+    from eaglenest.serve.server import exit_reason
+
+    assert exit_reason(tail) == says

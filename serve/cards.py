@@ -1,0 +1,120 @@
+"""The model card (``README.md``) an export writes beside the draft: how to serve it (vLLM's or
+speculators' format), its shape and rotary, and the run's record (steps, loss, per-step accuracy, the
+training configuration). Pure text from the exported config.json and checkpoint.json: the card reads
+every name (the architecture included) from the config it describes, so it never disagrees with it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from eaglenest.engine import RECOMMENDED_K
+from eaglenest.serve import formats
+
+
+def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any], *,
+               format: formats.Format = "vllm", notes: list[tuple[str, str]] = ()) -> str:
+    m = info.get("metrics") or {}
+    acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc", [])) or "n/a"
+    window = f"{cfg['sliding_window']} tokens" if "sliding_window" in cfg else "none (full attention)"
+    family = "P-EAGLE (parallel drafting)" if cfg.get("parallel_drafting") else "EAGLE-3"
+    steps = (f"P-EAGLE slots {info.get('train_config', {}).get('peagle', {}).get('num_slots')}, mask token "
+             f"{cfg.get('mask_token_id')}" if cfg.get("parallel_drafting")
+             else f"TTT steps {info.get('train_config', {}).get('ttt_steps')}")
+    return f"""# {family} draft head (eaglenest)
+
+{formats.usage_text(format, inputs['target'], cfg['architectures'][0], parallel=bool(cfg.get('parallel_drafting')),
+                    num_speculative_tokens=cfg.get(RECOMMENDED_K, 3))}
+
+| | |
+|---|---|
+| aux layers (vLLM ids) | {cfg['eagle_aux_hidden_state_layer_ids']} |
+| draft vocab | {cfg['draft_vocab_size']} of {cfg['vocab_size']} target ids (coverage of loss tokens: {info.get('vocab_coverage', float('nan')):.3f}) |
+| parameters | {info.get('num_parameters', 0):,} (target embeddings shared, not counted) |
+| hidden / heads / kv heads / head dim / MLP | {cfg['hidden_size']} / {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / {cfg['head_dim']} / {cfg['intermediate_size']} |
+| rotary | {_rope_text(cfg['rope_parameters'])} |
+| EAGLE-3.1 flags | {', '.join(f for f in formats.FLAGS if cfg[f]) or 'none'} |
+| dtype | {cfg['torch_dtype']}{' (linears: FP8 e4m3, per-channel scales, compressed-tensors)' if 'quantization_config' in cfg else ''} |
+| trained steps | {info.get('step')} ({steps}) |
+| speculative tokens when none is set | {cfg.get(RECOMMENDED_K, 'n/a')} (the family's best on the demo, docs/families.md) |
+| sliding window | {window} |
+| features | `{inputs['store_uri']}` table `{inputs['table']}` version {inputs['version']} |
+| last logged loss | {m.get('loss', float('nan')):.4f} |
+| last logged per-step top-1 accuracy | {acc} |
+
+`d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`. Full provenance in `provenance.json`.
+
+{formats.readers_text(cfg, format, notes, inputs['target'])}
+
+Training configuration:
+
+```json
+{json.dumps(info.get('train_config', {}), indent=2, sort_keys=True)}
+```
+"""
+
+
+def dflash_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any], *,
+                format: formats.Format = "vllm") -> str:
+    m = info.get("metrics") or {}
+    acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc", [])) or "n/a"
+    k = cfg.get(RECOMMENDED_K) or cfg["block_size"] - 1
+    if format == "speculators":
+        usage = f"""in speculators' DFlash checkpoint format
+(`speculators_model_type: dflash`): {cfg['num_hidden_layers']} Qwen3-style layers over the target's hidden states, one
+draft forward per round, non-causal attention inside the block. vLLM serves it directly; it serves the block
+non-causal, as trained, because config.json says `sliding_window_non_causal: true` (vLLM sets
+`dflash_config.causal` to its negation for every layer; with `false`, speculators' default, vLLM would serve
+the block causal, which this draft was not trained for).
+
+```python
+from vllm import LLM
+llm = LLM(model="<this directory>")  # the target and the number of draft tokens come from config.json
+```"""
+    else:
+        usage = f"""in vLLM's flat DFlash format
+(`{cfg['architectures'][0]}`): {cfg['num_hidden_layers']} Qwen3-style layers over the target's hidden states, one draft
+forward per round, non-causal attention inside the block (`dflash_config.causal: false`).
+
+```python
+from vllm import LLM
+llm = LLM(model="{inputs['target']}",
+          speculative_config={{"method": "dflash", "model": "<this directory>", "num_speculative_tokens": {k}}})
+```"""
+    return f"""# DFlash draft (eaglenest)
+
+Speculative-decoding draft for the target `{inputs['target']}`, {usage}
+
+vLLM's V1 runner ignores `block_size` and drafts `num_speculative_tokens` mask slots; the draft was
+trained for up to {cfg['block_size'] - 1}, and `serve` / `evaluate` use {k} when the recipe sets none
+(`recommended_num_speculative_tokens`: the family's best on the demo, docs/families.md).
+
+| | |
+|---|---|
+| target layers (`dflash_config.target_layer_ids`, 0-based; vLLM adds 1) | {cfg['dflash_config']['target_layer_ids']} |
+| mask token id | {cfg['dflash_config']['mask_token_id']} |
+| draft vocab | {cfg['draft_vocab_size']} of {cfg['vocab_size']} target ids (coverage of loss tokens: {info.get('vocab_coverage', float('nan')):.3f}) |
+| parameters | {info.get('num_parameters', 0):,} (target embeddings shared, not counted) |
+| layers / hidden / heads / kv heads / head dim / MLP | {cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / {cfg['head_dim']} / {cfg['intermediate_size']} |
+| rotary | {_rope_text(cfg['rope_parameters'])} |
+| dtype | {cfg['torch_dtype']} |
+| trained steps | {info.get('step')} (block size {cfg['block_size']}) |
+| features | `{inputs['store_uri']}` table `{inputs['table']}` version {inputs['version']} |
+| last logged loss | {m.get('loss', float('nan')):.4f} |
+| last logged per-slot top-1 accuracy | {acc} |
+
+`d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`. Full provenance in `provenance.json`.
+
+Training configuration:
+
+```json
+{json.dumps(info.get('train_config', {}), indent=2, sort_keys=True)}
+```
+"""
+
+
+def _rope_text(rope: dict[str, Any]) -> str:
+    text = f"{rope.get('rope_type', 'default')}, theta {rope.get('rope_theta')}"
+    if rope.get("partial_rotary_factor"):
+        text += f", partial {rope['partial_rotary_factor']} of each head"
+    return text

@@ -24,9 +24,10 @@ how it is handled here:
 
 Trade-offs: one engine per worker process, kept warm for later builds until the worker exits (a
 second build on the same workers starts in seconds; the memory stays held: restart the workers to
-free it). A backend key change (other engine settings or target) closes the old engine first, so
-a worker never holds two. On a 2-core machine a cluster adds orchestration, not speed; the point
-is the same code on a real cluster, where each worker holds a GPU and its own engine.
+free it). A backend key change (other engine settings or target, or new files at the target's path)
+closes the old engine first, so a worker never holds two. On a 2-core machine a cluster adds
+orchestration, not speed; the point is the same code on a real cluster, where each worker holds a
+GPU and its own engine.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import multiprocessing
 import os
 import socket
 import threading
+import uuid
 from concurrent.futures import CancelledError
 
 from eaglenest import faults, reaper
@@ -78,13 +80,32 @@ def check_worker(cfg, target: str, store_uri: str) -> None:
     if os.path.isabs(target) and not os.path.isdir(target):
         raise ConfigError(f"run.target: {target} does not exist on Dask worker {where}; every worker needs the "
                           "target at the same path")
-    if "://" not in store_uri and not os.path.isdir(store_uri):
+    store_dir = _store_dir(store_uri)
+    if store_dir is not None and not os.path.isdir(store_dir):
         raise StoreError(f"run.store: {store_uri} is not visible on Dask worker {where}; put the store on a "
                          "filesystem every worker shares, or on an object store")
 
 
+def _store_dir(store_uri: str) -> str | None:
+    """A local store's directory (``file:///x`` is ``/x``, docs/storage.md); None for an object store."""
+    if store_uri[:len("file://")].lower() == "file://":
+        return store_uri[len("file://"):]
+    return None if "://" in store_uri else store_uri
+
+
+def _target_stamp(target: str) -> tuple:
+    """The target folder's files by name, size and mtime: weights replaced at the same path are another
+    target, so a worker's warm engine must not serve them (nothing for a hub id)."""
+    try:
+        with os.scandir(target) as entries:
+            return tuple(sorted((e.name, st.st_size, st.st_mtime_ns) for e in entries if e.is_file()
+                                for st in (e.stat(),)))
+    except OSError:
+        return ()
+
+
 def _backend(cfg, target: str, trust_remote_code: bool):
-    key = repr((tuple(getattr(cfg, k) for k in BACKEND_KEYS), target, trust_remote_code))
+    key = repr((tuple(getattr(cfg, k) for k in BACKEND_KEYS), target, _target_stamp(target), trust_remote_code))
     if key not in _BACKENDS:
         _close_backends()  # one engine per worker: never two warm at once
         if cfg.backend == "vllm":
@@ -204,8 +225,8 @@ def run(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None, 
     """Submit every shard; call ``on_result(k, result)`` on the driver as each finishes."""
     from distributed import KilledWorker, as_completed
 
-    if "://" not in store_uri:
-        os.makedirs(store_uri, exist_ok=True)  # workers check they see it
+    if (store_dir := _store_dir(store_uri)) is not None:
+        os.makedirs(store_dir, exist_ok=True)  # workers check they see it
     target, store_uri = _local(target), _local(store_uri)
     if think is not None:
         think = dataclasses.replace(think, target=target)  # it decodes with the target on the worker
@@ -213,8 +234,11 @@ def run(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None, 
     client = client or client_for(cfg)
     try:
         options = registered_storage_options()  # the driver's, by store URI
+        # Task keys are global to the scheduler: another build's shard of the same prompts (another store
+        # or target) must not be mistaken for this one's, so each run's keys carry their own token.
+        run_id = uuid.uuid4().hex[:12]
         futures = {client.submit(_shard_task, cfg, target, store_uri, shard, gen, gen_id, think, trust_remote_code,
-                                 options, pure=False, key=f"ingest-shard-{k}-{shard[0].sample_id}"): k
+                                 options, pure=False, key=f"ingest-shard-{k}-{shard[0].sample_id}-{run_id}"): k
                    for k, shard in enumerate(shards)}
         for fut in as_completed(futures):
             try:

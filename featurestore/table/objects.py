@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import threading
 from pathlib import Path
 
 from eaglenest.errors import StoreError, require
@@ -53,9 +54,18 @@ def join(uri: str, *parts: str) -> str:
 
 def check_key(uri: str) -> None:
     """Refuse an object-store URI whose key Lance and pyarrow would read differently (or not at all):
-    :func:`eaglenest.runconfig.store_key_problem`, checked again here for URIs built in code."""
-    if problem := store_key_problem(uri):
+    :func:`eaglenest.runconfig.store_key_problem`, checked again here for URIs built in code, and
+    ``.`` / ``..`` segments (Lance resolves them, pyarrow does not: the table and its side files would part)."""
+    if problem := store_key_problem(uri) or _dot_segment_problem(uri):
         raise StoreError(problem)
+
+
+def _dot_segment_problem(uri: str) -> str | None:
+    segments = str(uri).split("://", 1)[1].split("/")[1:]  # after the bucket
+    if "." in segments or ".." in segments:
+        return (f"run.store: {uri} has a '.' or '..' path segment, which Lance resolves and pyarrow does not: "
+                "use s3://bucket/prefix with plain path segments")
+    return None
 
 
 def lance_options(uri: str) -> dict[str, str] | None:
@@ -157,7 +167,8 @@ def write_text(uri: str, text: str) -> None:
     """Write a small file atomically: temp file + rename locally, one PUT on an object store."""
     if not is_remote(uri):
         path = Path(local(uri))
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        # Per thread too: the writer lease is re-entrant within a process, so two threads may write at once.
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
         try:
             tmp.write_text(text)
             os.replace(tmp, path)

@@ -103,3 +103,42 @@ def test_a_data_file_on_s3_is_named_by_its_uri(s3):
     ds = store.dataset(uri, store.FEATURES)
     (name,) = fragment_files(ds, ds.get_fragments()[0].fragment_id)
     assert name.startswith(f"{uri}/features.lance/data/") and name.endswith(".lance"), name
+
+
+@pytest.mark.parametrize("prefix", ["dot/./x", "dot/a/../b", "dot/x/.", "dot/.."])
+def test_dot_segment_in_key_prefix_is_refused_before_any_write(s3, prefix):
+    """Lance resolves ``.`` and ``..`` in a store URI, pyarrow keeps them: ``s3://b/a/../b`` wrote the
+    table's versions under ``b/`` and then said it held no table; ``s3://b/p/..`` wrote at the bucket's root."""
+    uri, m = s3.uri(prefix), H.meta()
+    before = s3.objects()
+    with pytest.raises(StoreError) as info:
+        store.append(uri, store.FEATURES, H.table(["a"], m), meta=m)
+    msg = str(info.value)
+    assert msg.startswith(f"run.store: {uri}") and "has a '.' or '..' path segment" in msg and "\n" not in msg
+    assert s3.objects() == before
+    assert cli.main(["show", f"run.store={uri}"]) == 2
+
+
+def test_side_file_written_by_two_threads_at_once_stays_whole(tmp_path):
+    """The writer lease is re-entrant within a process, so two threads may record a table's head at
+    once: both wrote the same temporary file, one's rename found it gone (FileNotFoundError, reported
+    as "head record could not be written") and the other could rename a file still being written."""
+    import threading
+
+    path, texts, errors = str(tmp_path / "_eaglenest_head.json"), ['{"version": 7}', '{"version": 12345}'], []
+
+    def write(text):
+        try:
+            for _ in range(1500):
+                objects.write_text(path, text)
+                assert objects.read_text(path) in texts
+        except (OSError, AssertionError) as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(t,)) for t in texts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and objects.read_text(path) in texts
+    assert [p.name for p in tmp_path.iterdir()] == ["_eaglenest_head.json"]  # no temporary file left

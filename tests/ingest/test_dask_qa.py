@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.errors import ConfigError, EaglenestError, StoreError
 from eaglenest.ingest import dask_executor
 from eaglenest.ingest.config import IngestConfig
 
@@ -115,3 +115,115 @@ def _wait_for_scheduler(distributed, addr: str):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+@pytest.mark.timeout(120)
+def test_two_builds_on_one_cluster_each_get_their_own_shard(tmp_path, monkeypatch):
+    """Task keys are global to a scheduler: a shard's key was its index and first sample id only, so
+    a second build of the same prompts into another store (another target, a concurrent re-run) got
+    the first build's result: fragments written under the first store, committed into the second."""
+    import distributed
+
+    def fake_shard(backend, store_uri, entries, gen, gen_id, think=None):
+        return {"store": store_uri, "gen_id": gen_id, "fragments": [], "rows": len(entries), "failures": []}
+
+    monkeypatch.setattr(dask_executor, "check_worker", lambda cfg, target, store_uri: None)
+    monkeypatch.setattr(dask_executor, "_backend", lambda cfg, target, trust_remote_code: None)
+    monkeypatch.setattr(dask_executor, "run_shard", fake_shard)
+    shards = [[SimpleNamespace(sample_id="d-same")]]
+    got = {}
+
+    def first_done(k, res):  # the first build's shard is still held while the second build runs
+        got["first"] = res
+        dask_executor.run(shards, cfg=IngestConfig(), target="t", store_uri=str(tmp_path / "b"), gen=None,
+                          gen_id="g2", on_result=lambda k, r: got.setdefault("second", r), client=client)
+
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=2, dashboard_address=None) as client:
+        dask_executor.run(shards, cfg=IngestConfig(), target="t", store_uri=str(tmp_path / "a"), gen=None,
+                          gen_id="g1", on_result=first_done, client=client)
+    assert (got["first"]["store"], got["first"]["gen_id"]) == (str(tmp_path / "a"), "g1")
+    assert (got["second"]["store"], got["second"]["gen_id"]) == (str(tmp_path / "b"), "g2")
+
+
+def test_worker_that_cannot_see_a_file_uri_store_is_refused(tmp_path, tiny_target):
+    """``file:///x`` is a local store (docs/storage.md), but the worker check took it for an object store:
+    a worker without the shared filesystem wrote the shard to its own disk and the driver committed it."""
+    with pytest.raises(StoreError) as info:
+        dask_executor.check_worker(IngestConfig(), str(tiny_target), "file:///nowhere/store")
+    assert str(info.value).startswith("run.store: file:///nowhere/store is not visible on Dask worker ")
+    dask_executor.check_worker(IngestConfig(), str(tiny_target), f"file://{tmp_path}")  # one it sees: fine
+
+
+@pytest.mark.timeout(120)
+def test_a_new_file_uri_store_is_created_before_the_workers_check_it(tmp_path, monkeypatch):
+    import distributed
+
+    seen = []
+    monkeypatch.setattr(dask_executor, "_backend", lambda cfg, target, trust_remote_code: None)
+    monkeypatch.setattr(dask_executor, "run_shard", lambda backend, store_uri, entries, gen, gen_id, think=None:
+                        seen.append(store_uri) or {"fragments": [], "rows": 0, "failures": []})
+    uri = f"file://{tmp_path}/new-store"
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=None) as client:
+        dask_executor.run([[SimpleNamespace(sample_id="d-x")]], cfg=IngestConfig(), target="t",
+                          store_uri=uri, gen=None, gen_id="g", on_result=lambda k, r: None, client=client)
+    assert (tmp_path / "new-store").is_dir() and seen == [uri]
+
+
+@pytest.mark.timeout(120)
+def test_shard_that_kills_every_worker_is_one_line(tmp_path, monkeypatch, tiny_target):
+    """docs/ingest.md: a shard that kills allowed-failures + 1 workers stops the build with one line
+    (here allowed-failures=0: the first SIGKILL, as the OOM killer would, ends it)."""
+    import dask
+    import distributed
+
+    marks = tmp_path / "started"
+    marks.mkdir()
+    monkeypatch.setenv("EAGLENEST_TEST_SHARD_STARTED", str(marks))  # the worker processes inherit it
+    stop = threading.Event()
+
+    def killer():  # SIGKILL each worker process as soon as it starts the shard
+        while not stop.is_set():
+            for f in marks.iterdir():
+                f.unlink()
+                os.kill(int(f.name.split("-", 1)[0]), signal.SIGKILL)
+            time.sleep(0.02)
+
+    th = threading.Thread(target=killer, daemon=True)
+    th.start()
+    try:
+        with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
+                distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+                                         host="127.0.0.1") as cluster, distributed.Client(cluster) as client:
+            with pytest.raises(EaglenestError) as info:
+                dask_executor.run([[SimpleNamespace(sample_id="d-kills")]], cfg=IngestConfig(), target=str(tiny_target),
+                                  store_uri=str(tmp_path / "store"), gen=None, gen_id="g",
+                                  on_result=lambda k, r: pytest.fail("a killed shard returned"), client=client)
+    finally:
+        stop.set()
+        th.join()
+    msg = str(info.value)
+    assert msg.startswith("ingest.executor: shard 0 killed every Dask worker that ran it (") and "\n" not in msg
+    assert "ingest-shard-0-d-kills-" in msg and msg.endswith("a re-run resumes after them")
+
+
+def test_worker_restarts_its_engine_when_the_target_is_replaced_in_place(tmp_path, monkeypatch):
+    """A worker keeps its engine for later builds with the same settings and target path: new weights
+    copied over that path were served by the old engine, under the new target's id in the lineage."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"old weights")
+    started, closed = [], []
+
+    class Backend:
+        def close(self):
+            closed.append(self)
+
+    monkeypatch.setattr(dask_executor, "make_backend", lambda cfg, target, trust_remote_code: started.append(
+        Backend()) or started[-1])
+    monkeypatch.setattr(dask_executor, "_BACKENDS", {})
+    cfg = IngestConfig(backend="endpoints", endpoints=["http://127.0.0.1:1"])  # no reaper: not an engine here
+    first = dask_executor._backend(cfg, str(target), False)
+    assert dask_executor._backend(cfg, str(target), False) is first  # same target: kept warm
+    (target / "model.safetensors").write_bytes(b"new weights, other size")
+    second = dask_executor._backend(cfg, str(target), False)
+    assert second is not first and closed == [first] and len(started) == 2

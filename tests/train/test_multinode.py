@@ -208,8 +208,8 @@ def test_launch_builds_torchrun_rendezvous_options():
     (["--nnodes", "2", "--rdzv-endpoint", "node0"], "HOST:PORT"),
     (["--nnodes", "2", "--rdzv-endpoint", "node0:http"], "HOST:PORT"),
     (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "node0:29400"], "--node-rank"),
-    (["--nnodes", "0"], "--nnodes"),
-    (["--nproc-per-node", "0"], "--nproc-per-node"),
+    (["--nnodes", "0"], "--nnodes (0)"),  # the line names both options: the value says which was bad
+    (["--nproc-per-node", "0"], "--nproc-per-node (0)"),
     (["--max-restarts", "-1"], "--max-restarts"),
 ])
 def test_launch_option_errors_exit_2(capsys, options, says):

@@ -43,6 +43,10 @@ class Command:
 
 def run(prog: str, description: str, commands: dict[str, Command], argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=description)
+    # -v before the command's name too (``ingest -v build``): its own name, as the command's default
+    # (0) would overwrite a count stored under ``verbose``; the two are added below.
+    parser.add_argument("-v", "--verbose", action="count", default=0, dest="verbose_before",
+                        help="more logging (also after COMMAND)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in commands.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
@@ -61,6 +65,7 @@ def run(prog: str, description: str, commands: dict[str, Command], argv: list[st
         if getattr(args, "overrides", None) is None or any(x.startswith("-") or "=" not in x for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    args.verbose += args.verbose_before
     # Everything past parsing lives in eaglenest.launch (the recipe, the engine plumbing, the process
     # guard): imported only now, so --help never pays for it. Named by string like the command bodies.
     return importlib.import_module("eaglenest.launch").execute(prog, commands[args.command], args)

@@ -147,8 +147,9 @@ def parse_yaml(text: str) -> Any:
         raise InvalidYAML(short_text(str(exc))) from None
 
 
-def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError) -> dict[str, Any]:
-    """Read a YAML mapping with the safe loader (no object construction, no aliases)."""
+def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError, allow_empty: bool = True) -> dict[str, Any]:
+    """Read a YAML mapping with the safe loader (no object construction, no aliases). A file with no
+    document (empty, blank or comments only) is ``{}``, or with ``allow_empty=False`` refused."""
     p = Path(path)
     name = short_text(str(p), 200)
     try:
@@ -172,6 +173,8 @@ def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError) -> di
         raise error(f"{name}: {exc}") from None
     except InvalidYAML as exc:
         raise error(f"{name}: not valid YAML ({short_text(str(exc).splitlines()[0])})") from None
+    if data is None and not allow_empty:
+        raise error(f"{name}: empty (no YAML document); write {{}} to use every default")
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -209,8 +212,10 @@ def override_value(raw: str) -> Any:
     return value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Return a copy of ``data`` with ``a.b.c=value`` overrides applied (values parsed as YAML)."""
+def apply_overrides(data: dict[str, Any], overrides: list[str], texts: dict[str, str] | None = None) -> dict[str, Any]:
+    """Return a copy of ``data`` with ``a.b.c=value`` overrides applied (values parsed as YAML).
+    ``texts``, when given, gets the text typed of each value read as a number, by dotted key: a key
+    that takes text takes that (:func:`build`), so ``train.stream.devices=1`` is "1"."""
     out = copy.deepcopy(data)
     for item in overrides:
         if "=" not in item:
@@ -220,6 +225,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not all(keys):
             raise ConfigError(f"override {short(item)} has an empty key")
         value = override_value(raw)
+        if texts is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
+            texts[".".join(keys)] = raw.strip()
         node = out
         for k in keys[:-1]:
             nxt = node.get(k)
@@ -233,13 +240,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def build(cls: type[T], data: Any, *, where: str = "", error: type[ConfigError] = ConfigError,
-          problems: list[str] | None = None) -> T | None:
+          problems: list[str] | None = None, texts: Mapping[str, str] | None = None) -> T | None:
     """Build dataclass ``cls`` from ``data``, naming the dotted key of any problem.
 
     Raises ``error`` at the first problem; with a ``problems`` list, appends every problem to it
-    instead (one line each, key first) and returns None if there was any."""
+    instead (one line each, key first) and returns None if there was any. ``texts``: the text typed
+    of override values read as numbers (:func:`apply_overrides`), taken by the keys that take text."""
     if problems is None:
-        return _convert(cls, data, where, error)
+        return _convert(cls, data, where, error, texts)
     return _collect(cls, data, where, error, problems)
 
 
@@ -301,7 +309,7 @@ def _one_of(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
+def _convert(tp: Any, value: Any, where: str, error: type[ConfigError], texts: Mapping[str, str] | None = None) -> Any:
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if value is None:
@@ -316,7 +324,7 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
         kwargs = {}
         for name, f in fields.items():
             if name in value:
-                kwargs[name] = _convert(hints[name], value[name], _name(where, name), error)
+                kwargs[name] = _convert(hints[name], value[name], _name(where, name), error, texts)
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise error(f"{_name(where, name)}: required key is missing")
         return tp(**kwargs)
@@ -330,11 +338,13 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
         if value is None and type(None) in args:
             return None
         last: ConfigError | None = None
+        if any(arg in (int, float) for arg in args):  # a number is one of its values: not the text typed
+            texts = None
         for arg in args:
             if arg is type(None):
                 continue
             try:
-                return _convert(arg, value, where, error)
+                return _convert(arg, value, where, error, texts)
             except ConfigError as exc:
                 last = exc
         leaves = [_leaf_name(a) for a in args]
@@ -345,13 +355,13 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
         if not isinstance(value, (list, tuple)):
             raise error(f"{where}: expected a list, got {type(value).__name__}")
         (item_tp, *_rest) = get_args(tp) or (Any,)
-        items = [_convert(item_tp, v, f"{where}[{i}]", error) for i, v in enumerate(value)]
+        items = [_convert(item_tp, v, f"{where}[{i}]", error, texts) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, Mapping):
             raise error(f"{where}: expected a mapping, got {type(value).__name__}")
         _k, v_tp = get_args(tp) or (str, Any)
-        return {str(k): _convert(v_tp, v, _name(where, str(k)), error) for k, v in value.items()}
+        return {str(k): _convert(v_tp, v, _name(where, str(k)), error, texts) for k, v in value.items()}
     if tp is Any:
         return value
     if tp is float and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value):
@@ -366,11 +376,21 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError]) -> Any:
         if not math.isfinite(value):
             raise error(f"{where}: must be a finite number")
         return value
+    if tp is str and (typed := _typed_text(value, where, texts)) is not None:
+        return typed
     if tp in (int, float, str, bool):
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
             raise error(f"{where}: expected {tp.__name__}, got {short(value)}")
         return value
     return value
+
+
+def _typed_text(value: Any, where: str, texts: Mapping[str, str] | None) -> str | None:
+    """The text typed on the command line for ``where`` when ``value`` is the number it was read as."""
+    if not texts or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    typed = texts.get(where)
+    return typed if typed is not None and override_value(typed) == value else None
 
 
 def to_dict(obj: Any) -> Any:

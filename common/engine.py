@@ -27,7 +27,7 @@ import re
 import signal
 from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from eaglenest.errors import ConfigError, require
 from eaglenest.hf import check_remote_code, is_refusal, refusal
@@ -52,7 +52,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     #: "auto" runs the target in its own checkpoint dtype (config.json), unlike vLLM's "auto", which
     #: would downcast an fp32 checkpoint to bf16. Regeneration, capture and serving then agree.
-    dtype: str = "auto"
+    #: The other values are vLLM's own names (it refuses any other only once its engine starts).
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     #: Skip CUDA graphs / torch.compile: faster start, slower steps. On by default for small runs.
     enforce_eager: bool = True
     seed: int = 0
@@ -103,6 +104,23 @@ VLLM_LOG_ENV = ("VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_LEVEL", "VLLM_CONFIGUR
 #: The run's log folder, once the CLI has chosen to keep vLLM's INFO lines off the console (this
 #: process only: children get vLLM's own ``VLLM_LOGGING_CONFIG_PATH`` once :func:`quiet_vllm` ran).
 _deferred_log_dir: Path | None = None
+#: The variables of :data:`VLLM_LOG_ENV` this process set itself, with their values: an earlier
+#: command's, not a user's choice, when a later command runs in the same process (a notebook, a
+#: script calling several stages' ``main``).
+_set_here: dict[str, str] = {}
+
+
+def _set_env(key: str, value: str) -> None:
+    os.environ[key] = value
+    _set_here[key] = value
+
+
+def _forget_set_here() -> None:
+    """Unset what an earlier command in this process set (and nothing changed since)."""
+    for key, value in _set_here.items():
+        if os.environ.get(key) == value:
+            del os.environ[key]
+    _set_here.clear()
 
 
 def defer_quiet_vllm(log_dir: Path, verbose: int) -> bool:
@@ -111,6 +129,7 @@ def defer_quiet_vllm(log_dir: Path, verbose: int) -> bool:
     folder is only remembered, in this process. Returns whether it will be."""
     global _deferred_log_dir
     _deferred_log_dir = None
+    _forget_set_here()  # an earlier command's run folder is not this one's
     if verbose or any(k in os.environ for k in VLLM_LOG_ENV):
         return False
     _deferred_log_dir = Path(log_dir)
@@ -146,10 +165,10 @@ def quiet_vllm() -> Path | None:
         write_text_atomic(path, json.dumps(config, indent=1))  # engines in other processes may read it meanwhile
         _tracker_reports_to(log_path)
     except OSError:  # an unwritable run directory is reported by the stage itself
-        os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+        _set_env("VLLM_LOGGING_LEVEL", "WARNING")
         return None
-    os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
-    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
+    _set_env("VLLM_CONFIGURE_LOGGING", "1")
+    _set_env("VLLM_LOGGING_CONFIG_PATH", str(path))
     log.debug("vLLM's INFO log: %s (-v shows it on the console)", log_path)
     return log_path
 
@@ -264,11 +283,19 @@ def draft_num_speculative_tokens(draft: str, default: int) -> int:
     config.json's ``recommended_num_speculative_tokens``, else (a speculators checkpoint) its first
     proposal method's ``speculative_tokens``, else ``default`` (no draft there yet, or an older export)."""
     cfg = _draft_config(draft)
-    if isinstance(cfg.get(RECOMMENDED_K), int) and cfg[RECOMMENDED_K] >= 1:
-        return cfg[RECOMMENDED_K]
-    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    k = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
-    return k if isinstance(k, int) and k >= 1 else int(default)
+    k = cfg.get(RECOMMENDED_K)
+    if _count(k):
+        return k
+    spec = cfg.get("speculators_config")  # damaged (not an object, no list): the default, and serving's
+    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None  # draft check names it
+    first = methods[0] if isinstance(methods, list) and methods else None
+    k = first.get("speculative_tokens") if isinstance(first, dict) else None
+    return k if _count(k) else int(default)
+
+
+def _count(value: Any) -> bool:
+    """A whole number >= 1 (not a bool: ``true`` is no count of tokens)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def engine_kwargs(cfg: EngineConfig, model: str = "", *, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -311,7 +338,8 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
     check_remote_code(model, trust_remote_code=trust_remote_code)
     require("vllm", "cpu" if not has_cuda() else "cuda")
     quiet_vllm()  # the run's vLLM log, written now that an engine starts (not when the command did)
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    if "VLLM_CONFIGURE_LOGGING" not in os.environ:
+        _set_env("VLLM_CONFIGURE_LOGGING", "1")
     from vllm import LLM
 
     kwargs = {**engine_kwargs(cfg, model, trust_remote_code=trust_remote_code), **extra}
@@ -330,6 +358,10 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
         if too_long:  # found by vLLM's config check, before any weight is loaded
             raise ConfigError(f"engine.max_model_len: {too_long[1]} is more than {model} has positions for "
                               f"({too_long[2]}); lower the stage's engine.max_model_len") from None
+        if short_kv := kv_cache_problem(str(exc)):  # an engine in this process (vLLM's own: a RuntimeError)
+            raise ConfigError(f"engine.memory_fraction: {cfg.memory_fraction} leaves {short_kv} for one sequence of "
+                              f"engine.max_model_len {cfg.max_model_len} tokens; raise the stage's "
+                              "engine.memory_fraction or lower its engine.max_model_len") from None
         if trust_remote_code or not is_refusal(exc):
             raise
         raise refusal(model) from None
@@ -353,11 +385,18 @@ class Interrupts:
             handler(signum, None)
 
 
+class StartInterrupted(BaseException):
+    """The interruption (``args[0]``: the ``KeyboardInterrupt`` or ``Terminated`` its handler raised) of
+    the block of :func:`interrupts_kept`, carried through the code in it: not a ``KeyboardInterrupt``,
+    so vLLM's engine start cannot swallow it, and not an ``Exception``, so no ``except Exception`` stops it."""
+
+
 @contextlib.contextmanager
 def interrupts_kept():
     """Record each interrupting signal (:data:`INTERRUPTS`) whose Python handler runs inside the
-    block, in the :class:`Interrupts` it yields, so that one the block swallowed can be delivered
-    after it (:func:`_start`). In the main thread only (signals are handled nowhere else)."""
+    block, in the :class:`Interrupts` it yields, and raise the ``KeyboardInterrupt`` its handler
+    raises as a :class:`StartInterrupted`, which the block's ``except KeyboardInterrupt`` does not
+    catch (:func:`_start` turns it back). In the main thread only (signals are handled nowhere else)."""
     interrupts = Interrupts()
     wrapped: dict[int, tuple[Any, Any]] = {}
     for name in INTERRUPTS:
@@ -368,7 +407,10 @@ def interrupts_kept():
 
         def record(signum, frame, handler=handler):
             interrupts.seen.append((signum, handler))
-            handler(signum, frame)
+            try:
+                handler(signum, frame)
+            except KeyboardInterrupt as exc:
+                raise StartInterrupted(exc) from None
 
         try:
             signal.signal(sig, record)
@@ -384,13 +426,19 @@ def interrupts_kept():
 
 
 def _start(LLM, model: str, kwargs: dict[str, Any]):
-    """``LLM(model, **kwargs)``, interruptible. While an engine starts in its own processes, vLLM
-    waits for their handshake inside ``vllm.utils.network_utils.zmq_socket_ctx``, which catches
+    """``LLM(model, **kwargs)``, interruptible at once. While an engine starts in its own processes,
+    vLLM waits for their handshake inside ``vllm.utils.network_utils.zmq_socket_ctx``, which catches
     ``KeyboardInterrupt`` and only logs it: a Ctrl-C, or a SIGTERM/SIGHUP the CLI unwinds like one
     (``eaglenest.launch``), was dropped and the command went on (a whole ``ingest build`` after
-    ``kill``). Here the engine it was meant to stop is closed and the interruption raised."""
+    ``kill``). Inside the start it travels as a :class:`StartInterrupted`, which vLLM does not catch:
+    its failed start ends the engine's processes (``MPClient``'s finalizer), and the interruption is
+    raised here, without waiting for the engine to load its weights. One that something still
+    swallowed is raised once the start returns, its engine closed first."""
     with interrupts_kept() as interrupts:
-        llm = LLM(model=model, **kwargs)
+        try:
+            llm = LLM(model=model, **kwargs)
+        except StartInterrupted as exc:
+            raise exc.args[0] from None
     if interrupts.seen:
         close_llm(llm)  # now, with this module's short grace, not by vLLM's finalizer at its own pace
         interrupts.deliver()
@@ -399,6 +447,19 @@ def _start(LLM, model: str, kwargs: dict[str, Any]):
 
 #: vLLM's refusal of a ``max_model_len`` past the target's positions (its ModelConfig validation).
 TOO_LONG = re.compile(r"User-specified max_model_len \((\d+)\) is greater than the derived max_model_len \(([^)]*)\)")
+#: vLLM's refusal of a KV cache that cannot hold one sequence of ``max_model_len`` (``kv_cache_utils``).
+KV_TOO_SMALL = re.compile(r"\(([\d.]+) GiB KV cache is needed, which is larger than the available KV cache memory "
+                          r"\(([\d.]+) GiB\)")
+NO_KV_MEMORY = "No available memory for the cache blocks"
+
+
+def kv_cache_problem(message: str) -> str | None:
+    """What vLLM's error ``message`` says of a KV cache too small for one sequence ("no KV cache", or
+    "a 0.5 GiB KV cache where 3 GiB are needed"); None for any other error."""
+    if NO_KV_MEMORY in message:
+        return "no KV cache"
+    found = KV_TOO_SMALL.search(message)
+    return f"a {found[2]} GiB KV cache where {found[1]} GiB are needed" if found else None
 
 
 #: How a user pins vLLM's CPU worker threads themselves (``engine.cpu_all_cores`` then does nothing).

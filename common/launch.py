@@ -8,8 +8,9 @@ options for this process, remembers where vLLM should log (written only when an 
 errors (:class:`EaglenestError`) become exit code 2 and one line on stderr. A SIGTERM (``kill``, a
 scheduler's stop, torchrun stopping its other ranks) or a SIGHUP (a closed terminal or ssh session)
 unwinds like Ctrl-C, so the same cleanup runs (an import's uncommitted new table is removed, engines
-are closed), then the process ends by that signal (its parent sees it signalled, as before). Output
-piped into a reader that stops early (``| head``) ends the command quietly, exit 141.
+are closed), then the process ends by that signal (its parent sees it signalled, as before); so
+does Ctrl-C (SIGINT), so a shell script or loop running the command stops with it. Output piped into
+a reader that stops early (``| head``) ends the command quietly, exit 141.
 ``eaglenest.cli`` parses the arguments and imports this module only once they are accepted.
 """
 
@@ -93,10 +94,45 @@ def unwind_on_sigterm() -> list[int]:
     return ours
 
 
+#: Whether a real Ctrl-C (SIGINT) raised the KeyboardInterrupt the command is unwinding from.
+_sigint_seen = False
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    """Python's own SIGINT handler, remembering the signal: the CLI then ends by SIGINT after its cleanup."""
+    global _sigint_seen
+    _sigint_seen = True
+    raise KeyboardInterrupt
+
+
+def end_by_sigint_after_cleanup() -> bool:
+    """Make Ctrl-C raise KeyboardInterrupt as before, remembered (:func:`execute` then ends the process by
+    SIGINT: a shell running the command in a script or a loop stops too, where an exit code, 130
+    included, tells it the command handled Ctrl-C itself and it goes on). Only where Python's own
+    handler is installed, in the main thread; returns whether it was set."""
+    global _sigint_seen
+    _sigint_seen = False
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler or interactive():
+        return False
+    try:
+        signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
+    except ValueError:  # not the main thread of the main interpreter
+        return False
+    return True
+
+
+def interactive() -> bool:
+    """Whether a person's Python session runs the command (a REPL, IPython, a Jupyter kernel, whose
+    interrupt is SIGINT too): Ctrl-C there must stop the command, not end the session."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules \
+        or "ipykernel" in sys.modules
+
+
 def end_by_signal(prog: str, signum: int) -> int:
     """After the cleanup: end the process by ``signum``'s default action, as if no handler had been set."""
     named = "" if signum == signal.SIGTERM else f" ({signal.Signals(signum).name})"
-    for line, stream in ((f"{prog}: terminated{named}\n", sys.stderr), ("", sys.stdout), ("", sys.stderr)):
+    said = f"{prog}: interrupted" if signum == signal.SIGINT else f"{prog}: terminated{named}"
+    for line, stream in ((f"{said}\n", sys.stderr), ("", sys.stdout), ("", sys.stderr)):
         try:  # after a hangup the terminal is gone: writing to it fails
             stream.write(line)
             stream.flush()
@@ -142,6 +178,7 @@ def execute(prog: str, cmd, args: argparse.Namespace) -> int:
     dump_stacks_on_sigusr1()
     reaper.guard()  # engines and helpers end with this process, even under SIGKILL (common/reaper.py)
     ours = unwind_on_sigterm()
+    sigint = end_by_sigint_after_cleanup()
     try:
         if not cmd.needs_recipe:
             return int(resolve(cmd.fn)(None, args) or 0)
@@ -165,9 +202,13 @@ def execute(prog: str, cmd, args: argparse.Namespace) -> int:
     except Terminated as exc:
         return end_by_signal(prog, exc.signum)
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        if _sigint_seen:
+            return end_by_signal(prog, signal.SIGINT)
+        print(f"{prog}: interrupted", file=sys.stderr)  # raised by code, not by Ctrl-C
         return 130
     finally:
         for sig in ours:
             if signal.getsignal(sig) is _raise_terminated:
                 signal.signal(sig, signal.SIG_DFL)
+        if sigint and signal.getsignal(signal.SIGINT) is _raise_keyboard_interrupt:
+            signal.signal(signal.SIGINT, signal.default_int_handler)

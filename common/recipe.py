@@ -59,9 +59,11 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"{DEFAULT_RECIPE}: file not found (the default recipe, read from the current "
                           "directory: run from an eaglenest checkout or give --recipe)")
     path = str(path or DEFAULT_RECIPE)
-    data = apply_overrides(load_yaml(path), list(overrides or []))
+    texts: dict[str, str] = {}  # override values read as numbers, as typed (a text key takes the text)
+    # An empty recipe is refused: a truncated file or a failed `--recipe <(cmd)` would run every default.
+    data = apply_overrides(load_yaml(path, allow_empty=False), list(overrides or []), texts)
     unknown = sorted(map(str, set(data) - set(SECTIONS)))
     if unknown:
         raise ConfigError(f"{short_text(unknown[0])}: unknown recipe section (known: {', '.join(SECTIONS)})")
-    sections = {name: build(_section_class(name), data.get(name), where=name) for name in SECTIONS}
+    sections = {name: build(_section_class(name), data.get(name), where=name, texts=texts) for name in SECTIONS}
     return Recipe(path=path, sections=sections)

@@ -21,9 +21,11 @@ REMOTE_SCHEMES = ("s3", "gs", "az")
 URL_SYNTAX = "?#%"
 #: ``run.storage_options`` keys that hold credentials: only ``${ENV_VAR}`` references are accepted
 #: there, so a resolved recipe (provenance, --dry-run, checkpoints) never holds a secret.
-SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|access_key|account_key|sas_|private_key|"
+SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|access_key|account_key|master_key|sas_|private_key|"
                         r"client_secret|session", re.IGNORECASE)
 _REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+#: A shell variable in a path (``$HOME``, ``${USER}``): nothing expands it in a recipe.
+_SHELL_VAR = re.compile(r"\$\{?[A-Za-z_]")
 #: This process's storage options by store URI: references, never secrets. Filled where a command
 #: resolves its recipe (:meth:`RunConfig.register_storage`, called by ``eaglenest.launch.execute``), and
 #: in a process that did not (a Dask task) from the options its driver sends it explicitly
@@ -51,6 +53,14 @@ def home_expanded(path: str) -> str:
         return os.path.expanduser(path)
     except (ValueError, RuntimeError):  # a NUL byte: the stage's path check names it too
         return path
+
+
+def check_no_shell_variable(key: str, path: str) -> None:
+    """Refuse ``run.<key>`` holding ``$VAR`` / ``${VAR}``: a shell expands it on a command line, but in a
+    recipe it would be taken literally (a folder named '${HOME}' in the current directory)."""
+    if _SHELL_VAR.search(path):
+        raise ConfigError(f"run.{key}: {short(path)} holds an environment variable, which a recipe does not "
+                          f"expand; write the path out (on a command line, the shell expands run.{key}=$VAR/...)")
 
 
 def register_storage_options(store_uri: str, options: dict[str, str]) -> None:
@@ -118,6 +128,7 @@ class RunConfig:
         if not self.workdir.strip():  # "" would put the run's store and outputs in the current directory
             raise ConfigError("run.workdir: must not be empty (a directory for this run's outputs, e.g. runs/toy)")
         for key in ("workdir", "target", "store"):  # the same folder for every reader of the recipe
+            check_no_shell_variable(key, getattr(self, key))
             object.__setattr__(self, key, home_expanded(getattr(self, key)))
         if self.seed not in SEED_RANGE:
             raise ConfigError(f"run.seed: must be in [0, 2**63), got {short(self.seed)}")
@@ -158,8 +169,9 @@ class RunConfig:
 
 def store_key_problem(uri: str) -> str | None:
     """Why the object-store URI ``uri`` is refused (its key would be read differently by Lance and
-    pyarrow, or not at all: pyarrow raises ArrowInvalid for ``//``, Lance drops control characters),
-    as one line naming ``run.store``; None when it is fine."""
+    pyarrow, or not at all: pyarrow raises ArrowInvalid for ``//``, Lance drops control characters and
+    resolves ``.`` / ``..`` segments, which pyarrow keeps), as one line naming ``run.store``; None when
+    it is fine."""
     rest = str(uri).split("://", 1)[1]
     bad = sorted(set(rest) & set(URL_SYNTAX))
     if any(ord(c) < 32 or ord(c) == 127 for c in rest):
@@ -170,6 +182,8 @@ def store_key_problem(uri: str) -> str | None:
         problem = "names no bucket"
     elif "" in rest.rstrip("/").split("/"):
         problem = "has an empty path segment (//)"
+    elif {".", ".."} & set(rest.split("/")[1:]):  # the table and its side files would part
+        problem = "has a '.' or '..' path segment, which Lance resolves and pyarrow does not"
     else:
         return None
     shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(uri))  # one line, whatever it holds

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from eaglenest.errors import ConfigError, EaglenestError, SchemaError, StoreError
 from eaglenest.paths import make_dir
 from eaglenest.featurestore.capture import policy
-from eaglenest.provenance import write_provenance
+from eaglenest.provenance import finite_or_null, write_provenance
 from eaglenest.train import checkpoint, context_parallel as CP, selection, state as S, track, vocab as V
 from eaglenest.train.config import TrainConfig
 from eaglenest.train.data import Prefetcher
@@ -414,7 +414,7 @@ class _Trainer:
         self.window = []
         if self.dist.is_main:
             with self.metrics_path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(self.final) + "\n")
+                f.write(json.dumps(finite_or_null(self.final, "", []), allow_nan=False) + "\n")  # strict JSON
             self.tracking.log(track.scalars(self.final), self.step)
             log.info("step %d/%d loss %.4f acc %s stall %.1f%%", self.step, self.total, self.final["loss"],
                      " ".join(f"{a:.2f}" for a in self.final["step_acc"]), 100 * stall)

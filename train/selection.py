@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.provenance import write_json_atomic
+from eaglenest.provenance import finite_or_null, write_json_atomic
 from eaglenest.train import checkpoint
 from eaglenest.train.config import SelectConfig
 
@@ -60,11 +60,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _line(record: dict) -> str:
+    """``record`` as a strict-JSON line (a NaN or infinity, which jq and browsers refuse, as null)."""
+    return json.dumps(finite_or_null(record, "", []), allow_nan=False) + "\n"
+
+
 def truncate_jsonl(path: Path, step: int) -> None:
     """Keep the records with ``step <= step`` (all gone for a fresh run), atomically."""
     keep = [r for r in read_jsonl(path) if r["step"] <= step] if step else []
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+    tmp.write_text("".join(_line(r) for r in keep), encoding="utf-8")
     tmp.replace(path)
 
 
@@ -107,7 +112,7 @@ class Selector:
                "loss": (info.get("metrics") or {}).get("loss")}
         prev = self.best()
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
+            f.write(_line(rec))
         if prev is None or rec["served_al"] > prev["served_al"]:
             best = self.outdir / BEST
             tmp = self.outdir / ".best.tmp"

@@ -54,18 +54,10 @@ def join(uri: str, *parts: str) -> str:
 
 def check_key(uri: str) -> None:
     """Refuse an object-store URI whose key Lance and pyarrow would read differently (or not at all):
-    :func:`eaglenest.runconfig.store_key_problem`, checked again here for URIs built in code, and
-    ``.`` / ``..`` segments (Lance resolves them, pyarrow does not: the table and its side files would part)."""
-    if problem := store_key_problem(uri) or _dot_segment_problem(uri):
+    :func:`eaglenest.runconfig.store_key_problem`, checked when a recipe loads and again here for URIs
+    built in code."""
+    if problem := store_key_problem(uri):
         raise StoreError(problem)
-
-
-def _dot_segment_problem(uri: str) -> str | None:
-    segments = str(uri).split("://", 1)[1].split("/")[1:]  # after the bucket
-    if "." in segments or ".." in segments:
-        return (f"run.store: {uri} has a '.' or '..' path segment, which Lance resolves and pyarrow does not: "
-                "use s3://bucket/prefix with plain path segments")
-    return None
 
 
 def lance_options(uri: str) -> dict[str, str] | None:

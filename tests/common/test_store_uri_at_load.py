@@ -15,7 +15,9 @@ TOY = Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml"
 @pytest.mark.parametrize("uri, says", [("s3://b//dbl", "has an empty path segment (//)"),
                                        ("gs:///p", "names no bucket"),
                                        ("az://b/q?x", "holds '?', which Lance reads as URL syntax"),
-                                       ("s3://b/x\ty", "holds a control character")])
+                                       ("s3://b/x\ty", "holds a control character"),
+                                       ("s3://b/p/..", "has a '.' or '..' path segment"),
+                                       ("s3://b/./p", "has a '.' or '..' path segment")])
 def test_bad_object_store_key_refused_at_load(tmp_path, uri, says):
     with pytest.raises(ConfigError) as info:
         load_recipe(TOY, [f"run.workdir={tmp_path}", f"run.store={uri}"])

@@ -232,3 +232,81 @@ def test_sigterm_while_ingest_starts_its_engine_ends_it(tmp_path, root, tiny_tar
     while any(_cmdline(p) for p in kids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not {p: _cmdline(p) for p in kids if _cmdline(p)}
+
+
+class SlowSwallowingLLM:
+    """:class:`SwallowingLLM`, then what vLLM does after its handshake swallowed the interrupt: it waits
+    for the engine to load its weights (here 8 s) before ``LLM()`` returns. ``stopped`` stands for
+    vLLM's own cleanup of a failed start (``MPClient``'s finalizer ends the engine's processes)."""
+
+    sig = signal.SIGINT
+    stopped = False
+
+    def __init__(self, model, **kwargs):
+        try:
+            try:
+                os.kill(os.getpid(), self.sig)
+                time.sleep(5)
+            except KeyboardInterrupt:
+                pass  # vllm.utils.network_utils.zmq_socket_ctx
+            time.sleep(8)  # the engine loads its weights
+        finally:
+            type(self).stopped = True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_during_an_engine_start_ends_the_start_at_once(monkeypatch, tiny_target, sig):
+    # Before: the interrupt was raised again only once vLLM's whole start returned (the engine had
+    # loaded its weights: minutes for a large target), then the engine was closed.
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", SlowSwallowingLLM)
+    monkeypatch.setattr(SlowSwallowingLLM, "sig", sig)
+    monkeypatch.setattr(SlowSwallowingLLM, "stopped", False)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_DFL)
+        launch.unwind_on_sigterm()
+        t0 = time.monotonic()
+        with pytest.raises(launch.Terminated if sig == signal.SIGTERM else KeyboardInterrupt) as err:
+            make_llm(str(tiny_target), EngineConfig(in_process=False))
+        assert time.monotonic() - t0 < 4, "the start went on to its end"
+        assert getattr(err.value, "signum", signal.SIGINT) == sig
+        assert SlowSwallowingLLM.stopped  # vLLM's own cleanup of the half-started engine ran
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def test_ctrl_c_ends_the_cli_by_sigint_after_its_cleanup(tmp_path):
+    # Before: exit 130 after the cleanup. A shell running the command in a script or a loop (`for k in
+    # 2 3 4; do evaluate al ...; done`) takes an exit, unlike a death by SIGINT, as "the command
+    # handled Ctrl-C itself" and goes on: every later command of the loop ran in full.
+    proc = _started(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == -signal.SIGINT, err[-2000:]
+    assert (tmp_path / "cleaned").exists()
+    assert err.strip().splitlines()[-1] == "qa: interrupted" and "Traceback" not in err
+    # What a user sees: Ctrl-C (SIGINT to the terminal's whole process group) stops the loop.
+    (tmp_path / "cli.py").write_text(BODY)
+    loop = f'for i in 1 2; do "{sys.executable}" "{tmp_path / "cli.py"}" "{tmp_path}"; echo "went on $i"; done'
+    (tmp_path / "started").unlink()
+    shell = subprocess.Popen(["bash", "-c", loop], start_new_session=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "started").exists():
+            assert shell.poll() is None and time.monotonic() < deadline, shell.communicate()[1]
+            time.sleep(0.05)
+        os.killpg(shell.pid, signal.SIGINT)
+        out, err = shell.communicate(timeout=60)
+    finally:
+        if shell.poll() is None:  # the loop went on: end it and the command it started
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()
+    assert "went on" not in out and shell.returncode == -signal.SIGINT, (out, err[-2000:])

@@ -288,3 +288,17 @@ def test_a_state_saved_with_the_unread_keys_still_matches(tmp_path):
     changed = S.fingerprint(TrainConfig(ttt_steps=3), table_version=1, store_uri="s3://b/x", target="org/t", seed=0)
     with pytest.raises(ConfigError, match="train.ttt_steps 7 -> 3"):
         S.resolve({"fingerprint": saved, "step": 1, "path": str(tmp_path / "s")}, changed, tmp_path)
+
+
+def test_a_metrics_file_cut_back_on_resume_is_strict_json(tmp_path):
+    """``truncate_jsonl`` (a resume cuts metrics.jsonl back to its step) wrote a NaN loss read from the
+    file as ``NaN``, which jq and browsers refuse; now as null, and a line a strict reader takes."""
+    from eaglenest.train.selection import read_jsonl, truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": NaN, "acc": [Infinity, 0.5]}\n{"step": 2, "loss": 1.0}\n')
+    truncate_jsonl(path, 1)
+    line = path.read_text()
+    assert json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {line!r}")) == \
+        {"step": 1, "loss": None, "acc": [None, 0.5]}
+    assert read_jsonl(path) == [{"step": 1, "loss": None, "acc": [None, 0.5]}]

@@ -27,7 +27,7 @@ from eaglenest.featurestore.schema import dtype_name
 from eaglenest.featurestore.table import fragments, lease, store
 from eaglenest.hf import load_config, load_tokenizer
 from eaglenest.provenance import code_version
-from eaglenest.target import language_config
+from eaglenest.target import language_config, read_config
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def target_facts(target: str, *, trust_remote_code: bool = False) -> dict:
     config.json (or the hub cache)."""
     path = Path(target) / "config.json"
     if path.is_file():
-        cfg = language_config(json.loads(path.read_text()))  # a multimodal wrapper's text_config
+        cfg = language_config(read_config(target))  # a multimodal wrapper's text_config; not JSON: one line
     else:
         cfg = language_config(load_config(target, trust_remote_code=trust_remote_code).to_dict())
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")

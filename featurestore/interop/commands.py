@@ -6,9 +6,9 @@
                                                           a peer's hidden-state dump in, as one new version
 
 Both print a JSON summary. The target whose vocabulary size and final norm an export needs is
-the table's recorded target when it is a local directory (or a cached hub id), else ``run.target``
-when its weights are the ones the table records (another model is refused: its final norm would be
-applied to hidden states it did not make).
+the table's recorded target when it is a local directory (or a cached hub id) still holding the weights
+the table records, else ``run.target`` when it holds them (another model, there or at the recorded
+path, is refused: its final norm would be applied to hidden states it did not make).
 """
 
 from __future__ import annotations
@@ -32,27 +32,40 @@ def _version(text):
     return version_arg(text, "--version")
 
 
-def _target(recipe, src: source.Source) -> str:
-    """The target an export reads (module docstring): run.target stands in for a table's target that
-    is not here only when its weights hash is the one the table's identity records."""
-    recorded = src.meta.target
-    if local_dir(recorded).is_dir():
-        return str(local_dir(recorded))
-    mine = recipe.run.target
+def _recorded_hash(src: source.Source) -> str | None:
+    """The weights sha256 the table's identity records (None: none, or a hub id's ``hub:`` name)."""
     try:
         want = src.meta.identity_components.get("weights_sha256")
     except (ValueError, AttributeError):  # an identity that is not a JSON object: nothing to check against
-        want = None
-    if mine == recorded or not isinstance(want, str) or want.startswith("hub:"):
+        return None
+    return want if isinstance(want, str) and not want.startswith("hub:") else None
+
+
+def _is_model(target: str, want: str) -> bool:
+    return local_dir(target).is_dir() and weights_hash(str(local_dir(target))) == want
+
+
+def _target(recipe, src: source.Source) -> str:
+    """The target an export reads (module docstring): the table's recorded target when it is here and
+    still holds the weights the table records, else run.target when it does."""
+    recorded, mine, want = src.meta.target, recipe.run.target, _recorded_hash(src)
+    here = local_dir(recorded).is_dir()
+    if want is None:
+        if here:
+            return str(local_dir(recorded))
         if mine != recorded:
             log.warning("the table's target %s is not here and the table records no weights hash to check "
                         "run.target %s against: exporting with run.target's vocabulary and final norm", recorded, mine)
         return mine
-    if not local_dir(mine).is_dir() or weights_hash(str(local_dir(mine))) != want:
-        raise ConfigError(f"run.target: the table's features were captured from {recorded}, which is not here, and "
-                          f"{mine} is another model (its weights are not the ones the table records): an export "
-                          f"applies the target's final norm and vocabulary. Set run.target to a copy of {recorded}")
-    return mine
+    if here and _is_model(recorded, want):
+        return str(local_dir(recorded))
+    if mine != recorded and _is_model(mine, want):
+        return mine
+    there = f"{recorded}, which holds another model now" if here else f"{recorded}, which is not here"
+    also = "" if mine == recorded else f", and {mine} is another model"
+    raise ConfigError(f"run.target: the table's features were captured from {there}{also} (weights other than the "
+                      "ones the table records): an export applies the target's final norm and vocabulary. Set "
+                      "run.target to a copy of the model the table was captured from")
 
 
 def cmd_export(recipe, args) -> int:

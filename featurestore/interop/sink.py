@@ -262,7 +262,10 @@ def import_meta(*, fmt: str, target: str, layer_ids, n_aux: int, hidden: int, dt
                 dump_digest: str, trust_remote_code: bool = False) -> S.FeatureMeta:
     """Feature metadata for a foreign dump: the target's shapes, checked against the dump's."""
     facts = target_facts(target, trust_remote_code=trust_remote_code)
-    layer_ids = resolve_layer_ids(layer_ids, facts["num_layers"])
+    # Ascending whatever order they are given in: a peer's dump holds its aux layers as the target's
+    # forward meets them (vLLM's and SGLang's capture append layer by layer), so [5, 2, 4] would label
+    # the stored layers wrongly, and the trainer's reorder to ascending would then permute them.
+    layer_ids = tuple(sorted(resolve_layer_ids(layer_ids, facts["num_layers"])))
     if len(layer_ids) != n_aux:
         raise SchemaError(f"the dump holds {n_aux} aux layers, featurestore.layer_ids gives {len(layer_ids)} "
                           f"({list(layer_ids)}, vLLM convention); set featurestore.layer_ids to the dump's layers")
@@ -361,6 +364,8 @@ def _remove_uncommitted(uri: str, name: str) -> None:
 
 
 def require_dir(src: str | Path, fmt: str) -> Path:
+    if not str(src).strip():  # an unset shell variable: Path('') would be the working directory, imported whole
+        raise ConfigError(f"--src is empty; give the {fmt} dump's directory")
     src = Path(src)
     if not src.is_dir():
         raise ConfigError(f"--src {src}: not a directory (a {fmt} hidden-state dump)")

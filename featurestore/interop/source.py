@@ -30,6 +30,7 @@ from typing import Iterator
 import numpy as np
 from safetensors import SafetensorError
 
+from eaglenest.config import short
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.table import integrity, lease, objects, store
@@ -113,12 +114,20 @@ def loss_token_counts(src: Source) -> dict[int, int]:
     return dict(counts)
 
 
+#: Token ids are int32 in a features table: a larger vocabulary is no target's (and its ``t2d`` would not fit).
+MAX_VOCAB = 1 << 31
+
+
 def target_vocab_size(target: str) -> int:
     try:
-        return int(language_config(read_config(target))["vocab_size"])
+        vocab = language_config(read_config(target))["vocab_size"]
     except (ConfigError, KeyError, TypeError, ValueError):
         raise ConfigError(f"run.target: {target} has no readable config.json with vocab_size; the vocabulary "
                           "mapping needs the target's vocabulary size (set run.target to the local target)") from None
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= MAX_VOCAB:
+        raise ConfigError(f"run.target: {target}'s config has vocab_size {short(vocab)}, expected a positive integer "
+                          f"up to {MAX_VOCAB} (token ids are int32); the vocabulary mapping is over it")
+    return vocab
 
 
 def check_draft_vocab(draft_vocab_size: int, target_vocab: int) -> None:
@@ -182,6 +191,8 @@ def staged_export(src: Source, out: str | Path, *, purpose: str) -> Iterator[Pat
     """A fresh directory to build the export in, renamed to ``out`` when the block succeeds (removed
     when it fails); the source version is pinned meanwhile. ``out`` must not exist or be empty; a
     symbolic link to an empty directory is followed (the export is built beside and renamed onto that)."""
+    if not str(out).strip():  # an unset shell variable: Path('') would be the working directory
+        raise ConfigError("--out is empty; give a new directory")
     out = Path(out)
     check_out(out, src.uri)
     if out.is_symlink():

@@ -25,9 +25,10 @@ Trade-off: ``.ckpt`` files are pickles; import reads them with ``torch.load(weig
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
-import json
+import os
 import re
 import zipfile
 from pathlib import Path
@@ -53,7 +54,8 @@ from eaglenest.featurestore.interop.source import (
     vocab_mapping,
 )
 from eaglenest.featurestore.table import store
-from eaglenest.target import language_config, read_config
+from eaglenest.paths import read_json_object
+from eaglenest.target import language_config, local_dir, read_config
 
 FORMAT = "specforge"
 GROUP = 2000  # files per rows_<g>-<g+GROUP> folder, as prepare_hidden_states.py
@@ -67,31 +69,56 @@ def _rel(i: int) -> str:
     return f"rows_{g}-{g + GROUP}/data_{i}.ckpt"
 
 
+#: The end of the one line for a target weight file or index that cannot be read (as the trainer's).
+DAMAGED = "the target's weights are damaged or incomplete (an interrupted download?): download them again"
+
+
+@contextlib.contextmanager
+def _weights(path: Path):
+    """``safe_open`` of one of the target's weight files; a missing, truncated or foreign file is one line."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (OSError, SafetensorError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+        raise ConfigError(f"run.target: cannot read {path} ({first}); {DAMAGED}") from None
+
+
+def _weight_files(root: Path, target: str) -> dict[str, Path]:
+    """{tensor name: file} from the sharded index, else from ``model.safetensors``."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        files = read_json_object(index, error=ConfigError, then=DAMAGED).get("weight_map")
+        if not isinstance(files, dict) or not all(isinstance(f, str) for f in files.values()):
+            raise ConfigError(f"run.target: {index} has no 'weight_map' of tensor names to files; {DAMAGED}")
+        return {k: root / f for k, f in files.items()}
+    if (root / "model.safetensors").is_file():
+        with _weights(root / "model.safetensors") as f:
+            return {k: root / "model.safetensors" for k in f.keys()}
+    raise ConfigError(f"run.target: {target} has no model.safetensors(.index.json); SpecForge's hidden_state "
+                      "is after the target's final norm, which needs its weight")
+
+
 def final_norm(target: str, key: str = ""):
     """(weight float32 [H], eps) of the target's final RMSNorm, read from its safetensors."""
-    from safetensors import safe_open
-
-    root = Path(target)
+    root = local_dir(target)
     cfg = language_config(read_config(root))
     if str(cfg.get("model_type", "")).startswith("gemma"):
         raise ConfigError(f"run.target: {target} is a Gemma model: its final norm scales by (1 + weight), which "
                           "the SpecForge conversion does not model")
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        files = {k: root / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    elif (root / "model.safetensors").is_file():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            files = {k: root / "model.safetensors" for k in f.keys()}
-    else:
-        raise ConfigError(f"run.target: {target} has no model.safetensors(.index.json); SpecForge's hidden_state "
-                          "is after the target's final norm, which needs its weight")
+    files = _weight_files(root, target)
     name = key or next((k for k in _NORM_KEYS if k in files), "")
     if name not in files:
         raise ConfigError(f"run.target: cannot find the final norm in {target} (tried {', '.join(_NORM_KEYS)}); "
                           "name it with run.target_keys.norm")
-    with safe_open(str(files[name]), framework="pt") as f:
+    with _weights(files[name]) as f:
         weight = f.get_tensor(name).float()
-    return weight, float(cfg.get("rms_norm_eps", 1e-6))
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ConfigError(f"run.target: {target}'s config has rms_norm_eps {eps!r}, expected a positive number")
+    return weight, float(eps)
 
 
 def apply_norm(last, weight, eps: float):
@@ -142,10 +169,24 @@ def export(src: Source, out: str | Path, *, draft_vocab_size: int | None = None,
 
 # --- import ---------------------------------------------------------------------------------------
 
+def _walk(src: Path) -> list[Path]:
+    """Every ``.ckpt`` / ``.ckpt.gz`` under ``src``, through folders that are symbolic links too (a dump
+    stitched from several disks; ``rglob`` skipped them without a word), each real folder once."""
+    found, seen = [], set()
+    for root, dirs, names in os.walk(src, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # a link back to a folder already walked (a cycle, or two links to one folder)
+            dirs.clear()
+            continue
+        seen.add(real)
+        # a dangling link (a file never downloaded) is a feature file that does not open, not no file
+        found += [Path(root) / n for n in names if n.endswith((".ckpt", ".ckpt.gz"))]
+    return sorted(found)
+
+
 def _files(src: Path) -> list[tuple[int, Path]]:
     """(index, path) of every feature file, by index (``data_<i>``; others after, by path)."""
-    # not is_file(): a dangling link (a file never downloaded) is a feature file that does not open
-    found = sorted(p for p in src.rglob("*") if p.name.endswith((".ckpt", ".ckpt.gz")) and not p.is_dir())
+    found = _walk(src)
     out, seen = [], {}
     for n, p in enumerate(found):
         m = re.fullmatch(r"data_(\d+)\.ckpt(\.gz)?", p.name)

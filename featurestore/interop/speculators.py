@@ -9,7 +9,10 @@ The layout speculators' trainer reads (``speculators.train.data.ArrowDataset`` w
     DIR/hidden_states/hs_<i>.safetensors
                                sample i: token_ids int64 [T] and hidden_states [T, n_aux + 1, H]
                                (vLLM's extract_hidden_states: the aux layers in order, then the last
-                               layer, before the final norm), in the target dtype
+                               layer, before the final norm), in the target dtype; hs_connectors'
+                               FP8 connector writes float8_e4m3fn with hidden_states_scales
+                               float32 [T, 1, 1], which import dequantizes to bfloat16 as its
+                               FP8Transfer does (export writes the table dtype)
     DIR/token_freq.pt          {token id: count} over loss tokens (``save_token_frequency_distribution``)
     DIR/d2t-<N>.npy, t2d-<N>.npy   the draft vocabulary for ``--draft-vocab-size N`` (train/cli.py
                                ``parse_vocab_mappings`` picks them up from the data path)
@@ -51,6 +54,9 @@ from eaglenest.featurestore.table import store
 
 FORMAT = "speculators"
 HS_DIR = "hidden_states"
+#: hs_connectors' ``FP8HiddenStatesConnector`` stores ``hidden_states`` as float8_e4m3fn with this
+#: per-token float32 scale ``[T, 1, 1]`` (``hs_connectors/fp8_utils.py``).
+FP8_SCALES = "hidden_states_scales"
 
 
 def _hs_name(i: int) -> str:
@@ -131,6 +137,8 @@ def _check_header(path: Path, T: int, where: str) -> tuple:
                 raise SchemaError(f"{where}: holds {sorted(keys)}, expected token_ids and hidden_states")
             hs = f.get_slice("hidden_states")
             shape, dtype = tuple(hs.get_shape()), hs.get_dtype()
+            scales = f.get_slice(FP8_SCALES) if FP8_SCALES in keys else None
+            scales = None if scales is None else (scales.get_dtype(), list(scales.get_shape()))
             token_ids = f.get_tensor("token_ids")
             if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex:
                 raise SchemaError(f"{where}: token_ids are {token_ids.dtype}, expected integer token ids")
@@ -142,10 +150,29 @@ def _check_header(path: Path, T: int, where: str) -> tuple:
     if len(shape) != 3 or shape[0] != T or shape[1] < 2:
         raise SchemaError(f"{where}: hidden_states shape {list(shape)}, expected [{T}, n_aux + 1, H] "
                           f"({T} tokens in the dataset row)")
+    if scales is not None or dtype == "F8_E4M3":  # FP8HiddenStatesConnector's file: dequantized on import
+        if dtype != "F8_E4M3" or scales != ("F32", [T, 1, 1]):
+            raise SchemaError(f"{where}: hidden_states {dtype} with {FP8_SCALES} {scales}, expected F8_E4M3 with "
+                              f"F32 [{T}, 1, 1] (one scale per token, as hs_connectors' FP8 connector writes)")
+        return shape[1] - 1, shape[2], "bfloat16", token_ids
     names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
     if dtype not in names:
-        raise SchemaError(f"{where}: hidden states are {dtype}; eaglenest stores BF16, F16 or F32")
+        raise SchemaError(f"{where}: hidden states are {dtype}; eaglenest stores BF16, F16 or F32 (or F8_E4M3 with "
+                          f"{FP8_SCALES}, dequantized)")
     return shape[1] - 1, shape[2], names[dtype], token_ids
+
+
+def _hidden_states(path: Path):
+    """One file's ``hidden_states``; an FP8 file dequantized as hs_connectors' ``FP8Transfer`` does by
+    default (``fp8.to(bfloat16) * scale.to(bfloat16)``): the tensor speculators' trainer would read."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    hs = tensors["hidden_states"]
+    if FP8_SCALES in tensors:
+        hs = hs.to(torch.bfloat16) * tensors[FP8_SCALES].to(torch.bfloat16)
+    return hs
 
 
 def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_ids=(), domain: str = "imported",
@@ -243,12 +270,10 @@ def _export_of(record: dict | None):
 
 
 def _rows(data, src: Path, samples: dict, domain: str, meta, vocab):
-    from safetensors.torch import load_file
-
     for i in range(len(data)):
         row = data[i]
         input_ids = sink.check_tokens(row["input_ids"], vocab, f"{src}: dataset row {i}")
-        hs = load_file(str(src / _hs_name(i)))["hidden_states"]
+        hs = _hidden_states(src / _hs_name(i))
         strings = sink.string_columns(samples, i, input_ids, domain=domain, source=f"{FORMAT}:{_hs_name(i)}")
         yield sink.feature_row(strings, input_ids, np.asarray(row["loss_mask"], dtype=np.uint8), hs[:, :-1],
                                hs[:, -1], meta, str(src / _hs_name(i)))

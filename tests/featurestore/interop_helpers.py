@@ -45,8 +45,8 @@ def make_table(uri, target, *, dtype="float32", name="features", n=5, storage="r
 
     comps = json.dumps({"target": target, "weights_sha256": weights_hash(target)}, sort_keys=True)
     m = dataclasses.replace(H.meta(dtype=dtype, target=target), storage=storage, identity=comps)
-    store.append(uri, name, pa.Table.from_pylist(rows([f"d-{k:02d}" for k in range(n)], m), schema=S.features_schema(m)),
-                 meta=m)
+    table = pa.Table.from_pylist(rows([f"d-{k:02d}" for k in range(n)], m), schema=S.features_schema(m))
+    store.append(uri, name, table, meta=m)
     return m
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import socket
 import threading
 import time
@@ -261,3 +262,11 @@ def test_a_stream_depth_past_the_limit_is_refused_when_the_recipe_loads():
     assert StreamConfig(depth=MAX_DEPTH).depth == MAX_DEPTH
     with pytest.raises(ConfigError, match=f"train.stream.depth: {MAX_DEPTH + 1} captures in flight is more than"):
         StreamConfig(depth=MAX_DEPTH + 1)
+
+
+def test_a_target_config_that_is_not_json_is_one_line_naming_it(tmp_path):
+    """``target_facts`` read config.json with ``json.loads`` unguarded: a truncated file was a
+    JSONDecodeError traceback for any caller that did not catch it first."""
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "num_hid')
+    with pytest.raises(ConfigError, match=rf"run\.target: {re.escape(str(tmp_path / 'config.json'))} is not valid JSON"):
+        build.target_facts(str(tmp_path))

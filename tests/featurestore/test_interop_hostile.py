@@ -148,8 +148,15 @@ def test_vocab_mapping_refuses_negative_ids():
 # -- 3: a failed import into a new table leaves no table and no fragments ----------------------------
 
 @pytest.mark.parametrize("module", [specforge, speculators])
-def test_failed_import_into_a_new_table_leaves_nothing(base, module):
+def test_failed_import_into_a_new_table_leaves_nothing(base, module, monkeypatch):
     uri, target, tmp, _ = base
+    remove, there = sink._remove_uncommitted, []
+
+    def spy(uri_, name):  # the table and its fragments were written before the NaN, so the cleanup is tested
+        there.append(len(list(store.table_path(uri_, name).rglob("*.lance"))))
+        remove(uri_, name)
+
+    monkeypatch.setattr(sink, "_remove_uncommitted", spy)
     module.export(source.open_source(uri, "features"), tmp / "out", target=target)
     if module is specforge:
         _edit(_ckpt(tmp / "out", 4), lambda d: {**d, "aux_hidden_state": d["aux_hidden_state"] * float("nan")})
@@ -162,6 +169,7 @@ def test_failed_import_into_a_new_table_leaves_nothing(base, module):
     # a one-byte write buffer: every row is flushed as a fragment (and the table created) before the NaN
     with pytest.raises(SchemaError, match=r"_4\.(ckpt|safetensors): aux hidden states hold NaN"):
         module.import_dump(tmp / "out", uri, "back", target=target, budget_bytes=1)
+    assert len(there) == 1 and there[0] >= 4, there  # four rows flushed as data files before the fifth's NaN
     assert not store.exists(uri, "back") and not store.table_path(uri, "back").exists()
     # the name is free: the same dump, repaired, imports
     module.export(source.open_source(uri, "features"), tmp / "out2", target=target)

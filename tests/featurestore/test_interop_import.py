@@ -102,6 +102,7 @@ def test_foreign_dump_takes_the_recipe_layers_and_checks_them(dump):
     summary = speculators.import_dump(src, uri, "foreign", target=target, layer_ids=[], domain="spec")
     assert summary["layer_ids"] == [2, 4, 5] and summary["rows"] == 5  # vLLM's default (2, L//2, L-3)
     rows = I.table_rows(uri, "foreign")
+    assert len(rows) == 5
     assert all(r["sample_id"].startswith("spec-") and r["source"].startswith("speculators:") for r in rows)
 
 

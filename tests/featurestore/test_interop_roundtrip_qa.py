@@ -2,7 +2,8 @@
 modes, sources, gen params, loss masks with zeros inside, lengths), for each peer, table dtype and
 storage: the rows come back with their own columns, not a neighbour's, and the tensors bit for bit
 (``fp8_e4m3``: dequantized, as docs/export.md says). The helpers' rows share their string columns
-and mask shape, so a mix-up between rows would not show there."""
+and mask shape, so a mix-up between rows would not show there. Also: a foreign dump's table trains
+every draft family."""
 
 import dataclasses
 import json
@@ -82,3 +83,49 @@ def test_hf_export_keeps_every_row_its_own_columns(tmp_path, dtype, storage):
         assert int(g["num_loss_tokens"]) == sum(w["loss_mask"])
         for col, t in tensors(w, m).items():
             assert torch.equal(torch.from_numpy(np.asarray(g[col])).to(t.dtype), t), (w["sample_id"], col)
+
+
+# -- a foreign dump's table trains every draft family (EAGLE-3, P-EAGLE, DFlash read the same tables) ----
+
+def _foreign_dump(peer, uri, target, out):
+    """``peer``'s export of the table, stripped to what the peer itself writes (no eaglenest files)."""
+    peer.export(source.open_source(uri, "features"), out, target=target)
+    for f in ("eaglenest_export.json", "eaglenest_samples.jsonl"):
+        (out / f).unlink()
+    for p in out.rglob("*.ckpt"):
+        d = torch.load(p, weights_only=True)
+        del d[specforge.PRENORM_KEY]
+        torch.save(d, p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer", [speculators, specforge])
+def test_an_imported_foreign_dump_trains_every_family(tmp_path, tiny_target, peer):
+    from eaglenest.featurestore.config import FeaturestoreConfig
+    from eaglenest.train.config import DFlashConfig, PEagleConfig, TrainConfig
+    from eaglenest.train.loop import train
+
+    target, H = str(tiny_target), 128
+    comps = json.dumps({"target": target, "weights_sha256": weights_hash(target)}, sort_keys=True)
+    m = S.FeatureMeta(target=target, layer_ids=(2, 4, 5), last_layer_id=8, hidden_size=H, dtype="float32",
+                      identity=comps)
+    g, rows = np.random.default_rng(0), []
+    for k in range(6):
+        T = 24 + k
+        rows.append(dict(sample_id=f"s-{k}", domain="d", source="t", split="train", mode="chat", gen_params_id="g",
+                         num_tokens=T, num_loss_tokens=T - 8, input_ids=g.integers(3, 2000, T).tolist(),
+                         loss_mask=[0] * 8 + [1] * (T - 8),
+                         aux_hidden=S.encode_tensor(g.standard_normal((T, 3, H)).astype("<f4"), "float32"),
+                         last_hidden=S.encode_tensor(g.standard_normal((T, H)).astype("<f4"), "float32")))
+    uri = str(tmp_path / "store")
+    store.append(uri, "features", pa.Table.from_pylist(rows, schema=S.features_schema(m)), meta=m)
+    _foreign_dump(peer, uri, target, tmp_path / "dump")
+    assert peer.import_dump(tmp_path / "dump", uri, "imported", target=target, layer_ids=[2, 4, 5])["rows"] == 6
+    fast = dict(draft_vocab_size=512, pack_tokens=128, batch_rows=2, warmup_steps=1, log_every_steps=1, lr=5e-3)
+    for family, extra in (("eagle3", {}), ("peagle", {"peagle": PEagleConfig(num_slots=2, anchors_per_row=8)}),
+                          ("dflash", {"dflash": DFlashConfig(num_layers=1, block_size=3, anchors_per_row=8)})):
+        summary = train(TrainConfig(family=family, **fast, **extra), store_uri=uri, workdir=str(tmp_path / family),
+                        target_dir=target, seed=0, argv=["test"], featurestore=FeaturestoreConfig(table="imported"))
+        lines = [json.loads(x) for x in (summary.outdir / "metrics.jsonl").read_text().splitlines()]
+        assert lines and all(np.isfinite(x["loss"]) for x in lines), (family, lines[:2])
+        assert (summary.outdir / "checkpoint.json").is_file(), family

@@ -40,7 +40,7 @@ def check_fit(recipe, *, available: int | None = None) -> None:
     t = recipe.train
     vocab = int(cfg.get("vocab_size") or t.draft_vocab_size)
     if not 1 <= t.draft_vocab_size <= vocab:
-        raise ConfigError(f"train.draft_vocab_size: {t.draft_vocab_size} must be in [1, {vocab}] "
+        raise ConfigError(f"train.draft_vocab_size: {t.draft_vocab_size} must be in [2, {vocab}] "
                           "(run.target's vocabulary)")
     estimate = functools.partial(_train_estimate, recipe, cfg)
     est = estimate(t)
@@ -86,9 +86,12 @@ def _train_estimate(recipe, cfg: dict, t: TrainConfig) -> memfit.Estimate:
     cp = max(1, int(getattr(t, "context_parallel", 1) or 1))
     world = max(1, int(os.environ.get("WORLD_SIZE", "1")))
     shape = draft_shape(cfg, t.draft.shape())
+    # anchors past a row's tokens are not drawn: the trainer takes at most one per position
+    peagle_anchors, dflash_anchors = (min(a, t.pack_tokens) for a in (t.peagle.anchors_per_row,
+                                                                      t.dflash.anchors_per_row))
     family = {"eagle3": dict(ttt_steps=t.ttt_steps),
-              "peagle": dict(ttt_steps=1, slots=t.peagle.anchors_per_row * (t.peagle.num_slots - 1)),
-              "dflash": dict(ttt_steps=1, slots=t.dflash.anchors_per_row * t.dflash.block_size,
+              "peagle": dict(ttt_steps=1, slots=peagle_anchors * (t.peagle.num_slots - 1)),
+              "dflash": dict(ttt_steps=1, slots=dflash_anchors * t.dflash.block_size,
                              layers=t.dflash.num_layers, context_queries=False)}[t.family]
     return memfit.train_estimate(
         pack_tokens=-(-t.pack_tokens // cp), rows=-(-t.batch_rows // max(1, world // cp)),

@@ -105,6 +105,9 @@ def check_world(train, world: int) -> None:
         raise ConfigError(f"train.dflash.num_layers={train.dflash.num_layers}: a DFlash draft of more than one "
                           f"layer trains in one process for now (its layers share k_norm, which FSDP2 cannot "
                           f"shard per layer): --nproc 1, or train.dflash.num_layers=1")
+    if world > 1 and train.source == "stream" and train.stream.transport == "unix":
+        raise ConfigError(f"train.stream.transport=unix: its one capture engine feeds one rank, --nnodes x --nproc "
+                          f"gives {world}: run `train run`, or set train.stream.transport=gloo (docs/featurestore.md)")
 
 
 #: The torchrun process: torchrun itself (``python -m torch.distributed.run``) but for its exit (:func:`torchrun`).

@@ -403,9 +403,9 @@ class TrainConfig:
             raise ConfigError(f"train.family=peagle: rows of pack_tokens={self.pack_tokens} exceed "
                               f"attn_chunk_tokens={self.attn_chunk_tokens}; the P-EAGLE objective has no "
                               "query chunking yet: lower train.pack_tokens")
-        depth = {"peagle": ("peagle.num_slots", self.peagle.num_slots),
-                 "dflash": ("dflash.block_size", self.dflash.block_size)}.get(self.family)
-        if depth and depth[1] > self.pack_tokens:  # slots past a packed row: no target, and A x depth mask rows
+        depth = {"eagle3": ("ttt_steps", self.ttt_steps), "peagle": ("peagle.num_slots", self.peagle.num_slots),
+                 "dflash": ("dflash.block_size", self.dflash.block_size)}[self.family]
+        if depth[1] > self.pack_tokens:  # slots past a packed row: no target, and A x depth mask rows
             raise ConfigError(f"train.{depth[0]}: {depth[1]} is more than a packed row holds "
                               f"(train.pack_tokens={self.pack_tokens}); its slots past the row never have a target")
         if self.source == "stream" and self.family != "eagle3":

@@ -302,6 +302,8 @@ class _Trainer:
                                             config=recipe or {"train": dataclasses.asdict(cfg)})
         self.final: dict[str, Any] = {}
         self.steps_run, self.stall_fraction, self.tokens_per_second = 0, 0.0, 0.0
+        #: Loss positions of this run's steps (all ranks); None for a resumed run (its first steps trained).
+        self.positions_trained: int | None = 0 if self.step == 0 else None
 
     def _resume(self) -> tuple[int, list[dict[str, Any]]]:
         """(step, open metrics window) of the state to continue from; (0, []) to start over."""
@@ -345,6 +347,8 @@ class _Trainer:
                 self.step += 1
                 self.steps_run += 1
                 k = len(denoms)
+                if self.positions_trained is not None:
+                    self.positions_trained += int(sum(denoms))
                 g = dist.all_reduce_sum([float(res.loss.detach()), *res.step_loss, *res.step_correct, local_tokens])
                 if not math.isfinite(g[0]):  # every rank sees the same sum: all stop here, nothing saved
                     raise StoreError(self._not_finite(g[0], epoch=epoch, rows=rows))
@@ -432,6 +436,11 @@ class _Trainer:
             self._save_state(finished=False)
 
     def _save_state(self, *, finished: bool) -> None:
+        if self.positions_trained == 0:  # every rank sees the same sums: all stop here, nothing saved
+            raise StoreError(f"steps 1-{self.step}: no position to train on: the loss tokens of their samples lie "
+                             f"past train.pack_tokens={self.cfg.pack_tokens}, where rows are cut"
+                             f"{' (or train.oov_positions=drop left none)' if self.cfg.oov_positions == 'drop' else ''}"
+                             "; nothing saved: raise train.pack_tokens")
         S.save_state(self.state_dir, step=self.step, objective=self.draft.objective, opt=self.opt, sched=self.sched,
                      dist=self.dist, fp=self.fp, extra={"window": self.window, "finished": finished},
                      keep=self.cfg.state.keep)

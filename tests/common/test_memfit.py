@@ -96,3 +96,18 @@ def test_ingest_build_refuses_a_composed_chat_longer_than_the_engine(tmp_path, c
     assert rc == 2 and len(err) == 1, err
     assert "ingest.engine.max_model_len: 4096 is shorter than the longest composed conversation (8352 tokens" in err[0]
     assert not work.exists()
+
+
+@pytest.mark.parametrize("family", ["peagle", "dflash"])
+def test_anchors_past_a_rows_tokens_are_not_counted_in_the_memory_check(family):
+    """The trainer draws at most one anchor per position of a row; the memory check counted all of
+    ``anchors_per_row``: 10**7 anchors on 64-token rows was refused as needing ~10**8 GiB."""
+    from eaglenest.pipeline import commands
+
+    over = [f"train.family={family}", f"train.{family}.anchors_per_row=10000000", "train.pack_tokens=64"]
+    commands.check_fit(load_recipe("recipes/toy.yaml", over))  # runs: fits
+    at = [f"train.family={family}", f"train.{family}.anchors_per_row=64", "train.pack_tokens=64"]
+    recipes = [load_recipe("recipes/toy.yaml", o) for o in (over, at)]
+    cfg = memfit.load_target_config(recipes[0].run.target)
+    big, same = (commands._train_estimate(r, cfg, r.train) for r in recipes)
+    assert big.total_bytes == same.total_bytes

@@ -106,7 +106,8 @@ def test_rows_too_short_to_train_anything_are_refused(family):
     with pytest.raises(ConfigError) as e:
         TrainConfig(pack_tokens=2, family=family)
     assert str(e.value).startswith("train.pack_tokens: must be >= 3") and str(e.value).endswith("got 2")
-    shallow = {"peagle": {"peagle": PEagleConfig(num_slots=3)}, "dflash": {"dflash": DFlashConfig(block_size=3)}}
+    shallow = {"eagle3": {"ttt_steps": 3}, "peagle": {"peagle": PEagleConfig(num_slots=3)},
+               "dflash": {"dflash": DFlashConfig(block_size=3)}}
     assert TrainConfig(pack_tokens=3, family=family, **shallow.get(family, {})).pack_tokens == 3  # (depth <= row)
 
 
@@ -302,3 +303,34 @@ def test_a_metrics_file_cut_back_on_resume_is_strict_json(tmp_path):
     assert json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {line!r}")) == \
         {"step": 1, "loss": None, "acc": [None, 0.5]}
     assert read_jsonl(path) == [{"step": 1, "loss": None, "acc": [None, 0.5]}]
+
+
+def test_launch_of_a_unix_stream_on_several_ranks_is_refused_before_torchrun(tmp_path, capsys, monkeypatch):
+    """`train launch --nproc 2 train.source=stream` started both ranks, each loading the target and the
+    prompts and writing the output folder, before the stream refused a second rank."""
+    from eaglenest.pipeline import train_cli
+
+    started = []
+    monkeypatch.setattr(train_cli.subprocess, "call", lambda cmd: started.append(cmd) or 0)
+    argv = ["launch", "--recipe", RECIPE, "--nproc", "2", "train.source=stream", f"run.workdir={tmp_path}"]
+    assert train_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("train: error: train.stream.transport=unix: its one capture engine feeds one rank")
+    assert "gives 2" in err[-1] and started == [] and not any(tmp_path.iterdir())
+    assert train_cli.main(["launch", "--recipe", RECIPE, "--nproc", "1", "train.source=stream",
+                           f"run.workdir={tmp_path}"]) == 0 and len(started) == 1
+
+
+@pytest.mark.parametrize("family", ["eagle3", "peagle", "dflash"])
+def test_rows_cut_before_every_loss_token_stop_before_saving(tmp_path, feature_store, tiny_target, family):
+    """pack_tokens=8 with 8-token prompts cut every response away: each family "trained" 4 steps with loss 0.0
+    on no position and saved the initial weights as its checkpoint and state."""
+    work = tmp_path / "w"
+    shallow = {"peagle": PEagleConfig(num_slots=3), "dflash": DFlashConfig(num_layers=1, block_size=3)}
+    kw = {"family": family, "pack_tokens": 8, **({family: shallow[family]} if family in shallow else {})}
+    with pytest.raises(StoreError) as e:
+        run(work, feature_store, tiny_target, **kw)
+    assert str(e.value).startswith("steps 1-2: no position to train on") and "train.pack_tokens=8" in str(e.value)
+    assert "\n" not in str(e.value) and "oov_positions" not in str(e.value)
+    assert not (work / "train" / "draft.safetensors").exists() and not (work / "train" / "state").exists()
+    assert run(work, feature_store, tiny_target, **{**kw, "pack_tokens": 16}).final["step_count"][0] > 0

@@ -14,7 +14,8 @@ there, and so does vLLM.
 
 A local directory is also checked for what every engine and loader needs before one starts: a
 ``model_type`` and ``architectures`` the installed transformers or vLLM knows (importing vLLM's
-registry only when transformers does not), and a tokenizer vocabulary file.
+registry only when transformers does not), a tokenizer vocabulary file, and weight files (every
+safetensors file as long as its header says).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def remote_code_needed(target: str | Path) -> list[str]:
 def check_target(target: str | Path) -> None:
     """Raise a :class:`ConfigError` naming ``run.target`` when it names a local path that is not a
     model directory (no such directory, no ``config.json`` in it, an unknown architecture, no
-    tokenizer, missing shards), or a bare name that is neither a directory here nor cached. A hub id
-    ``namespace/name`` is left to transformers."""
+    tokenizer, missing shards, no or truncated weights), or a bare name that is neither a directory
+    here nor cached. A hub id ``namespace/name`` is left to transformers."""
     text = str(target)
     root = user_path(text, "run.target", error=ConfigError, resolve=False)  # a NUL, ~nosuchuser, a loop: one line
     if root.exists():
@@ -76,13 +77,16 @@ def check_target(target: str | Path) -> None:
         _check_architectures(text, cfg)
         _check_tokenizer(text, root)
         _check_shards(text, root)
+        _check_weights(text, root)
         return
     if root.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1:
         raise ConfigError(f"run.target: {text}: no such directory (a local Hugging Face model directory, "
                           "or a hub id namespace/name)")
     # A bare name is mostly a relative directory looked for from another directory; a hub id of one
     # part (legacy repos) is accepted only from the local cache, as docs/targets.md says.
-    if "/" not in text and not (local_dir(text) / "config.json").is_file():
+    # So is namespace/name whose namespace is a directory here (models/qwen3 with a typo in qwen3): as a
+    # hub id it would be fetched for a minute of retries, after the stage made its store.
+    if ("/" not in text or root.parent.is_dir()) and not (local_dir(text) / "config.json").is_file():
         raise ConfigError(f"run.target: {text}: no such directory in the current directory ({Path.cwd()}) and "
                           "no hub model of that name in the local cache (a relative path is read from the current "
                           "directory)")
@@ -140,8 +144,8 @@ def _load(loader, target, trust_remote_code: bool, **kwargs):
         if Path(target).is_dir():
             raise
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"run.target: {target}: not a local directory, and not loadable as a hub id "
-                          f"({first})") from None
+        raise ConfigError(f"run.target: {target}: no such directory in the current directory ({Path.cwd()}), "
+                          f"and not loadable as a hub id ({first})") from None
 
 
 #: Files that hold a tokenizer's vocabulary (``*.model``: sentencepiece or tiktoken, ``tekken.json``: Mistral's).
@@ -171,8 +175,13 @@ def _check_architectures(text: str, cfg: dict) -> None:
     """Refuse a config.json whose ``architectures`` name no class transformers or vLLM has (unless it
     ships its own code): vLLM's refusal is a traceback listing its few hundred classes."""
     archs = cfg.get("architectures")
-    if not isinstance(archs, list) or not archs or isinstance(cfg.get("auto_map"), dict):
+    if isinstance(cfg.get("auto_map"), dict):
         return
+    if not isinstance(archs, list) or not archs:  # vLLM then runs it as a pooling model: every chat request fails
+        hint = _causal_lm_class(cfg.get("model_type"))
+        add = f'add "architectures": ["{hint}"], or ' if hint else ""
+        raise ConfigError(f"run.target: {text}/config.json has no architectures list (the model class vLLM runs); "
+                          f"{add}download the checkpoint's config.json again")
     names = [a for a in archs if isinstance(a, str)]
     if names and not any(_known_architecture(a) for a in names):
         raise ConfigError(f"run.target: {text}/config.json: architectures {', '.join(names)} is no model class the "
@@ -185,12 +194,16 @@ def _check_tokenizer(text: str, root: Path) -> None:
     if not any(next(root.glob(pattern), None) for pattern in TOKENIZER_GLOBS):
         raise ConfigError(f"run.target: {text} has no tokenizer (none of {', '.join(TOKENIZER_GLOBS)}); "
                           "copy the checkpoint's tokenizer files into it")
-    fast = root / "tokenizer.json"
-    if fast.is_file():  # truncated, the tokenizers library raises a bare Exception from inside every loader
+    # Truncated, the tokenizers library raises a bare Exception from inside every loader (tokenizer.json),
+    # and transformers a JSONDecodeError traceback (tokenizer_config.json).
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        path = root / name
+        if not path.is_file():
+            continue
         try:
-            json.loads(fast.read_text(encoding="utf-8"))
+            json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            raise ConfigError(f"run.target: {text}/tokenizer.json is not valid JSON "
+            raise ConfigError(f"run.target: {text}/{name} is not valid JSON "
                               f"({str(exc).splitlines()[0][:120]}); download it again") from None
 
 
@@ -209,6 +222,50 @@ def _check_shards(text: str, root: Path) -> None:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ConfigError(f"run.target: {text}: {index.name} names weight files that are not there "
                           f"({', '.join(missing[:3])}{more}); the download was interrupted? download them again")
+
+
+#: Weight files vLLM loads from a model directory (its load format "auto": safetensors, else PyTorch files).
+WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+def _check_weights(text: str, root: Path) -> None:
+    """Refuse a model directory with no weight file, or with a safetensors file shorter than its own
+    header says (an interrupted download, or a Git LFS pointer from a clone without git-lfs): vLLM
+    finds either only after its engine started, as a traceback, and after the store was made."""
+    files = sorted({p for pattern in WEIGHT_GLOBS for p in root.glob(pattern) if p.is_file()})
+    if not files:
+        raise ConfigError(f"run.target: {text} has no weights (none of {', '.join(WEIGHT_GLOBS)}); "
+                          "copy the checkpoint's weight files into it")
+    index = _read_json(root / "model.safetensors.index.json").get("weight_map")
+    if isinstance(index, dict):  # vLLM loads only the shards the index names (not a consolidated.safetensors)
+        files = sorted({root / name for name in index.values()})
+    for path in files:
+        problem = _safetensors_problem(path) if path.suffix == ".safetensors" else ""
+        if problem:
+            raise ConfigError(f"run.target: {text}/{path.name} {problem}; download it again")
+
+
+def _safetensors_problem(path: Path) -> str:
+    """What is wrong with a safetensors file's framing ("" if nothing), from its header alone: an
+    8-byte little-endian header length, a JSON header, then the tensors' bytes up to the largest
+    ``data_offsets`` end."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if length < 2 or 8 + length > size:
+                return f"is not a safetensors file ({size:,} bytes; truncated, or a Git LFS pointer?)"
+            header = json.loads(f.read(length))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or type(exc).__name__})"
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return "has a damaged header"
+    need = 8 + length + max(ends, default=0)
+    if size < need:
+        return f"is truncated ({size:,} of {need:,} bytes)"
+    return ""
 
 
 def _read_json(path: Path) -> dict:
@@ -245,6 +302,14 @@ def _known_architecture(name: str) -> bool:
     except ImportError:
         return False
     return name in ModelRegistry.get_supported_archs()
+
+
+def _causal_lm_class(model_type) -> str:
+    """transformers' causal-LM class for ``model_type`` ("" if it has none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
+    return name if isinstance(name, str) else ""
 
 
 def _known_to_vllm(model_type: str) -> bool:

@@ -18,7 +18,7 @@ import shutil
 import pytest
 
 from eaglenest.errors import ConfigError
-from eaglenest.hf import _load, check_remote_code
+from eaglenest.hf import _load, check_remote_code, check_target
 from eaglenest.ingest.cli import main as ingest_main
 
 SMALL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -73,6 +73,18 @@ def test_a_truncated_tokenizer_is_one_line_and_nothing_written(tmp_path, tiny_ta
     assert not work.exists()
 
 
+def test_a_truncated_tokenizer_config_is_one_line_and_nothing_written(tmp_path, tiny_target, root, capsys):
+    """Its chat template lives there: transformers' JSONDecodeError traceback (exit 1) came out of ingest."""
+    target = _target(tmp_path, tiny_target)
+    (target / "tokenizer_config.json").write_text((tiny_target / "tokenizer_config.json").read_text()[:500])
+    work = tmp_path / "work"
+    code, err = _ingest(root, target, work, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"ingest: error: run.target: {target}/tokenizer_config.json is not valid JSON ("), err
+    assert err[0].endswith("download it again"), err
+    assert not work.exists()
+
+
 @pytest.mark.parametrize("edit,says", [
     ({"model_type": "foobar", "architectures": ["FooBarForCausalLM"]},
      "config.json: model_type 'foobar' (architectures: FooBarForCausalLM) is not one the installed transformers"),
@@ -86,6 +98,21 @@ def test_an_architecture_nothing_installed_knows_is_one_line_naming_it(edit, say
     code, err = _ingest(root, target, work, capsys)
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"ingest: error: run.target: {target}/{says}"), err
+    assert not work.exists()
+
+
+@pytest.mark.parametrize("architectures", [None, []])
+def test_a_config_without_architectures_is_one_line_naming_the_class(architectures, tmp_path, tiny_target, root,
+                                                                     capsys):
+    """vLLM ran such a target as a pooling model: ingest started it, then every request failed with
+    "LLM.enqueue_chat() is only supported for generative models" (exit 2 after the store was made)."""
+    target = _target(tmp_path, tiny_target, architectures=architectures)
+    work = tmp_path / "work"
+    code, err = _ingest(root, target, work, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err == [f"ingest: error: run.target: {target}/config.json has no architectures list (the model class vLLM "
+                   'runs); add "architectures": ["LlamaForCausalLM"], or download the checkpoint\'s config.json '
+                   "again"], err
     assert not work.exists()
 
 
@@ -105,6 +132,18 @@ def test_a_relative_target_is_read_from_the_current_directory(tmp_path, tiny_tar
         check_remote_code("qwen3", trust_remote_code=False)
 
 
+def test_a_path_under_a_local_folder_that_is_not_there_is_refused_at_once(tmp_path, tiny_target, monkeypatch):
+    """``models/tiny`` (a typo of ``models/tiny3``) run where ``models/`` is: it was tried as a hub id, a
+    minute of connection retries after ingest had made its store, then "not loadable as a hub id"."""
+    _target(tmp_path / "models", tiny_target, name="tiny3")
+    monkeypatch.chdir(tmp_path)
+    check_remote_code("models/tiny3", trust_remote_code=False)
+    with pytest.raises(ConfigError, match=rf"^run\.target: models/tiny: no such directory in the current directory "
+                                          rf"\({tmp_path}\) and no hub model of that name in the local cache"):
+        check_remote_code("models/tiny", trust_remote_code=False)
+    check_target("org/tiny")  # no folder org/ here: a hub id, left to transformers
+
+
 def test_a_hub_id_that_cannot_be_loaded_is_one_line(tmp_path, monkeypatch):
     """A namespace/name not cached and not reachable: transformers' OSError becomes the run.target line."""
     monkeypatch.chdir(tmp_path)
@@ -112,9 +151,9 @@ def test_a_hub_id_that_cannot_be_loaded_is_one_line(tmp_path, monkeypatch):
     def offline(name, trust_remote_code):
         raise OSError(f"We couldn't connect to 'https://huggingface.co' to load the files of {name}.\nCheck ...")
 
-    with pytest.raises(ConfigError, match=r"^run\.target: org/nosuch: not a local directory, and not loadable as "
-                                          r"a hub id \(We couldn't connect to 'https://huggingface.co' to load "
-                                          r"the files of org/nosuch\.\)$"):
+    with pytest.raises(ConfigError, match=rf"^run\.target: org/nosuch: no such directory in the current directory "
+                                          rf"\({tmp_path}\), and not loadable as a hub id \(We couldn't connect to "
+                                          r"'https://huggingface\.co' to load the files of org/nosuch\.\)$"):
         _load(offline, "org/nosuch", False)
 
 
@@ -192,9 +231,68 @@ def test_sharded_weights_with_a_missing_shard_are_one_line_and_nothing_written(t
 def test_a_speculators_draft_served_as_the_model_is_not_refused(tmp_path):
     # vLLM serves a speculators-format folder as the model (its config names the verifier); it has no
     # model_type or tokenizer of its own, and the folder checks refused it (test_speculators_vllm.py).
-    from eaglenest.hf import check_target
-
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Eagle3Speculator"],
                                                       "speculators_model_type": "eagle3",
                                                       "speculators_config": {"verifier": {"name_or_path": "t"}}}))
     check_target(tmp_path)
+
+
+LFS_POINTER = f"version https://git-lfs.github.com/spec/v1\noid sha256:{'0' * 64}\nsize 5971896\n"
+
+
+@pytest.mark.parametrize("weights,says", [
+    (None, " has no weights (none of *.safetensors, *.bin, *.pt, *.pth); copy the checkpoint's weight files into it"),
+    ("truncated", "/model.safetensors is truncated (200,000 of "),
+    ("lfs", "/model.safetensors is not a safetensors file (132 bytes; truncated, or a Git LFS pointer?); "
+            "download it again"),
+])
+def test_missing_or_truncated_weights_are_one_line_and_nothing_written(weights, says, tmp_path, tiny_target, root,
+                                                                        capsys):
+    """A folder without its weights, with an interrupted download, or cloned without git-lfs: vLLM's
+    "Cannot find any model weights" / SafetensorError traceback (exit 1) came after ingest had made
+    the store."""
+    target = _target(tmp_path, tiny_target)
+    (target / "model.safetensors").unlink()
+    if weights == "truncated":
+        (target / "model.safetensors").write_bytes((tiny_target / "model.safetensors").read_bytes()[:200_000])
+    elif weights == "lfs":
+        (target / "model.safetensors").write_text(LFS_POINTER)
+    work = tmp_path / "work"
+    code, err = _ingest(root, target, work, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"ingest: error: run.target: {target}{says}"), err
+    if weights == "truncated":  # the size the header asks for, then what to do
+        assert err[0].endswith(f"{(tiny_target / 'model.safetensors').stat().st_size:,} bytes); download it again"), err
+    assert not work.exists()
+
+
+def test_pytorch_weights_and_whole_shards_pass(tmp_path, tiny_target):
+    """vLLM also loads ``*.bin`` weights; a sharded checkpoint passes when every shard its index names is
+    whole, whatever other weight files lie beside them."""
+    bin_only = _target(tmp_path, tiny_target, name="bin")
+    (bin_only / "model.safetensors").unlink()
+    (bin_only / "pytorch_model.bin").write_bytes(b"\0" * 16)
+    check_remote_code(bin_only, trust_remote_code=False)
+    sharded = _target(tmp_path, tiny_target, name="sharded")
+    _shard(sharded)
+    (sharded / "consolidated.safetensors").write_text(LFS_POINTER)  # another format's copy, which vLLM skips
+    check_remote_code(sharded, trust_remote_code=False)
+    shard = sharded / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(ConfigError, match=rf"^run\.target: {sharded}/{shard.name} is truncated \("):
+        check_remote_code(sharded, trust_remote_code=False)
+
+
+def _shard(target) -> None:
+    """Rewrite ``target``'s weights as two safetensors shards and their index."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(target / "model.safetensors"))
+    (target / "model.safetensors").unlink()
+    names = sorted(tensors)
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    halves = (names[: len(names) // 2], names[len(names) // 2:])
+    for f, part in zip(files, halves, strict=True):
+        save_file({n: tensors[n] for n in part}, str(target / f))
+    weight_map = {n: f for f, part in zip(files, halves, strict=True) for n in part}
+    (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

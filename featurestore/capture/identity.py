@@ -88,8 +88,10 @@ def tokenizer_hashes(target: str) -> tuple[str, str]:
     root = Path(target)
     tok = hashlib.sha256()
     template = ""
-    for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
-                 "special_tokens_map.json"):
+    # (Mistral's tekken.json, BERT-style vocab.txt and tiktoken files too; a file absent adds nothing,
+    # so the identities of stores captured before stay the same)
+    for name in ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt", "merges.txt",
+                 "tokenizer_config.json", "special_tokens_map.json", *sorted(p.name for p in root.glob("*.tiktoken"))):
         p = root / name
         if p.is_file():
             tok.update(name.encode() + p.read_bytes())

@@ -7,6 +7,7 @@ or a peer is contacted."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import socket
@@ -270,3 +271,25 @@ def test_a_target_config_that_is_not_json_is_one_line_naming_it(tmp_path):
     (tmp_path / "config.json").write_text('{"hidden_size": 64, "num_hid')
     with pytest.raises(ConfigError, match=rf"run\.target: {re.escape(str(tmp_path / 'config.json'))} is not valid JSON"):
         build.target_facts(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["tekken.json", "vocab.txt", "cl100k.tiktoken"])
+def test_a_changed_tokenizer_file_of_any_kind_changes_the_identity(tmp_path, name):
+    """Mistral's tekken.json, a vocab.txt or a tiktoken file could change without the tokenizer's
+    identity changing: a store captured with the old tokenizer was reused as if it were the same."""
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    before = identity.tokenizer_hashes(str(tmp_path))
+    (tmp_path / name).write_text("a 1\n")
+    first = identity.tokenizer_hashes(str(tmp_path))
+    (tmp_path / name).write_text("a 2\n")
+    assert before != first != identity.tokenizer_hashes(str(tmp_path))
+
+
+def test_tokenizer_identity_of_the_usual_files_is_unchanged(tiny_target):
+    """Stores captured before keep their identity: the added kinds add nothing when absent."""
+    tok = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
+                 "special_tokens_map.json"):
+        if (tiny_target / name).is_file():
+            tok.update(name.encode() + (tiny_target / name).read_bytes())
+    assert identity.tokenizer_hashes(str(tiny_target))[0] == tok.hexdigest()

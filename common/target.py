@@ -5,15 +5,20 @@ model's settings under ``text_config`` (InternVL-style ones under ``llm_config``
 capture layer ids and the feature shapes all follow the language model, so they read
 :func:`language_config`. Keys a wrapper keeps only at the top level (dtype, tied embeddings) are
 filled in from there.
+
+Also the target's safetensors weights by tensor name (:func:`weight_files`, :func:`open_weights`),
+a damaged file or index being one line, for the stages that read a few of its tensors themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from eaglenest.errors import ConfigError
+from eaglenest.paths import read_json_object
 
 #: Where wrappers keep the language model's config, in the order they are tried.
 NESTED = ("text_config", "llm_config", "language_config")
@@ -70,3 +75,36 @@ def nested_key(cfg: dict[str, Any]) -> str | None:
 
 
 __all__ = ["NESTED", "language_config", "local_dir", "nested_key", "read_config"]
+
+
+#: The end of the one line for a target's weight file or index that cannot be read.
+DAMAGED = "the target's weights are damaged or incomplete (an interrupted download?): download them again"
+
+
+def weight_files(target_dir: Path, *, why: str = "") -> dict[str, Path]:
+    """``{tensor name: file}`` of a local target: from its sharded index, else ``model.safetensors``;
+    neither is one line (``why``: what needs them)."""
+    index = target_dir / "model.safetensors.index.json"
+    if index.is_file():
+        wm = read_json_object(index, error=ConfigError, then=DAMAGED).get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
+            raise ConfigError(f"run.target: {index} has no 'weight_map' of tensor names to files; {DAMAGED}")
+        return {name: target_dir / f for name, f in wm.items()}
+    single = target_dir / "model.safetensors"
+    if not single.is_file():
+        raise ConfigError(f"run.target: {target_dir} has no model.safetensors(.index.json){why}")
+    with open_weights(single) as f:
+        return {name: single for name in f.keys()}
+
+
+@contextlib.contextmanager
+def open_weights(path: Path) -> Iterator[Any]:
+    """``safe_open`` of one of the target's weight files; a missing, truncated or foreign file is one line."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (OSError, SafetensorError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+        raise ConfigError(f"run.target: cannot read {path} ({first}); {DAMAGED}") from None

@@ -16,17 +16,13 @@ is the ``*lm_head.weight`` outside the towers, or the embedding when the config 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError, safe_open
-
 from eaglenest.errors import ConfigError
-from eaglenest.paths import read_json_object
-from eaglenest.target import language_config, local_dir, read_config
+from eaglenest.target import language_config, local_dir, open_weights, read_config, weight_files
 
 log = logging.getLogger(__name__)
 
@@ -43,35 +39,6 @@ _EMBED_SUFFIXES = ("embed_tokens.weight", "tok_embeddings.weight", "word_embeddi
 def target_config(target_dir: str | Path) -> dict[str, Any]:
     """The language model's config (``text_config`` of multimodal wrappers, see eaglenest.target)."""
     return language_config(read_config(target_dir))
-
-
-#: The end of the one line for a target's weight file or index that cannot be read.
-DAMAGED = "the target's weights are damaged or incomplete (an interrupted download?): download them again"
-
-
-def _weight_files(target_dir: Path) -> dict[str, Path]:
-    index = target_dir / "model.safetensors.index.json"
-    if index.is_file():
-        wm = read_json_object(index, error=ConfigError, then=DAMAGED).get("weight_map")
-        if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
-            raise ConfigError(f"run.target: {index} has no 'weight_map' of tensor names to files; {DAMAGED}")
-        return {name: target_dir / f for name, f in wm.items()}
-    single = target_dir / "model.safetensors"
-    if not single.is_file():
-        raise ConfigError(f"run.target: {target_dir} has no model.safetensors(.index.json)")
-    with _readable(single) as f:
-        return {name: single for name in f.keys()}
-
-
-@contextlib.contextmanager
-def _readable(path: Path):
-    """``safe_open`` of one of the target's weight files; a missing, truncated or foreign file is one line."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            yield f
-    except (OSError, SafetensorError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
-        raise ConfigError(f"run.target: cannot read {path} ({first}); {DAMAGED}") from None
 
 
 def _one(kind: str, found: list[str], target_dir: Path) -> str:
@@ -125,11 +92,11 @@ def load_target_tensors(target_dir: str | Path, *, keys: dict[str, str] | None =
         raise ConfigError(f"run.target: {target_dir} is a Gemma model ({cfg['model_type']}); its final norm "
                           "scales by (1 + weight) and its logits are soft-capped, which the trainer's target head "
                           "does not model yet (docs/targets.md)")
-    files = _weight_files(target_dir)
+    files = weight_files(target_dir)
     names = find_keys(files, cfg, target_dir=target_dir, overrides=keys)
     out: dict[str, Any] = {}
     for kind in only:
-        with _readable(files[names[kind]]) as f:
+        with open_weights(files[names[kind]]) as f:
             out[kind] = f.get_tensor(names[kind]).float()
     vocab = int(cfg["vocab_size"])
     for kind in ("embed", "lm_head"):

@@ -25,7 +25,6 @@ Trade-off: ``.ckpt`` files are pickles; import reads them with ``torch.load(weig
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import io
 import os
@@ -54,8 +53,7 @@ from eaglenest.featurestore.interop.source import (
     vocab_mapping,
 )
 from eaglenest.featurestore.table import store
-from eaglenest.paths import read_json_object
-from eaglenest.target import language_config, local_dir, read_config
+from eaglenest.target import language_config, local_dir, open_weights, read_config, weight_files
 
 FORMAT = "specforge"
 GROUP = 2000  # files per rows_<g>-<g+GROUP> folder, as prepare_hidden_states.py
@@ -69,38 +67,6 @@ def _rel(i: int) -> str:
     return f"rows_{g}-{g + GROUP}/data_{i}.ckpt"
 
 
-#: The end of the one line for a target weight file or index that cannot be read (as the trainer's).
-DAMAGED = "the target's weights are damaged or incomplete (an interrupted download?): download them again"
-
-
-@contextlib.contextmanager
-def _weights(path: Path):
-    """``safe_open`` of one of the target's weight files; a missing, truncated or foreign file is one line."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            yield f
-    except (OSError, SafetensorError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
-        raise ConfigError(f"run.target: cannot read {path} ({first}); {DAMAGED}") from None
-
-
-def _weight_files(root: Path, target: str) -> dict[str, Path]:
-    """{tensor name: file} from the sharded index, else from ``model.safetensors``."""
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        files = read_json_object(index, error=ConfigError, then=DAMAGED).get("weight_map")
-        if not isinstance(files, dict) or not all(isinstance(f, str) for f in files.values()):
-            raise ConfigError(f"run.target: {index} has no 'weight_map' of tensor names to files; {DAMAGED}")
-        return {k: root / f for k, f in files.items()}
-    if (root / "model.safetensors").is_file():
-        with _weights(root / "model.safetensors") as f:
-            return {k: root / "model.safetensors" for k in f.keys()}
-    raise ConfigError(f"run.target: {target} has no model.safetensors(.index.json); SpecForge's hidden_state "
-                      "is after the target's final norm, which needs its weight")
-
-
 def final_norm(target: str, key: str = ""):
     """(weight float32 [H], eps) of the target's final RMSNorm, read from its safetensors."""
     root = local_dir(target)
@@ -108,12 +74,13 @@ def final_norm(target: str, key: str = ""):
     if str(cfg.get("model_type", "")).startswith("gemma"):
         raise ConfigError(f"run.target: {target} is a Gemma model: its final norm scales by (1 + weight), which "
                           "the SpecForge conversion does not model")
-    files = _weight_files(root, target)
+    files = weight_files(root, why="; SpecForge's hidden_state is after the target's final norm, which needs "
+                                   "its weight")
     name = key or next((k for k in _NORM_KEYS if k in files), "")
     if name not in files:
         raise ConfigError(f"run.target: cannot find the final norm in {target} (tried {', '.join(_NORM_KEYS)}); "
                           "name it with run.target_keys.norm")
-    with _weights(files[name]) as f:
+    with open_weights(files[name]) as f:
         weight = f.get_tensor(name).float()
     eps = cfg.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:

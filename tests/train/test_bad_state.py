@@ -214,13 +214,13 @@ def test_the_same_weights_save_to_the_same_bytes(tmp_path, finished, tiny_target
 @pytest.mark.parametrize("overrides, key", [
     (["train.ttt_steps=200"], "train.ttt_steps"),
     (["train.family=peagle", "train.peagle.num_slots=512"], "train.peagle.num_slots"),
-    (["train.family=peagle", "train.peagle.anchors_per_row=1000000"], "train.peagle.anchors_per_row"),
     (["train.family=dflash", "train.dflash.block_size=512"], "train.dflash.block_size"),
     (["train.batch_rows=100000"], "train.batch_rows"),
     (["train.pack_tokens=50000000"], "train.pack_tokens"),
 ])
 def test_the_memory_refusal_names_the_key_that_drives_it(overrides, key):
-    """(A P-EAGLE/DFlash depth past a packed row, 512 tokens here, is refused when the recipe loads.)"""
+    """(A P-EAGLE/DFlash depth past a packed row, 512 tokens here, is refused when the recipe loads; anchors
+    count up to a row's tokens, so anchors_per_row alone never drives it: tests/common/test_memfit.py.)"""
     recipe = load_recipe(RECIPE, overrides)
     with pytest.raises(ConfigError) as e:
         commands.check_fit(recipe, available=8 << 30)  # none is run: estimates only
@@ -229,7 +229,7 @@ def test_the_memory_refusal_names_the_key_that_drives_it(overrides, key):
 
 
 def test_draft_vocab_past_the_target_vocab_is_a_range_error_first():
-    with pytest.raises(ConfigError, match=r"^train.draft_vocab_size: 999999 must be in \[1, 2048\]"):
+    with pytest.raises(ConfigError, match=r"^train.draft_vocab_size: 999999 must be in \[2, 2048\]"):
         commands.check_fit(load_recipe(RECIPE, ["train.draft_vocab_size=999999"]), available=1)
 
 

@@ -196,12 +196,7 @@ def _claim(key: str, deadline: float, busy: str) -> bool:
 
 def _lock(path: Path, deadline: float, *, name: str, uri: str, purpose: str, wait_s: float) -> int:
     """The lease file ``path`` opened and record-locked (waiting for another process until ``deadline``)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise StoreError(f"run.store: cannot create the writer lease {path} ({exc.strerror or exc}); "
-                         "is the store writable?") from None
+    fd = _open_lock_file(path, "the writer lease ")
     while True:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -220,6 +215,16 @@ def _lock(path: Path, deadline: float, *, name: str, uri: str, purpose: str, wai
     return fd
 
 
+def _open_lock_file(path: Path, what: str = "") -> int:
+    """A descriptor of the lock file ``path`` (made with its folder if need be); failing, one line."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StoreError(f"run.store: cannot create {what}{path} ({exc.strerror or exc}); "
+                         "is the store writable?") from None
+
+
 def held_here(uri: str, name: str) -> bool:
     """Whether this process holds table ``name``'s lease."""
     return str(lease_path(uri, name)) in _held
@@ -236,12 +241,7 @@ def create_lock(uri: str, name: str) -> Iterator[None]:
     with _mutex:  # the record lock is the process's: threads of it take turns here first
         in_process = _create_locks.setdefault(str(path), threading.Lock())
     with in_process:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise StoreError(f"run.store: cannot create {path} ({exc.strerror or exc}); "
-                             "is the store writable?") from None
+        fd = _open_lock_file(path)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX)
             yield

@@ -46,8 +46,11 @@ NOHUP = ["-c", "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_
 def _started(tmp_path, *, nohup: bool = False) -> subprocess.Popen:
     script = tmp_path / "cli.py"
     script.write_text(BODY)
+    # SIGINT as a terminal gives it: a suite started in the background (`.ci/run &` from a script) has it
+    # ignored, and an ignored signal stays ignored in every child, so Ctrl-C would never reach the command.
     proc = subprocess.Popen([sys.executable, *(NOHUP if nohup else []), str(script), str(tmp_path)],
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not (tmp_path / "started").exists():
         assert proc.poll() is None, proc.communicate()[1]

@@ -284,18 +284,23 @@ def draft_num_speculative_tokens(draft: str, default: int) -> int:
     proposal method's ``speculative_tokens``, else ``default`` (no draft there yet, or an older export)."""
     cfg = _draft_config(draft)
     k = cfg.get(RECOMMENDED_K)
-    if _count(k):
+    if is_count(k):
         return k
     spec = cfg.get("speculators_config")  # damaged (not an object, no list): the default, and serving's
     methods = spec.get("proposal_methods") if isinstance(spec, dict) else None  # draft check names it
     first = methods[0] if isinstance(methods, list) and methods else None
     k = first.get("speculative_tokens") if isinstance(first, dict) else None
-    return k if _count(k) else int(default)
+    return k if is_count(k) else int(default)
 
 
-def _count(value: Any) -> bool:
+def is_count(value: Any) -> bool:
     """A whole number >= 1 (not a bool: ``true`` is no count of tokens)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_int(value) and value >= 1
+
+
+def is_int(value: Any) -> bool:
+    """A whole number (not a bool, which JSON and YAML give for ``true``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def engine_kwargs(cfg: EngineConfig, model: str = "", *, trust_remote_code: bool = False) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from eaglenest.config import short
-from eaglenest.engine import RECOMMENDED_K, TRAINED_K, draft_family
+from eaglenest.engine import RECOMMENDED_K, TRAINED_K, draft_family, is_count, is_int
 from eaglenest.errors import ConfigError
 from eaglenest.paths import shown_path
 from eaglenest.target import language_config, read_config
@@ -101,7 +101,7 @@ def _check_serving_keys(cfg: dict[str, Any], where: str, vocab: int, target_cfg:
     if family in ("peagle", "dflash"):
         dflash = cfg["dflash_config"] if isinstance(cfg.get("dflash_config"), dict) else {}
         mask = cfg.get("mask_token_id", dflash.get("mask_token_id"))
-        if not (_is_int(mask) and 0 <= mask < vocab):
+        if not (is_int(mask) and 0 <= mask < vocab):
             raise ConfigError(f"{where}: mask_token_id: a token id of the target's vocabulary (0..{vocab - 1}) for "
                               f"a {family} draft, got {short(mask)}; {_AGAIN}")
 
@@ -109,7 +109,7 @@ def _check_serving_keys(cfg: dict[str, Any], where: str, vocab: int, target_cfg:
 def _check_k(cfg: dict[str, Any], where: str) -> None:
     """eaglenest's K keys, when present, and a speculators config's first proposal (vLLM requires it)."""
     for key in K_KEYS:
-        if key in cfg and not _positive_int(cfg[key]):
+        if key in cfg and not is_count(cfg[key]):
             raise ConfigError(f"{where}: {key}: a positive integer, got {short(cfg[key])}; {_AGAIN}")
     if "speculators_model_type" not in cfg and "speculators_config" not in cfg:
         return
@@ -119,7 +119,7 @@ def _check_k(cfg: dict[str, Any], where: str) -> None:
         raise ConfigError(f"{where}: speculators_config.proposal_methods: a list of objects, got "
                           f"{short(methods)}; {_AGAIN}")
     k = methods[0].get("speculative_tokens")
-    if not _positive_int(k):
+    if not is_count(k):
         raise ConfigError(f"{where}: speculators_config.proposal_methods[0].speculative_tokens: a positive "
                           f"integer, got {short(k)}; {_AGAIN}")
 
@@ -127,9 +127,9 @@ def _check_k(cfg: dict[str, Any], where: str) -> None:
 def _check_aux_layers(cfg: dict[str, Any], where: str, layers: Any) -> None:
     """The aux layer ids are a list of integers, each a layer of the target's ``layers`` (when known)."""
     key, ids = _aux_layer_ids(cfg)
-    if ids is not None and not (isinstance(ids, list) and ids and all(_is_int(i) for i in ids)):
+    if ids is not None and not (isinstance(ids, list) and ids and all(is_int(i) for i in ids)):
         raise ConfigError(f"{where}: {key}: a list of layer ids, got {short(ids)}; {_AGAIN}")
-    past = [i for i in ids or () if _positive_int(layers) and not 0 <= i < layers]
+    past = [i for i in ids or () if is_count(layers) and not 0 <= i < layers]
     if past:
         raise ConfigError(f"{where}: {key}: the draft reads aux layers {past}, run.target has {layers} layers "
                           f"(vLLM ids 0..{layers - 1}); serve it with the target it was trained for, or export it "
@@ -144,17 +144,11 @@ def _aux_layer_ids(cfg: dict[str, Any]) -> tuple[str, Any]:
             else "aux_hidden_state_layer_ids"
         return key, cfg[key]
     ids = cfg["dflash_config"].get("target_layer_ids") if isinstance(cfg.get("dflash_config"), dict) else None
-    if isinstance(ids, list) and all(_is_int(i) for i in ids):
+    if isinstance(ids, list) and all(is_int(i) for i in ids):
         ids = [i + 1 for i in ids]
     return "dflash_config.target_layer_ids", ids
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(value: Any) -> bool:
-    return _is_int(value) and value >= 1
 
 
 def local_target_config(target: str | Path) -> dict[str, Any] | None:

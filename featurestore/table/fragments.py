@@ -298,4 +298,14 @@ def lineage_of(ds, version: int) -> dict | None:
     """The lineage recorded with ``version`` (None for versions written without one)."""
     tx = ds.read_transaction(version)
     raw = (tx.transaction_properties or {}).get(LINEAGE_KEY) if tx is not None else None
-    return json.loads(raw) if raw else None
+    if not raw:
+        return None
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        found = None
+    if not isinstance(found, dict):
+        # written by another tool or damaged: say so, keep listing the store
+        log.warning("version %d: its lineage record is not a JSON object (%r); ignoring it", version, raw[:80])
+        return {"unreadable": raw[:200]}
+    return found

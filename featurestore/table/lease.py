@@ -86,9 +86,10 @@ def store_dir(uri: str) -> Path:
 def _read_info(fd: int) -> dict | None:
     try:
         raw = os.pread(fd, 4096, 0)
-        return json.loads(raw.decode()) if raw.strip() else None
+        info = json.loads(raw.decode()) if raw.strip() else None
     except (OSError, ValueError):
         return None
+    return info if isinstance(info, dict) else None  # a holder record someone overwrote: no holder recorded
 
 
 def describe(info: dict | None) -> str:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import logging
+import re
+import shutil
 import time
 from pathlib import Path
 
@@ -163,6 +165,7 @@ GRACE_HOURS = 1.0
 #: ``gc --older-than-hours`` beyond this (100 years) is taken as this: no version is older, and
 #: Lance and ``timedelta`` overflow on values not far above it.
 MAX_HOURS = 100 * 365.25 * 24
+TMP_SUFFIX = re.compile(r"\.tmp\d+$")
 
 
 def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRACE_HOURS) -> dict:
@@ -209,12 +212,35 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
         stale = [p for p in crc_dir.glob("*") if p.name.split(".lance")[0] + ".lance" not in live] \
             if crc_dir is not None and crc_dir.is_dir() else []
         for p in stale:
-            p.unlink()
+            p.unlink(missing_ok=True)
+        litter = [] if objects.is_remote(uri) else killed_writer_litter(uri, name, crc_dir, cutoff)
+        for p in litter:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         after = [v["version"] for v in base.version_list(ds, uri, name)]
     return {"table": name, "versions_before": before, "versions_after": after,
             "bytes_removed": stats.bytes_removed + swept_bytes, "old_versions_removed": stats.old_versions,
             "uncommitted_files_removed": swept, "checksums_removed": len(stale),
+            "temporary_files_removed": len(litter),
             "pinned_versions_kept": sorted(pinned)}
+
+
+def killed_writer_litter(uri: str, name: str, crc_dir: Path | None, cutoff: float) -> list[Path]:
+    """Temporary files a killed writer left (a half-written checksum ``*.crc.tmp<pid>``, a table
+    create's ``.eaglenest/tmp/<name>.*.lance``), older than the grace cut-off: a live writer's are newer."""
+    found = []
+    if crc_dir is not None and crc_dir.is_dir():
+        found += [p for p in crc_dir.iterdir() if TMP_SUFFIX.search(p.name)]
+    tmp_dir = Path(objects.local(uri)) / ".eaglenest" / "tmp"
+    if tmp_dir.is_dir():
+        found += list(tmp_dir.glob(f"{name}.*.lance"))
+    old = []
+    for p in found:
+        try:
+            if p.lstat().st_mtime < cutoff:
+                old.append(p)
+        except FileNotFoundError:
+            continue
+    return old
 
 
 def referenced_files(uri: str, name: str, ds=None) -> set[str]:

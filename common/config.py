@@ -217,6 +217,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], texts: dict[str,
     ``texts``, when given, gets the text typed of each value read as a number, by dotted key: a key
     that takes text takes that (:func:`build`), so ``train.stream.devices=1`` is "1"."""
     out = copy.deepcopy(data)
+    given: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {short(item)} is not of the form section.key=value")
@@ -224,6 +225,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], texts: dict[str,
         keys = dotted.strip().split(".")
         if not all(keys):
             raise ConfigError(f"override {short(item)} has an empty key")
+        key = ".".join(keys)
+        if key in given and given[key] != raw:  # which one wins is a guess the user should not make
+            raise ConfigError(f"override {short(key)} given twice ({short(given[key])} and {short(raw)}); "
+                              "give it once")
+        given[key] = raw
         value = override_value(raw)
         if texts is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
             texts[".".join(keys)] = raw.strip()

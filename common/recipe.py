@@ -51,6 +51,13 @@ class Recipe:
         return {k: to_dict(v) for k, v in self.sections.items()}
 
 
+def _section_hint(key: str) -> str:
+    """'; did you mean train.lr?' for a section-less key (``lr=1e-4``) that some section has."""
+    owners = [f"{name}.{key}" for name in SECTIONS
+              if key in {f.name for f in dataclasses.fields(_section_class(name))}]
+    return f"; did you mean {' or '.join(owners)}?" if owners else ""
+
+
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
     """Load, override and validate a recipe. Raises :class:`ConfigError` naming the bad key."""
     if path is not None and not str(path).strip():
@@ -64,6 +71,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     data = apply_overrides(load_yaml(path, allow_empty=False), list(overrides or []), texts)
     unknown = sorted(map(str, set(data) - set(SECTIONS)))
     if unknown:
-        raise ConfigError(f"{short_text(unknown[0])}: unknown recipe section (known: {', '.join(SECTIONS)})")
+        raise ConfigError(f"{short_text(unknown[0])}: unknown recipe section (known: {', '.join(SECTIONS)})"
+                          f"{_section_hint(unknown[0])}")
     sections = {name: build(_section_class(name), data.get(name), where=name, texts=texts) for name in SECTIONS}
     return Recipe(path=path, sections=sections)

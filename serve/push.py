@@ -21,11 +21,13 @@ import json
 import logging
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
 from eaglenest.errors import ConfigError, EaglenestError
 from eaglenest.paths import read_json_object, shown_path
+from eaglenest.serve import formats
 from eaglenest.serve.draft_files import check_draft_dir
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,9 @@ def plan_push(draft_dir: str | Path, *, repo_id: str, revision: str = "main", vi
     if not isinstance(prov.get("inputs") or {}, dict):
         raise EaglenestError(f"{shown_path(draft / 'provenance.json')}: inputs: not an object; "
                              "export the draft again (`serve export`)")
+    if prov.get("format", "vllm") not in typing.get_args(formats.Format):  # it becomes a tag in the card's YAML
+        raise EaglenestError(f"{shown_path(draft / 'provenance.json')}: format: {str(prov['format'])[:60]!r} is not "
+                             f"one of {', '.join(typing.get_args(formats.Format))}; export the draft again (`serve export`)")
     files: dict[str, Path | bytes] = {p.name: p for p in sorted(draft.iterdir())
                                       if p.is_file() and not p.name.startswith(".") and p.name != "README.md"}
     card_in = (draft / "README.md").read_text(encoding="utf-8") if (draft / "README.md").is_file() else ""

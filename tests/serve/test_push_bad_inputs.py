@@ -20,6 +20,8 @@ from eaglenest.serve.cli import main as serve_main
     ("eval/report.json", json.dumps({"num_speculative_tokens": "abc"}), "eval/report.json: num_speculative_tokens"),
     ("draft/provenance.json", '{"x":', "draft/provenance.json: not valid JSON"),
     ("draft/provenance.json", json.dumps({"inputs": [1]}), "draft/provenance.json: inputs: not an object"),
+    ("draft/provenance.json", json.dumps({"format": "vllm\n---\nlicense: mit"}),
+     "draft/provenance.json: format: 'vllm\\n---\\nlicense: mit' is not one of vllm, speculators"),
 ])
 def test_push_damaged_files_are_one_line(capsys, monkeypatch, tmp_path, root, toy_export, file, text, says):
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_token")

@@ -16,10 +16,23 @@ from eaglenest.serve.server import Server
 from eaglenest.train.config import recommended_num_speculative_tokens
 
 
+def check_positions(target: str, max_model_len: int) -> None:
+    """Refuse, before a server starts (a minute here), a ``serve.max_model_len`` past a local target's
+    positions; vLLM would refuse it at start-up. A scaled rotary (YaRN, ...) changes what vLLM derives:
+    left to vLLM."""
+    cfg = local_target_config(target) or {}
+    positions, rope = cfg.get("max_position_embeddings"), cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
+    if isinstance(positions, int) and not scaled and max_model_len > positions:
+        raise ConfigError(f"serve.max_model_len: {max_model_len} is more than {target} has positions for "
+                          f"({positions}); set serve.max_model_len={positions} or less")
+
+
 def up_server(recipe, *, no_spec: bool = False):
     """The (not yet started) server ``serve up`` runs: serve.host:serve.port, the target's name."""
     r, s = recipe.run, recipe.serve
     draft = None if no_spec else str(r.path(s.draft_subdir))
+    check_positions(r.target, s.max_model_len)
     k = s.num_speculative_tokens or recommended_num_speculative_tokens(dataclasses.asdict(recipe.train))
     if draft and not s.num_speculative_tokens:  # null: the draft's recorded default (no draft: none to read)
         check_draft_dir(draft, local_target_config(r.target))  # a damaged config.json: one line, not its K

@@ -3,11 +3,13 @@ under the target's own model name (or serve.served_model_name); a busy port is o
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 
 import pytest
 
-from eaglenest.errors import EaglenestError
+from eaglenest.errors import ConfigError, EaglenestError
 from eaglenest.recipe import load_recipe
 from eaglenest.serve.commands import up_server
 
@@ -54,3 +56,25 @@ def test_busy_port_names_the_key(tmp_path):
             up_server(recipe, no_spec=True)
     recipe = load_recipe("recipes/toy.yaml", [f"run.workdir={tmp_path}", "serve.port=0"])
     assert up_server(recipe, no_spec=True).port > 0  # 0: any free port
+
+
+@pytest.mark.parametrize("rope, refused", [({"rope_theta": 10000.0, "rope_type": "default"}, True),
+                                           ({"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 64}, False)])
+def test_max_model_len_past_the_targets_positions_is_refused_before_a_server_starts(tmp_path, tiny_target,
+                                                                                     rope, refused):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    cfg = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 64, "rope_parameters": rope}))
+    recipe = load_recipe("recipes/toy.yaml", [f"run.workdir={tmp_path}", f"run.target={target}", "serve.port=0",
+                                              "serve.max_model_len=65"])
+    if refused:
+        with pytest.raises(ConfigError, match=r"serve.max_model_len: 65 is more than .*target has positions for "
+                                              r"\(64\); set serve.max_model_len=64 or less"):
+            up_server(recipe, no_spec=True)
+    else:  # a scaled rotary: vLLM derives the length itself
+        assert _argv_value(up_server(recipe, no_spec=True).argv, "--max-model-len") == "65"
+    ok = load_recipe("recipes/toy.yaml", [f"run.workdir={tmp_path}", f"run.target={target}", "serve.port=0",
+                                          "serve.max_model_len=64"])
+    assert _argv_value(up_server(ok, no_spec=True).argv, "--max-model-len") == "64"

@@ -22,6 +22,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -128,8 +129,14 @@ def cut_events(logdir: Path, step: int) -> None:
     for f in files:
         records = list(RawEventFileLoader(str(f)).Load())
         keep = [r for r in records if Event.FromString(r).step <= step]
-        if len(keep) == len(records) and f.stat().st_size == sum(len(r) + 16 for r in records):
+        size, whole = f.stat().st_size, sum(len(r) + 16 for r in records)
+        if len(keep) == len(records) and size == whole:
             continue  # nothing past ``step`` and no torn tail (a TFRecord frames its data in 16 bytes)
+        if size > whole:  # a tail torn by a kill, or a damaged file: say what is dropped
+            log.warning("%s: %d of its %d bytes after its %d whole record(s) are not readable (cut short by a "
+                        "kill, or damaged); the curves keep what could be read", f, size - whole, size, len(records))
+        if not records and size:  # nothing readable at all: keep the bytes beside it, out of TensorBoard's way
+            shutil.copyfile(f, logdir / f"unreadable-{f.name.replace('tfevents', 'events')}.bak")
         tmp = logdir / ".cut.tmp"  # TensorBoard reads every file whose name holds "tfevents"; not this one
         with open(tmp, "wb") as out:
             writer = RecordWriter(out)

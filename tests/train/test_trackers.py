@@ -208,3 +208,17 @@ def test_cut_events_drops_a_torn_tail_and_the_steps_past_the_state(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [events.name]
     cut_events(tmp_path, 0)  # a fresh start
     assert not list(tmp_path.iterdir())
+
+
+def test_cut_events_warns_and_keeps_the_bytes_of_an_unreadable_event_file(tmp_path, caplog):
+    """A damaged event file (nothing readable) is not silently rewritten empty: a warning names it and
+    its bytes stay beside it under a name TensorBoard does not read."""
+    events = tmp_path / "events.out.tfevents.1700000000.host.1.0"
+    garbage = b"\x07" * 300
+    events.write_bytes(garbage)
+    with caplog.at_level("WARNING"):
+        cut_events(tmp_path, 3)
+    assert f"{events}: 300 of its 300 bytes after its 0 whole record(s) are not readable" in caplog.text
+    [kept] = [p for p in tmp_path.iterdir() if p != events]
+    assert kept.read_bytes() == garbage and "tfevents" not in kept.name
+    read_tensorboard(tmp_path)  # TensorBoard still loads the folder

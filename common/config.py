@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import datetime
 import functools
+import logging
 import math
 import re
 import reprlib
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, TypeVar, get_args, get_origin
 
 from eaglenest.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -226,9 +229,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], texts: dict[str,
         if not all(keys):
             raise ConfigError(f"override {short(item)} has an empty key")
         key = ".".join(keys)
-        if key in given and given[key] != raw:  # which one wins is a guess the user should not make
-            raise ConfigError(f"override {short(key)} given twice ({short(given[key])} and {short(raw)}); "
-                              "give it once")
+        if key in given and given[key] != raw:  # a wrapper's default then the user's: the later one wins, said
+            log.warning("override %s given twice (%s, then %s): the later one is used", short(key),
+                        short(given[key]), short(raw))
         given[key] = raw
         value = override_value(raw)
         if texts is not None and isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -10,14 +10,20 @@ from eaglenest.recipe import load_recipe
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml")
 
 
-def test_an_override_given_twice_with_two_values_is_refused_naming_both():
-    with pytest.raises(ConfigError, match=r"override 'train\.lr' given twice \('1e-4' and '3e-4'\)"):
-        apply_overrides({"train": {}}, ["train.lr=1e-4", "train.lr=3e-4"])
+def test_an_override_given_twice_with_two_values_warns_and_the_later_wins(caplog):
+    """A wrapper script's default then the user's own: the later is used (tests/common/test_cli_order.py),
+    and the log says so rather than one silently winning."""
+    with caplog.at_level("WARNING"):
+        out = apply_overrides({"train": {}}, ["train.lr=0.5", "train.lr=0.25"])
+    assert out == {"train": {"lr": 0.25}}
+    assert "override 'train.lr' given twice ('0.5', then '0.25'): the later one is used" in caplog.text
 
 
-def test_an_override_repeated_with_the_same_value_is_taken():
+def test_an_override_repeated_with_the_same_value_is_taken(caplog):
     once = apply_overrides({}, ["train.lr=0.5"])
-    assert once == {"train": {"lr": 0.5}} and apply_overrides({}, ["train.lr=0.5", " train.lr=0.5"]) == once
+    with caplog.at_level("WARNING"):
+        assert once == {"train": {"lr": 0.5}} and apply_overrides({}, ["train.lr=0.5", " train.lr=0.5"]) == once
+    assert "given twice" not in caplog.text
 
 
 @pytest.mark.parametrize("key,owner", [("lr", "train.lr"), ("checkpoint_subdir", "serve.checkpoint_subdir")])

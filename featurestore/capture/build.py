@@ -170,7 +170,8 @@ def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: floa
         check_fit(target, meta, longest, cfg.engine.dtype)  # before the engine starts
         vocab_size = target_facts(target, trust_remote_code=trust_remote_code)["vocab_size"]
         check_token_ids(todo, target, vocab_size=vocab_size, trust_remote_code=trust_remote_code)
-        earlier_turns = _turn_spans(target, todo, policy.rendered_kwargs(store_uri), trust_remote_code=trust_remote_code)
+        earlier_turns = _turn_spans(target, todo, policy.rendered_kwargs(store_uri),
+                                    trust_remote_code=trust_remote_code)
         budget = max(1, int(cfg.write_buffer_mb * (1 << 20)))
         writer = FeatureWriter(store_uri, name, meta, budget=budget)
         lineage = {**(lineage or {}), "feature_set_id": meta.feature_set_id, "code_version": code_version(),

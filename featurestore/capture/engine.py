@@ -56,7 +56,8 @@ def default_layer_ids(num_layers: int) -> tuple[int, ...]:
 
 def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
     """The aux layer ids, in the order given (the stored order, part of the feature set's identity; a
-    capture takes them ascending, as vLLM hands them over: ``build.feature_meta``; an import ascending too, interop/sink.import_meta). Each id at most once, and never ``num_layers``: the last layer is
+    capture takes them ascending, as vLLM hands them over: ``build.feature_meta``; an import ascending
+    too, interop/sink.import_meta). Each id at most once, and never ``num_layers``: the last layer is
     always captured as ``last_hidden`` already, so as an aux layer it would be stored twice."""
     ids = tuple(layer_ids) or default_layer_ids(num_layers)
     bad = [i for i in ids if not 0 <= i <= num_layers]

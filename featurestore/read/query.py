@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 BATCH_BYTES = 8 * 2**20
 #: ``--attach NAME=FILE``: NAME is a plain SQL identifier; FILE is read by its suffix.
 ATTACH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
-READERS = {".parquet": "read_parquet", ".csv": "read_csv_auto", ".json": "read_json_auto", ".jsonl": "read_json_auto"}
+#: DuckDB's readers by suffix (the Python API's, which take an open file: see :func:`_attach_file`).
+READERS = {".parquet": "read_parquet", ".csv": "read_csv", ".json": "read_json", ".jsonl": "read_json"}
 #: How much of a DuckDB error (which may echo the query's text) the one-line error keeps.
 ERROR_CHARS = 300
 
@@ -136,8 +137,8 @@ def _connect(uri: str, *, versions: dict[str, int | str] | None = None, with_ten
                 con.register(name, view)
         for name, path in (attach or {}).items():
             try:
-                con.execute(f"CREATE TEMP TABLE {name} AS SELECT * FROM {READERS[Path(path).suffix]}('{_q(path)}')")
-            except duckdb.Error as exc:  # not the format its suffix says, or damaged
+                _attach_file(con, name, path)
+            except (duckdb.Error, OSError) as exc:  # not the format its suffix says, damaged, unreadable
                 raise ConfigError(f"{_attach_item(name, path)}: cannot read it "
                                   f"({short_text(str(exc).splitlines()[0], ERROR_CHARS)})") from None
         con.execute("SET enable_external_access = false")
@@ -145,6 +146,19 @@ def _connect(uri: str, *, versions: dict[str, int | str] | None = None, with_ten
         con.close()
         raise
     return con, batch_rows
+
+
+def _attach_file(con, name: str, path: str) -> None:
+    """Table ``name`` holding the rows of the file at ``path``, read through an open file: DuckDB takes
+    a path holding ``[``, ``*`` or ``?`` for a glob pattern, so ``res[1].parquet`` read ``res1.parquet``
+    and ``a*.parquet`` every file it matches, silently (and escaping them fails on a ``\\`` in the path)."""
+    with open(path, "rb") as f:
+        rows = getattr(con, READERS[Path(path).suffix])(f)
+        con.register("_eaglenest_attach", rows)
+        try:
+            con.execute(f"CREATE TEMP TABLE {name} AS SELECT * FROM _eaglenest_attach")
+        finally:
+            con.unregister("_eaglenest_attach")
 
 
 def _attach_item(name: str, path: str) -> str:
@@ -230,10 +244,6 @@ class _Batches:
         return pa.RecordBatchReader.from_batches(self.projected_schema, batches())
 
 
-def _q(text: str) -> str:
-    return text.replace("'", "''")
-
-
 def run_query(uri: str, sql: str, **kw) -> pa.Table:
     """Run one read-only statement; returns an Arrow table."""
     check_read_only(sql)
@@ -313,11 +323,15 @@ def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
     con, batch_rows = _connect(uri, only=named_tables(sql), **kw)
     if batch_rows is not None:
         con.execute("SET threads = 2")  # each DuckDB thread holds a batch in flight
-    tmp = out.with_name(f".{out.name[:200]}.tmp{os.getpid()}")  # within NAME_MAX (255) whatever out's length
+    # Within NAME_MAX (255 bytes, not characters: a name in a non-Latin script takes 3 or 4 a character)
+    # whatever out's length: at most its first 200 bytes, never half a character (the writers take UTF-8).
+    tmp = out.with_name(f".{os.fsencode(out.name)[:200].decode('utf-8', 'ignore')}.tmp{os.getpid()}")
     rows = 0
     try:
         try:
             reader = con.sql(sql).to_arrow_reader(batch_rows or 100_000)
+            if out.suffix == ".csv":
+                _check_csv_columns(reader.schema, out)
             with _writer(tmp, out.suffix, reader.schema) as write:
                 for batch in reader:
                     write(batch)
@@ -325,6 +339,8 @@ def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
             os.replace(tmp, out)
         except OSError as exc:
             raise StoreError(f"--out {out}: cannot write ({exc.strerror or str(exc).splitlines()[0]})") from None
+        except ConfigError:
+            raise
         except Exception as exc:  # DuckDB's errors (binder, conversion) as one line
             raise _failed(exc, uri, kw.get("with_tensors", False)) from None
     finally:
@@ -332,6 +348,18 @@ def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
             tmp.unlink(missing_ok=True)
         con.close()
     return rows
+
+
+def _check_csv_columns(schema: pa.Schema, out: Path) -> None:
+    """Refuse, before anything is written, a result column a CSV file cannot hold: a list or struct
+    (``input_ids``, ``loss_mask``) or bytes (the tensor columns). The CSV writer said only
+    'Unsupported Type:list<l: int32>' or 'Invalid UTF8 payload', naming no column."""
+    for field in schema:
+        t = field.type
+        if pa.types.is_nested(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            raise ConfigError(f"--out {shown_path(str(out))}: column '{short_text(field.name, 80)}' is {t}, which a "
+                              "CSV file cannot hold: write a .parquet file, or select scalar columns "
+                              "(e.g. len(input_ids))")
 
 
 @contextlib.contextmanager
@@ -354,12 +382,18 @@ def _writer(path: Path, suffix: str, schema: pa.Schema):
         w.close()
 
 
+def sql_name(name: str) -> str:
+    """A table name as a quoted SQL identifier: a table may be named ``features-v2``, ``2024`` or
+    ``order``, which SQL reads as an expression, a number or a keyword."""
+    return '"' + name.replace('"', '""') + '"'
+
+
 def loss_token_counts(uri: str, name: str, *, version: int | str | None, split: str, vocab_size: int):
     """int64 [vocab_size]: occurrences of each token id where loss_mask = 1, by a SQL aggregate."""
     import numpy as np
 
     sql = (f"SELECT id, count(*) AS n FROM (SELECT unnest(input_ids) AS id, unnest(loss_mask) AS m "
-           f"FROM {name} WHERE split = {store.sql_text(split)}) WHERE m = 1 GROUP BY id")
+           f"FROM {sql_name(name)} WHERE split = {store.sql_text(split)}) WHERE m = 1 GROUP BY id")
     t = run_query(uri, sql, versions={name: version})
     counts = np.zeros(vocab_size, dtype=np.int64)
     ids = t.column("id").to_numpy()

@@ -123,13 +123,33 @@ class Sample:
     def last_stored(self):
         return self._stored(self._last, (self.num_tokens, self.meta.hidden_size), "last_hidden")
 
+    def _layer_order(self, order) -> list[int]:
+        """``order`` as table layer positions (None: table order); a position outside the table's aux
+        layers (a negative one would silently take a layer counted from the end) is refused by row."""
+        idx = list(range(self.num_aux)) if order is None else [int(j) for j in order]
+        bad = [j for j in idx if not 0 <= j < self.num_aux]
+        if bad:
+            raise SchemaError(f"row {self.index}: layer order {idx} names position {bad[0]}, outside the table's "
+                              f"{self.num_aux} aux layers (0..{self.num_aux - 1})")
+        return idx
+
+    def _fit(self, out, tail: tuple[int, ...], col: str) -> int:
+        """The tokens ``out`` takes (its first dimension); a destination longer than the sample (a
+        copy would repeat its tokens by broadcasting) or of another shape is refused by row."""
+        n = out.shape[0]
+        if n > self.num_tokens or tuple(out.shape[1:]) != tail:
+            raise SchemaError(f"row {self.index}: destination {tuple(out.shape)} for {col} does not fit a sample "
+                              f"of {self.num_tokens} tokens (wants [n <= {self.num_tokens}, "
+                              f"{', '.join(map(str, tail))}])")
+        return n
+
     def aux_into(self, out, *, order=None):
         """Write the first ``n = out.shape[0]`` tokens' aux states into ``out`` (``[n, n_aux, H]``,
         float), layers taken in ``order`` (a list of table layer positions; None = table order).
         One converting copy per layer at most; fp8 is dequantised in place."""
-        n = out.shape[0]
+        idx = self._layer_order(order)
+        n = self._fit(out, (len(idx), self.meta.hidden_size), "aux_hidden")
         src = self.aux_stored()
-        idx = list(range(self.num_aux)) if order is None else [int(j) for j in order]
         if self.meta.storage == "raw":
             if idx == list(range(self.num_aux)):
                 out.copy_(src[:n])
@@ -146,7 +166,7 @@ class Sample:
 
     def last_into(self, out):
         """Write the first ``out.shape[0]`` tokens' last hidden states into ``out`` (``[n, H]``)."""
-        n = out.shape[0]
+        n = self._fit(out, (self.meta.hidden_size,), "last_hidden")
         src = self.last_stored()
         if self.meta.storage == "raw":
             return out.copy_(src[:n])

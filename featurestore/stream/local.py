@@ -4,8 +4,8 @@ For a target whose features are too large to dump (a 420B MoE writes ~60 KiB per
 trainer can consume captures as the engine makes them. Three parts:
 
 * :class:`~eaglenest.featurestore.capture.publish.Publisher` runs inside the engine (the capture
-  connector's publish mode, :mod:`eaglenest.featurestore.capture.connector`): each finished request's ``[T, layers, H]`` tensor and
-  token ids go as one frame over a Unix-domain socket that the consumer owns.
+  connector's publish mode, :mod:`eaglenest.featurestore.capture.connector`): each finished request's
+  ``[T, layers, H]`` tensor and token ids go as one frame over a Unix-domain socket that the consumer owns.
 * The producer (:mod:`eaglenest.featurestore.stream.producer`) is a child process that runs the
   capture engine over the sequences it is given, in windows of at most ``depth`` requests.
 * :class:`CaptureStream` (the consumer, in the trainer) listens, starts the producer and hands
@@ -50,12 +50,19 @@ from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore.capture.publish import CREDIT, FRAME, MAGIC
 from eaglenest.featurestore.schema import _DTYPES
 from eaglenest.featurestore.stream.addr import MAX_DEPTH
+from eaglenest.paths import orphans, pid_prefix
 
 
 log = logging.getLogger(__name__)
 
 #: Longest Unix-domain socket path Linux takes (``sun_path`` is 108 bytes with its NUL).
 _MAX_SOCKET_PATH = 107
+#: A stream's temp folder (its socket, the producer's log), named with the consumer's pid. One that a
+#: SIGKILLed consumer left (pid gone, untouched for STALE_S, its socket still there: a folder kept for
+#: the log an error named has none) is removed when the next stream on the machine starts.
+DIR_PREFIX = "eaglenest-stream-"
+SOCKET_NAME = "captures.sock"
+STALE_S = 600.0
 
 
 class Channel:
@@ -79,6 +86,8 @@ class Channel:
         self._listener: socket.socket | None = _listen(path)
         self._conn: socket.socket | None = None
         self._pending: dict[int, tuple[dict, bytearray]] = {}
+        #: Tags received so far: a tag sent twice is refused even once its first capture was handed out.
+        self._tags: set[int] = set()
         self._cv = threading.Condition()
         self._error: BaseException | None = None
         self._closed = False
@@ -136,8 +145,11 @@ class Channel:
                 header, payload = self._recv_frame()
                 tag = header.get("tag")
                 with self._cv:
-                    if not isinstance(tag, int) or not 0 <= tag < self.num_items or tag in self._pending:
+                    # A tag twice would take another's place in the count of frames: that one would never
+                    # be read, and the consumer would wait for it for ever.
+                    if not isinstance(tag, int) or not 0 <= tag < self.num_items or tag in self._tags:
                         raise StoreError(f"capture stream: unexpected tag {tag!r} (another client on the socket?)")
+                    self._tags.add(tag)
                     self.sent_at[int(header["seq"])] = float(header["sent_at"])
                     self._pending[tag] = (header, payload)
                     self._cv.notify_all()
@@ -208,10 +220,11 @@ class CaptureStream:
                  env: dict[str, str] | None = None, trust_remote_code: bool = False):
         self.proc = None
         self._keep_log = False  # set once an error names the producer's log: close() leaves it
-        self._dir = Path(tempfile.mkdtemp(prefix="eaglenest-stream-"))  # mode 0700: only we connect
+        _remove_orphans()
+        self._dir = Path(tempfile.mkdtemp(prefix=pid_prefix(DIR_PREFIX)))  # mode 0700: only we connect
         self.log_path = log_path or str(self._dir / "producer.log")
         try:
-            self.channel = Channel(str(self._dir / "captures.sock"), num_items=len(sequences), depth=depth,
+            self.channel = Channel(str(self._dir / SOCKET_NAME), num_items=len(sequences), depth=depth,
                                    check=self._check_producer, poll_s=poll_s)
         except BaseException:  # refused before anything started: leave no temp folder behind
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -220,6 +233,8 @@ class CaptureStream:
                 "engine": dataclasses.asdict(engine), "socket": self.channel.path, "storage_dir": str(self._dir),
                 "window": max(1, min(window or depth, depth)), "trust_remote_code": bool(trust_remote_code),
                 "sequences": [[int(t) for t in s] for s in sequences]}
+        if not sequences:  # nothing to capture (an engine host whose ranks' shares are empty): no engine
+            return
         quiet_vllm()  # the producer starts an engine: it inherits the run's vLLM logging (common/engine.py)
         try:
             self._start_producer(spec, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -252,9 +267,9 @@ class CaptureStream:
             yield self.next()
 
     def next(self):
-        if self.proc is None:
+        if self.proc is None and self.channel.num_items:
             raise StoreError("capture stream is closed")
-        return self.channel.next()
+        return self.channel.next()  # StopIteration once every capture was handed out (at once for none)
 
     def max_in_flight(self) -> int:
         return self.channel.max_in_flight()
@@ -291,6 +306,13 @@ class CaptureStream:
     def __del__(self):  # pragma: no cover - last resort; close() is the API
         if getattr(self, "proc", None) is not None:
             self.close(grace_s=5.0)
+
+
+def _remove_orphans() -> None:
+    """The temp folders of streams whose consumer was killed (see :data:`DIR_PREFIX`)."""
+    for stale in orphans(tempfile.gettempdir(), DIR_PREFIX, min_age_s=STALE_S):
+        if (stale / SOCKET_NAME).exists():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _frame_problem(header, payload_bytes: int) -> str | None:

@@ -266,8 +266,8 @@ class RankStream:
         self.num_items, self._poll_s = len(sequences), poll_s
         self.group = Group(addr, is_master=rank == 0, timeout_s=timeout_s, who=f"rank {rank}")
         if rank == 0:
-            self.group.store.set("spec", json.dumps({**spec, "protocol": PROTOCOL, "world_size": world_size, "num_engines": num_engines,
-                                                     "depth": depth}))
+            self.group.store.set("spec", json.dumps({**spec, "protocol": PROTOCOL, "world_size": world_size,
+                                                     "num_engines": num_engines, "depth": depth}))
         for j, e in enumerate(self.engines):  # position p goes to engine p % k
             pos = list(range(j, self.num_items, k))
             self.group.store.set(f"share/{rank}/{e}", _pack(pos, [steps[p] for p in pos], [sequences[p] for p in pos]))

@@ -204,8 +204,19 @@ def read(uri: str, name: str, *, version: int | str | None = None, columns: list
          filter: str | None = None) -> pa.Table:
     """A table version as Arrow (tensor columns as bytes; training reads use featurestore.read.reader)."""
     ds = dataset(uri, name, version)
+    check_columns(ds, name, columns)
     with unreadable(uri, name, ds.version):
         return ds.to_table(columns=columns, filter=filter, **BYTES)
+
+
+def check_columns(ds, name: str, columns: list[str] | None) -> None:
+    """Refuse reading columns table ``name`` does not have (a table written by an older eaglenest, or
+    by another tool) in one line naming them, not Lance's schema error."""
+    missing = [c for c in columns or () if c not in ds.schema.names]
+    if missing:
+        raise SchemaError(f"table '{name}' version {ds.version} has no column {', '.join(map(repr, missing))} "
+                          f"(it has {', '.join(ds.schema.names)}); was it written by another tool or an older "
+                          "eaglenest?")
 
 
 def iter_batches(uri: str, name: str, *, version: int | str | None = None,
@@ -214,6 +225,7 @@ def iter_batches(uri: str, name: str, *, version: int | str | None = None,
     """The rows in batches of ``batch_size``. ``bounded``: one batch read ahead, not Lance's default
     of many (tensor rows: Lance would otherwise hold tens of batches in memory ahead of the reader)."""
     ds = dataset(uri, name, version)
+    check_columns(ds, name, columns)
     ahead = {"batch_readahead": 1, "fragment_readahead": 1, "io_buffer_size": 32 << 20} if bounded else {}
     with unreadable(uri, name, ds.version):
         yield from ds.to_batches(columns=columns, filter=filter, batch_size=batch_size, **ahead, **BYTES)

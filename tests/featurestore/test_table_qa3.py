@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from eaglenest.errors import StoreError
-from eaglenest.featurestore.table import fragments, lease, maintenance, store, versions
+from eaglenest.errors import SchemaError, StoreError
+from eaglenest.featurestore.table import base, fragments, lease, maintenance, store, versions
 
 import fs_helpers as H  # on sys.path via conftest
 
@@ -78,3 +78,11 @@ def test_gc_sweeps_the_temporary_files_a_killed_writer_left(tmp_path):
     assert not old_crc_tmp.exists() and not old_create.exists()
     assert fresh_crc_tmp.exists() and live_crc.exists()  # a live writer's temporaries are younger than grace
     assert maintenance.verify(uri, store.FEATURES)["ok"]
+
+
+@pytest.mark.parametrize("reader", ["read", "iter_batches"])
+def test_reading_a_column_the_table_lacks_names_it(tmp_path, reader):
+    uri, m = str(tmp_path / "store"), H.meta()
+    store.append(uri, store.FEATURES, H.table(["a0"], m), meta=m)
+    with pytest.raises(SchemaError, match=r"table 'features' version \d+ has no column 'nosuch' \(it has .*sample_id"):
+        list(getattr(base, reader)(uri, store.FEATURES, columns=["sample_id", "nosuch"]))

@@ -398,6 +398,8 @@ def loss_token_counts(uri: str, name: str, *, version: int | str | None, split: 
     counts = np.zeros(vocab_size, dtype=np.int64)
     ids = t.column("id").to_numpy()
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise ConfigError(f"features: token id outside the target vocab [0, {vocab_size})")
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise ConfigError(f"features: token id {bad} is outside the target vocab [0, {vocab_size}): the "
+                          "features were captured with another target or tokenizer")
     counts[ids] = t.column("n").to_numpy()
     return counts

@@ -62,8 +62,8 @@ def count_loss_tokens(batches: Iterable[pa.RecordBatch], vocab_size: int) -> np.
         kept = pc.filter(ids, pc.equal(mask, pa.scalar(1, pa.uint8()))).to_numpy(zero_copy_only=False)
         if kept.size and (kept.min() < 0 or kept.max() >= vocab_size):
             bad = int(kept.min()) if kept.min() < 0 else int(kept.max())
-        raise ConfigError(f"features: token id {bad} is outside the target vocab [0, {vocab_size}): the "
-                          "features were captured with another target or tokenizer")
+            raise ConfigError(f"features: token id {bad} is outside the target vocab [0, {vocab_size}): the "
+                              "features were captured with another target or tokenizer")
         counts += np.bincount(kept, minlength=vocab_size).astype(np.int64)
     return counts
 

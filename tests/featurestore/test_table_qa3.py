@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from eaglenest.errors import SchemaError, StoreError
+from eaglenest.errors import ConfigError, SchemaError, StoreError
+from eaglenest.featurestore.read import query
 from eaglenest.featurestore.table import base, fragments, lease, maintenance, store, versions
 
 import fs_helpers as H  # on sys.path via conftest
@@ -86,3 +87,12 @@ def test_reading_a_column_the_table_lacks_names_it(tmp_path, reader):
     store.append(uri, store.FEATURES, H.table(["a0"], m), meta=m)
     with pytest.raises(SchemaError, match=r"table 'features' version \d+ has no column 'nosuch' \(it has .*sample_id"):
         list(getattr(base, reader)(uri, store.FEATURES, columns=["sample_id", "nosuch"]))
+
+
+def test_store_loss_token_counts_name_an_id_outside_the_vocab(tmp_path):
+    uri, m = str(tmp_path / "store"), H.meta()
+    t = H.table(["a0", "a1"], m)
+    store.append(uri, store.FEATURES, t, meta=m)
+    top = max(max(ids) for ids in t.column("input_ids").to_pylist())
+    with pytest.raises(ConfigError, match=rf"token id {top} is outside the target vocab \[0, {top}\)"):
+        query.loss_token_counts(uri, store.FEATURES, version=None, split="train", vocab_size=top)

@@ -229,8 +229,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], texts: dict[str,
         if not all(keys):
             raise ConfigError(f"override {short(item)} has an empty key")
         key = ".".join(keys)
-        if key in given and given[key] != raw:  # a wrapper's default then the user's: the later one wins, said
-            log.warning("override %s given twice (%s, then %s): the later one is used", short(key),
+        if key in given and given[key] != raw:  # a wrapper's default then the user's: the later one wins
+            # (debug, not a warning: wrappers and harnesses do this on purpose; `-vv` and `--dry-run` show it)
+            log.debug("override %s given twice (%s, then %s): the later one is used", short(key),
                         short(given[key]), short(raw))
         given[key] = raw
         value = override_value(raw)

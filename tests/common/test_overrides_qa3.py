@@ -10,10 +10,10 @@ from eaglenest.recipe import load_recipe
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "toy.yaml")
 
 
-def test_an_override_given_twice_with_two_values_warns_and_the_later_wins(caplog):
+def test_an_override_given_twice_with_two_values_is_logged_and_the_later_wins(caplog):
     """A wrapper script's default then the user's own: the later is used (tests/common/test_cli_order.py),
-    and the log says so rather than one silently winning."""
-    with caplog.at_level("WARNING"):
+    and the debug log (`-vv`) says so; not a warning, so a harness's error stays one line."""
+    with caplog.at_level("DEBUG", logger="eaglenest.config"):
         out = apply_overrides({"train": {}}, ["train.lr=0.5", "train.lr=0.25"])
     assert out == {"train": {"lr": 0.25}}
     assert "override 'train.lr' given twice ('0.5', then '0.25'): the later one is used" in caplog.text
@@ -21,7 +21,7 @@ def test_an_override_given_twice_with_two_values_warns_and_the_later_wins(caplog
 
 def test_an_override_repeated_with_the_same_value_is_taken(caplog):
     once = apply_overrides({}, ["train.lr=0.5"])
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("DEBUG", logger="eaglenest.config"):
         assert once == {"train": {"lr": 0.5}} and apply_overrides({}, ["train.lr=0.5", " train.lr=0.5"]) == once
     assert "given twice" not in caplog.text
 

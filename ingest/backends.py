@@ -25,6 +25,7 @@ plain http to a non-loopback host needs ``ingest.allow_plaintext_api_key``.
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from eaglenest.errors import ConfigError, EaglenestError
 from eaglenest.hf import load_tokenizer
 from eaglenest.ingest.manifest import Generation
 from eaglenest.ingest.reasoning import template_kwargs
+from eaglenest.provenance import redact
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +156,10 @@ def check_endpoints(urls: list[str], *, allow_remote: bool, key_sent: bool = Fal
         host = _http_host(url)
         if not host:
             raise ConfigError(f"ingest.endpoints[{i}]: '{url[:80]}' is not an http(s) URL")
+        route = _api_route(url)
+        if route:
+            raise ConfigError(redact(f"ingest.endpoints[{i}]: {url[:80]} {route}; give the server's base URL "
+                                     f"({_base_url(url)[:80]}): the /v1/... routes are added to it"))
         if host not in LOOPBACK and not allow_remote:
             raise ConfigError(f"ingest.endpoints[{i}]: {host[:80]} is not loopback; "
                               "set ingest.allow_remote_endpoints=true to use it")
@@ -173,6 +179,23 @@ def _http_host(url: str) -> str | None:
     except ValueError:
         return None
     return u.hostname if u.scheme in ("http", "https") else None
+
+
+def _api_route(url: str) -> str:
+    """What in ``url`` is more than a server's base URL (a prefix path such as a proxy's ``/llm`` is
+    fine): an API route (``/v1/chat/completions``: every request went to ``.../v1/chat/v1/models``
+    and failed with HTTP 404), a query or a fragment (the routes were appended after them). '' if none."""
+    u = urllib.parse.urlsplit(url)
+    if u.query or u.fragment:
+        return "has a query or fragment"
+    path = u.path.rstrip("/").removesuffix("/v1")
+    return f"names an API route ({u.path})" if "v1" in path.split("/") else ""
+
+
+def _base_url(url: str) -> str:
+    u = urllib.parse.urlsplit(url)
+    path = u.path.split("/v1/", 1)[0] if "/v1/" in u.path + "/" else u.path
+    return urllib.parse.urlunsplit((u.scheme, u.netloc, path.rstrip("/"), "", ""))
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
@@ -243,9 +266,10 @@ class EndpointBackend:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:  # the message never contains our headers
             raise EaglenestError(f"{base}{path}: HTTP {exc.code}") from None
-        except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:
+            # HTTPException: a port that does not speak HTTP (BadStatusLine), a body cut off (IncompleteRead)
             reason = getattr(exc, "reason", exc)
-            raise EaglenestError(f"{base}{path}: {type(reason).__name__}: {reason}") from None
+            raise EaglenestError(f"{base}{path}: {type(reason).__name__}: {str(reason)[:200]}") from None
 
     def _model(self, base: str) -> str:
         if base not in self._models:
@@ -256,7 +280,8 @@ class EndpointBackend:
                     self._models[base] = json.loads(resp.read())["data"][0]["id"]
             except urllib.error.HTTPError as exc:
                 raise EaglenestError(f"{base}/v1/models: HTTP {exc.code}") from None
-            except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as exc:
+            except (urllib.error.URLError, OSError, http.client.HTTPException, KeyError, IndexError,
+                    ValueError) as exc:
                 raise EaglenestError(f"{base}/v1/models: {type(exc).__name__}") from None
         return self._models[base]
 

@@ -100,6 +100,9 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
     stored_split = stored_splits(store_uri)
     done = set(stored_split)
     resplit = collections.Counter(e.domain for e in pool if stored_split.get(e.sample_id, e.split) != e.split)
+    chosen = {e.sample_id for e in pool}
+    # stored prompts this manifest no longer chooses (a lower cap, a source row or domain removed): kept
+    unchosen = collections.Counter(sid.rsplit("-", 1)[0] for sid in stored_split if sid not in chosen)
     todo = [e for e in pool if e.sample_id not in done and e.sample_id not in skipped]
     _check_moved(todo, done)
     heldout = [e for e in todo if e.split == "heldout"]
@@ -172,6 +175,7 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
         },
         # stored prompts this manifest puts in the other split (held-out policy or caps changed): kept as stored
         "split_changed": {"prompts": sum(resplit.values()), "per_domain": dict(sorted(resplit.items()))},
+        "not_in_pool": {"prompts": sum(unchosen.values()), "per_domain": dict(sorted(unchosen.items()))},
         "weights": {d: c.weight for d, c in manifest.domains.items()},
         "counts": {f"{d}/{s}": n for (d, s), n in sorted(counts.items())},
         "prompts_table_version": store.latest_version(store_uri, store.PROMPTS) if stored else None,

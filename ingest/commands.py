@@ -10,13 +10,13 @@ import sys
 from eaglenest.config import to_dict
 from eaglenest import memfit
 from eaglenest.errors import ConfigError, EaglenestError, ManifestError
-from eaglenest.hf import check_remote_code
-from eaglenest.ingest import compose, contamination
+from eaglenest.hf import check_remote_code, load_config, load_tokenizer
+from eaglenest.ingest import compose, contamination, dask_executor
 from eaglenest.ingest.backends import chat_kwargs
 from eaglenest.ingest.build import build, stored_heldout, stored_splits
 from eaglenest.ingest.manifest import Dedup, ManifestProblems, input_file, load_manifest
 from eaglenest.ingest.pool import build_pool, load_pool, load_source
-from eaglenest.paths import ensure_writable
+from eaglenest.paths import ensure_writable, shown_path
 from eaglenest.provenance import write_json_atomic, write_provenance
 
 #: ``ingest validate`` prints at most this many problems (a hostile manifest can have millions).
@@ -102,9 +102,41 @@ def check_long(manifest, recipe) -> None:
                         what=f"regenerating the longest composed conversation ({longest} tokens)")
 
 
+def check_target_loads(target: str, *, trust_remote_code: bool) -> None:
+    """transformers' own checks of the target's config and tokenizer, before anything is written: a
+    config.json that reads as JSON but that transformers refuses (``num_attention_heads: 0``) failed
+    only once the store was made, as a traceback."""
+    try:
+        load_config(target, trust_remote_code=trust_remote_code)
+        load_tokenizer(target, trust_remote_code=trust_remote_code)
+    except EaglenestError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a config transformers refuses raises anything (ZeroDivisionError)
+        why = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"run.target: {shown_path(target)}: transformers cannot load its config or tokenizer "
+                          f"({type(exc).__name__}: {why})") from None
+
+
 def cmd_build(recipe, args) -> int:
-    """``ingest build``: pool, contamination check, regeneration; stats and provenance in ``<workdir>/ingest``."""
+    """``ingest build``: pool, contamination check, regeneration; stats and provenance in ``<workdir>/ingest``.
+    A target transformers refuses and a Dask scheduler that is not there fail first, before the pool
+    is built or anything is written."""
     check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)  # fail fast
+    check_target_loads(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
+    cfg = recipe.ingest
+    if cfg.dask_scheduler and cfg.executor != "dask":  # README: "ingest.dask_scheduler=... runs on a cluster"
+        print(f"ingest: warning: ingest.dask_scheduler is {cfg.dask_scheduler} but ingest.executor is {cfg.executor}: "
+              "this build runs in this process, not on the cluster; add ingest.executor=dask to use it",
+              file=sys.stderr)
+    client = dask_executor.connect(cfg.dask_scheduler) if cfg.executor == "dask" and cfg.dask_scheduler else None
+    try:
+        return _cmd_build(recipe, args, client)
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _cmd_build(recipe, args, client) -> int:
     manifest = load_manifest(args.manifest or recipe.ingest.manifest)
     chat_kwargs(manifest.generation, recipe.ingest.chat_template_kwargs)  # refuses a contradiction
     check_long(manifest, recipe)  # composed lengths (the manifest's alone): before composing them, or any engine
@@ -123,7 +155,7 @@ def cmd_build(recipe, args) -> int:
         raise ManifestError(empty_pool(args.manifest or recipe.ingest.manifest, pool_report, report["contaminated"]))
     ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
     stats = build(manifest, pool, target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.ingest,
-                  off_policy=recipe.run.off_policy, trust_remote_code=recipe.run.trust_remote_code,
+                  client=client, off_policy=recipe.run.off_policy, trust_remote_code=recipe.run.trust_remote_code,
                   dropped_path=out / "thinking_truncated.json")
     stats["contamination"] = report
     stats["pool"] = pool_report
@@ -155,6 +187,11 @@ def cmd_build(recipe, args) -> int:
         print(f"ingest: warning: {long['dropped']} training prompts ({long['per_domain']}) are "
               f"{long['max_model_len']} tokens or more as the engine renders them (the longest: {long['longest']}): "
               "left out of this run; raise ingest.engine.max_model_len to keep them", file=sys.stderr)
+    gone = stats["not_in_pool"]
+    if gone["prompts"] and len(stats["manifests"]) <= 1:  # another manifest's prompts: warned of above
+        print(f"ingest: warning: {gone['prompts']} stored prompt(s) ({gone['per_domain']}) are not in this "
+              "manifest's pool (a lower cap, a source row or a domain removed since they were stored): they stay "
+              "in the prompts table and are trained on; use a new run.store for this pool alone", file=sys.stderr)
     moved = stats["split_changed"]
     if moved["prompts"]:
         print(f"ingest: warning: {moved['prompts']} stored prompt(s) ({moved['per_domain']}) fall in the other "

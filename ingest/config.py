@@ -12,6 +12,12 @@ from eaglenest.errors import ConfigError
 from eaglenest.ingest.backends import check_endpoints
 
 
+#: Longest wait for one endpoint request, and for one retry's backoff (a day). Past about 9.2e9 s the
+#: OS's timers overflow: every request raised OverflowError (a traceback), and a backoff that long
+#: never ends either way.
+MAX_WAIT_S = 86400.0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IngestConfig:
     #: The domain manifest (YAML); `ingest build --manifest PATH` overrides it.
@@ -60,10 +66,16 @@ class IngestConfig:
                          ("in_flight_per_endpoint", 1), ("dask_workers", 1)):
             if getattr(self, key) < low:
                 raise ConfigError(f"ingest.{key}: {getattr(self, key)} must be at least {low}")
-        if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
-            raise ConfigError(f"ingest.request_timeout_s: {self.request_timeout_s} must be a finite number > 0")
+        if not (math.isfinite(self.request_timeout_s) and 0 < self.request_timeout_s <= MAX_WAIT_S):
+            raise ConfigError(f"ingest.request_timeout_s: {self.request_timeout_s} must be a number in "
+                              f"(0, {MAX_WAIT_S:g}]")
         if not (math.isfinite(self.retry_backoff_s) and self.retry_backoff_s >= 0):
             raise ConfigError(f"ingest.retry_backoff_s: {self.retry_backoff_s} must be a finite number >= 0")
+        longest = self.retry_backoff_s * 2.0 ** min(max(self.max_retries - 1, 0), 1000)  # the last retry's wait
+        if longest > MAX_WAIT_S:
+            raise ConfigError(f"ingest.retry_backoff_s: the last of {self.max_retries} retries would wait "
+                              f"{longest:.3g} s (retry_backoff_s * 2**(max_retries - 1)), more than {MAX_WAIT_S:g} s; "
+                              "lower ingest.retry_backoff_s or ingest.max_retries")
         if self.think_tags and (len(self.think_tags) != 2 or not all(self.think_tags)
                                 or self.think_tags[0] == self.think_tags[1]):
             raise ConfigError(f"ingest.think_tags: two different, non-empty tags [open, close], "

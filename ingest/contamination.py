@@ -52,6 +52,9 @@ def load_eval_prompts(path: str | Path, *, where: str) -> list[str]:
             out.append(text_value(row["prompt"], "column 'prompt'", at))
         else:
             raise ManifestError(f"{at} has no 'turns', 'messages' or 'prompt'")
+    if not out:  # an empty or failed download: the check would pass, having compared against nothing
+        raise ManifestError(f"{where}: {shown_path(path)} holds no evaluation prompt (an empty or truncated file?); "
+                            "give the evaluation set's file, or leave it out of contamination")
     return out
 
 

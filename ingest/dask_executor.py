@@ -166,7 +166,11 @@ def connect(address: str):
     """A ``distributed.Client`` of the running scheduler at ``address``, or one line naming the key."""
     distributed = require("distributed")
     try:
-        if distributed.comm.parse_address(address)[0] == "tcp":  # refused: at once (Client would retry)
+        scheme = distributed.comm.parse_address(address)[0].lower()
+        if scheme == "inproc":  # distributed failed on it with "not enough values to unpack"
+            raise ValueError("inproc:// names a scheduler inside one process, never one a build can join; "
+                             "give the scheduler's tcp://host:port")
+        if scheme == "tcp":  # refused: at once (Client would retry)
             _check_handshake(distributed.comm.get_address_host_port(address))
         client = distributed.Client(address, timeout=CONNECT_TIMEOUT_S)
     except (OSError, ValueError, TypeError) as exc:  # TypeError: tls:// without TLS settings, ucx:// without ucx
@@ -220,6 +224,14 @@ def _local(path: str) -> str:
     return path if "://" in path or not os.path.exists(path) else os.path.abspath(path)
 
 
+def killed(exc) -> str:
+    """Which task and workers a ``KilledWorker`` names, whole: its text ends in a paragraph of advice
+    that a cut to a fixed length kept while dropping the task key or the last worker's address."""
+    last = getattr(exc.last_worker, "address", exc.last_worker)
+    return (f"task {exc.task!r} died on {exc.allowed_failures + 1} worker(s), the last {last}; "
+            "see the workers' logs (an OOM kill, a crash in the engine)")
+
+
 def run(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None, think=None,
         trust_remote_code: bool = False) -> None:
     """Submit every shard; call ``on_result(k, result)`` on the driver as each finishes."""
@@ -245,8 +257,8 @@ def run(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None, 
                 res = fut.result()
             except KilledWorker as exc:  # the same shard killed allowed-failures + 1 workers
                 raise EaglenestError(f"ingest.executor: shard {futures[fut]} killed every Dask worker that ran it "
-                                     f"({' '.join(str(exc).split())[:300]}); committed shards are kept and a "
-                                     "re-run resumes after them") from None
+                                     f"({killed(exc)}); committed shards are kept and a re-run resumes after "
+                                     "them") from None
             except CancelledError as exc:  # the scheduler went away: every pending shard is cancelled
                 raise EaglenestError(f"ingest.dask_scheduler: lost the Dask scheduler during shard {futures[fut]} "
                                      f"({' '.join(str(exc).split())[:200]}); committed shards are kept: restart "

@@ -84,6 +84,16 @@ def check_generated(tok, lengths: dict[int, int], *, kinds: tuple[str, ...], per
         kind = kinds[i % len(kinds)]
         if kind != "chat":
             longctx.generate(kind, tok, shortest, seed=_prompt_seed(seed, i), chat_template_kwargs=chat_template_kwargs)
+        elif i == kinds.index("chat"):
+            _check_chat_history(tok, chat_template_kwargs)
+
+
+def _check_chat_history(tok, chat_template_kwargs) -> None:
+    """Build one ``chat`` prompt a token longer than its stand-in question: a chat template that renders
+    no earlier turn (the last message only) is refused here instead of looping in :func:`_chat_prompt`."""
+    material = [([{"role": "user", "content": "Hello there."}], "Hello.")]
+    length = len(_ids(tok, material[0][0], chat_template_kwargs)) + 1
+    _chat_prompt(tok, material, length, random.Random(0), chat_template_kwargs)
 
 
 def build_bucket_prompts(tok, material: list[tuple[list[dict], str]], buckets: tuple[int, ...], *,
@@ -169,7 +179,11 @@ def _chat_prompt(tok, material, length: int, rng: random.Random, chat_template_k
             history[:0] = [*[m for m in msgs if m["role"] == "user"][-1:], {"role": "assistant", "content": answer}]
         passes += 1
         full = _ids(tok, history + question, chat_template_kwargs)
-        body = full[bos:len(full) - (len(tail) - bos)]
+        grown, body = body, full[bos:len(full) - (len(tail) - bos)]
+        if len(body) <= len(grown):  # more turns, no more tokens: the next pass would not grow it either
+            raise ConfigError("evaluate.bucket_material: chat: the target's chat template renders no earlier "
+                              "turn of a conversation, so no chat prompt is longer than its question; set "
+                              "evaluate.bucket_material without chat")
     if need > 0:
         ids = tail[:bos] + body[len(body) - need:] + tail[bos:]
     else:  # the question alone is longer than the bucket: cut it at the front, after its BOS token

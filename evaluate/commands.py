@@ -101,18 +101,51 @@ def _cache_key(recipe, draft: str, cfg=None) -> str:
     so the chat-template kwargs count), the prompts version, and the software that measures (vLLM,
     torch, eaglenest... versions: an upgrade measures again)."""
     h = hashlib.sha256()
-    # Weights through the feature store's hash (sampled for very large targets), configs in full.
+    # Weights through the feature store's hash (sampled for very large targets), configs, tokenizer
+    # and chat template files in full.
     for d in (Path(draft), Path(recipe.run.target)):
         h.update(weights_hash(str(d)).encode())
-        for f in sorted(d.glob("*.json")):
-            if f.name != "provenance.json":
-                h.update(f.name.encode() + f.read_bytes())
+        for f in _identity_files(d):
+            h.update(f.name.encode() + f.read_bytes())
     kwargs = getattr(cfg, "chat_template_kwargs", None)  # only when set: earlier keys stay valid
+    heldout = recipe.evaluate.prompt_set == "heldout"
+    prompt_files = None if heldout else _prompt_files_hash(recipe.evaluate.prompt_path)
     h.update(json.dumps({"evaluate": recipe.to_dict()["evaluate"], **_inputs(recipe, draft),
                          "software": package_versions(),
-                         **({"chat_template_kwargs": kwargs} if kwargs else {})},
+                         **({"chat_template_kwargs": kwargs} if kwargs else {}),
+                         **({"prompt_files": prompt_files} if prompt_files else {})},
                         sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
+
+
+#: Files of a model folder that change what is measured without being JSON: the tokenizer's own
+#: formats and a chat template kept beside tokenizer_config.json (``chat_template.jinja``).
+_TOKENIZER_FILES = ("tokenizer.model", "vocab.txt", "merges.txt", "*.tiktoken", "*.jinja")
+
+
+def _identity_files(folder: Path) -> list[Path]:
+    """A model folder's configs (not its provenance.json), tokenizer files and chat templates; a file
+    absent adds nothing, so a folder with JSON files only keeps the key it had."""
+    files = {f for pattern in ("*.json", *_TOKENIZER_FILES) for f in folder.glob(pattern) if f.is_file()}
+    return sorted(f for f in files if f.name != "provenance.json")
+
+
+#: What the prompt-set loader reads from a local prompt folder (``evaluate.prompts``).
+_PROMPT_FILES = (".parquet", ".jsonl", ".json")
+
+
+def _prompt_files_hash(prompt_path: str) -> str | None:
+    """sha256 over a local prompt file, or the prompt files under a local prompt folder (None for a hub
+    id): the path alone would keep a report measured on an earlier version of the file."""
+    root = Path(prompt_path)
+    files = (sorted(f for f in root.rglob("*") if f.suffix in _PROMPT_FILES and f.is_file()) if root.is_dir()
+             else [root] if root.is_file() else [])
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(root) if root.is_dir() else f.name).encode() + f.read_bytes())
+    return h.hexdigest()
 
 
 def _cached_report(out: str, key: str) -> dict | None:
@@ -130,7 +163,15 @@ def _inputs(recipe, draft: str) -> dict:
     table = recipe.featurestore.table  # the n-gram reference is fitted on it
     features = store.latest_version(uri, table) if store.exists(uri, table) else None
     return {"target": recipe.run.target, "draft": draft, "store": uri, "prompts_version": version,
-            "features_version": features, "prompt_path": recipe.evaluate.prompt_path or None}
+            "features_table": table, "features_version": features, "prompt_path": recipe.evaluate.prompt_path or None}
+
+
+def _clear_result(out: Path, result: str, key: str) -> None:
+    """Make ``out`` and remove an earlier run's ``result`` file, which the command writes again last: a
+    run stopped while writing its other files (plots, provenance.json) leaves no result beside them
+    that another run measured (as ``evaluate al`` does with report.json)."""
+    make_dir(out, key)
+    (out / result).unlink(missing_ok=True)
 
 
 def cmd_throughput(recipe, args) -> int:
@@ -141,11 +182,11 @@ def cmd_throughput(recipe, args) -> int:
                        cfg=evaluate_config(recipe, manifest=args.manifest), serve_cfg=recipe.serve,
                        log_dir=recipe.run.path("serve"),
                        trust_remote_code=recipe.run.trust_remote_code)
-    make_dir(out, "--out" if args.out else "run.workdir")
-    write_json_atomic(out / "throughput.json", result)
+    _clear_result(out, "throughput.json", "--out" if args.out else "run.workdir")
     write_text_atomic(out / "throughput.md", throughput_markdown(result))
     throughput_plot(result, out)
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
+    write_json_atomic(out / "throughput.json", result)
     print(throughput_markdown(result))
     return 0
 
@@ -170,10 +211,11 @@ def cmd_offline(recipe, args) -> int:
                         num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=cfg.max_tokens,
                         trust_remote_code=recipe.run.trust_remote_code, chat_template_kwargs=cfg.chat_template_kwargs,
                         draft_key="--draft" if args.draft else "evaluate.draft")
-    report["prompts"] = info
-    make_dir(out, "--out" if args.out else "run.workdir")
-    write_json_atomic(out / "offline_report.json", report)
+    # what `evaluate compare` checks two reports were measured alike with, as `evaluate al` records it
+    report.update(prompts=info, split=cfg.split, chat_template_kwargs=cfg.chat_template_kwargs or {})
+    _clear_result(out, "offline_report.json", "--out" if args.out else "run.workdir")
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
+    write_json_atomic(out / "offline_report.json", report)
     print("| group | prompts | AL (pooled) | AL per-request |\n|---|---|---|---|")
     for name, row in [*report["domains"].items(), ("overall", report["overall"])]:
         print(f"| {name} | {row['prompts']} | {row['acceptance_length']} | {row['acceptance_length_per_request']} |")
@@ -219,10 +261,10 @@ def cmd_parity(recipe, args) -> int:
                           min_identical=cfg.parity_min_identical, trust_remote_code=recipe.run.trust_remote_code,
                           checkpoint_key="--checkpoint" if args.checkpoint else "serve.checkpoint_subdir")
     report["prompts"] = info
-    make_dir(out, "--out" if args.out else "run.workdir")
-    write_json_atomic(out / "parity.json", report)
+    _clear_result(out, "parity.json", "--out" if args.out else "run.workdir")
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv,
                      inputs={**_inputs(recipe, draft), "checkpoint": checkpoint})
+    write_json_atomic(out / "parity.json", report)
     by_pos = ", ".join("-" if x is None else f"{x:.3f}" for x in report["identical_by_position"])
     print(f"parity: {report['rounds']} rounds over {report['requests']} requests; identical by position {by_pos}")
     if not report["passed"]:

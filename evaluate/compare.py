@@ -71,6 +71,7 @@ def _load(spec: str, recipe) -> dict:
     if (p / "config.json").is_file():
         cfg = dataclasses.replace(evaluate_config(recipe, draft=str(p)), check_lossless=False)  # p's own K
         return evaluate_al(target=recipe.run.target, draft=str(p), store_uri=recipe.run.store_uri, cfg=cfg,
+                           features_table=recipe.featurestore.table,  # the n-gram reference, as `evaluate al`
                            trust_remote_code=recipe.run.trust_remote_code)
     raise EaglenestError(f"compare: {spec} is neither a report.json nor an exported draft directory (nor a folder "
                          "with report.json or offline_report.json)")

@@ -31,9 +31,12 @@ def _plt():
 
 def _save(fig, path: Path) -> Path:
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100, bbox_inches="tight")
-    _plt().close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=100, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:  # interrupted or failed: no half-written temporary file left beside the plots
+        _plt().close(fig)
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -63,12 +66,23 @@ def _yerr(rows: list[dict], key: str) -> list[list[float]] | None:
             [max(0.0, ci[1] - r[key]) for ci, r in zip(cis, rows)]]
 
 
+def _prompt_tokens(bucket: str, row: dict) -> int:
+    """Where a bucket sits on the prompt-tokens axis: its prompts' length (a bucket past the target's
+    positions is shortened, ``evaluate.buckets``), the bucket's own name in a report without it."""
+    return int(row.get("prompt_tokens") or bucket)
+
+
+def _tokens_label(x: int) -> str:
+    """``4K`` for whole multiples of 1024, ``3.9K`` for a shortened bucket's 4032, the count below 1024."""
+    return str(x) if x < 1024 else f"{x // 1024}K" if x % 1024 == 0 else f"{x / 1024:.1f}K"
+
+
 def context_axes(ax, buckets: dict[str, dict]):
     """AL (pooled, per request), ``ngram_al`` and, on a right axis, ``target_confidence`` against
     prompt length, with 95% intervals as error bars where the report has them; the title says when
     a bucket has too few prompts to be a measurement. Returns the right axis (or None)."""
-    xs = [int(b) for b in buckets]
     rows = [buckets[b] for b in buckets]
+    xs = [_prompt_tokens(b, r) for b, r in zip(buckets, rows)]
     ax.errorbar(xs, [r.get("acceptance_length") or 0 for r in rows], yerr=_yerr(rows, "acceptance_length"),
                 marker="o", capsize=3, label="pooled over rounds")
     ax.plot(xs, [r.get("acceptance_length_per_request") or 0 for r in rows], marker="o", label="mean per request")
@@ -76,12 +90,12 @@ def context_axes(ax, buckets: dict[str, dict]):
         ax.errorbar(xs, [r.get("ngram_al") or float("nan") for r in rows], yerr=_yerr(rows, "ngram_al"), ls="--",
                     color="black", capsize=3, label="n-gram drafter (ngram_al)")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [f"{x // 1024}K" if x >= 1024 else str(x) for x in xs])
+    ax.set_xticks(xs, [_tokens_label(x) for x in xs])
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("acceptance length")
-    few = [b for b in buckets if buckets[b].get("measurement") is False]
+    few = [(x, r) for x, r in zip(xs, rows) if r.get("measurement") is False]
     if few:  # ringed: too few prompts for the point (and its interval) to be a measurement
-        ax.scatter([int(b) for b in few], [buckets[b].get("acceptance_length") or 0 for b in few], s=160,
+        ax.scatter([x for x, _ in few], [r.get("acceptance_length") or 0 for _, r in few], s=160,
                    facecolors="none", edgecolors="red", zorder=4, label=f"< {MIN_BUCKET_PROMPTS} prompts")
     n = sorted({r.get("prompts") for r in rows})
     ax.set_title(f"AL against context length ({'/'.join(map(str, n))} prompts per bucket"

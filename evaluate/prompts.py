@@ -206,12 +206,16 @@ def load_prompt_set(cfg, store_uri: str) -> tuple[Groups, dict]:
     dropped: list[str] = []
     if cfg.exclude_overlap:
         groups, dropped = exclude_overlap(groups, training_keys(store_uri, cfg.split))
+    kept = sum(map(len, groups.values()))
     if cfg.max_prompts_per_domain > 0:
         groups = {g: ps[:cfg.max_prompts_per_domain] for g, ps in groups.items()}
+    evaluated = sum(map(len, groups.values()))
     info = {"prompt_set": cfg.prompt_set, "source": cfg.prompt_path or store_uri, "loaded": total,
             "overlap_excluded": len(dropped), "overlap_ids": dropped[:50],
             "overlap_check": "normalised-content hash against the store's training prompts"
-                             if cfg.exclude_overlap else "off"}
+                             if cfg.exclude_overlap else "off",
+            "max_prompts_per_domain": cfg.max_prompts_per_domain, "over_cap": kept - evaluated,
+            "evaluated": evaluated}
     if not groups:
         raise ConfigError("evaluate: every prompt was excluded as overlapping the training pool")
     return dict(sorted(groups.items())), info

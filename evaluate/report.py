@@ -103,6 +103,19 @@ def _with_ci(value, ci) -> str:
     return f"{_fmt(value)}{f' [{ci[0]:.3f}, {ci[1]:.3f}]' if ci else ''}"
 
 
+def _prompts_line(p: dict) -> str:
+    """How many prompts were loaded, excluded as overlapping the training pool, left out by
+    ``evaluate.max_prompts_per_domain`` and evaluated (a report from before the cap was counted has
+    the first two only)."""
+    line = (f"- Prompts loaded: {p.get('loaded')}; excluded as overlapping the training pool: "
+            f"{p.get('overlap_excluded')} ({p.get('overlap_check')})")
+    if p.get("over_cap"):
+        line += f"; beyond evaluate.max_prompts_per_domain={p.get('max_prompts_per_domain')}: {p['over_cap']}"
+    if "evaluated" in p:
+        line += f"; evaluated: {p['evaluated']}"
+    return line + "."
+
+
 def markdown(report: dict) -> str:
     k = report["num_speculative_tokens"]
     avg = report.get("averages") or {"acceptance_length": report["al_average"]}
@@ -118,8 +131,7 @@ def markdown(report: dict) -> str:
         "- **pos k**: share of draft rounds whose k-th draft token was accepted (pooled).",
     ]
     if p:
-        lines.append(f"- Prompts loaded: {p.get('loaded')}; excluded as overlapping the training pool: "
-                     f"{p.get('overlap_excluded')} ({p.get('overlap_check')}).")
+        lines.append(_prompts_line(p))
     lines += ["", "## By domain" if p.get("prompt_set", "heldout") == "heldout" else "## By category", ""]
     pred = report.get("predictability") or {}
     conf = tuple(c for c, key in (("target_confidence", "measure"), ("ngram_al", "ngram")) if pred.get(key))

@@ -102,8 +102,15 @@ def evaluate_config(recipe, *, manifest: str | None = None, draft: str | None = 
     ``evaluate.num_speculative_tokens`` takes."""
     draft = draft or draft_dir(recipe)
     cfg = with_draft_k(recipe.evaluate, draft, recommended_num_speculative_tokens(_trained_with(draft, recipe)))
-    if cfg.chat_template_kwargs is not None:
-        return cfg
+    return dataclasses.replace(cfg, chat_template_kwargs=resolve_chat_template_kwargs(recipe, manifest=manifest))
+
+
+def resolve_chat_template_kwargs(recipe, *, manifest: str | None = None) -> dict:
+    """The kwargs every prompt is rendered with (module docstring: the recipe's, ``--manifest``'s, the
+    store's record, the recipe's manifest), without reading a draft: the served-AL selection during
+    training serves no draft of ``<workdir>/<serve.draft_subdir>`` and needs the kwargs alone."""
+    if recipe.evaluate.chat_template_kwargs is not None:
+        return recipe.evaluate.chat_template_kwargs
     stored = rendered_with(recipe.run.store_uri)
     if manifest:
         # Named on the command line: a manifest that cannot be read is refused (ManifestError, exit 2).
@@ -122,4 +129,4 @@ def evaluate_config(recipe, *, manifest: str | None = None, draft: str | None = 
         kwargs = _from_manifest(recipe, recipe.ingest.manifest, quiet=False)
         if kwargs is None:
             kwargs = dict(recipe.ingest.chat_template_kwargs or {})
-    return dataclasses.replace(cfg, chat_template_kwargs=kwargs)
+    return kwargs

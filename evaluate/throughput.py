@@ -190,7 +190,8 @@ def run_sweep(*, target: str, draft: str, store_uri: str, cfg, serve_cfg, log_di
               trust_remote_code: bool = False) -> dict:
     cfg = with_draft_k(cfg, draft)  # evaluate.num_speculative_tokens null: the draft's recorded default
     groups, info = load_prompt_set(cfg, store_uri)
-    prompts = [p for ps in groups.values() for p in ps]
+    # The prompts the sweep sends (each point cycles over them): a prompt it never sends is not checked.
+    prompts = [p for ps in groups.values() for p in ps][:max(cfg.throughput_prompts, *cfg.concurrency)]
     # ignore_eos: every request needs room for all its output tokens, or its server answers 400 mid-sweep.
     check_prompt_lengths(load_tokenizer(target, trust_remote_code=trust_remote_code), prompts, cfg.chat_template_kwargs,
                          max_len=cfg.engine.max_model_len, output_tokens=cfg.throughput_max_tokens,

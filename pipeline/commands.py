@@ -13,7 +13,7 @@ from pathlib import Path
 from eaglenest import memfit
 from eaglenest.config import short
 from eaglenest.errors import ConfigError
-from eaglenest.evaluate.settings import evaluate_config
+from eaglenest.evaluate.settings import resolve_chat_template_kwargs
 from eaglenest.featurestore.table import store
 from eaglenest.paths import ensure_writable, shown_path
 from eaglenest.pipeline.served_al import served_al_scorer
@@ -114,16 +114,16 @@ def check_select_split(store_uri: str, split: str) -> None:
 
 
 def selection_evaluate_config(recipe):
-    """The recipe's evaluate settings for served-AL selection, with a null ``evaluate.num_speculative_tokens``
-    left null: each snapshot is served at the K its export records (this run's family), not at the K of
-    whatever draft an earlier run exported to ``<workdir>/<serve.draft_subdir>``."""
-    cfg = evaluate_config(recipe)
-    return dataclasses.replace(cfg, num_speculative_tokens=recipe.evaluate.num_speculative_tokens)
+    """The recipe's evaluate settings for served-AL selection, its chat-template kwargs resolved as
+    ``evaluate`` resolves them, and a null ``evaluate.num_speculative_tokens`` left null: each snapshot is
+    served at the K its export records (this run's family). Whatever an earlier run exported to
+    ``<workdir>/<serve.draft_subdir>`` is not read: a damaged export there would refuse the training."""
+    return dataclasses.replace(recipe.evaluate, chat_template_kwargs=resolve_chat_template_kwargs(recipe))
 
 
 def cmd_run(recipe, args) -> int:
     """``train run``: train a draft on the features table; with ``train.select.every_steps``, each
-    snapshot is scored by serving it (rendered as ``evaluate`` renders: ``evaluate_config``)."""
+    snapshot is scored by serving it (rendered as ``evaluate`` renders: ``resolve_chat_template_kwargs``)."""
     main_rank = os.environ.get("RANK", "0") == "0"
     if not main_rank:  # torchrun: one rank reports
         logging.getLogger("eaglenest").setLevel(logging.WARNING)

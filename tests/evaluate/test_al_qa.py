@@ -7,6 +7,7 @@ key or value (exit 2 from the CLI), never a traceback from ``datasets``, Lance o
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -260,9 +261,11 @@ def test_unreadable_prompt_file_is_one_line_from_the_cli(tmp_path, root, tiny_ta
     assert not (tmp_path / "work").exists()
 
 
-def test_a_new_features_version_is_measured_again(tmp_path, al_cli):
+def test_a_new_features_version_is_measured_again(tmp_path, al_cli, monkeypatch):
     """The report's n-gram reference is fitted on the features table: a new version of it (a new
     capture) is a new measurement, not "already measures this draft"."""
+    # the feature-store helpers: on sys.path only once tests/featurestore's conftest was loaded
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "featurestore"))
     import fs_helpers as H
 
     from eaglenest.featurestore.table import store

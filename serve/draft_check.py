@@ -17,10 +17,13 @@ import gc
 import json
 import sys
 
-from eaglenest.engine import EngineConfig, close_llm, make_llm, speculative_config
+from eaglenest.engine import EngineConfig, close_llm, draft_num_speculative_tokens, make_llm, speculative_config
 from eaglenest.errors import ConfigError, EaglenestError, StoreError
 from eaglenest.featurestore.table import store
 from eaglenest.serve.draft_files import check_draft_dir, local_target_config
+
+#: Draft tokens a round for a draft whose config.json records none (an export made before the key).
+DEFAULT_NUM_SPEC = 3
 
 
 def _engine(target: str, *, draft: str | None, num_spec: int, mem: float, max_len: int,
@@ -89,20 +92,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts-from", required=True, help="features store URI")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--num-spec", type=int, default=3)
+    p.add_argument("--num-spec", type=int, default=None,
+                   help="draft tokens a round (default: the K the draft's config.json records, as serve up)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the target's own Python code (as run.trust_remote_code)")
     a = p.parse_args(argv)
     try:
         for flag, value in (("--num-prompts", a.num_prompts), ("--max-tokens", a.max_tokens),
                             ("--num-spec", a.num_spec)):
-            if value < 1:  # no prompt checked would read as lossless
+            if value is not None and value < 1:  # no prompt checked would read as lossless
                 raise ConfigError(f"{flag}: at least 1, got {value}")
         check_draft_dir(a.draft, local_target_config(a.target))  # before two engines start
+        # A P-EAGLE or DFlash draft trained for fewer than 3 tokens a round is checked at its own K.
+        num_spec = a.num_spec or draft_num_speculative_tokens(a.draft, DEFAULT_NUM_SPEC)
         prompts = prompts_from_store(a.prompts_from, n=a.num_prompts)
         if not prompts:
             raise StoreError(f"--prompts-from: {a.prompts_from} has no features rows to check the draft with")
-        result = check(a.target, a.draft, prompts, max_tokens=a.max_tokens, num_spec=a.num_spec,
+        result = check(a.target, a.draft, prompts, max_tokens=a.max_tokens, num_spec=num_spec,
                        trust_remote_code=a.trust_remote_code)
     except EaglenestError as exc:
         print(f"draft_check: error: {exc}", file=sys.stderr)

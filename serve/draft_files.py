@@ -97,6 +97,9 @@ def _check_serving_keys(cfg: dict[str, Any], where: str, vocab: int, target_cfg:
         raise ConfigError(f"{where}: architectures: a list of model class names, got {short(archs)}; {_AGAIN}")
     _check_k(cfg, where)
     _check_aux_layers(cfg, where, (target_cfg or {}).get("num_hidden_layers"))
+    flag = cfg.get("parallel_drafting")
+    if flag is not None and not isinstance(flag, bool):  # "yes" reads as no flag: a P-EAGLE draft served sequentially
+        raise ConfigError(f"{where}: parallel_drafting: true or false, got {short(flag)}; {_AGAIN}")
     family = draft_family(cfg)
     if family in ("peagle", "dflash"):
         dflash = cfg["dflash_config"] if isinstance(cfg.get("dflash_config"), dict) else {}

@@ -230,10 +230,11 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
                  num_speculative_tokens: int | None = None, argv: list[str] | None = None,
                  recipe: dict[str, Any] | None = None, key: str = "--out",
                  keep_clear: tuple[tuple[str, str | Path], ...] = (),
-                 not_at: tuple[tuple[str, str | Path], ...] = ()) -> Path:
+                 not_at: tuple[tuple[str, str | Path], ...] = (), family: str | None = None) -> Path:
     """Write the draft directory ``out_dir`` (``format``: vLLM's or speculators' layout) from
     checkpoint ``ckpt_dir``; returns out_dir. ``num_speculative_tokens`` (None: the family's measured
     best, :func:`recommended_num_speculative_tokens`) is recorded as the draft's default K.
+    ``family`` (the recipe's ``train.family``; None: not checked) must be the checkpoint's draft's.
     ``out_dir`` must be new, empty or an earlier export (:func:`check_out`, ``key`` names it in the
     error); the new export is written beside it and renamed into place, the old one removed last."""
     from safetensors.torch import save_file
@@ -243,6 +244,11 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     out_dir = check_out(out_dir, ckpt_dir, key=key, keep_clear=keep_clear, not_at=not_at)
     info = read_info(ckpt_dir)
     _check_info(info, Path(ckpt_dir) / INFO)
+    trained_as = checkpoint_family(info["draft_config"])
+    if family is not None and family != trained_as:  # the recipe says another draft than the one trained
+        raise ConfigError(f"train.family={family}: {shown_path(Path(ckpt_dir) / INFO)} holds a {trained_as} draft; "
+                          f"export it with train.family={trained_as}, or train a {family} draft first (`train run` "
+                          f"with train.family={family})")
     target_cfg = target_config(target_dir)
     _check_target(info, target_cfg, target=Path(target_dir), ckpt=Path(ckpt_dir) / INFO)
     if dtype == "auto":
@@ -342,6 +348,9 @@ def _check_info(info: dict[str, Any], path: Path) -> None:
         if not isinstance(d.get(k), (int, float)) or isinstance(d.get(k), bool):
             raise StoreError(f"{shown_path(path)}: draft_config.{k}: a number, got {str(d.get(k))[:60]}; "
                              "the checkpoint is damaged: train again (`train run`)")
+    if d.get("dflash") and not _is_count(d["num_hidden_layers"], 1):
+        raise StoreError(f"{shown_path(path)}: draft_config.num_hidden_layers: a whole number >= 1, got "
+                         f"{short(d['num_hidden_layers'])}; the checkpoint is damaged: train again (`train run`)")
     _check_layers(info, path)
     _check_family(info, path)
     _check_record(info, path)
@@ -369,7 +378,7 @@ def _check_family(info: dict[str, Any], path: Path) -> None:
     """The family (and depth) ``train_config`` records is the draft ``draft_config`` builds: the K the
     export records comes from the first, the weights from the second."""
     d, train = info["draft_config"], info.get("train_config") or {}
-    family = "dflash" if d.get("dflash") else "peagle" if d.get("parallel_drafting") else "eagle3"
+    family = checkpoint_family(d)
     recorded = train.get("family") or "eagle3"
     if recorded in ("eagle3", "peagle", "dflash") and recorded != family:  # (another value: _recommended_k's)
         raise StoreError(f"{shown_path(path)}: train_config.family {short(recorded)} does not describe the "
@@ -377,9 +386,18 @@ def _check_family(info: dict[str, Any], path: Path) -> None:
     for section, key, built in (("peagle", "num_slots", d.get("peagle_num_slots")),
                                 ("dflash", "block_size", d.get("dflash_block_size"))):
         said = train[section].get(key) if isinstance(train.get(section), dict) else None
+        for name, value in ((f"train_config.{section}.{key}", said), (f"draft_config.{section}_{key}", built)):
+            if family == section and value is not None and not _is_count(value, 2):  # the K the export records
+                raise StoreError(f"{shown_path(path)}: {name}: a whole number >= 2, got {short(value)}; "
+                                 "the checkpoint is damaged: train again (`train run`)")
         if family == section and None not in (said, built) and said != built:
             raise StoreError(f"{shown_path(path)}: train_config.{section}.{key} {short(said)} is not the draft's "
                              f"{built} (draft_config); the checkpoint is damaged: train again (`train run`)")
+
+
+def checkpoint_family(draft_config: dict[str, Any]) -> str:
+    """The family of the draft a checkpoint's ``draft_config`` builds: dflash, peagle or eagle3."""
+    return "dflash" if draft_config.get("dflash") else "peagle" if draft_config.get("parallel_drafting") else "eagle3"
 
 
 def _check_record(info: dict[str, Any], path: Path) -> None:
@@ -401,6 +419,11 @@ def _check_record(info: dict[str, Any], path: Path) -> None:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_count(value: Any, low: int) -> bool:
+    """A whole number >= ``low`` (4.5 would be written as 4; a block of one slot drafts nothing)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def _recommended_k(info: dict[str, Any], path: Path, *, read=recommended_num_speculative_tokens) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from eaglenest.paths import ensure_writable
 from eaglenest.serve.export import export_draft
+from eaglenest.train.config import TrainConfig
 
 
 def cmd_export(recipe, args) -> int:
@@ -24,6 +25,13 @@ def cmd_export(recipe, args) -> int:
     path = export_draft(r.path(s.checkpoint_subdir), out, target_dir=r.target, dtype=s.dtype,
                         quantization=s.quantization, format=s.format,
                         num_speculative_tokens=s.num_speculative_tokens, argv=sys.argv, recipe=recipe.to_dict(),
-                        key=key, keep_clear=store, not_at=(("run.workdir", r.workdir),))
+                        key=key, keep_clear=store, not_at=(("run.workdir", r.workdir),), family=asked_family(recipe))
     print(f"draft: {path}")
     return 0
+
+
+def asked_family(recipe) -> str | None:
+    """The family the recipe asks ``serve export`` for: ``train.family`` when it names one other than
+    the default (a recipe left at the default exports the checkpoint's own family, as it always did)."""
+    family = recipe.train.family
+    return None if family == TrainConfig.family else family

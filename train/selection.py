@@ -5,8 +5,11 @@ a snapshot and hands it to ``score``, a function from a snapshot directory to
 ``{"served_al", "prompts"}``, and appends the result to ``selection.jsonl``. Scoring serves the
 draft, so it needs the stages after this one (export, evaluate): the scorer is built above the
 stages, in the ``train run`` command (:mod:`eaglenest.pipeline`), and passed in; this module keeps the books. The best
-snapshot by served AL is kept in ``<outdir>/best/``; at the end it becomes the run's checkpoint
-(``checkpoint.json`` gains a ``selection`` record).
+snapshot by served AL is kept in ``<outdir>/best/`` with its own record (``best/selection.json``: its
+step and served AL); at the end it becomes the run's checkpoint (``checkpoint.json`` gains a
+``selection`` record, labelled from best/'s own). A resumed run drops a best/ from after the step
+it resumes at (its steps are trained again, as selection.jsonl is cut back), so best/ never carries
+weights of one run segment under the served AL of another.
 
 Trade-off: each evaluation starts a vLLM engine (~25 s on 2 CPU cores) while the other ranks
 wait at a barrier, so selection is off by default and meant for sparse intervals. The held-out
@@ -19,11 +22,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 from eaglenest.errors import ConfigError, StoreError
+from eaglenest.paths import read_json_object
 from eaglenest.provenance import finite_or_null, write_json_atomic
 from eaglenest.train import checkpoint
 from eaglenest.train.config import SelectConfig
@@ -33,6 +38,8 @@ log = logging.getLogger(__name__)
 SELECTION = "selection.jsonl"
 #: The best snapshot by served AL (a checkpoint folder beside the run's own).
 BEST = "best"
+#: Inside best/: its own selection record ({"step", "served_al", ...}), written with the snapshot.
+BEST_RECORD = "selection.json"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -93,12 +100,13 @@ class Selector:
             return
         outdir.mkdir(parents=True, exist_ok=True)
         truncate_jsonl(self.path, resume_step)
-        if not resume_step:
+        best = self.best() if resume_step else None
+        if best is None or best["step"] > resume_step:  # a fresh run's, or of steps trained again now
             shutil.rmtree(outdir / BEST, ignore_errors=True)
 
     def best(self) -> dict[str, Any] | None:
-        recs = read_jsonl(self.path)
-        return max(recs, key=lambda r: (r["served_al"], -r["step"])) if recs else None
+        """best/'s own record (None when there is no best/ snapshot)."""
+        return best_record(self.outdir)
 
     def evaluate(self, step: int, draft, *, info: dict[str, Any]) -> float | None:
         if not self.on or draft is None:
@@ -113,20 +121,21 @@ class Selector:
         prev = self.best()
         with self.path.open("a", encoding="utf-8") as f:
             f.write(_line(rec))
-        if prev is None or rec["served_al"] > prev["served_al"]:
+        if math.isfinite(rec["served_al"]) and (prev is None or rec["served_al"] > prev["served_al"]):
             best = self.outdir / BEST
             tmp = self.outdir / ".best.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(snap, tmp)
+            write_json_atomic(tmp / BEST_RECORD, finite_or_null(rec, "", []))
             shutil.rmtree(best, ignore_errors=True)
             tmp.replace(best)
-        log.info("step %d: served AL %.3f (best %.3f)", step, rec["served_al"], self.best()["served_al"])
+        log.info("step %d: served AL %.3f (best %.3f)", step, rec["served_al"], (self.best() or rec)["served_al"])
         return rec["served_al"]
 
     def finish(self, draft, info: dict[str, Any]):
         """(draft, info) to save as the run's checkpoint: the best snapshot's when selection ran."""
         best = self.best() if self.on else None
-        if best is None or not (self.outdir / BEST / checkpoint.INFO).is_file():
+        if best is None:
             return draft, info
         model, binfo = checkpoint.load_checkpoint(self.outdir / BEST, target_dir=self.target_dir)
         binfo = {k: v for k, v in binfo.items() if k not in ("format", "draft_config")}
@@ -136,13 +145,31 @@ class Selector:
         return model, binfo
 
 
+def best_record(outdir: Path) -> dict[str, Any] | None:
+    """The record of the snapshot in ``<outdir>/best/``: its own ``selection.json``; for a best/ saved
+    before that file existed, selection.jsonl's record of the step its checkpoint.json names. None
+    when there is no whole best/ snapshot or its step has no record."""
+    best = outdir / BEST
+    if not (best / checkpoint.INFO).is_file():
+        return None
+    own = best / BEST_RECORD
+    if own.is_file():
+        rec = read_json_object(own, error=StoreError, then="delete the best/ folder to select anew")
+        if type(rec.get("step")) is not int or not isinstance(rec.get("served_al"), (int, float)):
+            raise StoreError(f"{own}: not a record with an integer 'step' and a number 'served_al'; delete "
+                             "the best/ folder to select anew")
+        return rec
+    step = read_json_object(best / checkpoint.INFO, error=StoreError, then="delete the best/ folder").get("step")
+    return next((r for r in read_jsonl(outdir / SELECTION) if r["step"] == step), None)
+
+
 def write_report(outdir: Path, *, stall_fraction: float, tokens_per_second: float) -> Path:
-    """``report.json`` and ``report.png``: loss, per-step accuracy, served AL over steps."""
+    """``report.json`` and ``report.png``: loss, per-step accuracy, served AL over steps; ``best``:
+    the record of the snapshot the run kept (best/)."""
     metrics = read_jsonl(outdir / "metrics.jsonl")
     served = read_jsonl(outdir / SELECTION)
     report = {"metrics": metrics, "served_al": served, "stall_fraction": stall_fraction,
-              "tokens_per_second": tokens_per_second,
-              "best": max(served, key=lambda r: (r["served_al"], -r["step"])) if served else None}
+              "tokens_per_second": tokens_per_second, "best": best_record(outdir) if served else None}
     write_json_atomic(outdir / "report.json", report)
     _plot(outdir / "report.png", metrics, served)
     return outdir / "report.json"

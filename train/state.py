@@ -20,6 +20,7 @@ the resume is refused naming what differs. Frozen target embeddings are not stor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -50,6 +51,9 @@ FREE_KEYS = frozenset({"output_subdir", "log_every_steps", "num_threads", "prefe
                        "select.prompts_per_domain", "select.split", "stream.depth", "stream.devices",
                        "track.tensorboard", "track.dir", "track.tracker", "track.project", "track.run_name",
                        "track.mode"})
+#: Train keys compared as the run resolves them, at the fingerprint's top: ``train.seed`` null is
+#: ``run.seed`` (a state saved with one spelling resumes under the other; another seed is refused there).
+RESOLVED_KEYS = frozenset({"seed"})
 #: Train keys (dotted; a trailing dot: a whole section) the family does not read (docs/training.md, "Draft
 #: families"): they do not change its trajectory either.
 UNREAD_BY_FAMILY = {"eagle3": ("peagle.", "dflash."), "peagle": ("dflash.", "ttt_steps"),
@@ -87,7 +91,8 @@ def same_place(where: Any) -> Any:
 
 def fingerprint(cfg, *, table_version: int, store_uri: str, target: str, seed: int,
                 table: str = "features") -> dict[str, Any]:
-    keys = read_by_family({k: v for k, v in train_keys(dataclasses.asdict(cfg)).items() if k not in FREE_KEYS},
+    keys = read_by_family({k: v for k, v in train_keys(dataclasses.asdict(cfg)).items()
+                           if k not in FREE_KEYS | RESOLVED_KEYS},
                           cfg.family, cfg.source)
     fp = {"features_version": int(table_version), "store_uri": same_place(str(store_uri)),
           "target": same_place(str(target)), "seed": int(seed), "train": keys}
@@ -118,7 +123,8 @@ def _diff(saved: dict[str, Any], now: dict[str, Any], moved: tuple[str, str] | N
     family, source = nt.get("family", "eagle3"), nt.get("source", "table")
     nt = read_by_family(nt, family, source)
     st = read_by_family({**{k: defaults[k] for k in nt if k in defaults},
-                         **{k: v for k, v in train_keys(saved.get("train", {})).items() if k not in FREE_KEYS}},
+                         **{k: v for k, v in train_keys(saved.get("train", {})).items()
+                            if k not in FREE_KEYS | RESOLVED_KEYS}},
                         family, source)
     out += [f"train.{k} {st.get(k)!r} -> {nt.get(k)!r}" for k in sorted(set(st) | set(nt))
             if st.get(k) != nt.get(k)]
@@ -151,8 +157,8 @@ def save_state(state_dir: Path, *, step: int, objective, opt, sched, dist, fp: d
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    with warnings.catch_warnings():  # "assuming ... a single process": intended without torchrun
-        warnings.filterwarnings("ignore", message=".*single process.*")
+    with warnings.catch_warnings(), _interruptions_unwrapped():
+        warnings.filterwarnings("ignore", message=".*single process.*")  # intended without torchrun
         dcp.save(_dcp_state(objective, opt), checkpoint_id=str(tmp))
     save_file({"torch": torch.get_rng_state()}, str(tmp / f"rng-{dist.rank}.safetensors"))
     dist.barrier()
@@ -172,6 +178,22 @@ def save_state(state_dir: Path, *, step: int, objective, opt, sched, dist, fp: d
             shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
     return final
+
+
+@contextlib.contextmanager
+def _interruptions_unwrapped():
+    """Re-raise a Ctrl-C or SIGTERM (a KeyboardInterrupt: eaglenest.launch.Terminated) that torch's DCP
+    caught in its readers or writers and wrapped in a CheckpointException: the command then ends by
+    that signal, not with a traceback, nor as a damaged state."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        for failure, _ in exc.failures.values():
+            if isinstance(failure, KeyboardInterrupt):
+                raise failure from None
+        raise
 
 
 def previous_dir(state_dir: Path) -> Path:
@@ -287,7 +309,7 @@ def load_state(info: dict[str, Any], *, objective, opt, sched, dist) -> None:
     path = Path(info["path"])
     state = _dcp_state(objective, opt)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _interruptions_unwrapped():
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(objective, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],

@@ -1,13 +1,17 @@
-"""What the side-by-side engine benches share (bench/ is not a package: loaded from the file beside
-each script). Each arm runs a script in a fresh interpreter at the repository root; the script
-prints one ``RESULT <json>`` line."""
+"""What the bench scripts share (bench/ is not a package: loaded from the file beside each script):
+the side-by-side engine benches' arm runner (each arm runs a script in a fresh interpreter at the
+repository root; the script prints one ``RESULT <json>`` line), and argparse types for the numbers
+the benches divide by or loop to."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,3 +35,29 @@ def run_arm(script: str, *args: str, label: str) -> dict:
     if p.returncode != 0 or line is None:
         raise SystemExit(f"arm {label} failed:\n{p.stderr[-3000:]}")
     return json.loads(line[len("RESULT "):])
+
+
+def number_above(low: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number above ``low`` (a rate a ratio divides by, a size a loop runs to)."""
+    return _number(low, strict=True)
+
+
+def number_at_least(low: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number of at least ``low`` (a pause)."""
+    return _number(low, strict=False)
+
+
+def _number(low: float, *, strict: bool) -> Callable[[str], float]:
+    bound = f"{'>' if strict else '>='} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = f"number {bound}"
+    return parse

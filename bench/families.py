@@ -34,7 +34,7 @@ from pathlib import Path
 from eaglenest.cli import at_least
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning_curves import BIN, _run, int_list, load_rows, measure  # noqa: E402  (bench/ is not a package)
+from learning_curves import BIN, _run, int_list, load_rows, measure, run_dir  # noqa: E402  (bench/ is not a package)
 
 FAMILIES = ("eagle3", "peagle", "dflash")
 #: The K every family is compared at (the issue's P-EAGLE goal is at 3).
@@ -187,8 +187,8 @@ def main() -> int:
     if unknown := set(families) - set(FAMILIES):
         p.error(f"--families: unknown {sorted(unknown)}; one or more of {', '.join(FAMILIES)}")
     ks, curve = args.ks, args.curve
-    workdir = Path(args.workdir).resolve()
-    (workdir / "lc").mkdir(parents=True, exist_ok=True)
+    workdir = run_dir(p, args.workdir)
+    (workdir / "lc").mkdir(exist_ok=True)
     (workdir / "fam").mkdir(exist_ok=True)
     results = workdir / "families.jsonl"
     rows = load_rows(results)

@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--integrity", action="store_true",
                     help="also time the store with the check off, and with the stamps deleted (a full CRC pass)")
     ap.add_argument("--rss", action="store_true", help="measure the reader's peak RSS in a fresh process")
-    ap.add_argument("--rss-gb", type=float, default=2.0, help="GB of features the --rss process reads")
+    ap.add_argument("--rss-gb", type=W.arms.number_above(0), default=2.0, help="GB of features the --rss process reads")
     ap.add_argument("--rss-samples", type=at_least(0), default=0,
                     help="with --rss: also measure on a table of this many samples (the bound must not grow)")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
@@ -326,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pack-tokens", type=at_least(1), default=4096, help="train.pack_tokens for the trainer arms")
     ap.add_argument("--batch-rows", type=at_least(1), default=2, help="train.batch_rows for the trainer arms")
     ap.add_argument("--h7168-samples", type=at_least(0), default=6, help="samples of the H=7168 line (0: skip it)")
-    ap.add_argument("--rank-tokens-per-s", type=float, default=20_000, help="what one GPU rank consumes")
+    ap.add_argument("--rank-tokens-per-s", type=W.arms.number_above(0), default=20_000,
+                    help="what one GPU rank consumes")
     ap.add_argument("--profile", action="store_true", help="print where each sample's time goes")
     ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (arms alternated; median [min, max])")
     ap.add_argument("--full", action="store_true", help="the full size: 48 samples, 5 rounds, H=7168 with 12")

@@ -33,6 +33,7 @@ The data helpers here are shared with featurestore_read.py and featurestore_layo
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import statistics
@@ -45,6 +46,11 @@ import numpy as np
 
 from eaglenest.cli import at_least
 from eaglenest.launch import Terminated, end_by_signal, unwind_on_sigterm
+
+# The argparse number types the benches share (bench/ is not a package: loaded from the file beside this one).
+_spec = importlib.util.spec_from_file_location("_bench_arms", Path(__file__).with_name("arms.py"))
+arms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(arms)
 
 LAYER_IDS = (2, 16, 29)  # vLLM's EAGLE-3 default for a 32-layer, 4096-hidden target
 
@@ -287,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if a threshold is missed")
     ap.add_argument("--rss", action="store_true", help="measure peak RSS of capture's write route in a fresh process")
     ap.add_argument("--rss-legacy", action="store_true", help="with --rss: also the pre-writer route")
-    ap.add_argument("--rss-gb", type=float, default=2.0, help="GB of features the --rss process writes")
-    ap.add_argument("--rss-budget-mb", type=int, default=128, help="FeatureWriter budget (featurestore.write_buffer_mb)")
+    ap.add_argument("--rss-gb", type=arms.number_above(0), default=2.0, help="GB of features the --rss process writes")
+    ap.add_argument("--rss-budget-mb", type=at_least(1), default=128,
+                    help="FeatureWriter budget (featurestore.write_buffer_mb)")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
     ap.add_argument("--rss-route", default="writer", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -67,6 +67,15 @@ def load_rows(path: Path) -> list[dict]:
     return rows
 
 
+def run_dir(p: argparse.ArgumentParser, text: str) -> Path:
+    """``--workdir`` resolved: an existing run folder (the demo's). A mistyped one is a usage error before
+    any folder is made in it or any command runs (not a new run folder and a failed ``train run``)."""
+    path = Path(text).resolve()
+    if not path.is_dir():
+        p.error(f"--workdir {text}: no such folder (run `make demo` first, or give the run folder of the demo's store)")
+    return path
+
+
 def variant(text: str) -> tuple[str, list[str]]:
     """An argparse ``type`` for ``--variant name=override[,override...]``."""
     name, sep, overrides = text.partition("=")
@@ -132,8 +141,8 @@ def main() -> int:
                    help="name=override[,override...] (repeatable; default: default=, the recipe as is)")
     args = p.parse_args()
     variants = args.variant or [("default", [])]
-    workdir = Path(args.workdir).resolve()
-    (workdir / "lc").mkdir(parents=True, exist_ok=True)
+    workdir = run_dir(p, args.workdir)
+    (workdir / "lc").mkdir(exist_ok=True)
     results = workdir / "learning_curves.jsonl"
     rows = load_rows(results)
     log = workdir / "lc" / "log.txt"

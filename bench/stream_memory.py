@@ -13,12 +13,19 @@ growth if every capture had been buffered (samples x capture size) for scale.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
 from eaglenest.cli import at_least
+
+# The argparse number types the benches share (bench/ is not a package: loaded from the file beside this one).
+_spec = importlib.util.spec_from_file_location("_bench_arms", Path(__file__).with_name("arms.py"))
+arms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(arms)
 
 
 def _rss_mib(pids) -> float:
@@ -78,7 +85,8 @@ def main() -> None:
     ap.add_argument("--samples", type=at_least(1), default=32, help="captures streamed per depth")
     ap.add_argument("--tokens", type=at_least(1), default=500, help="tokens per capture")
     ap.add_argument("--depths", default="2,16", help="comma list of train.stream.depth values, one run each")
-    ap.add_argument("--sleep-s", type=float, default=0.5, help="the slow consumer's pause per capture")
+    ap.add_argument("--sleep-s", type=arms.number_at_least(0), default=0.5,
+                    help="the slow consumer's pause per capture")
     args = ap.parse_args()
     try:
         depths = [int(d) for d in args.depths.split(",")]

@@ -17,14 +17,21 @@ for ``--train-tokens-per-s`` (an assumed figure; the measured rates are what the
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing as mp
 import os
 import socket
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 from eaglenest.cli import at_least
+
+# The argparse number types the benches share (bench/ is not a package: loaded from the file beside this one).
+_spec = importlib.util.spec_from_file_location("_bench_arms", Path(__file__).with_name("arms.py"))
+arms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(arms)
 
 
 def _frame(args):
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the hidden states' dtype")
     ap.add_argument("--depth", type=at_least(1), default=4, help="captures in flight (train.stream.depth)")
     ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds (arms alternated; median [min, max])")
-    ap.add_argument("--train-tokens-per-s", type=float, default=20000.0,
+    ap.add_argument("--train-tokens-per-s", type=arms.number_above(0), default=20000.0,
                     help="tokens/s one trainer GPU consumes (assumed), for the bandwidth it needs")
     args = ap.parse_args(argv)
     frame_bytes = args.tokens * args.layers * args.hidden * (2 if args.dtype == "bfloat16" else 4)

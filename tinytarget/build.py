@@ -17,7 +17,9 @@ import logging
 import sys
 from pathlib import Path
 
-from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.cli import Command
+from eaglenest.errors import ConfigError
+from eaglenest.launch import execute
 from eaglenest.paths import check_output_dir, make_dir, staged_dir
 from eaglenest.provenance import write_provenance
 from eaglenest.tinytarget import corpus, tokenizer, train
@@ -90,8 +92,11 @@ def _add_legacy_dtype(path: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+PROG = "eaglenest-tiny-target"
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="eaglenest-tiny-target", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("assets/tiny-target"), help="model folder")
     p.add_argument("--prompts-out", type=Path, default=Path("recipes/data"),
                    help="folder for <domain>.jsonl prompt files")
@@ -99,38 +104,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=TrainConfig().seed, help="training seed")
     p.add_argument("--prompt-seed", type=int, default=PROMPT_SEED, help="seed of the prompt files")
     p.add_argument("--prompts-only", action="store_true", help="write the prompt files and stop")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.steps < 1:
-        print("eaglenest-tiny-target: error: --steps must be >= 1", file=sys.stderr)
-        return 2
-    if not 0 <= args.seed < train.MAX_SEED:
-        print(f"eaglenest-tiny-target: error: --seed must be in [0, 2**63), got {args.seed}", file=sys.stderr)
-        return 2
-    if args.prompt_seed == args.seed:
-        print("eaglenest-tiny-target: error: --prompt-seed must differ from --seed", file=sys.stderr)
-        return 2
+    # The shared CLI layer: logging, the process guard, one-line errors (exit 2), Ctrl-C and SIGTERM
+    # unwinding through the staged folder's cleanup, as every stage command does.
+    return execute(PROG, Command(fn=run, help=p.description, needs_recipe=False), args)
+
+
+def run(recipe: None, args: argparse.Namespace) -> int:
+    """The command's body: check the flags, write the prompt files, build the model into ``--out``."""
+    _check_flags(args)
+    if not args.prompts_only:  # before the prompt files: nothing written for a refused --out
+        check_output_dir(args.out, "--out", replaces=is_model_folder, error=ConfigError)
+        _check_apart(args.prompts_out, args.out)
+    write_prompt_files(make_dir(args.prompts_out, "--prompts-out", error=ConfigError), seed=args.prompt_seed)
+    if args.prompts_only:
+        return 0
+    cfg = TrainConfig(seed=args.seed, num_steps=args.steps)
     try:
-        if not args.prompts_only:  # before the prompt files: nothing written for a refused --out
-            check_output_dir(args.out, "--out", replaces=is_model_folder, error=ConfigError)
-            _check_apart(args.prompts_out, args.out)
-        write_prompt_files(make_dir(args.prompts_out, "--prompts-out", error=ConfigError), seed=args.prompt_seed)
-        if args.prompts_only:
-            return 0
-        cfg = TrainConfig(seed=args.seed, num_steps=args.steps)
         with staged_dir(args.out, "--out", replaces=is_model_folder, error=ConfigError) as tmp:
             metrics = build(tmp, shape=ModelShape(), cfg=cfg)
-    except EaglenestError as exc:
-        print(f"eaglenest-tiny-target: error: {exc}", file=sys.stderr)
-        return 2
     except OSError as exc:  # a disk that filled up while writing: the earlier --out is as it was
-        print(f"eaglenest-tiny-target: error: writing failed ({exc.strerror or exc}); {args.out} unchanged",
-              file=sys.stderr)
-        return 2
+        raise ConfigError(f"writing failed ({exc.strerror or exc}); {args.out} unchanged") from None
     log.info("wrote %s (%.1f s training)", args.out, metrics["train"]["train_seconds"])
     return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if args.steps < 1:
+        raise ConfigError("--steps must be >= 1")
+    if not 0 <= args.seed < train.MAX_SEED:
+        raise ConfigError(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.prompt_seed == args.seed:
+        raise ConfigError("--prompt-seed must differ from --seed")
 
 
 def _check_apart(prompts_out: Path, out: Path) -> None:

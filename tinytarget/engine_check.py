@@ -15,8 +15,10 @@ import logging
 import sys
 from pathlib import Path
 
+from eaglenest.cli import Command
 from eaglenest.engine import EngineConfig, close_llm, make_llm
-from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.errors import ConfigError
+from eaglenest.launch import execute
 from eaglenest.paths import ensure_writable
 from eaglenest.provenance import write_text_atomic
 
@@ -25,12 +27,21 @@ log = logging.getLogger(__name__)
 
 def run_check(model: str, prompts_dir: Path, *, num_per_domain: int, max_model_len: int,
               gpu_memory_utilization: float) -> dict:
+    check_engine_sizes(max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
     prompts = read_prompts(prompts_dir, num_per_domain=num_per_domain)  # before the engine's start
     llm = make_llm(model, EngineConfig(max_model_len=max_model_len, memory_fraction=gpu_memory_utilization))
     try:
         return _answers(llm, prompts, max_model_len=max_model_len)
     finally:
         close_llm(llm)
+
+
+def check_engine_sizes(*, max_model_len: int, gpu_memory_utilization: float) -> None:
+    """What the engine would refuse only after its start (a traceback from vLLM), refused before it."""
+    if max_model_len < 1:
+        raise ConfigError(f"--max-model-len: must be >= 1, got {max_model_len}")
+    if not 0 < gpu_memory_utilization <= 1:  # nan included
+        raise ConfigError(f"--gpu-memory-utilization: must be in (0, 1], got {gpu_memory_utilization}")
 
 
 def read_prompts(prompts_dir: Path, *, num_per_domain: int) -> dict[str, list[dict]]:
@@ -80,25 +91,30 @@ def _answers(llm, prompts: dict[str, list[dict]], *, max_model_len: int) -> dict
     return report
 
 
+PROG = "python -m eaglenest.tinytarget.engine_check"
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eaglenest.tinytarget.engine_check")
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--model", default="assets/tiny-target")
     p.add_argument("--prompts", type=Path, default=Path("recipes/data"))
     p.add_argument("--num-per-domain", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        if args.json_out:  # before the engine's start, not after a minute of it
-            ensure_writable(args.json_out.parent, "--json-out", error=ConfigError)
-        report = run_check(args.model, args.prompts, num_per_domain=args.num_per_domain,
-                           max_model_len=args.max_model_len,
-                           gpu_memory_utilization=args.gpu_memory_utilization)
-    except EaglenestError as exc:
-        print(f"python -m eaglenest.tinytarget.engine_check: error: {exc}", file=sys.stderr)
-        return 2
+    # The shared CLI layer: logging, the process guard (the engine ends with this process), one-line
+    # errors (exit 2), Ctrl-C and SIGTERM unwinding through the engine's close, as every stage command does.
+    return execute(PROG, Command(fn=run, help=p.description, needs_recipe=False), args)
+
+
+def run(recipe: None, args: argparse.Namespace) -> int:
+    """The command's body: the check, its report printed (and written to --json-out); 1 if an answer ran on."""
+    if args.json_out:  # before the engine's start, not after a minute of it
+        ensure_writable(args.json_out.parent, "--json-out", error=ConfigError)
+    report = run_check(args.model, args.prompts, num_per_domain=args.num_per_domain,
+                       max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
     bad = [(d, o["prompt"]) for d, outs in report["chat"].items() for o in outs
            if o["finish_reason"] != "stop"]
     text = json.dumps(report, indent=2)
@@ -109,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%d chat answers did not stop at <|end|>: %s", len(bad), bad)
         return 1
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -35,9 +35,11 @@ import sys
 import time
 from pathlib import Path
 
+from eaglenest.cli import Command
 from eaglenest.errors import ConfigError, EaglenestError
 from eaglenest.evaluate import longctx
 from eaglenest.evaluate.buckets import bucket_lengths, check_generated
+from eaglenest.launch import execute
 from eaglenest.paths import check_output_dir, read_json_object, staged_dir
 from eaglenest.provenance import write_provenance
 from eaglenest.tinytarget import corpus, longdata, longeval, train
@@ -436,9 +438,12 @@ def _tokenizer(base: str):
     return AutoTokenizer.from_pretrained(base)
 
 
+PROG = "python -m eaglenest.tinytarget.long"
+
+
 def main(argv: list[str] | None = None) -> int:
     d = LongConfig()
-    p = argparse.ArgumentParser(prog="python -m eaglenest.tinytarget.long", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("assets/tiny-target-long"), help="model folder")
     p.add_argument("--recipe", default=None,
                    help="YAML of the build's settings and its phases (recipes/tiny_target/long.yaml); "
@@ -458,53 +463,55 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remeasure", action="store_true",
                    help="measure the build at --out again (same recipe and flags) and rewrite its card and "
                         "provenance; weights and training figures stay"),
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The shared CLI layer: logging, the process guard, one-line errors (exit 2), Ctrl-C and SIGTERM
+    # unwinding through the staged folder's cleanup, as every stage command does.
+    return execute(PROG, Command(fn=run, help=p.description, needs_recipe=False), args)
+
+
+def run(recipe: None, args: argparse.Namespace) -> int:
+    """The command's body: resolve and check the settings, then build, measure or measure again."""
     try:
-        kwargs = load_recipe(args.recipe) if args.recipe else {}
-        if args.from_phase:
-            if args.base is None:
-                raise ConfigError("--from-phase: give --base, the output of the phases before it")
-            kwargs["from_phase"] = args.from_phase
-        for flag, field, kind, _ in FLAGS:
-            value = getattr(args, field if field not in ("eval_prompts_per_bucket",) else "eval_prompts")
-            if value is not None:
-                kwargs[field] = _flag_value(flag, kind, value)
-        _check_overridden(kwargs)
-        if kwargs.get("seed", d.seed) in (0, EVAL_MATERIAL_SEED):
-            raise ConfigError(f"--seed: {kwargs['seed']} is a seed of the evaluation material; pick another")
-        cfg = LongConfig(**kwargs)
-        check_base(cfg.base)
-        if not (args.measure_only or args.remeasure):  # likewise a --out it could not write in the end
-            check_output_dir(args.out, "--out", replaces=is_model_folder, error=ConfigError)
-            check_phase_dir(args.phase_dir, cfg)
-            check_resume(cfg)
-        check_material(_tokenizer(cfg.base), cfg)
-    except (ConfigError, ValueError) as exc:
-        print(f"python -m eaglenest.tinytarget.long: error: {exc}", file=sys.stderr)
-        return 2
+        cfg = _settings(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if args.measure_only:
         print(json.dumps(measure_saved(Path(cfg.base), cfg), indent=1))
         return 0
     if args.remeasure:
-        try:
-            metrics = remeasure(Path(args.out), cfg)
-        except ConfigError as exc:
-            print(f"python -m eaglenest.tinytarget.long: error: {exc}", file=sys.stderr)
-            return 2
+        metrics = remeasure(Path(args.out), cfg)
         log.info("measured %s again; confidence / 1K: %s", args.out, metrics["confidence_ratio_to_1k"])
         return 0
-    try:
-        metrics = build(args.out, cfg, phase_dir=args.phase_dir)
-    except EaglenestError as exc:  # what no check before training could foresee, in one line
-        print(f"python -m eaglenest.tinytarget.long: error: {exc}", file=sys.stderr)
-        return 2
+    metrics = build(args.out, cfg, phase_dir=args.phase_dir)
     log.info("wrote %s in %.0f s; confidence / 1K: %s", args.out, metrics["build_seconds"],
              metrics["confidence_ratio_to_1k"])
     return 0
 
+
+def _settings(args: argparse.Namespace) -> LongConfig:
+    """The build's settings from --recipe and the flags, checked before any training."""
+    d = LongConfig()
+    kwargs = load_recipe(args.recipe) if args.recipe else {}
+    if args.from_phase:
+        if args.base is None:
+            raise ConfigError("--from-phase: give --base, the output of the phases before it")
+        kwargs["from_phase"] = args.from_phase
+    for flag, field, kind, _ in FLAGS:
+        value = getattr(args, field if field not in ("eval_prompts_per_bucket",) else "eval_prompts")
+        if value is not None:
+            kwargs[field] = _flag_value(flag, kind, value)
+    _check_overridden(kwargs)
+    if kwargs.get("seed", d.seed) in (0, EVAL_MATERIAL_SEED):
+        raise ConfigError(f"--seed: {kwargs['seed']} is a seed of the evaluation material; pick another")
+    cfg = LongConfig(**kwargs)
+    check_base(cfg.base)
+    if not (args.measure_only or args.remeasure):  # likewise a --out it could not write in the end
+        check_output_dir(args.out, "--out", replaces=is_model_folder, error=ConfigError)
+        check_phase_dir(args.phase_dir, cfg)
+        check_resume(cfg)
+    check_material(_tokenizer(cfg.base), cfg)
+    return cfg
 
 if __name__ == "__main__":
     sys.exit(main())

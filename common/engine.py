@@ -25,10 +25,12 @@ import os
 import random
 import re
 import signal
+import traceback
 from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
+from eaglenest.config import short
 from eaglenest.errors import ConfigError, require
 from eaglenest.hf import check_remote_code, is_refusal, refusal
 from eaglenest.paths import read_json_object
@@ -42,6 +44,10 @@ MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**32 - 1
 
 
+#: The engine dtypes a recipe may name: "auto" (the checkpoint's own), else vLLM's names.
+EngineDtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     #: Longest sequence (prompt + output) the engine accepts.
@@ -53,7 +59,7 @@ class EngineConfig:
     #: "auto" runs the target in its own checkpoint dtype (config.json), unlike vLLM's "auto", which
     #: would downcast an fp32 checkpoint to bf16. Regeneration, capture and serving then agree.
     #: The other values are vLLM's own names (it refuses any other only once its engine starts).
-    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
+    dtype: EngineDtype = "auto"
     #: Skip CUDA graphs / torch.compile: faster start, slower steps. On by default for small runs.
     enforce_eager: bool = True
     seed: int = 0
@@ -86,14 +92,22 @@ class EngineConfig:
 
     def check(self, where: str) -> None:
         """Refuse values vLLM would reject only once its engine starts (a traceback, a log written),
-        naming the key under ``where`` (e.g. ``ingest.engine``); called by the sections that hold one."""
+        naming the key under ``where`` (e.g. ``ingest.engine``); called by the sections that hold one, and by
+        :func:`make_llm` (``engine``) for one built in code."""
+        for key in ("max_model_len", "max_num_seqs", "tensor_parallel_size", "seed"):
+            if not is_int(getattr(self, key)):  # built in code, not from a recipe (whose walker checks types)
+                raise ConfigError(f"{where}.{key}: must be a whole number, got {getattr(self, key)!r}")
         for key, low in (("max_model_len", 16), ("max_num_seqs", 1), ("tensor_parallel_size", 1)):
             if getattr(self, key) < low:
                 raise ConfigError(f"{where}.{key}: must be >= {low}, got {getattr(self, key)}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"{where}.seed: must be in [0, {MAX_SEED}], got {self.seed}")
-        if not 0 < self.memory_fraction <= 1:
+        if isinstance(self.memory_fraction, bool) or not isinstance(self.memory_fraction, (int, float)) \
+                or not 0 < self.memory_fraction <= 1:
             raise ConfigError(f"{where}.memory_fraction: must be in (0, 1], got {self.memory_fraction}")
+        if self.dtype not in get_args(EngineDtype):
+            raise ConfigError(f"{where}.dtype: {short(self.dtype)} is not one of "
+                              f"{', '.join(map(repr, get_args(EngineDtype)))}")
         if self.in_process and self.tensor_parallel_size > 1:
             raise ConfigError(f"{where}.in_process: an engine of {self.tensor_parallel_size} ranks needs its own "
                               "processes; set it to false or null")
@@ -339,7 +353,9 @@ def is_mla_checkpoint(model: str) -> bool:
 
 def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, **extra: Any):
     """A ``vllm.LLM`` for ``model``; ``extra`` adds e.g. ``speculative_config``. A local checkpoint
-    that needs its own code is refused before the engine starts unless ``trust_remote_code``."""
+    that needs its own code is refused before the engine starts unless ``trust_remote_code``; weights of
+    other shapes than its config.json says are one line naming run.target (an engine in this process)."""
+    cfg.check("engine")  # a section's engine was checked under its own name; one built in code is checked here
     check_remote_code(model, trust_remote_code=trust_remote_code)
     require("vllm", "cpu" if not has_cuda() else "cuda")
     quiet_vllm()  # the run's vLLM log, written now that an engine starts (not when the command did)
@@ -370,6 +386,41 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
         if trust_remote_code or not is_refusal(exc):
             raise
         raise refusal(model) from None
+    except (RuntimeError, AssertionError) as exc:  # engine-core start failures are RuntimeErrors too: kept
+        if not weights_mismatch(exc):
+            raise
+        log.debug("vLLM could not load the weights of %s", model, exc_info=True)
+        problem = _one_line(exc) or "a tensor of another shape"
+    # Raised here, past the except block, so vLLM's frames (its progress bar) are gone before the line is printed.
+    raise ConfigError(f"run.target: {shown(model, extra)}: weights do not match config.json ({problem}); restore "
+                      "the checkpoint's own config.json, or download the checkpoint again")
+
+
+#: vLLM's (and torch's) words for a checkpoint tensor of another shape than config.json makes its parameter.
+WEIGHT_SHAPE = re.compile(r"Attempted to load weight \(|exceeds dimension size|size mismatch for |"
+                          r"The size of tensor a \(\d+\) must match")
+
+
+def weights_mismatch(exc: BaseException) -> bool:
+    """Whether ``exc`` is vLLM failing to load a weight into a parameter of another shape: by its message,
+    or, for the bare ``assert`` of vLLM's linear layers, by being raised inside a model's ``load_weights``."""
+    if WEIGHT_SHAPE.search(str(exc)):
+        return True
+    if not isinstance(exc, AssertionError):
+        return False
+    return any(frame.name in ("load_weights", "weight_loader") for frame in traceback.extract_tb(exc.__traceback__))
+
+
+def shown(model: str, extra: dict[str, Any]) -> str:
+    """``model``, and the draft of ``extra``'s speculative config if there is one (either may be the one)."""
+    spec = extra.get("speculative_config")
+    draft = spec.get("model") if isinstance(spec, dict) else None
+    return f"{model} (or its draft {draft})" if draft else model
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines)[:200]
 
 
 #: Signals whose Python handler raises an exception to interrupt the command (Ctrl-C, and the two

@@ -15,7 +15,9 @@ there, and so does vLLM.
 A local directory is also checked for what every engine and loader needs before one starts: a
 ``model_type`` and ``architectures`` the installed transformers or vLLM knows (importing vLLM's
 registry only when transformers does not), a tokenizer vocabulary file, and weight files (every
-safetensors file as long as its header says).
+safetensors file as long as its header says). What transformers itself then refuses (a config.json
+of ``num_attention_heads: 0``, a string for a size, a ``rope_scaling`` of the wrong shape: a
+ZeroDivisionError, TypeError or KeyError from deep inside it) is one line naming ``run.target`` too.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import json
 import logging
 from pathlib import Path
 
-from eaglenest.errors import ConfigError
-from eaglenest.paths import user_path
+from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.paths import shown_path, user_path
 from eaglenest.target import local_dir
 
 log = logging.getLogger(__name__)
@@ -117,35 +119,48 @@ def is_refusal(exc: BaseException) -> bool:
 def load_tokenizer(target: str | Path, *, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
-    return _load(AutoTokenizer.from_pretrained, target, trust_remote_code)
+    return _load(AutoTokenizer.from_pretrained, target, trust_remote_code, what="config or tokenizer")
 
 
 def load_config(target: str | Path, *, trust_remote_code: bool):
     from transformers import AutoConfig
 
-    return _load(AutoConfig.from_pretrained, target, trust_remote_code)
+    return _load(AutoConfig.from_pretrained, target, trust_remote_code, what="config or tokenizer")
 
 
 def load_causal_lm(target: str | Path, *, trust_remote_code: bool, **kwargs):
     from transformers import AutoModelForCausalLM
 
-    return _load(AutoModelForCausalLM.from_pretrained, target, trust_remote_code, **kwargs)
+    return _load(AutoModelForCausalLM.from_pretrained, target, trust_remote_code, what="model", **kwargs)
 
 
-def _load(loader, target, trust_remote_code: bool, **kwargs):
+def _load(loader, target, trust_remote_code: bool, *, what: str = "files", **kwargs):
+    """``loader(target)``; what it refuses is one :class:`ConfigError` naming ``run.target`` and ``what``
+    it was loading (a config.json transformers refuses raises ZeroDivisionError, TypeError, ...)."""
     check_remote_code(target, trust_remote_code=trust_remote_code)
     try:
         return loader(str(target), trust_remote_code=trust_remote_code, **kwargs)
-    except ValueError as exc:  # transformers' refusal for a hub checkpoint with custom code
-        if trust_remote_code or not is_refusal(exc):
-            raise
-        raise refusal(target) from None
+    except (EaglenestError, ImportError, MemoryError):  # already one line; a missing package or memory: not the target
+        raise
     except OSError as exc:  # a hub id neither in the local cache nor reachable (no network, no such repo)
         if Path(target).is_dir():
             raise
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"run.target: {target}: no such directory in the current directory ({Path.cwd()}), "
                           f"and not loadable as a hub id ({first})") from None
+    except Exception as exc:  # noqa: BLE001 - a config.json transformers refuses raises anything (ZeroDivisionError)
+        if is_refusal(exc) and not trust_remote_code:  # transformers' refusal for a hub checkpoint with custom code
+            raise refusal(target) from None
+        if "out of memory" in str(exc).lower():
+            raise
+        raise ConfigError(f"run.target: {shown_path(target)}: transformers cannot load its {what} "
+                          f"({_first_line(exc)}); compare its files with the original checkpoint's") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (at most 200 characters), for one-line errors."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {' '.join(lines[:2])[:200]}" if lines else type(exc).__name__
 
 
 #: Files that hold a tokenizer's vocabulary (``*.model``: sentencepiece or tiktoken, ``tekken.json``: Mistral's).

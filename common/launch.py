@@ -34,11 +34,23 @@ from eaglenest.errors import EaglenestError
 from eaglenest.recipe import load_recipe
 
 
+#: The root handler :func:`setup_logging` installed (None: none yet, or the host program has its own).
+_our_handler: logging.Handler | None = None
+
+
 def setup_logging(verbose: int) -> None:
+    """This command's ``-v`` level. A host program's own logging setup is left as it is; the handler an
+    earlier command in this process installed (a notebook, a script calling several ``main``) takes this
+    command's level, not the first command's."""
+    global _our_handler
     level = logging.DEBUG if verbose > 1 else logging.INFO if verbose == 1 else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if verbose == 0:
-        logging.getLogger("eaglenest").setLevel(logging.INFO)
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        _our_handler = root.handlers[0] if root.handlers else None
+    elif _our_handler in root.handlers:
+        root.setLevel(level)
+    logging.getLogger("eaglenest").setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
 
 
 def dump_stacks_on_sigusr1() -> None:

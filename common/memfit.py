@@ -21,6 +21,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from eaglenest.config import short
 from eaglenest.errors import ConfigError
 from eaglenest.target import language_config, read_config
 
@@ -75,17 +76,33 @@ def dtype_bytes(name: str, default: int = 2) -> int:
     return _DTYPE_BYTES.get(str(name).replace("torch.", ""), default)
 
 
-def target_dims(cfg: dict, *, engine_dtype: str = "auto") -> dict[str, int]:
-    """The sizes the estimates need, from a target's (language) ``config.json`` mapping."""
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg.get("num_attention_heads") or 1)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+def target_dims(cfg: dict, *, engine_dtype: str = "auto", target: str = "") -> dict[str, int]:
+    """The sizes the estimates need, from a target's (language) ``config.json`` mapping; a size that
+    is missing or not a positive whole number is a :class:`ConfigError` naming ``run.target`` and the key."""
+    where = f"run.target: {target}/config.json" if target else "run.target: config.json"
+
+    def size(key: str, default: int | None = None) -> int:
+        return _size(cfg, key, default, where=where)
+
+    hidden = size("hidden_size")
+    heads = size("num_attention_heads", 1)
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
-    return {"layers": int(cfg["num_hidden_layers"]), "hidden": hidden, "heads": heads, "head_dim": head_dim,
-            "kv_heads": int(cfg.get("num_key_value_heads") or heads),
-            "intermediate": int(cfg.get("intermediate_size") or 4 * hidden),
-            "vocab": int(cfg.get("vocab_size") or 32000),
+    return {"layers": size("num_hidden_layers"), "hidden": hidden, "heads": heads,
+            "head_dim": size("head_dim", hidden // heads),
+            "kv_heads": size("num_key_value_heads", heads),
+            "intermediate": size("intermediate_size", 4 * hidden),
+            "vocab": size("vocab_size", 32000),
             "dtype_bytes": dtype_bytes(dtype if engine_dtype == "auto" else engine_dtype)}
+
+
+def _size(cfg: dict, key: str, default: int | None, *, where: str) -> int:
+    """``cfg[key]`` as a size (``default`` where it is missing, null or 0, as transformers fills it)."""
+    value = cfg.get(key) or default
+    if value is None:
+        raise ConfigError(f"{where}: {key} is missing (a size every engine and estimate needs)")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: {key} must be a whole number >= 1, got {short(value)}")
+    return value
 
 
 def weights_bytes(target: str, dims: dict[str, int]) -> int:
@@ -166,11 +183,12 @@ def check_engine(target: str, *, tokens: int, engine_dtype: str, key: str, what:
                  capture_layers: int = 0, stored_bytes_per_token: int = 0) -> None:
     """Refuse, before it starts, a vLLM engine on ``target`` that cannot hold one sequence of
     ``tokens`` (``what`` it is for, ``key`` the recipe key to change); with ``capture_layers`` the
-    capture's share too, under :func:`capture_estimate`'s own description. A hub target (no local config) is not estimated."""
+    capture's share too, under :func:`capture_estimate`'s own description. A hub target (no local
+    config) is not estimated."""
     cfg = load_target_config(target)
     if cfg is None:
         return
-    dims = target_dims(cfg, engine_dtype=engine_dtype)
+    dims = target_dims(cfg, engine_dtype=engine_dtype, target=target)
     weights = weights_bytes(target, dims)
     if capture_layers:
         est = capture_estimate(dims, tokens=tokens, weights=weights, capture_layers=capture_layers,

@@ -10,6 +10,7 @@ import platform
 import re
 import subprocess
 import sys
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -76,10 +77,11 @@ def finite_or_null(obj: Any, where: str, found: list[str]) -> Any:
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` through a temporary file (this process's own name) and a rename."""
+    """Write ``text`` through a temporary file (this thread's own name: two threads writing one file
+    must not rename each other's) and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
     try:
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)

@@ -103,7 +103,7 @@ def test_entry_points_refuse_with_exit_2_and_one_line(argv, remote_target, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "set run.trust_remote_code=true" in err[0] and "off by default" in err[0]
-    assert not (tmp_path / "store").exists()  # refused before anything was written
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written (store, eval/, logs/)
 
 
 def test_the_flag_reaches_vllm_arguments(remote_target):

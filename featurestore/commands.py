@@ -9,6 +9,7 @@ command. Each function is ``fn(recipe, args) -> int``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 
 from eaglenest.errors import ConfigError, StoreError
@@ -17,7 +18,7 @@ from eaglenest.featurestore.capture import build
 from eaglenest.featurestore.interop import source
 from eaglenest.featurestore.read import query
 from eaglenest.featurestore.stream import xhost
-from eaglenest.featurestore.table import integrity, maintenance, names, objects, store, versions
+from eaglenest.featurestore.table import integrity, lease, maintenance, names, objects, store, versions
 from eaglenest.hf import check_remote_code
 from eaglenest.paths import ensure_writable
 from eaglenest.provenance import write_json_atomic, write_provenance
@@ -154,15 +155,30 @@ def cmd_query(recipe, args) -> int:
     uri = _store_must_exist(recipe)
     if args.out and source.inside_store(args.out, uri):
         raise ConfigError(f"--out {args.out}: inside the feature store ({uri}); write the result outside it")
-    if args.out:  # streamed into the file batch by batch (bounded memory, whatever the table's size)
-        rows = query.write_query(uri, args.sql, args.out, **kw)
-        print(f"{rows} rows -> {args.out}")
-        return 0
-    # max_rows 0: every row printed; else only what the printout shows is kept (bounded memory)
-    table = query.preview_query(uri, args.sql, max_rows=args.max_rows, **kw) if args.max_rows \
-        else query.run_query(uri, args.sql, **kw)
+    with _pin_read(uri, pinned):  # a compact and gc meanwhile must not delete the files being read
+        if args.out:  # streamed into the file batch by batch (bounded memory, whatever the table's size)
+            rows = query.write_query(uri, args.sql, args.out, **kw)
+            print(f"{rows} rows -> {args.out}")
+            return 0
+        # max_rows 0: every row printed; else only what the printout shows is kept (bounded memory)
+        table = query.preview_query(uri, args.sql, max_rows=args.max_rows, **kw) if args.max_rows \
+            else query.run_query(uri, args.sql, **kw)
     print(table.to_pandas().to_string(index=False, max_rows=args.max_rows))
     return 0
+
+
+def _pin_read(uri: str, pinned: dict | None) -> contextlib.ExitStack:
+    """Pin the version of every table a query may read (``gc`` keeps it and every newer one), as an
+    export and a training run do: a long query would otherwise fail half-way when a ``compact`` and a
+    ``gc`` removed the files of the version it had opened."""
+    stack = contextlib.ExitStack()
+    for name in store.table_names(uri):
+        try:
+            version = store.dataset(uri, name, (pinned or {}).get(name)).version
+        except StoreError:  # the query names the problem (a missing version, a rolled-back table) itself
+            continue
+        stack.enter_context(lease.pin(uri, name, version, purpose="featurestore query"))
+    return stack
 
 
 def _attachments(items: list[str]) -> dict[str, str]:

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import shutil
+import unicodedata
 from pathlib import Path
 from typing import Iterable
 
@@ -107,7 +108,9 @@ def read_record(src: Path, fmt: str) -> tuple[dict | None, dict[int, dict]]:
             raise SchemaError(f"{rec_path}: key 'rows' is {short(rows)}, expected a row count")
     samples: dict[int, dict] = {}
     if lines_path.is_file():
-        for n, line in enumerate(_utf8(lines_path).splitlines(), 1):
+        # JSON Lines end at '\n' only: str.splitlines() also splits at U+2028, U+0085, ... which JSON
+        # strings may hold raw (a peer's json.dumps(ensure_ascii=False)), cutting such a line in two.
+        for n, line in enumerate(_utf8(lines_path).split("\n"), 1):
             if not line.strip():
                 continue
             where = f"{lines_path}:{n}"
@@ -122,11 +125,26 @@ def read_record(src: Path, fmt: str) -> tuple[dict | None, dict[int, dict]]:
                                   f"{'sample index' if bad[0] == 'index' else 'string'}")
             if not d["sample_id"]:
                 raise SchemaError(f"{where}: key 'sample_id' is empty")
+            check_identifiers(d, where)
             check_domain(d["domain"], f"{where}: key 'domain'")
             if d["index"] in samples:
                 raise SchemaError(f"{where}: sample index {d['index']} is listed twice")
             samples[d["index"]] = d
     return record, samples
+
+
+#: Line breaks and other control characters: a sample id holding one breaks one-line errors, ``query``
+#: output and any line-based list of ids (Unicode categories Cc, Zl and Zp).
+_CONTROL = {"Cc", "Zl", "Zp"}
+
+
+def check_identifiers(line: dict, where: str) -> None:
+    """Refuse a control character or line break in a sample line's identifiers (``source`` is free text)."""
+    for key in STRING_COLUMNS:
+        bad = next((c for c in line[key] if unicodedata.category(c) in _CONTROL), None)
+        if key != "source" and bad is not None:
+            raise SchemaError(f"{where}: key {key!r} is {short_text(line[key])}, which holds the control character "
+                              f"{bad!r}; sample ids, splits and modes are one-line text")
 
 
 def record_meta(record: dict, where: Path | str) -> S.FeatureMeta:
@@ -351,16 +369,36 @@ def commit_rows(uri: str, name: str, meta: S.FeatureMeta, rows: Iterable[dict], 
 
 def _remove_uncommitted(uri: str, name: str) -> None:
     """Remove table ``name`` if it holds nothing committed (its first, empty version only): the
-    import that created it failed. The caller holds the table's writer lease."""
-    if objects.is_remote(uri) or not store.exists(uri, name):
+    import that created it failed. The caller holds the table's writer lease; an object store has
+    none, so there the check is what keeps a table another writer has committed to since (it has a
+    second version then) from being removed."""
+    if not store.exists(uri, name):
         return
     try:
         ds = store.dataset(uri, name, allow_rolled_back=True)
         if ds.count_rows() or len(ds.versions()) > 1:
             return
-        shutil.rmtree(store.table_path(uri, name))
+        if objects.is_remote(uri):
+            _remove_remote(store.table_uri(uri, name))
+        else:
+            shutil.rmtree(store.table_path(uri, name))
     except Exception as exc:  # noqa: BLE001 - cleanup must not hide the import's own error
         log.warning("could not remove the empty table '%s' this import created: %s", name, exc)
+
+
+def _remove_remote(table: str) -> None:
+    """Remove an object-store table that holds only its empty first manifest. With no lease there, the
+    manifest goes first and the rest only if no other manifest has appeared since: a writer that
+    committed meanwhile keeps its version (the table is left to ``featurestore gc`` then)."""
+    manifests = objects.join(table, "_versions")
+    found = [e.name for e in objects.listdir(manifests) if e.name.endswith(".manifest")]
+    if len(found) != 1:
+        return
+    objects.delete(objects.join(manifests, found[0]))
+    if any(e.name.endswith(".manifest") for e in objects.listdir(manifests)):
+        log.warning("another writer committed to %s while this import failed; its version is kept", table)
+        return
+    objects.delete_tree(table)
 
 
 def require_dir(src: str | Path, fmt: str) -> Path:

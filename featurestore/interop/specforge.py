@@ -156,6 +156,7 @@ def _files(src: Path) -> list[tuple[int, Path]]:
     found = _walk(src)
     out, seen = [], {}
     for n, p in enumerate(found):
+        _check_utf8_name(p)
         m = re.fullmatch(r"data_(\d+)\.ckpt(\.gz)?", p.name)
         i = int(m.group(1)) if m else 10**12 + n
         if i in seen:
@@ -165,6 +166,25 @@ def _files(src: Path) -> list[tuple[int, Path]]:
     if not out:
         raise StoreError(f"--src {src}: no .ckpt or .ckpt.gz feature files under it")
     return sorted(out)
+
+
+def _check_utf8_name(path: Path) -> None:
+    """Refuse a feature file whose path is not UTF-8 (Python holds the bad bytes as lone surrogates,
+    which torch cannot open and no message or table column can hold), naming it with the bytes escaped."""
+    raw = os.fsencode(path)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise StoreError(f"{raw.decode('utf-8', 'backslashreplace')}: the file's path is not UTF-8 (byte "
+                         f"0x{raw[exc.start]:02x}); rename it; nothing was imported") from None
+
+
+def _why(exc: Exception, path: Path) -> str:
+    """Why a feature file did not load, in a few words: an empty file (a copy cut off before its first
+    byte) says so, where torch's EOFError says nothing."""
+    if path.is_file() and path.stat().st_size == 0:
+        return "the file is empty, 0 bytes: a partial copy?"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
 
 
 def _load(path: Path) -> dict:
@@ -177,8 +197,7 @@ def _load(path: Path) -> dict:
         else:  # torch.save's zip format is memory-mapped; the legacy format (not a zip) cannot be
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as exc:  # torch raises many kinds (pickle, zip, EOF) for a bad file
-        raise StoreError(f"{path}: unreadable feature file ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); nothing was imported") from None
+        raise StoreError(f"{path}: unreadable feature file ({_why(exc, path)}); nothing was imported") from None
     if not isinstance(data, dict):
         raise SchemaError(f"{path}: holds a {type(data).__name__}, expected a dict of tensors")
     return data

@@ -39,6 +39,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from eaglenest import faults
+from eaglenest.config import short_text
 from eaglenest.errors import SchemaError, StoreError, require
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.table import base, integrity, lease, objects
@@ -54,9 +55,31 @@ def _checked(uri: str, name: str, table: pa.Table, meta: S.FeatureMeta | None) -
         raise SchemaError(f"write to '{name}': {problem}; nothing was written")
     S.validate(table.schema, want, what=f"write to '{name}'")
     table = table.select(want.names).cast(want)
+    if problem := id_problem(table.column("sample_id")):
+        raise SchemaError(f"write to '{name}': {problem}; nothing was written")
     if name != base.PROMPTS and (problem := S.row_problem(table, meta)):  # before a byte is written
         raise SchemaError(f"write to '{name}': {problem}; nothing was written")
     return table, want
+
+
+#: A line break or another control character (Unicode Cc, Zl, Zp): a sample id holding one would break
+#: every one-line error naming it and ``featurestore query`` output.
+_CONTROL = r"[\x00-\x1f\x7f-\x9f\x{2028}\x{2029}]"
+
+
+def id_problem(ids) -> str | None:
+    """The first sample id that is missing, empty or holds a control character, by row (None: none)."""
+    import pyarrow.compute as pc
+
+    bad = pc.or_kleene(pc.equal(pc.utf8_length(ids), 0), pc.match_substring_regex(ids, _CONTROL))
+    bad = pc.fill_null(bad, True).to_numpy(zero_copy_only=False).nonzero()[0]
+    if not len(bad):
+        return None
+    k = int(bad[0])
+    value = ids[k].as_py()
+    what = "is missing" if value is None else "is empty" if not value else \
+        f"'{short_text(value, 60)}' holds a control character (sample ids are one-line text)"
+    return f"row {k}: sample_id {what}"
 
 
 def _column_problem(names: list[str], wanted: list[str]) -> str | None:

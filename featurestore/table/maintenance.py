@@ -53,6 +53,15 @@ def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
         return {"table": name, "ok": False, "problems": [f"cannot open: {str(exc).splitlines()[0][:300]}"]}
     if version is None and (rolled := base.rolled_back(uri, name, ds.version)):
         problems.append(rolled)
+    # Pinned while every byte is read: a compact and a gc meanwhile would delete this version's files
+    # under the scan, reported as missing or unreadable (a table that is fine, called damaged).
+    with lease.pin(uri, name, ds.version, purpose="featurestore verify"):
+        return _check_version(uri, name, ds, meta, problems, unchecked)
+
+
+def _check_version(uri: str, name: str, ds, meta: S.FeatureMeta | None, problems: list[str],
+                   unchecked: list[str]) -> dict:
+    """:func:`verify`'s report on the opened version ``ds``: every data file, row and sample id."""
     remote = objects.is_remote(uri)
     rows = 0
     for frag in ds.get_fragments():

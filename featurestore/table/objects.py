@@ -246,3 +246,16 @@ def delete(uri: str) -> None:
         raise
     except OSError as exc:
         raise _unreachable(uri, exc) from None
+
+
+
+def delete_tree(uri: str) -> None:
+    """Delete every object under the prefix ``uri`` (an object store's directory), and the directory
+    markers pyarrow leaves when a prefix empties; StoreError if the store is not reachable."""
+    fs, path = filesystem(uri)
+    try:
+        fs.delete_dir(path)
+    except FileNotFoundError:  # a concurrent delete got there first
+        return
+    except OSError as exc:
+        raise _unreachable(uri, exc) from None

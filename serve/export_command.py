@@ -25,7 +25,8 @@ def cmd_export(recipe, args) -> int:
     path = export_draft(r.path(s.checkpoint_subdir), out, target_dir=r.target, dtype=s.dtype,
                         quantization=s.quantization, format=s.format,
                         num_speculative_tokens=s.num_speculative_tokens, argv=sys.argv, recipe=recipe.to_dict(),
-                        key=key, keep_clear=store, not_at=(("run.workdir", r.workdir),), family=asked_family(recipe))
+                        key=key, keep_clear=store, not_at=(("run.workdir", r.workdir),), family=asked_family(recipe),
+                        off_policy=r.off_policy)
     print(f"draft: {path}")
     return 0
 

@@ -60,6 +60,16 @@ from eaglenest.train.ttt import Batch
 
 log = logging.getLogger(__name__)
 
+
+def no_rows_message(version: int, split: str, rows_in_split: int) -> str:
+    """Why features ``version`` has nothing to train on: no row of ``split``, or none with a loss token."""
+    if rows_in_split:
+        return (f"features v{version}: no rows to train on: its {rows_in_split} rows of train.split={split!r} "
+                "have no loss token (loss_mask all 0: check how ingest marked the responses, e.g. the chat "
+                "template's assistant turns)")
+    return f"features v{version}: no rows to train on (check train.split={split!r} and the table version)"
+
+
 class FeatureShards:
     """A pinned features version, its eligible rows, the global batch plan and per-rank reads.
 
@@ -90,13 +100,13 @@ class FeatureShards:
             small = self.ds.to_table(columns=["split", "num_tokens", "num_loss_tokens"])
         except (OSError, pa.ArrowException) as exc:  # a data file without a checksum, damaged
             raise read_error(self.ds, None, exc) from None
-        ok = ((np.asarray(small.column("split").to_pylist()) == split)
-              & (small.column("num_loss_tokens").to_numpy() > 0))
+        in_split = np.asarray(small.column("split").to_pylist()) == split
+        ok = in_split & (small.column("num_loss_tokens").to_numpy() > 0)
         #: dataset offsets of the eligible rows, in table order (``take`` indices).
         self.offsets = np.nonzero(ok)[0]
         if len(self.offsets) == 0:
-            raise StoreError(f"features v{self.version}: no rows to train on "
-                             f"(check train.split={split!r} and the table version)")
+            self._pin.close()
+            raise StoreError(no_rows_message(self.version, split, int(in_split.sum())))
         self.lengths = small.column("num_tokens").to_numpy()[self.offsets].astype(np.int64)
         self.pack_tokens, self.batch_rows, self.seed, self.row_tokens = pack_tokens, batch_rows, seed, row_tokens
         # vLLM concatenates aux states in ascending layer order; reorder if the table does not.

@@ -145,6 +145,22 @@ def build_objective(cfg: TrainConfig, draft, *, seed: int) -> torch.nn.Module:
     return peagle.build_objective(cfg, draft, seed=seed)
 
 
+def mask_ids_as_default(cfg: TrainConfig, target_cfg: dict[str, Any]) -> TrainConfig:
+    """``cfg`` with a ``train.peagle``/``train.dflash`` ``mask_token_id`` equal to the one null resolves to
+    (the target's pad, else eos) written null, as the resume fingerprint compares it: the same draft trains."""
+    for name in ("peagle", "dflash"):
+        section = getattr(cfg, name)
+        if section.mask_token_id is None:
+            continue
+        try:
+            default = peagle.resolve_mask_token(None, target_cfg, f"train.{name}.mask_token_id")
+        except ConfigError:  # the target names neither: an explicit id is the only one
+            continue
+        if section.mask_token_id == default:
+            cfg = dataclasses.replace(cfg, **{name: dataclasses.replace(section, mask_token_id=None)})
+    return cfg
+
+
 def objective_steps(cfg: TrainConfig) -> int:
     """Predictions per position/anchor of ``train.family``'s objective (the per-step metrics' length)."""
     return dflash.num_steps(cfg) if cfg.family == "dflash" else peagle.num_steps(cfg)
@@ -199,9 +215,9 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
                     "layer_ids": list(sorted(data.meta.layer_ids)), "feature_meta": json.loads(data.meta.to_json()),
                     "train_config": dataclasses.asdict(cfg), "seed": seed, "vocab_coverage": draft.coverage,
                     "world_size": dist.world_size, "num_parameters": draft.num_parameters,
-                    "target_keys": target["keys"]}
-            fp = S.fingerprint(cfg, table_version=data.version, store_uri=store_uri, target=target_dir,
-                               seed=seed, table=table)
+                    "target_keys": target["keys"], "target_weights_sha256": policy.target_id(target_dir)}
+            fp = S.fingerprint(mask_ids_as_default(cfg, target["config"]), table_version=data.version,
+                               store_uri=store_uri, target=target_dir, seed=seed, table=table)
             # The inputs are good: from here on the run writes its folder, alone (a refusal above wrote nothing).
             own.enter_context(hold_outdir(Path(workdir) / cfg.output_subdir, dist))
             trainer = _Trainer(cfg, draft, data, outdir=Path(workdir) / cfg.output_subdir, fp=fp, base=base,
@@ -282,6 +298,8 @@ class _Trainer:
             self.schedule += [(e, rows) for rows in data.plan(e)]
         total = min(len(self.schedule), cfg.num_steps) if cfg.num_steps else len(self.schedule)
         self.total = total
+        if cfg.num_steps:  # the steps it trains: with them equal, another num_epochs resumes (state.PLAN_STEPS)
+            self.fp = {**fp, S.PLAN_STEPS: total}
         self.params = [p for p in draft.objective.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(
@@ -321,6 +339,7 @@ class _Trainer:
             raise StoreError(latest["damaged"])
         info = S.resolve(latest, self.fp, self.state_dir)
         if dist.is_main:  # a start-over keeps the old state aside until the new run has saved one
+            selection.recover_best(self.outdir)  # a best/ swap a kill interrupted, before best/ moves with its books
             S.settle(self.state_dir, info, books=(self.outdir / "metrics.jsonl", self.outdir / selection.SELECTION,
                                                    self.outdir / selection.BEST))
         dist.barrier()

@@ -40,6 +40,8 @@ SELECTION = "selection.jsonl"
 BEST = "best"
 #: Inside best/: its own selection record ({"step", "served_al", ...}), written with the snapshot.
 BEST_RECORD = "selection.json"
+#: Where :meth:`Selector.evaluate` moves the previous best/ while the new one is renamed in (deleted after).
+BEST_ASIDE = ".best.old"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -99,6 +101,7 @@ class Selector:
         if not self.on:
             return
         outdir.mkdir(parents=True, exist_ok=True)
+        recover_best(outdir)
         truncate_jsonl(self.path, resume_step)
         best = self.best() if resume_step else None
         if best is None or best["step"] > resume_step:  # a fresh run's, or of steps trained again now
@@ -122,13 +125,11 @@ class Selector:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(_line(rec))
         if math.isfinite(rec["served_al"]) and (prev is None or rec["served_al"] > prev["served_al"]):
-            best = self.outdir / BEST
             tmp = self.outdir / ".best.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(snap, tmp)
             write_json_atomic(tmp / BEST_RECORD, finite_or_null(rec, "", []))
-            shutil.rmtree(best, ignore_errors=True)
-            tmp.replace(best)
+            replace_best(self.outdir, tmp)
         log.info("step %d: served AL %.3f (best %.3f)", step, rec["served_al"], (self.best() or rec)["served_al"])
         return rec["served_al"]
 
@@ -143,6 +144,31 @@ class Selector:
                               "best_served_al": best["served_al"], "last_step": info["step"],
                               "evaluations": len(read_jsonl(self.path))}
         return model, binfo
+
+
+def replace_best(outdir: Path, new: Path) -> None:
+    """Make the snapshot folder ``new`` the run's best/: the old best/ is renamed aside, the new one
+    renamed in, then the old one deleted, so a kill at any moment leaves a whole best/ or its aside
+    copy (which :func:`recover_best` puts back)."""
+    best, aside = outdir / BEST, outdir / BEST_ASIDE
+    recover_best(outdir)
+    if best.exists():
+        best.replace(aside)
+    new.replace(best)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def recover_best(outdir: Path) -> None:
+    """Finish a best/ swap a kill interrupted: without a whole best/, the aside copy comes back;
+    with one, the aside copy is the replaced snapshot and goes."""
+    best, aside = outdir / BEST, outdir / BEST_ASIDE
+    if not aside.exists():
+        return
+    if (best / checkpoint.INFO).is_file():
+        shutil.rmtree(aside)
+        return
+    shutil.rmtree(best, ignore_errors=True)
+    aside.replace(best)
 
 
 def best_record(outdir: Path) -> dict[str, Any] | None:

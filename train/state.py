@@ -51,6 +51,9 @@ FREE_KEYS = frozenset({"output_subdir", "log_every_steps", "num_threads", "prefe
                        "select.prompts_per_domain", "select.split", "stream.depth", "stream.devices",
                        "track.tensorboard", "track.dir", "track.tracker", "track.project", "track.run_name",
                        "track.mode"})
+#: In a fingerprint with ``train.num_steps`` set: the steps the run trains (num_steps, or fewer when
+#: ``train.num_epochs`` runs out first). Equal, a changed ``num_epochs`` changes nothing it trains.
+PLAN_STEPS = "plan_steps"
 #: Train keys compared as the run resolves them, at the fingerprint's top: ``train.seed`` null is
 #: ``run.seed`` (a state saved with one spelling resumes under the other; another seed is refused there).
 RESOLVED_KEYS = frozenset({"seed"})
@@ -107,8 +110,8 @@ def _diff(saved: dict[str, Any], now: dict[str, Any], moved: tuple[str, str] | N
     copied or renamed) is the same store."""
     out = []
     for k in sorted(set(saved) | set(now)):
-        if k == "train":
-            continue
+        if k == "train" or (k == PLAN_STEPS and (k not in saved or k not in now)):
+            continue  # a state saved before PLAN_STEPS compares its train keys alone
         if k in ("store_uri", "target") and same_place(saved.get(k)) == same_place(now.get(k)):
             continue  # states saved before paths were resolved: the same folder spelled otherwise
         if k == "store_uri" and moved and _moved_with(saved.get(k), now.get(k), *moved):
@@ -126,6 +129,9 @@ def _diff(saved: dict[str, Any], now: dict[str, Any], moved: tuple[str, str] | N
                          **{k: v for k, v in train_keys(saved.get("train", {})).items()
                             if k not in FREE_KEYS | RESOLVED_KEYS}},
                         family, source)
+    if nt.get("num_steps") and PLAN_STEPS in saved and saved[PLAN_STEPS] == now.get(PLAN_STEPS):
+        st.pop("num_epochs", None)  # the same steps of the same plan: the epochs past them are not read
+        nt.pop("num_epochs", None)
     out += [f"train.{k} {st.get(k)!r} -> {nt.get(k)!r}" for k in sorted(set(st) | set(nt))
             if st.get(k) != nt.get(k)]
     return out

@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from eaglenest.config import short
 from eaglenest.errors import ConfigError
 from eaglenest.target import language_config, local_dir, open_weights, read_config, weight_files
 
@@ -92,6 +93,7 @@ def load_target_tensors(target_dir: str | Path, *, keys: dict[str, str] | None =
         raise ConfigError(f"run.target: {target_dir} is a Gemma model ({cfg['model_type']}); its final norm "
                           "scales by (1 + weight) and its logits are soft-capped, which the trainer's target head "
                           "does not model yet (docs/targets.md)")
+    check_config(cfg, target_dir)
     files = weight_files(target_dir)
     names = find_keys(files, cfg, target_dir=target_dir, overrides=keys)
     out: dict[str, Any] = {}
@@ -114,6 +116,18 @@ def load_target_tensors(target_dir: str | Path, *, keys: dict[str, str] | None =
     out["keys"] = names
     log.debug("loaded %s from %s", names, target_dir)
     return out
+
+
+def check_config(cfg: dict[str, Any], target_dir: str | Path) -> None:
+    """The sizes and norm epsilon the trainer reads from the target's config: one line naming a bad one."""
+    where = Path(target_dir) / "config.json"
+    for key in ("vocab_size", "hidden_size"):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"run.target: {where}: {key}: a positive integer, got {short(value)}")
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ConfigError(f"run.target: {where}: rms_norm_eps: a number in (0, 1), got {short(eps)}")
 
 
 def torch_dtype_name(cfg: dict[str, Any]) -> str:

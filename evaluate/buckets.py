@@ -74,6 +74,24 @@ def bucket_lengths(buckets, *, max_positions: int, max_tokens: int) -> dict[int,
     return out
 
 
+def distinct_lengths(lengths: dict[int, int]) -> dict[int, int]:
+    """``lengths`` with one bucket per prompt length: buckets shortened to the same length (1K .. 32K on
+    a 4K target) would decode identical prompts, so only the shortest of them is kept, and a warning
+    names the others."""
+    kept: dict[int, int] = {}
+    merged: dict[int, list[int]] = {}
+    for bucket, length in sorted(lengths.items()):
+        first = next((b for b, n in kept.items() if n == length), None)
+        if first is None:
+            kept[bucket] = length
+        else:
+            merged.setdefault(first, []).append(bucket)
+    for first, others in merged.items():
+        log.warning("evaluate.context_buckets: %s shorten to %d prompt tokens, as %d does: decoded once, "
+                    "reported as bucket %d", ", ".join(map(str, others)), kept[first], first, first)
+    return kept
+
+
 def check_generated(tok, lengths: dict[int, int], *, kinds: tuple[str, ...], per_bucket: int, seed: int = 0,
                     chat_template_kwargs: dict | None = None) -> None:
     """Generate the shortest bucket's ``records`` / ``code`` / ``recall`` prompts once (``recall`` with
@@ -112,7 +130,8 @@ def build_bucket_prompts(tok, material: list[tuple[list[dict], str]], buckets: t
     if not material and "chat" in kinds:
         raise ConfigError("evaluate.context_buckets: no held-out material to build context prompts from")
     out: dict[int, list[dict]] = {}
-    for bucket, length in bucket_lengths(buckets, max_positions=max_positions, max_tokens=max_tokens).items():
+    lengths = bucket_lengths(buckets, max_positions=max_positions, max_tokens=max_tokens)
+    for bucket, length in distinct_lengths(lengths).items():
         rows = []
         for i in range(per_bucket):
             kind = kinds[i % len(kinds)]

@@ -29,6 +29,7 @@ from eaglenest.featurestore.table import store
 from eaglenest.hf import check_remote_code, load_tokenizer
 from eaglenest.paths import ensure_writable, make_dir
 from eaglenest.provenance import package_versions, write_json_atomic, write_provenance, write_text_atomic
+from eaglenest.target import local_dir
 from eaglenest.train.checkpoint import INFO
 
 
@@ -105,8 +106,11 @@ def _cache_key(recipe, draft: str, cfg=None) -> str:
     # and chat template files in full.
     for d in (Path(draft), Path(recipe.run.target)):
         h.update(weights_hash(str(d)).encode())
-        for f in _identity_files(d):
-            h.update(f.name.encode() + f.read_bytes())
+        files_dir = local_dir(d)
+        if files_dir != d:  # a hub id: its cached snapshot, named by the commit it resolved to
+            h.update(f"revision:{files_dir.name}".encode())
+        for f in _identity_files(files_dir):
+            h.update(str(f.relative_to(files_dir)).encode() + f.read_bytes())
     kwargs = getattr(cfg, "chat_template_kwargs", None)  # only when set: earlier keys stay valid
     heldout = recipe.evaluate.prompt_set == "heldout"
     prompt_files = None if heldout else _prompt_files_hash(recipe.evaluate.prompt_path)
@@ -126,7 +130,8 @@ _TOKENIZER_FILES = ("tokenizer.model", "vocab.txt", "merges.txt", "*.tiktoken", 
 def _identity_files(folder: Path) -> list[Path]:
     """A model folder's configs (not its provenance.json), tokenizer files and chat templates; a file
     absent adds nothing, so a folder with JSON files only keeps the key it had."""
-    files = {f for pattern in ("*.json", *_TOKENIZER_FILES) for f in folder.glob(pattern) if f.is_file()}
+    patterns = ("*.json", *_TOKENIZER_FILES, "additional_chat_templates/*.jinja")
+    files = {f for pattern in patterns for f in folder.glob(pattern) if f.is_file()}
     return sorted(f for f in files if f.name != "provenance.json")
 
 

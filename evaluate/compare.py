@@ -18,7 +18,7 @@ from eaglenest.paths import make_dir, shown_path
 from eaglenest.evaluate.report import md_cell
 from eaglenest.evaluate.run import evaluate_al
 from eaglenest.evaluate.settings import evaluate_config
-from eaglenest.provenance import write_json_atomic, write_text_atomic
+from eaglenest.provenance import write_json_atomic, write_provenance, write_text_atomic
 
 
 def _report(path: Path) -> dict:
@@ -127,4 +127,5 @@ def compare(spec_a: str, spec_b: str, *, recipe, outdir: Path, key: str = "--out
     write_json_atomic(outdir / "compare.json", {"a": a, "b": b, "inputs": [spec_a, spec_b],
                                                 "settings_differ": differences(a, b)})
     write_text_atomic(outdir / "compare.md", md)
+    write_provenance(outdir, config=recipe.to_dict(), inputs={"a": spec_a, "b": spec_b})
     return md

@@ -123,21 +123,32 @@ def published(path: str, *, name: str, config: str | None = None, split: str = "
     rows = _load_records(path, config=config, split=split)
     groups: Groups = collections.defaultdict(list)
     seen: set[str] = set()
+    empty = []
     for i, r in enumerate(rows):
         missing = {"question_id", "category", "turns"} - set(r)
         if missing:
             raise ConfigError(f"evaluate.prompt_path: row {i} of {path} lacks {sorted(missing)} "
                               f"(not the published {name} format)")
+        where = f"evaluate.prompt_path: row {i} (question_id {short(r['question_id'])}) of {path}"
         if not r["turns"]:
+            empty.append(r["question_id"])
             continue
         sample_id = f"{name}-{r['question_id']}"
-        _check_turns(r["turns"], f"evaluate.prompt_path: row {i} (question_id {short(r['question_id'])}) of {path}")
+        _check_turns(r["turns"], where)
+        if not r["turns"][0].strip():  # an empty prompt measures nothing but the template
+            empty.append(r["question_id"])
+            continue
+        if r["category"] is None or not str(r["category"]).strip():  # not a group named "None"
+            raise ConfigError(f"{where}: category must be a name, got {short(r['category'])}")
         if sample_id in seen:  # outputs, counts and the lossless check are keyed by it
             raise ConfigError(f"evaluate.prompt_path: question_id {short(r['question_id'])} occurs twice in {path} "
                               f"(row {i})")
         seen.add(sample_id)
         groups[str(r["category"])].append({"sample_id": sample_id,
                                            "messages": [{"role": "user", "content": r["turns"][0]}]})
+    if empty:
+        log.warning("evaluate.prompt_path: %d question(s) of %s have an empty first turn and are skipped "
+                    "(question_id %s)", len(empty), path, ", ".join(short(q) for q in empty[:10]))
     if not groups:
         raise ConfigError(f"evaluate.prompt_path: no questions in {path}")
     return dict(groups)

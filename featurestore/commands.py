@@ -20,7 +20,7 @@ from eaglenest.featurestore.read import query
 from eaglenest.featurestore.stream import xhost
 from eaglenest.featurestore.table import integrity, lease, maintenance, names, objects, store, versions
 from eaglenest.hf import check_remote_code
-from eaglenest.paths import ensure_writable
+from eaglenest.paths import ensure_writable, user_path
 from eaglenest.provenance import write_json_atomic, write_provenance
 
 
@@ -53,8 +53,10 @@ def _store_must_exist(recipe) -> str:
     """The store URI of a command that only reads it: a local store that is not there is refused (a
     mistyped run.store or run.workdir would otherwise read as an empty store)."""
     uri = recipe.run.store_uri
+    key = "run.store" if recipe.run.store else "run.workdir"
+    if not objects.is_remote(uri):
+        user_path(uri, key, error=StoreError, resolve=False)  # a name too long, a NUL, a loop: one line
     if not objects.is_remote(uri) and not objects.exists(uri, directory=True):
-        key = "run.store" if recipe.run.store else "run.workdir"
         raise StoreError(f"{key}: no store at {uri} (check {key}, or run `ingest build` first)")
     return uri
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
 import typing
 from pathlib import Path
@@ -71,7 +70,7 @@ def resolve_token() -> str:
     """HF_TOKEN, else the saved login; a clear error when there is neither."""
     from huggingface_hub import get_token
 
-    token = os.environ.get("HF_TOKEN") or get_token()
+    token = get_token()  # HF_TOKEN first, trimmed as the client trims it: "hf_x\n" from a file is hf_x
     if not token:
         raise EaglenestError("serve push: no Hugging Face token: set HF_TOKEN or log in with `hf auth login`")
     return token
@@ -84,9 +83,11 @@ def plan_push(draft_dir: str | Path, *, repo_id: str, revision: str = "main", vi
     if not (draft / "config.json").is_file():
         raise EaglenestError(f"serve push: no exported draft at {draft}: run `serve export` first")
     check_draft_dir(draft)  # weights whole, vocabulary map consistent: never push a draft vLLM cannot load
-    prov = (read_json_object(draft / "provenance.json", error=EaglenestError,
-                             then="export the draft again (`serve export`)")
-            if (draft / "provenance.json").is_file() else {})
+    if not (draft / "provenance.json").is_file():  # the card's lineage would be all blanks
+        raise EaglenestError(f"serve push: {shown_path(draft / 'provenance.json')} is missing: the model card's "
+                             "lineage comes from it; export the draft again (`serve export`)")
+    prov = read_json_object(draft / "provenance.json", error=EaglenestError,
+                            then="export the draft again (`serve export`)")
     if not isinstance(prov.get("inputs") or {}, dict):
         raise EaglenestError(f"{shown_path(draft / 'provenance.json')}: inputs: not an object; "
                              "export the draft again (`serve export`)")
@@ -149,7 +150,7 @@ def push_draft(plan: PushPlan, *, token: str, endpoint: str | None = None) -> st
     ops = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data if isinstance(data, bytes) else str(data))
            for name, data in plan.files.items()]
     try:
-        api.create_repo(plan.repo_id, private=plan.private, repo_type="model", exist_ok=True)
+        _create_repo(api, plan)
         if plan.revision != "main":
             api.create_branch(plan.repo_id, branch=plan.revision, repo_type="model", exist_ok=True)
         info = api.create_commit(plan.repo_id, ops, commit_message=plan.commit_message, revision=plan.revision,
@@ -162,6 +163,27 @@ def push_draft(plan: PushPlan, *, token: str, endpoint: str | None = None) -> st
         raise EaglenestError(f"serve push: cannot reach the Hub at {api.endpoint}: {exc}") from None
     log.info("pushed %d files to %s@%s", len(ops), plan.repo_id, plan.revision)
     return info.commit_url
+
+
+def _create_repo(api, plan: PushPlan) -> None:
+    """Create the repo at ``plan``'s visibility; one that exists must be private when the push is
+    (``create_repo`` leaves an existing repo's visibility as it is: a private push would go public)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        api.create_repo(plan.repo_id, private=plan.private, repo_type="model")
+        return
+    except HfHubHTTPError as exc:  # 409: it exists; 401-403: no right to create, maybe to push
+        if exc.response is None or exc.response.status_code not in (401, 402, 403, 409):
+            raise
+        refused = exc
+    try:
+        private = api.repo_info(plan.repo_id, repo_type="model").private
+    except HfHubHTTPError:  # not there to read either: why it could not be created is the error
+        raise refused from None
+    if plan.private and not private:
+        raise EaglenestError(f"serve.hub_visibility: private, but {plan.repo_id} exists and is public: nothing "
+                             "pushed; make the repo private on the Hub or set serve.hub_visibility=public")
 
 
 def card(card_in: str, prov: dict[str, Any], *, licences: dict[str, str], manifest_name: str,

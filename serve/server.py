@@ -117,6 +117,8 @@ class Server:
         if draft:  # what vLLM would fail on only once started (or never): refused before it starts
             check_draft_dir(draft, local_target_config(target))
         check_remote_code(target, trust_remote_code=trust_remote_code)
+        if not 0 <= port <= 65535:  # getaddrinfo takes 70000 as 4464: the check would test another port
+            raise ConfigError(f"serve.port: 0..65535, got {port}")
         if port:
             check_port(host, port)
         self.port = port or free_port(host)
@@ -170,6 +172,15 @@ class Server:
         """Terminate the server's process group (SIGTERM, then SIGKILL); returns the exit code."""
         if self.proc is None:
             return None
+        try:
+            self._terminate(timeout_s)
+        finally:  # a second Ctrl-C while the server takes its time to stop must not leave it running
+            self._reap_group()
+        log.info("vLLM server on port %d stopped (exit %s)", self.port, self.proc.returncode)
+        return self.proc.returncode
+
+    def _terminate(self, timeout_s: float) -> None:
+        """SIGTERM to the server's group, SIGKILL after ``timeout_s``."""
         if self.proc.poll() is None:
             for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
                 try:
@@ -181,9 +192,6 @@ class Server:
                     break
                 except subprocess.TimeoutExpired:
                     continue
-        self._reap_group()
-        log.info("vLLM server on port %d stopped (exit %s)", self.port, self.proc.returncode)
-        return self.proc.returncode
 
     def _reap_group(self) -> None:
         # Engine processes outlive a killed API server unless the whole group goes.
@@ -193,6 +201,7 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 return
+            self.proc.poll()  # the server itself, once killed, leaves the group only when reaped
             time.sleep(0.2)
         log.warning("processes of the vLLM server group %d outlived SIGKILL", self.proc.pid)
 

@@ -25,6 +25,8 @@ def test_compare_reports(tmp_path, capsys):
     assert "| code | 2.000 | 2.500 | 0.500 | 2.100 | 2.600 | 0.500 |" in out
     assert "| ctx 1024 | 1.500 | 2.000 | 0.500 |" in out
     assert (tmp_path / "compare" / "compare.md").read_text() == out.rstrip("\n") + "\n"
+    prov = json.loads((tmp_path / "compare" / "provenance.json").read_text())  # beside every output
+    assert prov["inputs"] == {"a": str(tmp_path / "a.json"), "b": str(tmp_path / "b")}
 
 
 def test_compare_rejects_unknown_input(tmp_path, capsys):

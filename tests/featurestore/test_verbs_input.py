@@ -176,3 +176,11 @@ def test_a_split_name_is_text_in_every_prompts_filter(tmp_path, split):
     with pytest.raises(ConfigError, match="no .* prompts in"):
         check_select_split(uri, split)
     check_select_split(uri, "train")  # the split that is there passes
+
+
+@pytest.mark.parametrize("verb", [["show"], ["versions"]])
+def test_a_store_path_too_long_for_the_os_is_one_line(tmp_path, capsys, verb):
+    """``featurestore show run.store=<a 300-character name>`` was an OSError 'File name too long' traceback."""
+    long = str(tmp_path / ("s" * 300))
+    line = _one_line(*_cli(capsys, long, *verb), "run.store")
+    assert "Traceback" not in line

@@ -40,3 +40,26 @@ def feature_store(tmp_path_factory, synth, tiny_target):
     synth.write_features(uri, tiny_target, samples[:24])
     version = synth.write_features(uri, tiny_target, samples[24:], split="heldout")
     return uri, version
+
+
+@pytest.fixture(scope="module")
+def peagle_draft(tmp_path_factory, synth, tiny_target):
+    """An untrained 2-slot P-EAGLE draft (best/ selection tests mark its weights by step)."""
+    from eaglenest.train.checkpoint import load_checkpoint
+    from eaglenest.train.config import PEagleConfig, TrainConfig
+
+    cfg = TrainConfig(family="peagle", draft_vocab_size=16, peagle=PEagleConfig(num_slots=2))
+    return load_checkpoint(synth.untrained_checkpoint(cfg, tiny_target, tmp_path_factory.mktemp("pe") / "c"))[0]
+
+
+@pytest.fixture(scope="session")
+def at_step():
+    """``at_step(draft, step)``: ``draft`` with its weights marked by ``step`` (fc.weight[0, 0] = step)."""
+    def mark(draft, step: int):
+        import torch
+
+        with torch.no_grad():
+            draft.fc.weight[0, 0] = float(step)
+        return draft
+
+    return mark

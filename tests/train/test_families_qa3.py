@@ -43,23 +43,6 @@ def test_another_seed_is_still_refused_naming_it(tmp_path):
     assert "seed 0 -> 1" in str(err.value) and "train.state.resume=never" in str(err.value)
 
 
-@pytest.fixture(scope="module")
-def peagle_draft(tmp_path_factory, synth, tiny_target):
-    from eaglenest.train.checkpoint import load_checkpoint
-    from eaglenest.train.config import PEagleConfig
-
-    cfg = TrainConfig(family="peagle", draft_vocab_size=16, peagle=PEagleConfig(num_slots=2))
-    return load_checkpoint(synth.untrained_checkpoint(cfg, tiny_target, tmp_path_factory.mktemp("pe") / "c"))[0]
-
-
-def _at_step(draft, step: int):
-    """``draft`` with its weights marked by ``step`` (fc.weight[0, 0] = step)."""
-    import torch
-
-    with torch.no_grad():
-        draft.fc.weight[0, 0] = float(step)
-    return draft
-
 
 def _selector(outdir, als: dict[int, float], *, resume_step: int, target):
     from eaglenest.train.config import SelectConfig
@@ -72,7 +55,7 @@ def _selector(outdir, als: dict[int, float], *, resume_step: int, target):
                     resume_step=resume_step)
 
 
-def test_best_carries_its_own_step_and_served_al_across_a_resume(tmp_path, peagle_draft, tiny_target):
+def test_best_carries_its_own_step_and_served_al_across_a_resume(tmp_path, peagle_draft, at_step, tiny_target):
     """A run evaluated step 2 (AL 2.0) and step 4 (AL 3.0: best/), was killed with its state at step 3,
     and resumed; step 4, served again, scored 1.5. best/ kept the first segment's step-4 weights while
     checkpoint.json said best_step 2, best_served_al 2.0 (selection.jsonl's best): weights of one
@@ -83,12 +66,12 @@ def test_best_carries_its_own_step_and_served_al_across_a_resume(tmp_path, peagl
 
     first = _selector(tmp_path, {2: 2.0, 4: 3.0}, resume_step=0, target=tiny_target)
     for step in (2, 4):
-        first.evaluate(step, _at_step(peagle_draft, step), info={"step": step})
+        first.evaluate(step, at_step(peagle_draft, step), info={"step": step})
     assert json.loads((tmp_path / "best" / INFO).read_text())["step"] == 4
     resumed = _selector(tmp_path, {4: 1.5, 6: 1.8}, resume_step=3, target=tiny_target)
     for step in (4, 6):
-        resumed.evaluate(step, _at_step(peagle_draft, step), info={"step": step})
-    model, info = resumed.finish(_at_step(peagle_draft, 6), {"step": 6})
+        resumed.evaluate(step, at_step(peagle_draft, step), info={"step": step})
+    model, info = resumed.finish(at_step(peagle_draft, 6), {"step": 6})
     sel = info["selection"]
     assert (sel["best_step"], sel["best_served_al"], sel["last_step"]) == (info["step"], 1.8, 6) == (6, 1.8, 6)
     assert float(model.fc.weight[0, 0].detach()) == 6.0
@@ -97,29 +80,31 @@ def test_best_carries_its_own_step_and_served_al_across_a_resume(tmp_path, peagl
     assert not torch.equal(model.fc.weight[1:], torch.zeros_like(model.fc.weight[1:]))
 
 
-def test_best_from_before_the_resumed_step_is_kept_and_compared_by_its_own_record(tmp_path, peagle_draft, tiny_target):
+def test_best_from_before_the_resumed_step_is_kept_and_compared_by_its_own_record(tmp_path, peagle_draft, at_step,
+                                                                                  tiny_target):
     """A best/ at or before the resumed step is the resumed run's own: kept, and a later evaluation
     replaces it only by a higher served AL than its own."""
     first = _selector(tmp_path, {2: 2.5, 4: 2.0}, resume_step=0, target=tiny_target)
     for step in (2, 4):
-        first.evaluate(step, _at_step(peagle_draft, step), info={"step": step})
+        first.evaluate(step, at_step(peagle_draft, step), info={"step": step})
     resumed = _selector(tmp_path, {4: 2.0, 6: 2.4}, resume_step=3, target=tiny_target)
     for step in (4, 6):
-        resumed.evaluate(step, _at_step(peagle_draft, step), info={"step": step})
-    model, info = resumed.finish(_at_step(peagle_draft, 6), {"step": 6})
+        resumed.evaluate(step, at_step(peagle_draft, step), info={"step": step})
+    model, info = resumed.finish(at_step(peagle_draft, 6), {"step": 6})
     assert (info["selection"]["best_step"], info["selection"]["best_served_al"], info["step"]) == (2, 2.5, 2)
     assert float(model.fc.weight[0, 0].detach()) == 2.0
 
 
-def test_a_best_saved_before_its_own_record_is_labelled_from_selection_jsonl(tmp_path, peagle_draft, tiny_target):
+def test_a_best_saved_before_its_own_record_is_labelled_from_selection_jsonl(tmp_path, peagle_draft, at_step,
+                                                                             tiny_target):
     """A run folder from before best/selection.json: best/'s step (its checkpoint.json) finds its served
     AL in selection.jsonl, so a re-run of the finished run still keeps and labels it."""
     first = _selector(tmp_path, {2: 2.5, 4: 2.0}, resume_step=0, target=tiny_target)
     for step in (2, 4):
-        first.evaluate(step, _at_step(peagle_draft, step), info={"step": step})
+        first.evaluate(step, at_step(peagle_draft, step), info={"step": step})
     (tmp_path / "best" / "selection.json").unlink()
     again = _selector(tmp_path, {}, resume_step=4, target=tiny_target)
-    model, info = again.finish(_at_step(peagle_draft, 4), {"step": 4})
+    model, info = again.finish(at_step(peagle_draft, 4), {"step": 4})
     assert (info["selection"]["best_step"], info["selection"]["best_served_al"], info["step"]) == (2, 2.5, 2)
     assert float(model.fc.weight[0, 0].detach()) == 2.0
 

@@ -4,6 +4,7 @@ weights, resumes refused for keys that do not change the trajectory, and hostile
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,26 +15,13 @@ from eaglenest.train.checkpoint import INFO
 from eaglenest.train.config import SelectConfig, TrainConfig
 from eaglenest.train.selection import BEST, BEST_ASIDE, Selector
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_qa_train import killed_at as _killed_at, run as _run  # noqa: E402  (the same run and kill helpers)
+
 
 class Killed(Exception):
     """Stands for a SIGKILL at one point of a save."""
 
-
-@pytest.fixture(scope="module")
-def peagle_draft(tmp_path_factory, synth, tiny_target):
-    from eaglenest.train.checkpoint import load_checkpoint
-    from eaglenest.train.config import PEagleConfig
-
-    cfg = TrainConfig(family="peagle", draft_vocab_size=16, peagle=PEagleConfig(num_slots=2))
-    return load_checkpoint(synth.untrained_checkpoint(cfg, tiny_target, tmp_path_factory.mktemp("pe") / "c"))[0]
-
-
-def _at_step(draft, step: int):
-    import torch
-
-    with torch.no_grad():
-        draft.fc.weight[0, 0] = float(step)
-    return draft
 
 
 def _selector(outdir: Path, als: dict[int, float], *, resume_step: int, target) -> Selector:
@@ -44,11 +32,12 @@ def _selector(outdir: Path, als: dict[int, float], *, resume_step: int, target) 
                     resume_step=resume_step)
 
 
-def test_a_kill_while_best_is_replaced_keeps_the_previous_best(tmp_path, peagle_draft, tiny_target, monkeypatch):
+def test_a_kill_while_best_is_replaced_keeps_the_previous_best(tmp_path, peagle_draft, at_step, tiny_target,
+                                                               monkeypatch):
     """Selector.evaluate deleted best/ and then renamed the new snapshot in: a kill between the two
     left no best/ at all, and the resumed run's checkpoint was its last step's, not step 2's (AL 2.5)."""
     first = _selector(tmp_path, {2: 2.5, 4: 3.0}, resume_step=0, target=tiny_target)
-    first.evaluate(2, _at_step(peagle_draft, 2), info={"step": 2})
+    first.evaluate(2, at_step(peagle_draft, 2), info={"step": 2})
     real = Path.replace
 
     def killed_renaming_in(self, target):
@@ -58,21 +47,22 @@ def test_a_kill_while_best_is_replaced_keeps_the_previous_best(tmp_path, peagle_
 
     monkeypatch.setattr(Path, "replace", killed_renaming_in)
     with pytest.raises(Killed):
-        first.evaluate(4, _at_step(peagle_draft, 4), info={"step": 4})
+        first.evaluate(4, at_step(peagle_draft, 4), info={"step": 4})
     monkeypatch.undo()
     resumed = _selector(tmp_path, {}, resume_step=2, target=tiny_target)
     assert (tmp_path / BEST / INFO).is_file() and not (tmp_path / BEST_ASIDE).exists()
-    model, info = resumed.finish(_at_step(peagle_draft, 3), {"step": 3})
+    model, info = resumed.finish(at_step(peagle_draft, 3), {"step": 3})
     assert (info["selection"]["best_step"], info["selection"]["best_served_al"]) == (2, 2.5)
     assert float(model.fc.weight[0, 0].detach()) == 2.0
 
 
-def test_a_kill_after_the_new_best_is_in_drops_the_aside_copy(tmp_path, peagle_draft, tiny_target, monkeypatch):
+def test_a_kill_after_the_new_best_is_in_drops_the_aside_copy(tmp_path, peagle_draft, at_step, tiny_target,
+                                                              monkeypatch):
     """The new best/ renamed in, the old one not yet deleted: the next run keeps the new one."""
     import shutil
 
     first = _selector(tmp_path, {2: 2.5, 4: 3.0}, resume_step=0, target=tiny_target)
-    first.evaluate(2, _at_step(peagle_draft, 2), info={"step": 2})
+    first.evaluate(2, at_step(peagle_draft, 2), info={"step": 2})
     real = shutil.rmtree
 
     def killed_deleting_aside(path, *a, **kw):
@@ -82,44 +72,14 @@ def test_a_kill_after_the_new_best_is_in_drops_the_aside_copy(tmp_path, peagle_d
 
     monkeypatch.setattr(shutil, "rmtree", killed_deleting_aside)
     with pytest.raises(Killed):
-        first.evaluate(4, _at_step(peagle_draft, 4), info={"step": 4})
+        first.evaluate(4, at_step(peagle_draft, 4), info={"step": 4})
     monkeypatch.undo()
     assert (tmp_path / BEST_ASIDE / INFO).is_file()  # the window this test is about
     resumed = _selector(tmp_path, {}, resume_step=4, target=tiny_target)
     assert not (tmp_path / BEST_ASIDE).exists()
-    model, info = resumed.finish(_at_step(peagle_draft, 4), {"step": 4})
+    model, info = resumed.finish(at_step(peagle_draft, 4), {"step": 4})
     assert (info["selection"]["best_step"], info["selection"]["best_served_al"]) == (4, 3.0)
     assert float(model.fc.weight[0, 0].detach()) == 4.0
-
-
-TINY = dict(draft_vocab_size=256, ttt_steps=2, pack_tokens=64, batch_rows=2, warmup_steps=1, log_every_steps=1,
-            num_steps=4, num_threads=1)
-
-
-def _run(work: Path, store, target, **kw):
-    from eaglenest.train.config import StateConfig
-    from eaglenest.train.loop import train
-
-    args = {**TINY, "state": StateConfig(every_steps=2), **kw}
-    return train(TrainConfig(**args), store_uri=store[0], workdir=str(work), target_dir=str(target), seed=0,
-                 argv=["test"])
-
-
-def _killed_at(work: Path, store, target, monkeypatch, step: int, **kw) -> None:
-    """A run that dies before training step ``step + 1`` (its last state: the one before)."""
-    from eaglenest.train.loop import _Trainer
-
-    real = _Trainer._step
-
-    def step_or_die(self, batch, ghost):
-        if self.step == step:
-            raise Killed()
-        return real(self, batch, ghost)
-
-    monkeypatch.setattr(_Trainer, "_step", step_or_die)
-    with pytest.raises(Killed):
-        _run(work, store, target, **kw)
-    monkeypatch.undo()
 
 
 def _resumed_at_2(work: Path, caplog, store, target, **kw):

@@ -111,8 +111,8 @@ def _wait_for_scheduler(distributed, addr: str):
     while True:
         try:
             return distributed.Client(addr, timeout=5)
-        except OSError:
-            if time.monotonic() > deadline:
+        except (OSError, AssertionError):  # AssertionError: distributed's IO-loop thread took > 10 s to start
+            if time.monotonic() > deadline:  # (a loaded 2-core machine; seen once in a fresh-clone run)
                 raise
             time.sleep(0.5)
 

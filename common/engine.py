@@ -23,14 +23,13 @@ import logging
 import math
 import os
 import random
-import re
 import signal
-import traceback
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from eaglenest.config import short
+from eaglenest.engine_errors import TOO_LONG, kv_cache_problem, one_line, shown, weights_mismatch
 from eaglenest.errors import ConfigError, require
 from eaglenest.hf import check_remote_code, is_refusal, refusal
 from eaglenest.paths import read_json_object
@@ -390,37 +389,10 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
         if not weights_mismatch(exc):
             raise
         log.debug("vLLM could not load the weights of %s", model, exc_info=True)
-        problem = _one_line(exc) or "a tensor of another shape"
+        problem = one_line(exc) or "a tensor of another shape"
     # Raised here, past the except block, so vLLM's frames (its progress bar) are gone before the line is printed.
     raise ConfigError(f"run.target: {shown(model, extra)}: weights do not match config.json ({problem}); restore "
                       "the checkpoint's own config.json, or download the checkpoint again")
-
-
-#: vLLM's (and torch's) words for a checkpoint tensor of another shape than config.json makes its parameter.
-WEIGHT_SHAPE = re.compile(r"Attempted to load weight \(|exceeds dimension size|size mismatch for |"
-                          r"The size of tensor a \(\d+\) must match")
-
-
-def weights_mismatch(exc: BaseException) -> bool:
-    """Whether ``exc`` is vLLM failing to load a weight into a parameter of another shape: by its message,
-    or, for the bare ``assert`` of vLLM's linear layers, by being raised inside a model's ``load_weights``."""
-    if WEIGHT_SHAPE.search(str(exc)):
-        return True
-    if not isinstance(exc, AssertionError):
-        return False
-    return any(frame.name in ("load_weights", "weight_loader") for frame in traceback.extract_tb(exc.__traceback__))
-
-
-def shown(model: str, extra: dict[str, Any]) -> str:
-    """``model``, and the draft of ``extra``'s speculative config if there is one (either may be the one)."""
-    spec = extra.get("speculative_config")
-    draft = spec.get("model") if isinstance(spec, dict) else None
-    return f"{model} (or its draft {draft})" if draft else model
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return " ".join(lines)[:200]
 
 
 #: Signals whose Python handler raises an exception to interrupt the command (Ctrl-C, and the two
@@ -499,23 +471,6 @@ def _start(LLM, model: str, kwargs: dict[str, Any]):
         close_llm(llm)  # now, with this module's short grace, not by vLLM's finalizer at its own pace
         interrupts.deliver()
     return llm
-
-
-#: vLLM's refusal of a ``max_model_len`` past the target's positions (its ModelConfig validation).
-TOO_LONG = re.compile(r"User-specified max_model_len \((\d+)\) is greater than the derived max_model_len \(([^)]*)\)")
-#: vLLM's refusal of a KV cache that cannot hold one sequence of ``max_model_len`` (``kv_cache_utils``).
-KV_TOO_SMALL = re.compile(r"\(([\d.]+) GiB KV cache is needed, which is larger than the available KV cache memory "
-                          r"\(([\d.]+) GiB\)")
-NO_KV_MEMORY = "No available memory for the cache blocks"
-
-
-def kv_cache_problem(message: str) -> str | None:
-    """What vLLM's error ``message`` says of a KV cache too small for one sequence ("no KV cache", or
-    "a 0.5 GiB KV cache where 3 GiB are needed"); None for any other error."""
-    if NO_KV_MEMORY in message:
-        return "no KV cache"
-    found = KV_TOO_SMALL.search(message)
-    return f"a {found[2]} GiB KV cache where {found[1]} GiB are needed" if found else None
 
 
 #: How a user pins vLLM's CPU worker threads themselves (``engine.cpu_all_cores`` then does nothing).

@@ -12,7 +12,8 @@ import threading
 import pytest
 
 from eaglenest import cli, launch, memfit
-from eaglenest.engine import EngineConfig, make_llm, weights_mismatch
+from eaglenest.engine import EngineConfig, make_llm
+from eaglenest.engine_errors import weights_mismatch
 from eaglenest.errors import ConfigError
 from eaglenest.hf import load_config, load_tokenizer
 from eaglenest.provenance import write_json_atomic

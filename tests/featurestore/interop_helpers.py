@@ -3,6 +3,7 @@
 import json
 
 import pyarrow as pa
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -63,3 +64,12 @@ def assert_same_rows(uri, a, b):
 
 def versions(uri, name):
     return store.latest_version(uri, name) if store.exists(uri, name) else None
+
+
+@pytest.fixture
+def base(tmp_path):
+    """A 5-sample float32 table (and its tiny target) in a local store: ``(uri, target, tmp_path)``."""
+    target = tiny_target(tmp_path / "target")
+    uri = str(tmp_path / "store")
+    make_table(uri, target)
+    return uri, target, tmp_path

@@ -11,19 +11,11 @@ import pytest
 import torch
 
 import interop_helpers as I
+from interop_helpers import base  # noqa: F401  (a fixture: the table both files start from)
 from eaglenest.errors import SchemaError, StoreError
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.interop import sink, source, specforge, speculators
 from eaglenest.featurestore.table import store
-
-
-@pytest.fixture
-def base(tmp_path):
-    """A 5-sample float32 table (and its tiny target) in a local store."""
-    target = I.tiny_target(tmp_path / "target")
-    uri = str(tmp_path / "store")
-    I.make_table(uri, target)
-    return uri, target, tmp_path
 
 
 def _nan_dump(base):

@@ -19,19 +19,12 @@ import pytest
 import torch
 
 import interop_helpers as I
+from interop_helpers import base  # noqa: F401  (a fixture: the table both files start from)
 from eaglenest.errors import ConfigError, SchemaError, StoreError
 from eaglenest.featurestore import cli
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.interop import hf, source, specforge, speculators
 from eaglenest.featurestore.table import lease, store
-
-
-@pytest.fixture
-def base(tmp_path):
-    target = I.tiny_target(tmp_path / "target")
-    uri = str(tmp_path / "store")
-    I.make_table(uri, target)
-    return uri, target, tmp_path
 
 
 @pytest.fixture

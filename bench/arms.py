@@ -1,7 +1,7 @@
 """What the bench scripts share (bench/ is not a package: loaded from the file beside each script):
 the side-by-side engine benches' arm runner (each arm runs a script in a fresh interpreter at the
-repository root; the script prints one ``RESULT <json>`` line), and argparse types for the numbers
-the benches divide by or loop to."""
+repository root; the script prints one ``RESULT <json>`` line), argparse types for the numbers
+the benches divide by or loop to, and :func:`run_unwinding` for the benches that make scratch data."""
 
 from __future__ import annotations
 
@@ -14,6 +14,19 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_unwinding(main) -> int:
+    """Run a bench's ``main`` so that a SIGTERM (``kill``, a job's time limit) unwinds it as Ctrl-C does:
+    its ``finally`` removes the scratch data (a GiB or more under ``--dir``) instead of leaving it behind;
+    then the process ends by that signal, with one line."""
+    from eaglenest.launch import Terminated, end_by_signal, unwind_on_sigterm
+
+    unwind_on_sigterm()
+    try:
+        return main()
+    except Terminated as exc:
+        return end_by_signal(Path(sys.argv[0]).name, exc.signum)
 
 
 def target_path(ap, target: str) -> str:

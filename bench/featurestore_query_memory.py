@@ -28,6 +28,7 @@ view (``featurestore/read/query.py``), so its growth does not follow the table e
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -36,6 +37,11 @@ import tempfile
 from pathlib import Path
 
 from eaglenest.cli import at_least
+
+# What the benches share: here, run_unwinding (bench/ is not a package: loaded from the file beside this one).
+_spec = importlib.util.spec_from_file_location("_bench_arms", Path(__file__).with_name("arms.py"))
+arms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(arms)
 
 #: Run in the child: peak RSS growth (MiB) of one query command, printed as JSON.
 CHILD = r"""
@@ -173,4 +179,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(arms.run_unwinding(main))

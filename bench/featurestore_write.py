@@ -45,7 +45,6 @@ from pathlib import Path
 import numpy as np
 
 from eaglenest.cli import at_least
-from eaglenest.launch import Terminated, end_by_signal, unwind_on_sigterm
 
 # The argparse number types the benches share (bench/ is not a package: loaded from the file beside this one).
 _spec = importlib.util.spec_from_file_location("_bench_arms", Path(__file__).with_name("arms.py"))
@@ -55,15 +54,7 @@ _spec.loader.exec_module(arms)
 LAYER_IDS = (2, 16, 29)  # vLLM's EAGLE-3 default for a 32-layer, 4096-hidden target
 
 
-def run_unwinding(main) -> int:
-    """Run a bench's ``main`` so that a SIGTERM (``kill``, a job's time limit) unwinds it as Ctrl-C does:
-    its ``finally`` removes the scratch data (a GiB or more under ``--dir``) instead of leaving it behind;
-    then the process ends by that signal, with one line."""
-    unwind_on_sigterm()
-    try:
-        return main()
-    except Terminated as exc:
-        return end_by_signal(Path(sys.argv[0]).name, exc.signum)
+run_unwinding = arms.run_unwinding  # the featurestore benches call it as W.run_unwinding
 
 
 def scratch_dir(text: str) -> str:

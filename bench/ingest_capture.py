@@ -29,6 +29,7 @@ import importlib.util
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -69,71 +70,73 @@ def main() -> None:
     # featurestore.capture builds its own Capturer; hand it the live one (kept open across rounds).
     fbuild.Capturer = lambda *args, **kw: contextlib.nullcontext(cap)
     scratch = Path(tempfile.mkdtemp(prefix="bench-ingest-capture-"))
+    try:
 
-    def regen(uri: str) -> int:
-        stats = build(manifest, pool, target=a.target, store_uri=uri, cfg=icfg, backend=backend)
-        assert stats["regenerated"] == len(pool), stats
-        return stats["generated_tokens"]
+        def regen(uri: str) -> int:
+            stats = build(manifest, pool, target=a.target, store_uri=uri, cfg=icfg, backend=backend)
+            assert stats["regenerated"] == len(pool), stats
+            return stats["generated_tokens"]
 
-    def regen_capture(uri: str) -> int:
-        n = regen(uri)
-        stats = fbuild.capture(target=a.target, store_uri=uri, cfg=fcfg)
-        assert stats["captured"] == len(pool), stats
-        return n
+        def regen_capture(uri: str) -> int:
+            n = regen(uri)
+            stats = fbuild.capture(target=a.target, store_uri=uri, cfg=fcfg)
+            assert stats["captured"] == len(pool), stats
+            return n
 
-    def regen_prefill(uri: str) -> int:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        def regen_prefill(uri: str) -> int:
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
 
-        n = regen(uri)
-        seqs = [c["prompt_token_ids"] + c["response_token_ids"] for c in fbuild.pool_conversations(uri)]
-        outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs],
-                            SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-        assert len(outs) == len(pool)
-        return n
+            n = regen(uri)
+            seqs = [c["prompt_token_ids"] + c["response_token_ids"] for c in fbuild.pool_conversations(uri)]
+            outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs],
+                                SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+            assert len(outs) == len(pool)
+            return n
 
-    def one_pass(uri: str) -> int:
-        from vllm import SamplingParams
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            cleanup_hidden_states, load_hidden_states)
+        def one_pass(uri: str) -> int:
+            from vllm import SamplingParams
+            from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+                cleanup_hidden_states, load_hidden_states)
 
-        params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, seed=manifest.generation.seed,
-                                extra_args={"kv_transfer_params": {"include_output_tokens": True}})
-        cap.llm.enqueue_chat([e.messages() for e in pool if e.mode == "chat"], params, use_tqdm=False)
-        cap.llm.enqueue([raw_text(e) for e in pool if e.mode == "raw"], params, use_tqdm=False)
-        n = 0
-        for o in cap.llm.wait_for_completion(use_tqdm=False):  # one engine pass, chat and raw mixed
-            path = o.kv_transfer_params["hidden_states_path"]
-            data = load_hidden_states(path)
-            cleanup_hidden_states(path)
-            out = list(o.outputs[0].token_ids)
-            assert data["token_ids"].tolist() == (list(o.prompt_token_ids) + out)[:-1]
-            n += len(out)
-        return n
+            params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, seed=manifest.generation.seed,
+                                    extra_args={"kv_transfer_params": {"include_output_tokens": True}})
+            cap.llm.enqueue_chat([e.messages() for e in pool if e.mode == "chat"], params, use_tqdm=False)
+            cap.llm.enqueue([raw_text(e) for e in pool if e.mode == "raw"], params, use_tqdm=False)
+            n = 0
+            for o in cap.llm.wait_for_completion(use_tqdm=False):  # one engine pass, chat and raw mixed
+                path = o.kv_transfer_params["hidden_states_path"]
+                data = load_hidden_states(path)
+                cleanup_hidden_states(path)
+                out = list(o.outputs[0].token_ids)
+                assert data["token_ids"].tolist() == (list(o.prompt_token_ids) + out)[:-1]
+                n += len(out)
+            return n
 
-    # Warm-up (and a check that one-pass generates what regeneration generates).
-    regen_capture(str(scratch / "warm"))
-    arms = {"regen": regen, "regen+capture": regen_capture, **({"regen+prefill": regen_prefill} if a.floor else {}),
-            **({"one-pass": one_pass} if a.one_pass else {})}
-    if a.one_pass:
-        one_pass(str(scratch / "warm-one"))
-    names = list(arms)
-    secs: dict[str, list[float]] = {n: [] for n in names}
-    toks: dict[str, set[int]] = {n: set() for n in names}
-    for r in range(a.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
-            llm.reset_prefix_cache()
-            cap.llm.reset_prefix_cache()
-            t0 = time.perf_counter()
-            toks[name].add(arms[name](str(scratch / f"{name}-{r}")))
-            secs[name].append(time.perf_counter() - t0)
-        print(f"round {r} ({' -> '.join(order)}): " + "  ".join(f"{n} {secs[n][-1]:.2f} s" for n in names)
-              + f"  (load {os.getloadavg()[0]:.1f})", flush=True)
-    rows = store.read(str(scratch / "warm"), "features", columns=["num_tokens"]).column("num_tokens").to_pylist()
-    cap.close()
-    close_llm(llm)
-    shutil.rmtree(scratch, ignore_errors=True)
+        # Warm-up (and a check that one-pass generates what regeneration generates).
+        regen_capture(str(scratch / "warm"))
+        arms = {"regen": regen, "regen+capture": regen_capture, **({"regen+prefill": regen_prefill} if a.floor else {}),
+                **({"one-pass": one_pass} if a.one_pass else {})}
+        if a.one_pass:
+            one_pass(str(scratch / "warm-one"))
+        names = list(arms)
+        secs: dict[str, list[float]] = {n: [] for n in names}
+        toks: dict[str, set[int]] = {n: set() for n in names}
+        for r in range(a.rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for name in order:
+                llm.reset_prefix_cache()
+                cap.llm.reset_prefix_cache()
+                t0 = time.perf_counter()
+                toks[name].add(arms[name](str(scratch / f"{name}-{r}")))
+                secs[name].append(time.perf_counter() - t0)
+            print(f"round {r} ({' -> '.join(order)}): " + "  ".join(f"{n} {secs[n][-1]:.2f} s" for n in names)
+                  + f"  (load {os.getloadavg()[0]:.1f})", flush=True)
+        rows = store.read(str(scratch / "warm"), "features", columns=["num_tokens"]).column("num_tokens").to_pylist()
+    finally:  # also on Ctrl-C, SIGTERM (run_unwinding) or a failed round: no scratch stores left behind
+        cap.close()
+        close_llm(llm)
+        shutil.rmtree(scratch, ignore_errors=True)
     print(f"prompts={len(pool)} max_tokens={a.max_tokens} max_num_seqs={a.max_num_seqs} rounds={a.rounds}; "
           f"generated tokens per arm: {toks}; captured tokens (prompt + response): {sum(rows)}")
     for name in names[1:]:
@@ -143,4 +146,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(C.run_unwinding(main))

@@ -6,7 +6,8 @@ importlib (as featurestore_read.py loads featurestore_write.py). It holds what t
 * ``add_args``: ``--prompts``, ``--rounds``, ``--max-tokens``, ``--max-num-seqs``, ``--target``,
   ``--manifest`` with the benches' defaults;
 * ``load_prompts``: the manifest with ``generation.max_tokens`` set to ``--max-tokens``, and the first
-  ``--prompts`` entries of the training split of its pool.
+  ``--prompts`` entries of the training split of its pool;
+* ``run_unwinding`` (arms.py's): a SIGTERM unwinds the bench as Ctrl-C does, so its scratch stores go.
 
 eaglenest is imported inside ``load_prompts`` only, so a bench's ``--help`` imports nothing heavy.
 """
@@ -15,10 +16,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
+from pathlib import Path
 
 from eaglenest.cli import at_least
 from eaglenest.errors import EaglenestError
+
+_spec = importlib.util.spec_from_file_location("_bench_arms", Path(__file__).with_name("arms.py"))
+arms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(arms)
+run_unwinding = arms.run_unwinding
 
 
 def add_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:

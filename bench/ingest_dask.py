@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,46 +58,48 @@ def main() -> None:
     dask_cfg = build_cfg(IngestConfig, {**common, "executor": "dask", "dask_workers": a.workers,
                                         "dask_scheduler": a.scheduler})
     scratch = Path(a.store or tempfile.mkdtemp(prefix="bench-ingest-dask-"))
-    target = str(Path(a.target).resolve())
+    try:
+        target = str(Path(a.target).resolve())
 
-    def run(name: str, cfg, **kw) -> tuple[float, int]:
-        uri = str(scratch / f"{name}-{time.monotonic_ns()}")
-        t0 = time.perf_counter()
-        stats = build(manifest, pool, target=target, store_uri=uri, cfg=cfg, **kw)
-        dt = time.perf_counter() - t0
-        assert stats["regenerated"] == len(pool) and stats["failed"] == 0, stats
-        return dt, stats["generated_tokens"]
+        def run(name: str, cfg, **kw) -> tuple[float, int]:
+            uri = str(scratch / f"{name}-{time.monotonic_ns()}")
+            t0 = time.perf_counter()
+            stats = build(manifest, pool, target=target, store_uri=uri, cfg=cfg, **kw)
+            dt = time.perf_counter() - t0
+            assert stats["regenerated"] == len(pool) and stats["failed"] == 0, stats
+            return dt, stats["generated_tokens"]
 
-    if a.cold:
-        for name, cfg in (("inprocess", inproc), ("dask", dask_cfg)):
-            dt, n = run(f"cold-{name}", cfg)
-            print(f"cold {name}: {dt:.1f} s for {n} tokens (engine / cluster start included)", flush=True)
+        if a.cold:
+            for name, cfg in (("inprocess", inproc), ("dask", dask_cfg)):
+                dt, n = run(f"cold-{name}", cfg)
+                print(f"cold {name}: {dt:.1f} s for {n} tokens (engine / cluster start included)", flush=True)
 
-    backend = make_backend(inproc, target)
-    client = dask_executor.client_for(dask_cfg)
-    workers = sorted(client.scheduler_info()["workers"])
-    gen_id = gen_params_id(manifest.generation, chat_template(target))
-    # One engine per worker, started before timing (a one-prompt shard pinned to each worker). The
-    # store folder must exist first, as dask_executor.run makes it: each worker checks it can see it.
-    warm = scratch / "warm"
-    warm.mkdir(parents=True, exist_ok=True)
-    client.gather([client.submit(dask_executor._shard_task, dask_cfg, target, str(warm), pool[:1],
-                                 manifest.generation, gen_id, workers=[w], pure=False) for w in workers])
-    arms = {"inprocess": lambda: run("inprocess", inproc, backend=backend),
-            "dask": lambda: run("dask", dask_cfg, client=client)}
-    arms["inprocess"]()  # warm-up of the driver side
-    tps: dict[str, list[float]] = {n: [] for n in arms}
-    for r in range(a.rounds):
-        order = list(arms) if r % 2 == 0 else list(arms)[::-1]
-        for name in order:
-            dt, n = arms[name]()
-            tps[name].append(n / dt)
-        print(f"round {r} ({' -> '.join(order)}): " + "  ".join(f"{n} {tps[n][-1]:.0f} tok/s" for n in arms),
-              flush=True)
-    dask_executor.close(client)
-    backend.close()
-    if not a.store:
-        shutil.rmtree(scratch, ignore_errors=True)
+        backend = make_backend(inproc, target)
+        client = dask_executor.client_for(dask_cfg)
+        workers = sorted(client.scheduler_info()["workers"])
+        gen_id = gen_params_id(manifest.generation, chat_template(target))
+        # One engine per worker, started before timing (a one-prompt shard pinned to each worker). The
+        # store folder must exist first, as dask_executor.run makes it: each worker checks it can see it.
+        warm = scratch / "warm"
+        warm.mkdir(parents=True, exist_ok=True)
+        client.gather([client.submit(dask_executor._shard_task, dask_cfg, target, str(warm), pool[:1],
+                                     manifest.generation, gen_id, workers=[w], pure=False) for w in workers])
+        arms = {"inprocess": lambda: run("inprocess", inproc, backend=backend),
+                "dask": lambda: run("dask", dask_cfg, client=client)}
+        arms["inprocess"]()  # warm-up of the driver side
+        tps: dict[str, list[float]] = {n: [] for n in arms}
+        for r in range(a.rounds):
+            order = list(arms) if r % 2 == 0 else list(arms)[::-1]
+            for name in order:
+                dt, n = arms[name]()
+                tps[name].append(n / dt)
+            print(f"round {r} ({' -> '.join(order)}): " + "  ".join(f"{n} {tps[n][-1]:.0f} tok/s" for n in arms),
+                  flush=True)
+        dask_executor.close(client)
+        backend.close()
+    finally:  # also on Ctrl-C, SIGTERM (run_unwinding) or a failed round: no scratch stores left behind
+        if not a.store:
+            shutil.rmtree(scratch, ignore_errors=True)
     ratios = [d / i for d, i in zip(tps["dask"], tps["inprocess"])]
     print(f"prompts={len(pool)} commit_every={a.commit_every} workers={len(workers)} "
           f"scheduler={a.scheduler or 'LocalCluster'} rounds={a.rounds}")
@@ -105,4 +108,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(C.run_unwinding(main))

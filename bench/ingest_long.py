@@ -24,14 +24,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from eaglenest.cli import at_least
+
+# What the benches share: here, run_unwinding (bench/ is not a package: loaded from the file beside this one).
+_spec = importlib.util.spec_from_file_location("_bench_arms", Path(__file__).with_name("arms.py"))
+arms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(arms)
 
 
 def main() -> None:
@@ -125,4 +132,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(arms.run_unwinding(main))

@@ -27,6 +27,7 @@ import argparse
 import importlib.util
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,60 +71,62 @@ def main() -> None:
     backend = Backend(llm)
     params = backend._params(manifest.generation)
     scratch = Path(tempfile.mkdtemp(prefix="bench-ingest-regen-"))
+    try:
 
-    def run_eaglenest(r: int) -> int:
-        stats = build(manifest, pool, target=a.target, store_uri=str(scratch / f"e{r}"), cfg=cfg, backend=backend)
-        assert stats["regenerated"] == len(pool) and stats["failed"] == 0, stats
-        return stats["generated_tokens"]
+        def run_eaglenest(r: int) -> int:
+            stats = build(manifest, pool, target=a.target, store_uri=str(scratch / f"e{r}"), cfg=cfg, backend=backend)
+            assert stats["regenerated"] == len(pool) and stats["failed"] == 0, stats
+            return stats["generated_tokens"]
 
-    # Warm-up, and the exact prompt ids eaglenest sends (bare generates from the same ids).
-    from eaglenest.featurestore.table import store
-    run_eaglenest(-1)
-    by_id = {x["sample_id"]: x for x in store.read(str(scratch / "e-1"), store.PROMPTS).to_pylist()}
-    token_prompts = [TokensPrompt(prompt_token_ids=by_id[e.sample_id]["prompt_token_ids"]) for e in pool]
+        # Warm-up, and the exact prompt ids eaglenest sends (bare generates from the same ids).
+        from eaglenest.featurestore.table import store
+        run_eaglenest(-1)
+        by_id = {x["sample_id"]: x for x in store.read(str(scratch / "e-1"), store.PROMPTS).to_pylist()}
+        token_prompts = [TokensPrompt(prompt_token_ids=by_id[e.sample_id]["prompt_token_ids"]) for e in pool]
 
-    def run_bare(r: int) -> int:
-        return sum(len(o.outputs[0].token_ids) for o in llm.generate(token_prompts, params, use_tqdm=False))
+        def run_bare(r: int) -> int:
+            return sum(len(o.outputs[0].token_ids) for o in llm.generate(token_prompts, params, use_tqdm=False))
 
-    def run_legacy(r: int) -> int:
-        uri, n = str(scratch / f"l{r}"), 0
-        for k in range(0, len(pool), a.commit_every):
-            shard = pool[k:k + a.commit_every]
-            raw = [e for e in shard if e.mode == "raw"]
-            chat = [e for e in shard if e.mode == "chat"]
-            outs = list(zip(raw, backend.complete([raw_text(e) for e in raw], manifest.generation)))
-            outs += zip(chat, backend.chat([e.messages() for e in chat], manifest.generation))
-            rows = [row(e, messages=[], prompt_ids=c.prompt_ids, response_ids=c.response_ids,
-                        finish_reason=c.finish_reason, gen_id="bench") for e, c in outs]
-            commit(uri, write_rows(uri, rows), {"shard": k})
-            n += sum(len(x["response_token_ids"]) for x in rows)
-        return n
+        def run_legacy(r: int) -> int:
+            uri, n = str(scratch / f"l{r}"), 0
+            for k in range(0, len(pool), a.commit_every):
+                shard = pool[k:k + a.commit_every]
+                raw = [e for e in shard if e.mode == "raw"]
+                chat = [e for e in shard if e.mode == "chat"]
+                outs = list(zip(raw, backend.complete([raw_text(e) for e in raw], manifest.generation)))
+                outs += zip(chat, backend.chat([e.messages() for e in chat], manifest.generation))
+                rows = [row(e, messages=[], prompt_ids=c.prompt_ids, response_ids=c.response_ids,
+                            finish_reason=c.finish_reason, gen_id="bench") for e, c in outs]
+                commit(uri, write_rows(uri, rows), {"shard": k})
+                n += sum(len(x["response_token_ids"]) for x in rows)
+            return n
 
-    import psutil
+        import psutil
 
-    me = psutil.Process()
+        me = psutil.Process()
 
-    def cpu_s() -> float:  # this process and the engine's (engine core, worker)
-        return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
+        def cpu_s() -> float:  # this process and the engine's (engine core, worker)
+            return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
 
-    arms = {"bare": run_bare, "eaglenest": run_eaglenest, **({"legacy": run_legacy} if a.legacy else {})}
-    names = list(arms)
-    tps: dict[str, list[float]] = {n: [] for n in names}
-    cpu: dict[str, list[float]] = {n: [] for n in names}
-    toks: dict[str, set[int]] = {n: set() for n in names}
-    for r in range(a.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
-            llm.reset_prefix_cache()
-            c0, t0 = cpu_s(), time.perf_counter()
-            n = arms[name](r)
-            tps[name].append(n / (time.perf_counter() - t0))
-            cpu[name].append(cpu_s() - c0)
-            toks[name].add(n)
-        print(f"round {r} ({' -> '.join(order)}): " + "  ".join(f"{n} {tps[n][-1]:.0f} tok/s" for n in names),
-              flush=True)
-    close_llm(llm)
-    shutil.rmtree(scratch, ignore_errors=True)
+        arms = {"bare": run_bare, "eaglenest": run_eaglenest, **({"legacy": run_legacy} if a.legacy else {})}
+        names = list(arms)
+        tps: dict[str, list[float]] = {n: [] for n in names}
+        cpu: dict[str, list[float]] = {n: [] for n in names}
+        toks: dict[str, set[int]] = {n: set() for n in names}
+        for r in range(a.rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for name in order:
+                llm.reset_prefix_cache()
+                c0, t0 = cpu_s(), time.perf_counter()
+                n = arms[name](r)
+                tps[name].append(n / (time.perf_counter() - t0))
+                cpu[name].append(cpu_s() - c0)
+                toks[name].add(n)
+            print(f"round {r} ({' -> '.join(order)}): " + "  ".join(f"{n} {tps[n][-1]:.0f} tok/s" for n in names),
+                  flush=True)
+    finally:  # also on Ctrl-C, SIGTERM (run_unwinding) or a failed round: no scratch stores left behind
+        close_llm(llm)
+        shutil.rmtree(scratch, ignore_errors=True)
     print(f"prompts={len(pool)} (raw {sum(e.mode == 'raw' for e in pool)}) max_tokens={a.max_tokens} "
           f"ignore_eos={a.ignore_eos} commit_every={a.commit_every} max_num_seqs={a.max_num_seqs} "
           f"rounds={a.rounds}; generated tokens per arm: {toks}")
@@ -137,4 +140,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(C.run_unwinding(main))

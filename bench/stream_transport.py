@@ -76,15 +76,16 @@ def _consume(next_item, n: int) -> float:
 def run_unix(args) -> float:
     from eaglenest.featurestore.stream.local import Channel
 
-    path = os.path.join(tempfile.mkdtemp(prefix="eaglenest-bench-"), "s.sock")
-    chan = Channel(path, num_items=args.frames, depth=args.depth, check=lambda: None)
-    child = mp.get_context("spawn").Process(target=_publish, args=(path, args))
-    child.start()
-    try:
-        return _consume(chan.next, args.frames)
-    finally:
-        chan.close()
-        child.join(30)
+    with tempfile.TemporaryDirectory(prefix="eaglenest-bench-") as folder:  # the socket's, removed after
+        path = os.path.join(folder, "s.sock")
+        chan = Channel(path, num_items=args.frames, depth=args.depth, check=lambda: None)
+        child = mp.get_context("spawn").Process(target=_publish, args=(path, args))
+        child.start()
+        try:
+            return _consume(chan.next, args.frames)
+        finally:
+            chan.close()
+            child.join(30)
 
 
 def run_gloo(args) -> float:
@@ -121,8 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     frame_bytes = args.tokens * args.layers * args.hidden * (2 if args.dtype == "bfloat16" else 4)
     moved = frame_bytes * (args.frames - 1)
     rates = {"unix": [], "gloo": []}
+    pair = (("unix", run_unix), ("gloo", run_gloo))
     for k in range(args.rounds):  # alternate, so drift in the machine's load hits both alike
-        for name, fn in (("unix", run_unix), ("gloo", run_gloo)):
+        for name, fn in (pair if k % 2 == 0 else pair[::-1]):
             rates[name].append(moved / fn(args) / 1e6)
             print(f"round {k}: {name:4s} {rates[name][-1]:8.0f} MB/s", flush=True)
     ratio = [g / u for g, u in zip(rates["gloo"], rates["unix"])]

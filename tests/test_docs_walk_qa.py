@@ -203,24 +203,31 @@ def unquoted_blank(text: str, start: int, opener: str) -> bool:
     return False
 
 
-def _shell_changed_overrides():
-    """(where, override) of every override the shell would not pass as shown: a value holding a blank
-    inside brackets (two arguments) not in quotes, or a ``$`` (expanded by the shell: a
+def _shell_sensitive_overrides():
+    """(where, override, changed) of every override the shell could change: a value opening a bracket or
+    a quote, or holding a ``$``. ``changed``: the shell would not pass it as shown: a value holding a
+    blank inside brackets (two arguments) not in quotes, or a ``$`` (expanded by the shell: a
     ``${MY_SECRET}`` reference arrives as the secret itself, which the recipe refuses) not in single
     quotes."""
     for path in C.DOCS:
         for line, text, _lang in C._code(path):
             for m in OPEN_VALUE.finditer(text):
                 quoted = m.start() > 0 and text[m.start() - 1] in "'\""
-                if not quoted and unquoted_blank(text, m.start(2), m.group(2)):
-                    yield C._where(path, line, text, m.start()), text[m.start():text.find("\n", m.start())]
+                changed = not quoted and unquoted_blank(text, m.start(2), m.group(2))
+                yield C._where(path, line, text, m.start()), text[m.start():text.find("\n", m.start())], changed
             for m in C.OVERRIDE.finditer(text):
-                if "$" in m.group(2) and not (m.start() > 0 and text[m.start() - 1] == "'"):
-                    yield C._where(path, line, text, m.start()), m.group(0)
+                if "$" in m.group(2):
+                    changed = not (m.start() > 0 and text[m.start() - 1] == "'")
+                    yield C._where(path, line, text, m.start()), m.group(0), changed
 
 
 def test_overrides_the_shell_would_change_are_quoted():
-    bad = [f"{where}: {shown.strip()[:100]}" for where, shown in _shell_changed_overrides()]
+    scanned = list(_shell_sensitive_overrides())
+    # The scan must see the two quoted forms the pages show, or it checks nothing (a loop over no match).
+    shown = " ".join(override for _where, override, _changed in scanned)
+    assert "ingest.chat_template_kwargs={enable_thinking: true}" in shown, "README.md's quoted template kwargs"
+    assert "run.storage_options.aws_secret_access_key=${MY_SECRET}" in shown, "docs/storage.md's quoted secret"
+    bad = [f"{where}: {override.strip()[:100]}" for where, override, changed in scanned if changed]
     assert not bad, ("overrides the shell would split or expand, shown unquoted (write "
                      "'key={a: 1}', 'key=${VAR}'):\n" + "\n".join(bad))
 

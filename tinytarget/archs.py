@@ -18,14 +18,16 @@ carry (DeepSeek ``topk_method``, MiniMax-M2 ``rotary_dim`` / ``scoring_func`` / 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.cli import Command
+from eaglenest.errors import ConfigError
+from eaglenest.launch import execute
 from eaglenest.paths import staged_dir
 from eaglenest.tinytarget.build import is_model_folder
 
@@ -220,16 +222,25 @@ def _processor_files(out: Path) -> None:
          "fps": 2, "min_frames": 2, "max_frames": 4}, indent=2) + "\n")
 
 
+PROG = "python -m eaglenest.tinytarget.archs"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] not in SPECS:
-        print(f"usage: python -m eaglenest.tinytarget.archs {{{','.join(ARCHS)}}} OUT_DIR", file=sys.stderr)
-        return 2
-    try:
-        print(build(args[0], Path(args[1])))
-    except EaglenestError as exc:
-        print(f"python -m eaglenest.tinytarget.archs: error: {exc}", file=sys.stderr)
-        return 2
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("arch", metavar="ARCH", help=f"one of {', '.join(ARCHS)}")
+    p.add_argument("out", type=Path, metavar="OUT_DIR", help="the Hugging Face folder to write")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    args = p.parse_args(argv)
+    # The shared CLI layer: logging, the process guard, one-line errors (exit 2), Ctrl-C and SIGTERM
+    # unwinding through the staged folder's cleanup, as every stage command does.
+    return execute(PROG, Command(fn=run, help=p.description, needs_recipe=False), args)
+
+
+def run(recipe: None, args: argparse.Namespace) -> int:
+    """The command's body: build ``args.arch`` into ``args.out`` and print the folder."""
+    if args.arch not in SPECS:
+        raise ConfigError(f"unknown architecture {args.arch!r}; one of {', '.join(ARCHS)}")
+    print(build(args.arch, args.out))
     return 0
 
 

@@ -29,11 +29,20 @@ def run_check(model: str, prompts_dir: Path, *, num_per_domain: int, max_model_l
               gpu_memory_utilization: float) -> dict:
     check_engine_sizes(max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
     prompts = read_prompts(prompts_dir, num_per_domain=num_per_domain)  # before the engine's start
-    llm = make_llm(model, EngineConfig(max_model_len=max_model_len, memory_fraction=gpu_memory_utilization))
+    try:
+        llm = make_llm(model, EngineConfig(max_model_len=max_model_len, memory_fraction=gpu_memory_utilization))
+    except ConfigError as exc:
+        raise ConfigError(as_model_flag(str(exc))) from None
     try:
         return _answers(llm, prompts, max_model_len=max_model_len)
     finally:
         close_llm(llm)
+
+
+def as_model_flag(message: str) -> str:
+    """The engine's refusals name the recipe key ``run.target``; this command has no recipe: its
+    ``--model`` is that key, so the line names the flag the user typed."""
+    return "--model:" + message.removeprefix("run.target:") if message.startswith("run.target:") else message
 
 
 def check_engine_sizes(*, max_model_len: int, gpu_memory_utilization: float) -> None:
@@ -64,12 +73,22 @@ def read_prompts(prompts_dir: Path, *, num_per_domain: int) -> dict[str, list[di
             if not isinstance(rec, dict):
                 raise ConfigError(f"--prompts: {path}: line {i} is not a JSON object")
             if "prompt" in rec:
+                _check_texts(rec, f"--prompts: {path}: line {i}")
                 recs.append(rec)
         if recs:
             out[path.stem] = recs
     if not out:
         raise ConfigError(f"--prompts: no prompt files in {prompts_dir} (<domain>.jsonl with \"prompt\" lines)")
     return out
+
+
+def _check_texts(rec: dict, where: str) -> None:
+    """A prompt line's ``prompt`` (and ``system``, where given and not null) are text: anything else went to
+    vLLM's chat template, after the engine's start, instead of one line naming the file and line."""
+    for key in ("prompt", "system"):
+        value = rec.get(key)
+        if not isinstance(value, str) and (key == "prompt" or value is not None):
+            raise ConfigError(f"{where}: {key!r} must be text, got {type(value).__name__} {value!r:.40}")
 
 
 def _answers(llm, prompts: dict[str, list[dict]], *, max_model_len: int) -> dict:

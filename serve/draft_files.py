@@ -7,14 +7,18 @@ scatters the draft's logits to ``arange(draft_vocab) + d2t``, so an offset past 
 vocabulary fails mid-request and a missing ``d2t`` maps draft ids as target ids (lossless, but
 the draft's proposals are other tokens). The config.json keys serving reads are checked too (the K
 a round drafts, the aux layer ids, a P-EAGLE or DFlash mask token): vLLM fails on them once started,
-or eaglenest would serve another K. The trade-off: only config.json, the safetensors header and the
-small ``d2t`` / ``t2d`` tensors are read (numpy, no torch), so the check costs milliseconds; the other
+or eaglenest would serve another K. So are the shape keys vLLM builds the draft from, against the
+weights' header: ``num_hidden_layers`` (vLLM builds that many layers and fails on one the weights lack
+or hold beyond) and the aux layers vLLM concatenates for ``fc`` (too many or too few fail at start-up
+or on the first request). The trade-off: only config.json, the safetensors header and the small
+``d2t`` / ``t2d`` tensors are read (numpy, no torch), so the check costs milliseconds; the other
 weights' shapes are vLLM's to check.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,10 @@ from eaglenest.target import language_config, read_config
 WEIGHTS = "model.safetensors"
 #: config.json keys that give the K a round drafts (eaglenest.engine: the default and the trained depth).
 K_KEYS = (RECOMMENDED_K, TRAINED_K)
+#: speculators' model types eaglenest serves (eaglenest.engine.speculative_config builds their method).
+SPECULATORS_TYPES = ("eagle3", "peagle", "dflash")
+#: A decoder layer's weight name: the vLLM format's ``midlayer.*`` (its one layer) or ``layers.N.*``.
+_LAYER_NAME = re.compile(r"^(?:midlayer|layers\.(\d+))\.")
 _AGAIN = "export the draft again (`serve export`)"
 
 
@@ -71,8 +79,10 @@ def check_draft_dir(draft: str | Path, target_cfg: dict[str, Any] | None = None)
                 raise ConfigError(f"{where}: a draft for a target with {key} {mine}, run.target has {theirs}; "
                                   "serve it with the target it was trained for, or export it for this one")
     _check_serving_keys(cfg, where, vocab, target_cfg)
-    d2t, t2d = _vocab_tensors(draft / WEIGHTS)
+    shapes, d2t, t2d = _read_weights(draft / WEIGHTS)
     wpath = shown_path(draft / WEIGHTS)
+    _check_layer_count(cfg, layer, shapes, where, wpath)
+    _check_fc_width(cfg, layer, shapes.get("fc.weight"), hidden, where, wpath)
     if d2t is None:
         if draft_vocab != vocab:
             raise ConfigError(f"{wpath}: no d2t tensor for a draft vocabulary of {draft_vocab} of {vocab} "
@@ -116,6 +126,9 @@ def _check_k(cfg: dict[str, Any], where: str) -> None:
             raise ConfigError(f"{where}: {key}: a positive integer, got {short(cfg[key])}; {_AGAIN}")
     if "speculators_model_type" not in cfg and "speculators_config" not in cfg:
         return
+    if cfg.get("speculators_model_type") not in SPECULATORS_TYPES:  # vLLM refuses others, or serves them otherwise
+        raise ConfigError(f"{where}: speculators_model_type: one of {', '.join(SPECULATORS_TYPES)}, got "
+                          f"{short(cfg.get('speculators_model_type'))}; {_AGAIN}")
     spec = cfg.get("speculators_config")
     methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
     if not (isinstance(methods, list) and methods and all(isinstance(m, dict) for m in methods)):
@@ -137,6 +150,48 @@ def _check_aux_layers(cfg: dict[str, Any], where: str, layers: Any) -> None:
         raise ConfigError(f"{where}: {key}: the draft reads aux layers {past}, run.target has {layers} layers "
                           f"(vLLM ids 0..{layers - 1}); serve it with the target it was trained for, or export it "
                           "for this one")
+
+
+def _check_layer_count(cfg: dict[str, Any], layer: dict[str, Any], shapes: dict[str, list[int]], where: str,
+                       wpath: str) -> None:
+    """``num_hidden_layers`` (a speculators config's in ``transformer_layer_config``) is the number of
+    decoder layers the weights hold: vLLM builds that many and fails at start-up on any other."""
+    key = "num_hidden_layers" if "num_hidden_layers" in cfg or "num_hidden_layers" not in layer \
+        else "transformer_layer_config.num_hidden_layers"
+    n = cfg.get("num_hidden_layers", layer.get("num_hidden_layers"))
+    if not is_count(n):
+        raise ConfigError(f"{where}: {key}: a positive integer, got {short(n)}; {_AGAIN}")
+    held = {m.group(1) or "0" for m in map(_LAYER_NAME.match, shapes) if m}
+    if held and n != len(held):
+        raise ConfigError(f"{where}: {key} is {n}, {wpath} holds {len(held)} decoder layer(s); {_AGAIN}")
+
+
+def _check_fc_width(cfg: dict[str, Any], layer: dict[str, Any], fc: list[int] | None, hidden: Any, where: str,
+                    wpath: str) -> None:
+    """``fc`` reads as many aux layers as vLLM concatenates (the ids it gathers) and builds it for
+    (an EAGLE-3 draft: ``num_aux_hidden_states``, else ``eagle_config``'s list's length, else 3), and
+    is used at all (``eagle_config.use_aux_hidden_state`` false makes vLLM drop it)."""
+    if fc is None or len(fc) != 2 or not is_count(hidden):
+        return
+    key, ids = _aux_layer_ids(cfg)
+    counts = [(key, len(ids))] if isinstance(ids, list) else []
+    if draft_family(cfg) != "dflash":
+        src = layer if "speculators_config" in cfg else cfg  # what vLLM's draft config holds
+        eagle = src.get("eagle_config") if isinstance(src.get("eagle_config"), dict) else {}
+        if eagle.get("use_aux_hidden_state", True) is not True:
+            raise ConfigError(f"{where}: eagle_config.use_aux_hidden_state: true for a draft with fc.weight "
+                              f"(vLLM would drop fc), got {short(eagle['use_aux_hidden_state'])}; {_AGAIN}")
+        nested = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if "num_aux_hidden_states" in src:
+            counts.append(("num_aux_hidden_states", src["num_aux_hidden_states"]))
+        elif isinstance(nested, list) and nested:
+            counts.append(("eagle_config.eagle_aux_hidden_state_layer_ids", len(nested)))
+        else:
+            counts.append(("num_aux_hidden_states (missing: vLLM takes 3)", 3))
+    for name, count in counts:
+        if not is_count(count) or count * hidden != fc[1]:
+            raise ConfigError(f"{where}: {name}: {short(count)} aux layers of {hidden} do not make the input of "
+                              f"{wpath}'s fc.weight {fc}; {_AGAIN}")
 
 
 def _aux_layer_ids(cfg: dict[str, Any]) -> tuple[str, Any]:
@@ -174,13 +229,15 @@ def _read_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
-def _vocab_tensors(path: Path) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """``d2t`` and ``t2d`` of the weights file (None for one it lacks); a file that is missing or
-    whose header or vocabulary tensors cannot be read is one line naming it."""
+def _read_weights(path: Path) -> tuple[dict[str, list[int]], np.ndarray | None, np.ndarray | None]:
+    """Every tensor's shape from the weights file's header, and its ``d2t`` and ``t2d`` (None for one
+    it lacks); a file that is missing or whose header or vocabulary tensors cannot be read is one line
+    naming it."""
     try:
         with safe_open(str(path), framework="numpy") as f:
-            names = set(f.keys())
-            return tuple(f.get_tensor(n) if n in names else None for n in ("d2t", "t2d"))
+            shapes = {n: list(f.get_slice(n).get_shape()) for n in f.keys()}
+            d2t, t2d = (f.get_tensor(n) if n in shapes else None for n in ("d2t", "t2d"))
+            return shapes, d2t, t2d
     except FileNotFoundError:
         raise ConfigError(f"{shown_path(path)}: missing; {_AGAIN}") from None
     except (OSError, SafetensorError, TypeError, ValueError) as exc:  # TypeError: a dtype numpy lacks (bf16)

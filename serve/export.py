@@ -357,8 +357,8 @@ def _check_info(info: dict[str, Any], path: Path) -> None:
         raise StoreError(f"{shown_path(path)}: draft_config.num_hidden_layers: a whole number >= 1, got "
                          f"{short(d['num_hidden_layers'])}; the checkpoint is damaged: train again (`train run`)")
     _check_layers(info, path)
+    _check_record(info, path)  # first: train_config an object, which _check_family reads
     _check_family(info, path)
-    _check_record(info, path)
 
 
 def _check_layers(info: dict[str, Any], path: Path) -> None:
@@ -377,6 +377,20 @@ def _check_layers(info: dict[str, Any], path: Path) -> None:
     if d.get("rope_parameters") is not None and not isinstance(d["rope_parameters"], dict):
         raise StoreError(f"{shown_path(path)}: draft_config.rope_parameters: an object, got "
                          f"{short(d['rope_parameters'], 60)}; the checkpoint is damaged: train again (`train run`)")
+    _check_window(d, path)
+
+
+def _check_window(d: dict[str, Any], path: Path) -> None:
+    """A windowed draft's ``layer_types`` is a list of names and its ``sliding_window`` a whole number
+    of tokens >= 1 (written to config.json as is: vLLM would give the layer a window of 0 or "x")."""
+    types = d.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise StoreError(f"{shown_path(path)}: draft_config.layer_types: a list of attention kinds, got "
+                         f"{short(types, 60)}; the checkpoint is damaged: train again (`train run`)")
+    if "sliding_attention" in (types or ()) and not _is_count(d.get("sliding_window"), 1):
+        raise StoreError(f"{shown_path(path)}: draft_config.sliding_window: a whole number of tokens >= 1 for a "
+                         f"sliding_attention layer, got {short(d.get('sliding_window'))}; the checkpoint is damaged: "
+                         "train again (`train run`)")
 
 
 def _check_family(info: dict[str, Any], path: Path) -> None:
@@ -388,6 +402,10 @@ def _check_family(info: dict[str, Any], path: Path) -> None:
     if recorded in ("eagle3", "peagle", "dflash") and recorded != family:  # (another value: _recommended_k's)
         raise StoreError(f"{shown_path(path)}: train_config.family {short(recorded)} does not describe the "
                          f"{family} draft in draft_config; the checkpoint is damaged: train again (`train run`)")
+    steps = train.get("ttt_steps")
+    if family == "eagle3" and steps is not None and not _is_count(steps, 1):  # the K the export records
+        raise StoreError(f"{shown_path(path)}: train_config.ttt_steps: a whole number >= 1, got {short(steps)}; "
+                         "the checkpoint is damaged: train again (`train run`)")
     for section, key, built in (("peagle", "num_slots", d.get("peagle_num_slots")),
                                 ("dflash", "block_size", d.get("dflash_block_size"))):
         said = train[section].get(key) if isinstance(train.get(section), dict) else None
@@ -522,7 +540,8 @@ def _load_state(ckpt_dir: str | Path, info: dict[str, Any]) -> dict[str, torch.T
         raise StoreError(f"{shown_path(Path(ckpt_dir) / INFO)}: draft_config does not build a draft "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}); "
                          "the checkpoint is damaged: train again (`train run`)") from None
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
+    built = {k: v for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
+    want = {k: tuple(v.shape) for k, v in built.items()}
     for name, t in state.items():
         if name.startswith("embed_tokens."):
             continue
@@ -532,6 +551,10 @@ def _load_state(ckpt_dir: str | Path, info: dict[str, Any]) -> dict[str, torch.T
         if tuple(t.shape) != want[name]:
             raise StoreError(f"{shown_path(path)}: tensor {name} is {list(t.shape)}, {INFO}'s config makes it "
                              f"{list(want[name])}; the weights and checkpoint.json come from different runs")
+        if t.is_floating_point() != built[name].is_floating_point():  # exported as is: int weights, float maps
+            raise StoreError(f"{shown_path(path)}: tensor {name} is {str(t.dtype).removeprefix('torch.')}, the "
+                             f"draft's is {str(built[name].dtype).removeprefix('torch.')}; the checkpoint is "
+                             "damaged: train again (`train run`)")
     missing = sorted(set(want) - set(state))
     if missing:
         raise StoreError(f"{shown_path(path)}: no tensor {missing[0]} ({len(missing)} missing); "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from eaglenest.featurestore.table.objects import is_remote, local
 from eaglenest.paths import ensure_writable
 from eaglenest.serve.export import export_draft
 from eaglenest.train.config import TrainConfig
@@ -21,7 +22,7 @@ def cmd_export(recipe, args) -> int:
     ensure_writable(Path(out).parent, "--out" if args.out else "run.workdir", keep=False)
     # Never over the checkpoint, the store or the workdir itself; export_draft refuses any other
     # folder that is not an earlier export.
-    store = () if "://" in r.store_uri else (("the feature store", r.store_uri),)
+    store = () if is_remote(r.store_uri) else (("the feature store", local(r.store_uri)),)  # file:// is local
     path = export_draft(r.path(s.checkpoint_subdir), out, target_dir=r.target, dtype=s.dtype,
                         quantization=s.quantization, format=s.format,
                         num_speculative_tokens=s.num_speculative_tokens, argv=sys.argv, recipe=recipe.to_dict(),

@@ -136,7 +136,7 @@ def test_a_vocab_map_outside_the_target_is_refused(tmp_path, tiny_target, damage
     ("metrics", {"step_acc": "ab"}, "metrics.step_acc: a list of numbers, got 'ab'"),
     ("metrics", [1], "metrics: an object, got [1]"),
     ("train_config", [], "train_config: an object, got []"),
-    ("train_config", {"ttt_steps": "x"}, "train_config: invalid literal for int()"),
+    ("train_config", {"ttt_steps": "x"}, "train_config.ttt_steps: a whole number >= 1, got 'x'"),
     ("train_config", {"family": 3}, "train_config: train.family: 'eagle3', 'peagle', 'dflash', got 3"),
     ("vocab_coverage", "x", "vocab_coverage: a number, got 'x'"),
     ("num_parameters", "many", "num_parameters: a number, got 'many'"),

@@ -74,10 +74,8 @@ def bucket_lengths(buckets, *, max_positions: int, max_tokens: int) -> dict[int,
     return out
 
 
-def distinct_lengths(lengths: dict[int, int]) -> dict[int, int]:
-    """``lengths`` with one bucket per prompt length: buckets shortened to the same length (1K .. 32K on
-    a 4K target) would decode identical prompts, so only the shortest of them is kept, and a warning
-    names the others."""
+def merged_buckets(lengths: dict[int, int]) -> dict[int, list[int]]:
+    """``{kept bucket: [longer buckets shortened to its length]}`` (empty when every length differs)."""
     kept: dict[int, int] = {}
     merged: dict[int, list[int]] = {}
     for bucket, length in sorted(lengths.items()):
@@ -86,10 +84,19 @@ def distinct_lengths(lengths: dict[int, int]) -> dict[int, int]:
             kept[bucket] = length
         else:
             merged.setdefault(first, []).append(bucket)
+    return merged
+
+
+def distinct_lengths(lengths: dict[int, int]) -> dict[int, int]:
+    """``lengths`` with one bucket per prompt length: buckets shortened to the same length (1K .. 32K on
+    a 4K target) would decode identical prompts, so only the shortest of them is kept, and a warning
+    names the others (the report records them: ``context_buckets_merged``)."""
+    merged = merged_buckets(lengths)
     for first, others in merged.items():
         log.warning("evaluate.context_buckets: %s shorten to %d prompt tokens, as %d does: decoded once, "
-                    "reported as bucket %d", ", ".join(map(str, others)), kept[first], first, first)
-    return kept
+                    "reported as bucket %d", ", ".join(map(str, others)), lengths[first], first, first)
+    gone = {b for others in merged.values() for b in others}
+    return {b: n for b, n in sorted(lengths.items()) if b not in gone}
 
 
 def check_generated(tok, lengths: dict[int, int], *, kinds: tuple[str, ...], per_bucket: int, seed: int = 0,

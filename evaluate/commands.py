@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from eaglenest.evaluate.prompts import check_prompt_lengths, load_prompt_set
 from eaglenest.evaluate.report import markdown as report_markdown
 from eaglenest.evaluate.report import unmark, write_report
 from eaglenest.evaluate.run import evaluate_al
-from eaglenest.evaluate.settings import draft_dir, evaluate_config
+from eaglenest.evaluate.settings import check_draft_family, draft_dir, evaluate_config
 from eaglenest.evaluate.throughput import markdown as throughput_markdown
 from eaglenest.evaluate.throughput import run_sweep
 from eaglenest.featurestore.capture.identity import weights_hash
@@ -31,6 +32,8 @@ from eaglenest.paths import ensure_writable, make_dir
 from eaglenest.provenance import package_versions, write_json_atomic, write_provenance, write_text_atomic
 from eaglenest.target import local_dir
 from eaglenest.train.checkpoint import INFO
+
+log = logging.getLogger(__name__)
 
 
 def _check_target(recipe) -> None:
@@ -61,6 +64,7 @@ def _inputs_of(recipe, draft: str, **more: str) -> dict[str, str]:
 
 def cmd_al(recipe, args) -> int:
     _check_target(recipe)
+    check_draft_family(recipe, draft_dir(recipe))
     cfg, draft = evaluate_config(recipe, manifest=args.manifest), draft_dir(recipe)
     out = str(_out(args.out or recipe.run.path("eval"), args, inputs=_inputs_of(recipe, draft)))
     key = _cache_key(recipe, draft, cfg)
@@ -154,12 +158,22 @@ def _prompt_files_hash(prompt_path: str) -> str | None:
 
 
 def _cached_report(out: str, key: str) -> dict | None:
+    """``out``'s report.json when it measured ``key``; None (measure again) when it is missing, of another
+    key, or cannot be shown: a report.json edited by hand, or of an older layout, under the same key."""
     path = Path(out) / "report.json"
     try:
         report = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return report if isinstance(report, dict) and report.get("cache_key") == key else None
+    if not isinstance(report, dict) or report.get("cache_key") != key:
+        return None
+    try:
+        report_markdown(report)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # a key missing or mistyped
+        log.warning("evaluate: %s matches these settings but cannot be shown (%s %s): measuring again", path,
+                    type(exc).__name__, str(exc)[:80])
+        return None
+    return report
 
 
 def _inputs(recipe, draft: str) -> dict:
@@ -182,6 +196,7 @@ def _clear_result(out: Path, result: str, key: str) -> None:
 def cmd_throughput(recipe, args) -> int:
     _check_target(recipe)
     draft = draft_dir(recipe)
+    check_draft_family(recipe, draft)
     out = _out(recipe.run.path(args.out or "throughput"), args, inputs=_inputs_of(recipe, draft))
     result = run_sweep(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri,
                        cfg=evaluate_config(recipe, manifest=args.manifest), serve_cfg=recipe.serve,
@@ -198,7 +213,14 @@ def cmd_throughput(recipe, args) -> int:
 
 def cmd_compare(recipe, args) -> int:
     _check_target(recipe)
-    out = _out(recipe.run.path(args.out or "compare"), args)  # before any draft is evaluated
+    # Not into the recipe's draft or target, nor a compared draft's or report's folder with a provenance.json
+    # (an export's, an `evaluate al` run's): this command's would replace it.
+    specs = {"a": Path(args.a), "b": Path(args.b)}
+    folders = {name: spec if spec.is_dir() else spec.parent for name, spec in specs.items()}
+    sides = {f"--{name} draft or report": str(folder) for name, folder in folders.items()
+             if (folder / "provenance.json").is_file()}
+    out = _out(recipe.run.path(args.out or "compare"), args,  # before any draft is evaluated
+               inputs=_inputs_of(recipe, draft_dir(recipe), **sides))
     print(compare(args.a, args.b, recipe=recipe, outdir=out, key="--out" if args.out else "run.workdir"))
     return 0
 
@@ -206,6 +228,7 @@ def cmd_compare(recipe, args) -> int:
 def cmd_offline(recipe, args) -> int:
     _check_target(recipe)
     draft = args.draft or draft_dir(recipe)
+    check_draft_family(recipe, draft)
     cfg = evaluate_config(recipe, manifest=args.manifest, draft=draft)  # the K the given draft records
     out = _out(recipe.run.path(args.out or "eval_offline"), args, inputs=_inputs_of(recipe, draft))
     if cfg.temperature != 0.0:
@@ -240,6 +263,7 @@ def cmd_parity(recipe, args) -> int:
     """``evaluate parity``: writes ``parity.json`` (+ provenance) and exits 1 with one line when the
     served draft's proposals part from the trained checkpoint's below the threshold."""
     _check_target(recipe)
+    check_draft_family(recipe, draft_dir(recipe))
     cfg, draft = evaluate_config(recipe, manifest=args.manifest), draft_dir(recipe)
     checkpoint = args.checkpoint or str(recipe.run.path(recipe.serve.checkpoint_subdir))
     if not (Path(draft) / "config.json").is_file():

@@ -17,7 +17,7 @@ from eaglenest.errors import EaglenestError
 from eaglenest.paths import make_dir, shown_path
 from eaglenest.evaluate.report import md_cell
 from eaglenest.evaluate.run import evaluate_al
-from eaglenest.evaluate.settings import evaluate_config
+from eaglenest.evaluate.settings import check_draft_family, evaluate_config
 from eaglenest.provenance import write_json_atomic, write_provenance, write_text_atomic
 
 
@@ -69,6 +69,7 @@ def _load(spec: str, recipe) -> dict:
         if (p / name).is_file():
             return _report(p / name)
     if (p / "config.json").is_file():
+        check_draft_family(recipe, str(p))
         cfg = dataclasses.replace(evaluate_config(recipe, draft=str(p)), check_lossless=False)  # p's own K
         return evaluate_al(target=recipe.run.target, draft=str(p), store_uri=recipe.run.store_uri, cfg=cfg,
                            features_table=recipe.featurestore.table,  # the n-gram reference, as `evaluate al`
@@ -87,10 +88,13 @@ SETTINGS = ("target", "num_speculative_tokens", "temperature", "max_tokens", "bu
 
 
 def differences(a: dict, b: dict) -> dict[str, list]:
-    """``{setting: [A's, B's]}`` for every :data:`SETTINGS` key (and the prompt set) the reports differ in."""
+    """``{setting: [A's, B's]}`` for every :data:`SETTINGS` key (and the prompt set) the reports differ in,
+    and for their groups and context buckets: an overall AL over other groups is not a like delta."""
     def settings(r: dict) -> dict:
         prompts = r.get("prompts") if isinstance(r.get("prompts"), dict) else {}
-        return {**{k: r.get(k) for k in SETTINGS}, "prompt_set": prompts.get("prompt_set")}
+        buckets = sorted(r.get("context_buckets") or {}, key=lambda k: (0, int(k)) if str(k).isdecimal() else (1, k))
+        return {**{k: r.get(k) for k in SETTINGS}, "prompt_set": prompts.get("prompt_set"),
+                "groups": sorted(r.get("domains") or {}), "context_buckets": buckets}
 
     x, y = settings(a), settings(b)
     return {k: [x[k], y[k]] for k in x if x[k] != y[k]}

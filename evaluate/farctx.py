@@ -83,11 +83,12 @@ def value_mask(tok, answer: str, value: str) -> tuple[list[int], list[int]]:
 
 
 def answer_probes(bucket_prompts: dict, tok, *, keep_tokens: int, bos_id: int | None,
-                  max_len: int | None = None) -> list[dict]:
+                  max_len: int | None = None, unscored: dict[str, str] | None = None) -> list[dict]:
     """One row per prompt longer than ``keep_tokens`` with a reference answer and its value: the
     answer's ids up to its value's last token, the value-token mask and the two contexts (whole
     prompt, last ``keep_tokens``). A prompt whose whole context and answer exceed ``max_len`` (the
-    engine's) is left out with a warning."""
+    engine's) is left out with a warning, and why goes into ``unscored`` ({sample_id: reason}) for
+    the report."""
     rows = []
     for prompts in bucket_prompts.values():
         for p in prompts:
@@ -98,8 +99,11 @@ def answer_probes(bucket_prompts: dict, tok, *, keep_tokens: int, bos_id: int | 
             end = max(i for i, m in enumerate(mask) if m) + 1  # what follows the value is not scored
             answer, mask = answer[:end], mask[:end]
             if max_len is not None and len(ids) + len(answer) > max_len:
-                log.warning("far context: %s's answer does not fit the engine's %d positions after its %d "
-                            "prompt tokens; its value is not scored", p["sample_id"], max_len, len(ids))
+                why = (f"its answer's {len(answer)} tokens do not fit the engine's {max_len} positions after its "
+                       f"{len(ids)} prompt tokens")
+                log.warning("far context: %s: %s; its value is not scored", p["sample_id"], why)
+                if unscored is not None:
+                    unscored[p["sample_id"]] = why
                 continue
             rows.append({"sample_id": p["sample_id"], "answer_ids": answer, "mask": mask,
                          "contexts": (list(ids), far_prompt(ids, keep_tokens, bos_id))})
@@ -209,7 +213,7 @@ def summary(rows: list[dict], *, keep_tokens: int, probe_tokens: int) -> dict:
     out = {"keep_tokens": keep_tokens, "probe_tokens": probe_tokens, "prompts": len(scored)}
     if not scored:
         return {**out, "confidence_kept": None, "confidence_far_removed": None, "ratio": None, "difference": None,
-                "note": f"no prompt longer than {keep_tokens} tokens with output to probe"}
+                "note": f"no prompt longer than {keep_tokens} tokens with output to probe", **answer_summary(rows)}
     n = sum(r["far_tokens"] for r in scored)
     kept = sum(r["far_kept_sum"] for r in scored) / n
     removed = sum(r["far_removed_sum"] for r in scored) / n
@@ -219,15 +223,18 @@ def summary(rows: list[dict], *, keep_tokens: int, probe_tokens: int) -> dict:
 
 
 def answer_summary(rows: list[dict]) -> dict:
-    """The answer-value figures of a bucket's ``per_prompt`` rows (empty when none was scored)."""
+    """The answer-value figures of a bucket's ``per_prompt`` rows (empty when none was scored or left
+    out); ``answers_unscored``: the prompts whose answer had no room after them (``answer_unscored``)."""
     scored = [r for r in rows if r.get("answer_tokens")]
+    unscored = [r["sample_id"] for r in rows if r.get("answer_unscored")]
+    out = {"answers_unscored": unscored} if unscored else {}
     if not scored:
-        return {}
+        return out
     n = sum(r["answer_tokens"] for r in scored)
     kept = sum(r["answer_kept_sum"] for r in scored) / n
     removed = sum(r["answer_removed_sum"] for r in scored) / n
     return {"answer_prompts": len(scored), "answer_value_kept": round(kept, 4),
-            "answer_value_removed": round(removed, 4), "answer_value_difference": round(kept - removed, 4)}
+            "answer_value_removed": round(removed, 4), "answer_value_difference": round(kept - removed, 4), **out}
 
 
 def add_to_report(report: dict, far: dict[str, dict], *, keep_tokens: int, probe_tokens: int, measured: bool) -> dict:

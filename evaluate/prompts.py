@@ -59,6 +59,13 @@ def heldout(store_uri: str, split: str) -> Groups:
     return dict(groups)
 
 
+def domains_without(store_uri: str, split: str, groups: Groups) -> dict[str, str]:
+    """``{domain: why}`` for each domain of the prompts table with no ``split`` prompt (a manifest domain
+    too small to hold one out): absent from the report's groups, so the report says so."""
+    domains = set(store.read(store_uri, store.PROMPTS, columns=["domain"]).column("domain").to_pylist())
+    return {d: f"no '{split}' prompts" for d in sorted(domains - set(groups))}
+
+
 def _load_records(path: str, *, config: str | None, split: str) -> list[dict]:
     """Rows of a published dataset from a local file/directory or a hub id, via ``datasets``."""
     import datasets
@@ -120,6 +127,12 @@ def _first_line(exc: BaseException) -> str:
 
 def published(path: str, *, name: str, config: str | None = None, split: str = "test") -> Groups:
     """MT-Bench / SPEED-Bench rows (``question_id``, ``category``, ``turns``) grouped by category."""
+    return published_with_skipped(path, name=name, config=config, split=split)[0]
+
+
+def published_with_skipped(path: str, *, name: str, config: str | None = None,
+                           split: str = "test") -> tuple[Groups, list[str]]:
+    """:func:`published`'s groups and the question ids skipped for an empty first turn (as text)."""
     rows = _load_records(path, config=config, split=split)
     groups: Groups = collections.defaultdict(list)
     seen: set[str] = set()
@@ -151,7 +164,7 @@ def published(path: str, *, name: str, config: str | None = None, split: str = "
                     "(question_id %s)", len(empty), path, ", ".join(short(q) for q in empty[:10]))
     if not groups:
         raise ConfigError(f"evaluate.prompt_path: no questions in {path}")
-    return dict(groups)
+    return dict(groups), [str(q) for q in empty]
 
 
 def _check_turns(turns, where: str) -> None:
@@ -206,17 +219,23 @@ def exclude_overlap(groups: Groups, train_keys: set[str]) -> tuple[Groups, list[
 
 def load_prompt_set(cfg, store_uri: str) -> tuple[Groups, dict]:
     """The configured prompt set, overlap-filtered and capped; plus a small report of what happened."""
+    empty: list[str] = []
     if cfg.prompt_set == "heldout":
         groups = heldout(store_uri, cfg.split)
     elif cfg.prompt_set == "mt_bench":
-        groups = published(cfg.prompt_path, name="mt_bench", split="train")
+        groups, empty = published_with_skipped(cfg.prompt_path, name="mt_bench", split="train")
     else:
-        groups = published(cfg.prompt_path, name="speed_bench", config=cfg.speed_bench_config,
-                           split=cfg.hub_split)
+        groups, empty = published_with_skipped(cfg.prompt_path, name="speed_bench", config=cfg.speed_bench_config,
+                                               split=cfg.hub_split)
     total = sum(map(len, groups.values()))
+    missing = domains_without(store_uri, cfg.split, groups) if cfg.prompt_set == "heldout" else {}
     dropped: list[str] = []
     if cfg.exclude_overlap:
+        loaded = set(groups)
         groups, dropped = exclude_overlap(groups, training_keys(store_uri, cfg.split))
+        missing.update({g: "every prompt overlaps the training pool" for g in sorted(loaded - set(groups))})
+    if missing:
+        log.warning("evaluate: domains not evaluated: %s", "; ".join(f"{g} ({why})" for g, why in missing.items()))
     kept = sum(map(len, groups.values()))
     if cfg.max_prompts_per_domain > 0:
         groups = {g: ps[:cfg.max_prompts_per_domain] for g, ps in groups.items()}
@@ -226,7 +245,8 @@ def load_prompt_set(cfg, store_uri: str) -> tuple[Groups, dict]:
             "overlap_check": "normalised-content hash against the store's training prompts"
                              if cfg.exclude_overlap else "off",
             "max_prompts_per_domain": cfg.max_prompts_per_domain, "over_cap": kept - evaluated,
-            "evaluated": evaluated}
+            "evaluated": evaluated, "empty_first_turn": len(empty), "empty_first_turn_ids": empty[:50],
+            "domains_not_evaluated": missing}
     if not groups:
         raise ConfigError("evaluate: every prompt was excluded as overlapping the training pool")
     return dict(sorted(groups.items())), info

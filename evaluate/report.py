@@ -58,6 +58,10 @@ def _bucket_section(report: dict, k: int, conf: tuple[str, ...]) -> list[str]:
                      f"{how['resamples']} resamples, seed {how['seed']}.")
     lines.append("- **evidence >=**: the fewest tokens between a prompt's evidence and its end (records, code, "
                  "recall); **answer found**: share of those prompts whose output holds the reference answer.")
+    for first, others in sorted((report.get("context_buckets_merged") or {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"- Buckets {', '.join(map(str, others))} shorten to the prompt tokens of bucket {first} (the "
+                     f"target's positions less {report.get('bucket_max_tokens')} output tokens): decoded once, "
+                     f"reported as bucket {first}.")
     ratio = how.get("ratio_to_shortest") or {}
     if ratio:
         lines.append(f"- **AL / {ratio['bucket']}**: the bucket's pooled AL over the shortest bucket's; interval: "
@@ -94,6 +98,11 @@ def _bucket_section(report: dict, k: int, conf: tuple[str, ...]) -> list[str]:
                          f"{_with_ci(f.get('answer_value_difference'), iv.get('answer_value_difference'))} |")
         if pred.get("far_context_answers"):
             lines += ["", f"- Answer value: {pred['far_context_answers']}."]
+        for name, d in rows:
+            unscored = (d.get("far_context") or {}).get("answers_unscored")
+            if unscored:
+                lines.append(f"- Bucket {name}: answer value not scored for {', '.join(unscored)}: no room for the "
+                             "answer after the prompt within the engine's max_model_len.")
     elif pred.get("far_context_skipped"):
         lines += ["", f"- Far-context use not measured: {pred['far_context_skipped']}."]
     return lines
@@ -113,6 +122,12 @@ def _prompts_line(p: dict) -> str:
         line += f"; beyond evaluate.max_prompts_per_domain={p.get('max_prompts_per_domain')}: {p['over_cap']}"
     if "evaluated" in p:
         line += f"; evaluated: {p['evaluated']}"
+    missing = p.get("domains_not_evaluated") or {}
+    if missing:
+        line += "; not evaluated: " + ", ".join(f"{md_cell(g)} ({why})" for g, why in missing.items())
+    if p.get("empty_first_turn"):
+        line += (f"; skipped for an empty first turn: {p['empty_first_turn']} (question_id "
+                 f"{md_cell(', '.join(map(str, p.get('empty_first_turn_ids') or [])))})")
     return line + "."
 
 

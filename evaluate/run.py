@@ -21,7 +21,7 @@ from eaglenest.engine import close_llm, make_llm, speculative_config
 from eaglenest.errors import EaglenestError
 from eaglenest.evaluate import farctx, ngram
 from eaglenest.evaluate.al import SpecCounters, per_request_summary, read_counters
-from eaglenest.evaluate.buckets import bucket_rows, build_bucket_prompts
+from eaglenest.evaluate.buckets import bucket_lengths, bucket_rows, build_bucket_prompts, merged_buckets
 from eaglenest.evaluate.intervals import add_intervals, per_prompt, spec_counts
 from eaglenest.evaluate.plan import plan
 from eaglenest.evaluate.prompts import heldout
@@ -135,6 +135,8 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
                     **_merge_per_request([domains[g] for g in domains])},
         "domains": domains, "context_buckets": buckets, "seconds_speculative": round(time.time() - t0, 2),
     }
+    if buckets:  # buckets shortened to one length on a short-context target: decoded once, under the first
+        report["context_buckets_merged"] = merged_into(cfg, max_pos)
     pred: dict = {}
     far: dict = {}
     if cfg.check_lossless:
@@ -151,6 +153,13 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
     if pred:
         report["predictability"] = pred
     return report
+
+
+def merged_into(cfg, max_pos: int) -> dict[str, list[int]]:
+    """``{reported bucket: [buckets shortened to its length]}`` (``buckets.merged_buckets``), report.json's
+    ``context_buckets_merged``: a bucket asked for is never missing from the report without a word."""
+    lengths = bucket_lengths(cfg.context_buckets, max_positions=max_pos, max_tokens=cfg.bucket_max_tokens)
+    return {str(first): others for first, others in merged_buckets(lengths).items()}
 
 
 #: What ``target_confidence`` is, written into every report that has it.
@@ -172,6 +181,8 @@ def predictability(report: dict, groups: dict, bucket_prompts: dict, probs: dict
 
     for name, prompts in groups.items():
         report["domains"][name]["target_confidence"] = mean(p["sample_id"] for p in prompts)
+    # over every group's tokens, as ngram_al is pooled overall (the buckets are not in "overall")
+    report["overall"]["target_confidence"] = mean(p["sample_id"] for ps in groups.values() for p in ps)
     for b, prompts in bucket_prompts.items():
         report["context_buckets"][str(b)]["target_confidence"] = mean(p["sample_id"] for p in prompts)
         for p in prompts:  # per-prompt sums for the bucket's interval
@@ -284,13 +295,15 @@ def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, 
         tok = load_tokenizer(target, trust_remote_code=trust_remote_code) if probing else None
         prompts = [p for ps in groups.values() for p in ps]
         outs = [r.outputs[0] for r in _decode(llm, prompts, cfg, logprobs=0)]
-        answers = []
+        answers: list[dict] = []
+        unscored: dict[str, str] = {}  # answers with no room after their prompt: in the report, not the log alone
         for length, ps in bucket_prompts.items():
             prompts += ps
             outs += [r.outputs[0] for r in _decode(llm, ps, cfg, max_tokens=cfg.bucket_max_tokens, logprobs=0)]
             if probing and cfg.far_context_answers:  # now, while the engine's prefix cache holds these prompts
                 rows = farctx.answer_probes({length: ps}, tok, keep_tokens=cfg.far_context_keep_tokens,
-                                            bos_id=tok.bos_token_id, max_len=engine.max_model_len)
+                                            bos_id=tok.bos_token_id, max_len=engine.max_model_len,
+                                            unscored=unscored)
                 farctx.score_answers(llm, rows)
                 answers += rows
         base = [list(o.token_ids) for o in outs]
@@ -301,6 +314,8 @@ def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, 
                                       keep_tokens=cfg.far_context_keep_tokens,
                                       probe_tokens=cfg.far_context_probe_tokens, bos_id=tok.bos_token_id,
                                       answers=answers))
+            for sid, why in unscored.items():
+                far.setdefault(sid, {})["answer_unscored"] = why
     finally:
         close_llm(llm)
     diff = [p["sample_id"] for p, b in zip(prompts, base) if outputs[p["sample_id"]] != b]

@@ -30,14 +30,15 @@ import json
 import logging
 from pathlib import Path
 
-from eaglenest.engine import draft_num_speculative_tokens
+from eaglenest.engine import draft_family, draft_num_speculative_tokens
 from eaglenest.errors import ConfigError, ManifestError
 from eaglenest.evaluate.config import EvaluateConfig
 from eaglenest.featurestore.capture import policy
 from eaglenest.ingest.manifest import load_manifest
 from eaglenest.ingest.reasoning import template_kwargs
+from eaglenest.paths import read_json_object
 from eaglenest.train.checkpoint import INFO
-from eaglenest.train.config import BEST_NUM_SPECULATIVE_TOKENS, recommended_num_speculative_tokens
+from eaglenest.train.config import BEST_NUM_SPECULATIVE_TOKENS, TrainConfig, recommended_num_speculative_tokens
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,23 @@ log = logging.getLogger(__name__)
 def draft_dir(recipe) -> str:
     """The draft evaluated: ``evaluate.draft``, else where ``serve export`` writes it."""
     return recipe.evaluate.draft or str(recipe.run.path(recipe.serve.draft_subdir))
+
+
+def check_draft_family(recipe, draft: str) -> None:
+    """Refuse an exported ``draft`` of another family than the recipe's ``train.family``, when it names
+    one other than the default (as ``serve export`` reads it): ``evaluate al train.family=dflash`` given
+    an EAGLE-3 export would measure that draft under the other family's name. No draft there yet: left to
+    the command to refuse, naming it; a train checkpoint (no config.json) records its own family."""
+    asked = recipe.train.family
+    path = Path(draft) / "config.json"
+    if asked == TrainConfig.family or not path.is_file():
+        return
+    exported = draft_family(read_json_object(path, error=ConfigError,
+                                             then="not an exported draft: run `serve export` again"))
+    if exported != asked:
+        raise ConfigError(f"train.family={asked}: the draft {draft} is a {exported} draft (its config.json); "
+                          f"evaluate it with train.family={exported}, or export a {asked} draft there first "
+                          f"(`train run` and `serve export` with train.family={asked})")
 
 
 def with_draft_k(cfg: EvaluateConfig, draft: str,

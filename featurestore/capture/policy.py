@@ -53,8 +53,10 @@ def generating_targets(store_uri: str) -> dict[str, str] | None:
         return None
     ds = store.dataset(store_uri, store.PROMPTS)
     found: dict[str, str] = {}
-    for v in store.version_list(ds, store_uri, store.PROMPTS):
-        lin = fragments.lineage_of(ds, int(v["version"])) or {}
+    lineages = fragments.removed_lineage(store_uri, store.PROMPTS)  # of versions gc removed: their rows stay
+    lineages.update({int(v["version"]): fragments.lineage_of(ds, int(v["version"])) or {}
+                     for v in store.version_list(ds, store_uri, store.PROMPTS)})
+    for _, lin in sorted(lineages.items()):
         if lin.get("target_id") and lin.get("shard") != "heldout":
             found.setdefault(lin["target_id"], lin.get("target", "?"))
     return found

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from pathlib import Path
 
 import pyarrow as pa
 
@@ -51,6 +52,9 @@ class FeatureWriter:
         self._counts: collections.Counter = collections.Counter()
         #: Fragments written so far by this writer (all commits).
         self.fragments_written = 0
+        #: Names of the data files (under ``<table>.lance/data/``) this writer wrote, all commits: what a
+        #: failed import that created the table removes again, and nothing another writer wrote.
+        self.data_files: list[str] = []
 
     def add(self, row: dict) -> None:
         """Buffer one ``build.feature_row``; writes a fragment when the buffer reaches the budget."""
@@ -69,6 +73,7 @@ class FeatureWriter:
             frags = fragments.write_fragment(self.uri, self.name, table, meta=self.meta)
         self.fragments_written += len(frags)
         self._frags += frags
+        self.data_files += [Path(f.path).name for frag in frags for f in frag.files]
 
     def commit(self, lineage: dict | None = None) -> int | None:
         """Write what is buffered and append this commit's fragments atomically. ``lineage`` gets

@@ -16,6 +16,7 @@ the original ``FeatureMeta``, so a round trip is bit-exact), else from the recip
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -351,8 +352,8 @@ def commit_rows(uri: str, name: str, meta: S.FeatureMeta, rows: Iterable[dict], 
                                   f"layers {list(meta.layer_ids)}, {meta.dtype}); import into a new table "
                                   "(featurestore.table=NAME)")
             check_ids(ids, store.sample_ids(uri, name), name)
+        writer = FeatureWriter(uri, name, meta, budget=budget_bytes)
         try:
-            writer = FeatureWriter(uri, name, meta, budget=budget_bytes)
             for row in tqdm(rows, total=total, desc=desc, unit="sample"):
                 writer.add(row)
                 faults.delay("import.row_written")  # tests: hold an import between its first write and its commit
@@ -360,18 +361,19 @@ def commit_rows(uri: str, name: str, meta: S.FeatureMeta, rows: Iterable[dict], 
                                      "feature_set_id": meta.feature_set_id})
         except BaseException:  # an error or Ctrl-C: nothing was committed
             if created:
-                _remove_uncommitted(uri, name)
+                _remove_uncommitted(uri, name, written=writer.data_files)
             raise
     if version is None:
         raise StoreError("the dump holds no samples; nothing was imported")
     return version
 
 
-def _remove_uncommitted(uri: str, name: str) -> None:
+def _remove_uncommitted(uri: str, name: str, *, written: Iterable[str] = ()) -> None:
     """Remove table ``name`` if it holds nothing committed (its first, empty version only): the
-    import that created it failed. The caller holds the table's writer lease; an object store has
-    none, so there the check is what keeps a table another writer has committed to since (it has a
-    second version then) from being removed."""
+    import that created it failed, having written the data files ``written``. The caller holds the
+    table's writer lease; an object store has none, so there only what this import wrote goes
+    (:func:`_remove_remote`), and the check is what keeps a table another writer has committed to
+    since (it has a second version then) from being removed."""
     if not store.exists(uri, name):
         return
     try:
@@ -379,26 +381,36 @@ def _remove_uncommitted(uri: str, name: str) -> None:
         if ds.count_rows() or len(ds.versions()) > 1:
             return
         if objects.is_remote(uri):
-            _remove_remote(store.table_uri(uri, name))
+            _remove_remote(store.table_uri(uri, name), written)
         else:
             shutil.rmtree(store.table_path(uri, name))
     except Exception as exc:  # noqa: BLE001 - cleanup must not hide the import's own error
         log.warning("could not remove the empty table '%s' this import created: %s", name, exc)
 
 
-def _remove_remote(table: str) -> None:
-    """Remove an object-store table that holds only its empty first manifest. With no lease there, the
-    manifest goes first and the rest only if no other manifest has appeared since: a writer that
-    committed meanwhile keeps its version (the table is left to ``featurestore gc`` then)."""
+def _remove_remote(table: str, written: Iterable[str]) -> None:
+    """Remove an object-store table that holds only its empty first manifest, and the data files
+    ``written`` this import wrote. With no lease there, another writer may be writing into the new
+    table: while any data file it wrote is there (not yet committed), or once it has committed a
+    manifest, the empty table stays (its version is kept; the import's own files are gone)."""
+    data = objects.join(table, "data")
+    for file in written:
+        with contextlib.suppress(FileNotFoundError):
+            objects.delete(objects.join(data, file))
     manifests = objects.join(table, "_versions")
     found = [e.name for e in objects.listdir(manifests) if e.name.endswith(".manifest")]
-    if len(found) != 1:
+    if len(found) != 1 or _others_data(data):
         return
     objects.delete(objects.join(manifests, found[0]))
-    if any(e.name.endswith(".manifest") for e in objects.listdir(manifests)):
-        log.warning("another writer committed to %s while this import failed; its version is kept", table)
+    if any(e.name.endswith(".manifest") for e in objects.listdir(manifests)) or _others_data(data):
+        log.warning("another writer wrote to %s while this import failed; its files are kept", table)
         return
     objects.delete_tree(table)
+
+
+def _others_data(data: str) -> bool:
+    """Whether the table's data prefix holds a file (another writer's: the caller removed its own)."""
+    return any(e.is_file for e in objects.listdir(data))
 
 
 def require_dir(src: str | Path, fmt: str) -> Path:

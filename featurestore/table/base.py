@@ -83,12 +83,23 @@ def _missing_version(uri: str, name: str, version: int | str | None) -> str | No
     except LANCE_ERRORS:
         return None
     if isinstance(version, int) and version not in numbers:
-        return (f"table '{name}' in {uri} has no version {version} (the latest is "
-                f"{max(numbers, default='none')}; `featurestore versions` lists them)")
+        return _missing_number(uri, name, version, numbers)
     if isinstance(version, str) and version not in tags:
         return (f"table '{name}' in {uri} has no tag '{version[:80]}' "
                 f"(tags: {', '.join(sorted(tags)) or 'none'}; `featurestore tags` lists them)")
     return None
+
+
+def _missing_number(uri: str, name: str, version: int, numbers: list[int]) -> str:
+    """The line for version number ``version`` that is not among the table's ``numbers``. Lance
+    numbers versions 1, 2, ... without gaps, so one below the latest that is gone was removed by
+    ``featurestore gc``: said so, with the oldest version kept."""
+    if numbers and 1 <= version < max(numbers):
+        return (f"table '{name}' in {uri} no longer has version {version}: it was garbage-collected "
+                f"(`featurestore gc`; the oldest version kept is {min(numbers)}, the latest {max(numbers)}; "
+                "`featurestore versions` lists them, and a tag keeps a version from gc)")
+    return (f"table '{name}' in {uri} has no version {version} (the latest is "
+            f"{max(numbers, default='none')}; `featurestore versions` lists them)")
 
 
 #: What Lance raises for a table it cannot open or list (RuntimeError: a damaged manifest).

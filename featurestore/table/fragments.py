@@ -54,12 +54,36 @@ def _checked(uri: str, name: str, table: pa.Table, meta: S.FeatureMeta | None) -
     if problem := _column_problem(table.schema.names, want.names):  # it would be dropped or picked silently
         raise SchemaError(f"write to '{name}': {problem}; nothing was written")
     S.validate(table.schema, want, what=f"write to '{name}'")
+    if problem := null_problem(table, want):  # before the cast, whose error names no row
+        raise SchemaError(f"write to '{name}': {problem}; nothing was written")
     table = table.select(want.names).cast(want)
     if problem := id_problem(table.column("sample_id")):
         raise SchemaError(f"write to '{name}': {problem}; nothing was written")
     if name != base.PROMPTS and (problem := S.row_problem(table, meta)):  # before a byte is written
         raise SchemaError(f"write to '{name}': {problem}; nothing was written")
     return table, want
+
+
+def null_problem(table: pa.Table, want: pa.Schema) -> str | None:
+    """The first null the table's schema does not store, by column and row (None: none): a cell of a
+    column that takes no nulls, or an item of a list column (a token id, a loss-mask value)."""
+    import pyarrow.compute as pc
+
+    for field in want:
+        col = table.column(field.name)
+        if not field.nullable and col.null_count:
+            return f"column '{field.name}' is null in row {_first_true(pc.is_null(col))}"
+        if pa.types.is_list(field.type):
+            col = col.combine_chunks()
+            items = pc.list_flatten(col)
+            if items.null_count:
+                row = pc.list_parent_indices(col)[_first_true(pc.is_null(items))].as_py()
+                return f"column '{field.name}' holds a null item in row {row}"
+    return None
+
+
+def _first_true(mask) -> int:
+    return int(mask.to_numpy(zero_copy_only=False).nonzero()[0][0])
 
 
 #: A line break or another control character (Unicode Cc, Zl, Zp): a sample id holding one would break
@@ -315,6 +339,35 @@ def _serial_append(ds, fragments: list):
     lance = base.require_lance()
     existing = [f.metadata for f in ds.get_fragments()]
     return lance.LanceOperation.Merge(existing + list(fragments), ds.lance_schema)
+
+
+#: The lineage of versions ``gc`` may have removed (their transaction files go with them), kept beside
+#: the table: ``{"<version>": lineage}``. What reads a table's history (the on-policy guard's record of
+#: which target generated the prompts) reads it too.
+GC_LINEAGE_FILE = "_eaglenest_gc_lineage.json"
+
+
+def removed_lineage(uri: str, name: str) -> dict[int, dict]:
+    """The lineage ``gc`` kept of the versions it was about to remove (empty: none, or unreadable)."""
+    text = objects.read_text(objects.join(base.table_uri(uri, name), GC_LINEAGE_FILE))
+    try:
+        found = json.loads(text) if text else {}
+    except ValueError:
+        found = {}
+    if not isinstance(found, dict):
+        return {}
+    return {int(k): v for k, v in found.items() if k.isascii() and k.isdigit() and isinstance(v, dict)}
+
+
+def keep_lineage(uri: str, name: str, ds, versions: list[int]) -> None:
+    """Record the lineage of ``versions`` of ``ds`` (those a ``gc`` may remove) in :data:`GC_LINEAGE_FILE`,
+    before they are removed: a gc killed after removing them has kept it."""
+    found = {v: lin for v in versions if (lin := lineage_of(ds, v))}
+    if not found:
+        return
+    kept = {**removed_lineage(uri, name), **found}
+    objects.write_text(objects.join(base.table_uri(uri, name), GC_LINEAGE_FILE),
+                       json.dumps({str(v): kept[v] for v in sorted(kept)}, sort_keys=True))
 
 
 def lineage_of(ds, version: int) -> dict | None:

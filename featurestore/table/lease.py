@@ -63,6 +63,7 @@ MAINTENANCE_WAIT_S = 5.0
 
 _held: dict[str, list] = {}  # lease path -> [fd, depth, thread] for leases this process holds
 _pins: dict[str, int] = {}   # pin file -> version, for pins this process holds
+_unpinned_tables: set[str] = set()  # "<store>:<table>" whose pins failed (warned once)
 _create_locks: dict[str, threading.Lock] = {}  # create lock file -> the threads' turn at it
 _mutex = threading.RLock()
 
@@ -260,7 +261,8 @@ def _pins_dir(uri: str, name: str) -> Path:
 def pin(uri: str, name: str, version: int, *, purpose: str = "train") -> Iterator[None]:
     """Mark ``version`` of ``name`` as being read for the block: ``gc`` keeps it (and everything
     newer). The pin is a file this process holds a record lock on, so a reader that dies unpins at
-    once. A store that cannot be written (a read-only copy) is read without a pin."""
+    once. A store that cannot be written (a read-only copy) is read without a pin (:func:`_unpinned`
+    says so once); an object store has no pins (``gc`` there warns that it does not honour them)."""
     if _remote(uri):
         yield
         return
@@ -270,18 +272,12 @@ def pin(uri: str, name: str, version: int, *, purpose: str = "train") -> Iterato
     # delete it, and one between the lock and the write would find no version in it.
     tmp = path.with_suffix(".tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _make_pin(path, tmp, version, purpose)
     except OSError as exc:
-        log.warning("cannot pin version %s of table '%s' (%s): a gc meanwhile could remove it",
-                    version, name, exc.strerror or exc)
+        _unpinned(uri, name, version, exc)
         yield
         return
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        info = json.loads(_info_text(purpose))
-        os.pwrite(fd, json.dumps({**info, "version": int(version)}).encode(), 0)
-        os.rename(tmp, path)
         with _mutex:
             _pins[str(path)] = int(version)
         yield
@@ -294,9 +290,44 @@ def pin(uri: str, name: str, version: int, *, purpose: str = "train") -> Iterato
         os.close(fd)
 
 
+def _make_pin(path: Path, tmp: Path, version: int, purpose: str) -> int:
+    """The pin file ``path``, made through ``tmp`` (pin), locked; its descriptor. Failing (no
+    permission, no locks on this file system, a full disk), the OSError, with nothing left behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        info = json.loads(_info_text(purpose))
+        os.pwrite(fd, json.dumps({**info, "version": int(version)}).encode(), 0)
+        os.rename(tmp, path)
+    except OSError:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return fd
+
+
+def _unpinned(uri: str, name: str, version: int, exc: OSError) -> None:
+    """Say once per table and process that its reads are not pinned. A read-only file system needs
+    no pin (no ``gc`` can run on it): said at debug level only. Another reason (no permission, a
+    full disk) warns, once: a process may read a table many times, and each read pins."""
+    key = f"{store_dir(uri)}:{name}"
+    with _mutex:
+        first = key not in _unpinned_tables
+        _unpinned_tables.add(key)
+    if exc.errno == errno.EROFS or not first:
+        log.debug("version %s of table '%s' read without a pin (%s)", version, name, exc.strerror or exc)
+        return
+    log.warning("cannot pin versions of table '%s' in %s (%s): they are read without a pin, so a "
+                "`featurestore gc` meanwhile could remove them (said once)", name, uri, exc.strerror or exc)
+
+
 def pinned_versions(uri: str, name: str) -> set[int]:
     """Versions of ``name`` that live readers hold pinned; stale pin files are removed."""
     out: set[int] = set()
+    if _remote(uri):  # no pins on object storage (pin); not a folder named "s3:" under the working directory
+        return out
     folder = _pins_dir(uri, name)
     if not folder.is_dir():
         return out

@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from eaglenest.errors import StoreError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.table import base, integrity, lease, objects
+from eaglenest.featurestore.table import base, fragments, integrity, lease, objects
 from eaglenest.featurestore.table.integrity import CRC_DIR, data_path, record_checksums
 
 log = logging.getLogger(__name__)
@@ -194,12 +194,20 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
         # A version a live training run reads (lease.pin) stays, and so does every newer one:
         # Lance removes versions by age, so the cut-off moves back to the oldest pinned version.
         pinned = lease.pinned_versions(uri, name)
+        if objects.is_remote(uri):
+            log.warning("gc of table '%s' in %s: reader pins do not exist on object storage (docs/storage.md), "
+                        "so a training run reading a version older than %s h loses it", name, uri, older_than_hours)
         older_than = dt.timedelta(hours=min(older_than_hours, MAX_HOURS))
         stamps = {int(v["version"]): v["timestamp"] for v in listed}
         if pinned & set(stamps):
             oldest = min(stamps[p] for p in pinned if p in stamps)
             now = dt.datetime.now(oldest.tzinfo) if oldest.tzinfo else dt.datetime.now()
             older_than = max(older_than, now - oldest + dt.timedelta(seconds=1))
+        # The lineage of every version that may go (a minute's margin), kept first: their rows stay in later
+        # versions, and the on-policy guard reads which target generated them from it.
+        cut = dt.datetime.now(dt.timezone.utc) - older_than
+        fragments.keep_lineage(uri, name, ds, [v for v, t in stamps.items()
+                                               if v != ds.version and _utc(t) < cut + dt.timedelta(minutes=1)])
         # delete_unverified=False: Lance deletes only files some removed version referenced. It
         # would delete files of no version (uncommitted) at any age with True: swept below instead.
         stats = ds.cleanup_old_versions(older_than=older_than,
@@ -231,6 +239,11 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
             "uncommitted_files_removed": swept, "checksums_removed": len(stale),
             "temporary_files_removed": len(litter),
             "pinned_versions_kept": sorted(pinned)}
+
+
+def _utc(stamp: dt.datetime) -> dt.datetime:
+    """A version's timestamp as an aware UTC time (Lance's are naive local times)."""
+    return stamp.astimezone(dt.timezone.utc)
 
 
 def killed_writer_litter(uri: str, name: str, crc_dir: Path | None, cutoff: float) -> list[Path]:

@@ -47,11 +47,11 @@ def test_failed_import_on_object_storage_keeps_what_another_writer_committed(bas
     dump, remote = _nan_dump(base), s3.uri("raced-import")
     remove = sink._remove_uncommitted
 
-    def other_writer_first(uri_, name):
+    def other_writer_first(uri_, name, **kw):
         meta = sink.record_meta(json.loads((dump / "eaglenest_export.json").read_text()), "record")
         rows = pa.Table.from_pylist(I.rows(["other-0"], meta), schema=S.features_schema(meta))
         store.append(uri_, name, rows, meta=meta)
-        remove(uri_, name)
+        remove(uri_, name, **kw)
 
     monkeypatch.setattr(sink, "_remove_uncommitted", other_writer_first)
     with pytest.raises(SchemaError, match="NaN"):

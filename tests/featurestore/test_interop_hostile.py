@@ -152,9 +152,9 @@ def test_failed_import_into_a_new_table_leaves_nothing(base, module, monkeypatch
     uri, target, tmp, _ = base
     remove, there = sink._remove_uncommitted, []
 
-    def spy(uri_, name):  # the table and its fragments were written before the NaN, so the cleanup is tested
+    def spy(uri_, name, **kw):  # the table and its fragments were written before the NaN, so the cleanup is tested
         there.append(len(list(store.table_path(uri_, name).rglob("*.lance"))))
-        remove(uri_, name)
+        remove(uri_, name, **kw)
 
     monkeypatch.setattr(sink, "_remove_uncommitted", spy)
     module.export(source.open_source(uri, "features"), tmp / "out", target=target)

@@ -31,9 +31,10 @@ from typing import Any, Literal, get_args
 from eaglenest.config import short
 from eaglenest.engine_errors import TOO_LONG, kv_cache_problem, one_line, shown, weights_mismatch
 from eaglenest.errors import ConfigError, require
-from eaglenest.hf import check_remote_code, is_refusal, refusal
+from eaglenest.hf import check_generation_config, check_remote_code, is_refusal, refusal
 from eaglenest.paths import read_json_object
 from eaglenest.provenance import write_text_atomic
+from eaglenest.shapes import check_weight_shapes
 
 log = logging.getLogger(__name__)
 
@@ -353,9 +354,12 @@ def is_mla_checkpoint(model: str) -> bool:
 def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, **extra: Any):
     """A ``vllm.LLM`` for ``model``; ``extra`` adds e.g. ``speculative_config``. A local checkpoint
     that needs its own code is refused before the engine starts unless ``trust_remote_code``; weights of
-    other shapes than its config.json says are one line naming run.target (an engine in this process)."""
+    other shapes than its config.json says are one line naming run.target and the tensor, before the
+    engine starts (``shapes.py``), or from vLLM's failure (an engine in this process)."""
     cfg.check("engine")  # a section's engine was checked under its own name; one built in code is checked here
     check_remote_code(model, trust_remote_code=trust_remote_code)
+    check_weight_shapes(model)  # vLLM would cut a larger tensor to config.json's shape without a word
+    check_generation_config(model)
     require("vllm", "cpu" if not has_cuda() else "cuda")
     quiet_vllm()  # the run's vLLM log, written now that an engine starts (not when the command did)
     if "VLLM_CONFIGURE_LOGGING" not in os.environ:

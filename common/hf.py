@@ -157,6 +157,25 @@ def _load(loader, target, trust_remote_code: bool, *, what: str = "files", **kwa
                           f"({_first_line(exc)}); compare its files with the original checkpoint's") from None
 
 
+def check_generation_config(target: str | Path) -> None:
+    """A local target's ``generation_config.json`` as vLLM reads it when an engine starts (transformers'
+    ``GenerationConfig``, whose stop tokens and defaults it applies): a value transformers refuses
+    (``max_new_tokens: -5``) was a ValueError traceback from the engine's start, and a file that is no
+    JSON was skipped without a word (the checkpoint's extra stop tokens lost). One line naming the file."""
+    path = Path(target) / "generation_config.json"
+    if not path.is_file():
+        return
+    from transformers import GenerationConfig
+
+    try:
+        if not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+            raise TypeError("it holds no JSON object")
+        GenerationConfig.from_pretrained(str(target))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:  # UnicodeDecodeError: a ValueError
+        raise ConfigError(f"run.target: {shown_path(path)} is refused ({_first_line(exc)}); fix the value it names, "
+                          "or remove the file (the engine then stops at the tokenizer's end token only)") from None
+
+
 def _first_line(exc: BaseException) -> str:
     """``Type: first line of the message`` (at most 200 characters), for one-line errors."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]

@@ -107,7 +107,7 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
     _check_moved(todo, done)
     heldout = [e for e in todo if e.split == "heldout"]
     train, too_long = _fits(cfg, tok, [e for e in todo if e.split == "train"], manifest.generation)
-    _check_chat_template(tok, target, sum(e.mode == "chat" for e in train))
+    check_chat_template(tok, target, sum(e.mode == "chat" for e in train))
     if train:  # responses are about to be added: they must come from the same target as those stored
         policy.check_prompts(store_uri, target, off_policy=off_policy, stage="ingest build")
     # How the prompts were rendered, readable (gen_params_id is only a hash of it): evaluation renders
@@ -238,9 +238,10 @@ def _check_moved(todo: list[PoolEntry], done: set[str]) -> None:
                           f"under new ids; keep the domain name '{was}', or ingest into a new store (run.store)")
 
 
-def _check_chat_template(tok, target: str, num_chat: int) -> None:
+def check_chat_template(tok, target: str, num_chat: int) -> None:
     """Refuse, before any engine starts or row is written, chat prompts for a target without a chat
-    template: vLLM would refuse each of them, on every run."""
+    template: vLLM would refuse each of them, on every run (``ingest build`` checks its pool before the
+    store is made, too)."""
     if num_chat and not tok.chat_template:
         raise ConfigError(f"run.target: {target} has no chat template, and {num_chat} training prompts are chat; "
                           "give its tokenizer one (chat_template in tokenizer_config.json or chat_template.jinja)")

@@ -10,14 +10,16 @@ import sys
 from eaglenest.config import to_dict
 from eaglenest import memfit
 from eaglenest.errors import ConfigError, EaglenestError, ManifestError
-from eaglenest.hf import check_remote_code, load_config, load_tokenizer
+from eaglenest.featurestore.capture import policy
+from eaglenest.hf import check_generation_config, check_remote_code, load_config, load_tokenizer
 from eaglenest.ingest import compose, contamination, dask_executor
 from eaglenest.ingest.backends import chat_kwargs
-from eaglenest.ingest.build import build, stored_heldout, stored_splits
+from eaglenest.ingest.build import build, check_chat_template, stored_heldout, stored_splits
 from eaglenest.ingest.manifest import Dedup, ManifestProblems, input_file, load_manifest
 from eaglenest.ingest.pool import build_pool, load_pool, load_source
 from eaglenest.paths import ensure_writable
 from eaglenest.provenance import write_json_atomic, write_provenance
+from eaglenest.shapes import check_weight_shapes
 
 #: ``ingest validate`` prints at most this many problems (a hostile manifest can have millions).
 MAX_PROBLEMS = 50
@@ -105,17 +107,25 @@ def check_long(manifest, recipe) -> None:
 def check_target_loads(target: str, *, trust_remote_code: bool) -> None:
     """transformers' own checks of the target's config and tokenizer, before anything is written: a
     config.json that reads as JSON but that transformers refuses (``num_attention_heads: 0``) is one
-    line naming run.target (``eaglenest.hf``), not a traceback once the store was made."""
+    line naming run.target (``eaglenest.hf``), not a traceback once the store was made; so are weights of
+    other shapes than config.json makes (``eaglenest.shapes``) and a generation_config.json transformers
+    refuses."""
     load_config(target, trust_remote_code=trust_remote_code)
     load_tokenizer(target, trust_remote_code=trust_remote_code)
+    check_weight_shapes(target)  # an engine would cut a tensor larger than config.json says to fit, silently
+    check_generation_config(target)
 
 
 def cmd_build(recipe, args) -> int:
     """``ingest build``: pool, contamination check, regeneration; stats and provenance in ``<workdir>/ingest``.
-    A target transformers refuses and a Dask scheduler that is not there fail first, before the pool
-    is built or anything is written."""
+    A target transformers refuses, a target other than the one whose responses the store holds and a Dask
+    scheduler that is not there fail first, before the pool is built or anything is written."""
     check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)  # fail fast
     check_target_loads(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
+    # Responses stored by another target: refused before the pool is read (a hub download, every prompt
+    # tokenised) or anything is created; build() checks again under the table's lease (and warns, off-policy).
+    if not recipe.run.off_policy:
+        policy.check_prompts(recipe.run.store_uri, recipe.run.target, off_policy=False, stage="ingest build")
     cfg = recipe.ingest
     if cfg.dask_scheduler and cfg.executor != "dask":  # README: "ingest.dask_scheduler=... runs on a cluster"
         print(f"ingest: warning: ingest.dask_scheduler is {cfg.dask_scheduler} but ingest.executor is {cfg.executor}: "
@@ -142,10 +152,16 @@ def _cmd_build(recipe, args, client) -> int:
     # Before the store is read, any engine starts or anything is committed; not kept: run.store may
     # still be refused.
     ensure_writable(out, "run.workdir", keep=False)
-    pool, report = contamination.check(pool, manifest, stored_split=stored_splits(recipe.run.store_uri),
+    stored = stored_splits(recipe.run.store_uri)
+    pool, report = contamination.check(pool, manifest, stored_split=stored,
                                        stored_heldout=stored_heldout(recipe.run.store_uri))
     if not pool:
         raise ManifestError(empty_pool(args.manifest or recipe.ingest.manifest, pool_report, report["contaminated"]))
+    # A target without a chat template for chat prompts still to generate: refused before the store is made
+    # (build() refused it only after taking the table's lease there, leaving the store folder behind).
+    check_chat_template(load_tokenizer(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code),
+                        recipe.run.target, sum(e.mode == "chat" and e.split == "train" and e.sample_id not in stored
+                                               for e in pool))
     ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
     stats = build(manifest, pool, target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.ingest,
                   client=client, off_policy=recipe.run.off_policy, trust_remote_code=recipe.run.trust_remote_code,

@@ -17,6 +17,12 @@ from eaglenest.ingest.backends import check_endpoints
 #: never ends either way.
 MAX_WAIT_S = 86400.0
 
+#: Upper bounds of the counts that become processes or threads on this machine: ``dask_workers`` starts
+#: that many LocalCluster worker processes (each with its own engine), ``in_flight_per_endpoint`` that many
+#: HTTP threads per server. Past them a typo (an extra zero or three) forks the machine to a halt.
+MAX_DASK_WORKERS = 256
+MAX_IN_FLIGHT_PER_ENDPOINT = 1024
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IngestConfig:
@@ -66,6 +72,11 @@ class IngestConfig:
                          ("in_flight_per_endpoint", 1), ("dask_workers", 1)):
             if getattr(self, key) < low:
                 raise ConfigError(f"ingest.{key}: {getattr(self, key)} must be at least {low}")
+        for key, high, unit in (("dask_workers", MAX_DASK_WORKERS, "worker process"),
+                                ("in_flight_per_endpoint", MAX_IN_FLIGHT_PER_ENDPOINT, "thread")):
+            if getattr(self, key) > high:
+                raise ConfigError(f"ingest.{key}: {getattr(self, key)} is more than {high} (each is a {unit} "
+                                  "on this machine)")
         if not (math.isfinite(self.request_timeout_s) and 0 < self.request_timeout_s <= MAX_WAIT_S):
             raise ConfigError(f"ingest.request_timeout_s: {self.request_timeout_s} must be a number in "
                               f"(0, {MAX_WAIT_S:g}]")

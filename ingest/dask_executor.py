@@ -38,6 +38,7 @@ import multiprocessing
 import os
 import socket
 import threading
+import traceback
 import uuid
 from concurrent.futures import CancelledError
 
@@ -162,6 +163,17 @@ def _check_handshake(host_port) -> None:
         raise ConnectionError("the port closed the connection without a Dask handshake")
 
 
+def _loop_start_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is distributed's IO-loop thread not starting within its 10 s (its ``LoopRunner``
+    asserts the loop exists; seen on a loaded machine): no bug of the caller's, and no traceback for one."""
+    return isinstance(exc, AssertionError) and any(
+        frame.name == "_start_unlocked" for frame in traceback.extract_tb(exc.__traceback__))
+
+
+LOOP_TIMEOUT = ("distributed's IO loop did not start within 10 s (is the machine overloaded?); "
+                "re-run when it is less busy")
+
+
 def connect(address: str):
     """A ``distributed.Client`` of the running scheduler at ``address``, or one line naming the key."""
     distributed = require("distributed")
@@ -173,6 +185,11 @@ def connect(address: str):
         if scheme == "tcp":  # refused: at once (Client would retry)
             _check_handshake(distributed.comm.get_address_host_port(address))
         client = distributed.Client(address, timeout=CONNECT_TIMEOUT_S)
+    except AssertionError as exc:
+        if not _loop_start_timeout(exc):
+            raise
+        raise ConfigError(f"ingest.dask_scheduler: cannot join the Dask scheduler at {address}: "
+                          f"{LOOP_TIMEOUT}") from None
     except (OSError, ValueError, TypeError) as exc:  # TypeError: tls:// without TLS settings, ucx:// without ucx
         reason = " ".join(str(exc).split())[:200]
         raise ConfigError(f"ingest.dask_scheduler: cannot reach a Dask scheduler at {address} ({reason}); "
@@ -192,8 +209,13 @@ def client_for(cfg):
     # Workers must be allowed children: an in-process vLLM engine spawns its engine-core process.
     dask.config.set({"distributed.worker.daemon": False})
     quiet_vllm()  # the workers start engines: they inherit the run's vLLM logging (common/engine.py)
-    cluster = distributed.LocalCluster(n_workers=cfg.dask_workers, threads_per_worker=1, processes=True,
-                                       dashboard_address=None, host="127.0.0.1")
+    try:
+        cluster = distributed.LocalCluster(n_workers=cfg.dask_workers, threads_per_worker=1, processes=True,
+                                           dashboard_address=None, host="127.0.0.1")
+    except AssertionError as exc:
+        if not _loop_start_timeout(exc):
+            raise
+        raise EaglenestError(f"ingest.executor: cannot start a Dask LocalCluster: {LOOP_TIMEOUT}") from None
     client = distributed.Client(cluster)
     client._eaglenest_cluster = cluster
     return client

@@ -181,6 +181,8 @@ class Manifest:
 
 def load_manifest(path: str | Path, *, base_dir: str | Path | None = None) -> Manifest:
     """Load and fully validate a manifest; raise :class:`ManifestProblems` listing every problem."""
+    if not str(path).strip():  # Path("") is ".": "is a directory" named neither the key nor the mistake
+        raise ManifestError("ingest.manifest: no path given (it is empty); set it, or pass --manifest PATH")
     data = load_yaml(path, error=ManifestError)
     gen = data.get("generation")
     if isinstance(gen, dict) and isinstance(gen.get("reasoning"), bool):  # YAML 1.1 reads `off` as False

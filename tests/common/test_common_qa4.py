@@ -55,13 +55,15 @@ def test_a_target_transformers_loads_is_returned_as_transformers_loads_it(tiny_t
 
 def test_weights_of_another_shape_than_config_json_are_one_line_naming_the_target(tmp_path, tiny_target):
     """``intermediate_size`` edited past the checkpoint's: vLLM's loader failed with a RuntimeError
-    traceback (exit 1); now one ConfigError naming run.target and vLLM's words for the shapes."""
+    traceback (exit 1); now one ConfigError naming run.target and the tensor, before the engine starts
+    (``eaglenest.shapes``; vLLM's own failure is recognised below)."""
     target = edited_target(tmp_path, tiny_target, intermediate_size=512)
     with pytest.raises(ConfigError) as info:
         make_llm(str(target), EngineConfig(max_model_len=128, memory_fraction=0.05, in_process=True))
     message = str(info.value)
     assert message.startswith(f"run.target: {target}: weights do not match config.json (")
-    assert "exceeds dimension size (384)" in message and "\n" not in message
+    assert ("model.layers.0.mlp.down_proj.weight is [128, 384] in model.safetensors, config.json makes it "
+            "[128, 512]") in message and "\n" not in message
 
 
 def load_weights():

@@ -189,7 +189,7 @@ def test_regeneration_evaluation_and_loss_mask_with_thinking(tmp_path, root, thi
     ref = llm.chat([[x for x in json.loads(r["messages_json"]) if x["role"] != "assistant"] for r in on_rows.values()],
                    params, use_tqdm=False, chat_template_kwargs={"enable_thinking": True})
     meta = feature_meta(target, [], "auto")
-    for r, out in zip(on_rows.values(), ref):
+    for r, out in zip(on_rows.values(), ref, strict=True):
         assert r["response_token_ids"] == list(out.outputs[0].token_ids)
         assert json.loads(r["messages_json"])[-1] == {"role": "assistant", "content": out.outputs[0].text}
         n, k = len(r["prompt_token_ids"]), len(r["response_token_ids"])

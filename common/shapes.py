@@ -1,0 +1,90 @@
+"""A local checkpoint's tensor shapes against the shapes its config.json makes, before an engine loads it.
+
+vLLM's weight loaders narrow each checkpoint tensor into its parameter: a tensor larger than config.json
+makes it (``intermediate_size`` or ``num_key_value_heads`` lowered in config.json) is silently cut to fit,
+and the engine starts and serves another model; a smaller one fails deep in the loader. Here the
+safetensors headers (shapes only, no tensor read) are compared with transformers' own model for
+config.json, built on the meta device (no memory, no weights).
+
+Trade-off: only tensors of the same name in both, with another number of elements, count: a checkpoint
+transformers renames on load (fused MoE experts, old key prefixes), a quantised one, one in PyTorch
+files, one transformers has no causal-LM class for or one that needs its own code is checked less or not
+at all. Nothing is refused that is not certainly wrong; vLLM's own failures stay recognised
+(``engine_errors``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from eaglenest.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_shapes(root: Path) -> dict[str, tuple[str, list[int]]]:
+    """{tensor name: (file name, shape)} from the headers of the safetensors files vLLM would load
+    (those the index names, else every ``*.safetensors``); a header that cannot be read adds nothing."""
+    index = root / "model.safetensors.index.json"
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        names = None
+    files = sorted(root / n for n in names) if names else sorted(root.glob("*.safetensors"))
+    shapes: dict[str, tuple[str, list[int]]] = {}
+    for path in files:
+        try:
+            with path.open("rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            shapes.update({k: (path.name, list(v["shape"])) for k, v in header.items() if k != "__metadata__"})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, MemoryError):
+            continue  # hf.check_target refuses a damaged file by name
+    return shapes
+
+
+def config_shapes(root: Path) -> dict[str, list[int]] | None:
+    """{parameter name: shape} of transformers' causal-LM model for ``root``'s config.json, built on the
+    meta device; None where it cannot be built without the checkpoint's own code, or is quantised."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(root), trust_remote_code=False)
+        if _quantized(config):
+            return None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except Exception:  # noqa: BLE001 - no class for it, custom code: vLLM (and engine_errors) judge it
+        log.debug("no transformers model for %s's config.json: its weight shapes are not checked", root,
+                  exc_info=True)
+        return None
+    return {name: list(t.shape) for name, t in model.state_dict().items()}
+
+
+def _quantized(config) -> bool:
+    text = getattr(config, "text_config", None)
+    return bool(getattr(config, "quantization_config", None) or getattr(text, "quantization_config", None))
+
+
+def mismatches(have: dict[str, tuple[str, list[int]]], want: dict[str, list[int]]) -> list[str]:
+    """One phrase per tensor of both whose number of elements differs (a transposed layout is no edit)."""
+    return [f"{name} is {have[name][1]} in {have[name][0]}, config.json makes it {want[name]}"
+            for name in sorted(have.keys() & want.keys()) if math.prod(have[name][1]) != math.prod(want[name])]
+
+
+def check_weight_shapes(target: str | Path) -> None:
+    """Refuse a local checkpoint whose weights are of other shapes than its config.json makes: one
+    :class:`ConfigError` line naming ``run.target`` and the first tensor (nothing for a hub id)."""
+    root = Path(target)
+    if not (root / "config.json").is_file():
+        return
+    have = checkpoint_shapes(root)
+    want = config_shapes(root) if have else None
+    found = mismatches(have, want) if want else []
+    if found:
+        more = f"; and {len(found) - 1} more tensors" if len(found) > 1 else ""
+        raise ConfigError(f"run.target: {target}: weights do not match config.json ({found[0]}{more}); restore "
+                          "the checkpoint's own config.json, or download the checkpoint again")

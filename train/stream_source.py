@@ -127,7 +127,8 @@ class StreamShards:
             log.info("rank %d: %d samples from %d engines over gloo at %s (%d in flight at most)",
                      rank, len(seqs), self.num_engines, self.addr, self.depth)
             spec = {"target": str(self.target), "layer_ids": list(self.meta.layer_ids),
-                    "num_layers": self.meta.last_layer_id, "engine": dataclasses.asdict(self.engine),
+                    "num_layers": self.meta.last_layer_id, "hidden_size": self.meta.hidden_size,
+                    "engine": dataclasses.asdict(self.engine),
                     "window": max(1, min(self.window or self.depth, self.depth)),
                     "trust_remote_code": self.trust_remote_code}
             self._stream = RankStream(self.addr, rank=rank, world_size=world_size, num_engines=self.num_engines,

@@ -261,7 +261,22 @@ class SampleReader:
         try:
             return self.ds.take(indices, columns=columns)
         except (OSError, pa.ArrowException) as exc:
-            raise read_error(self.ds, indices, exc) from None
+            raise self._collected() or read_error(self.ds, indices, exc) from None
+
+    def _collected(self) -> StoreError | None:
+        """The error for a version removed by ``featurestore gc`` since this reader opened it (its
+        data files with it; None if the table still has it). A read then failed with "reading rows
+        failed ... run `featurestore verify`", which finds nothing wrong with the table."""
+        try:
+            kept = [int(v["version"]) for v in self.ds.versions()]
+        except (OSError, ValueError, RuntimeError):  # the table itself is unreadable: read_error says so
+            return None
+        if not kept or self.ds.version in kept:
+            return None
+        name = Path(str(self.ds.uri)).name.removesuffix(".lance")
+        return StoreError(f"table '{name}' v{self.ds.version} was garbage-collected while it was being read "
+                          f"(`featurestore gc`; the versions kept are {min(kept)}..{max(kept)}): tag the version "
+                          "to keep it, or read a kept one")
 
     def _where(self, frag: int, path: str) -> str:
         return f"table v{self.ds.version}: fragment {frag}, data file {path}"
@@ -383,14 +398,23 @@ class SampleReader:
                 pread_into(self._fds[path], buf, pos, where=self._where(frag, path))
         else:  # not a local file: Lance's blob reader fills the same buffer
             with section(self.profile, "object-store blob read", size):
-                (blob,) = self.ds.take_blobs(col, indices=[index])
-                mv, done = memoryview(buf), 0
-                while done < buf.size:
-                    n = blob.readinto(mv[done:])
-                    if not n:
-                        raise SchemaError(f"blob {col} of row {index} ended early")
-                    done += n
+                self._read_blob(col, index, buf)
         return buf, (base if pool is not None else None)
+
+    def _read_blob(self, col: str, index: int, buf: np.ndarray) -> None:
+        """Fill ``buf`` with the value through Lance's blob reader (a data file that is not local). A
+        missing or damaged object, or a version gc removed meanwhile, is one :class:`StoreError` (Lance's
+        OSError or ValueError 'Not found: ...' reached the caller as a traceback)."""
+        try:
+            (blob,) = self.ds.take_blobs(col, indices=[index])
+            mv, done = memoryview(buf), 0
+            while done < buf.size:
+                n = blob.readinto(mv[done:])
+                if not n:
+                    raise SchemaError(f"blob {col} of row {index} ended early")
+                done += n
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            raise self._collected() or read_error(self.ds, [index], exc) from None
 
     def iter_samples(self, indices: Iterable[int], *, ahead: int | None = None, group: int = 4,
                      into: Sequence[Into] | None = None) -> Iterator[Sample]:

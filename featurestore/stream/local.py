@@ -63,6 +63,8 @@ _MAX_SOCKET_PATH = 107
 DIR_PREFIX = "eaglenest-stream-"
 SOCKET_NAME = "captures.sock"
 STALE_S = 600.0
+#: Longest JSON header of a frame the consumer reads (a publisher's is under 200 bytes).
+MAX_HEADER_BYTES = 1 << 16
 
 
 class Channel:
@@ -188,7 +190,13 @@ class Channel:
         magic, hlen, plen = FRAME.unpack(self._recv_exactly(FRAME.size))
         if magic != MAGIC:
             raise StoreError("capture stream: bad frame (not an eaglenest publisher)")
-        header = json.loads(bytes(self._recv_exactly(hlen)))
+        if hlen > MAX_HEADER_BYTES:  # the sender's word: waiting for that many bytes hung the stream
+            raise StoreError(f"capture stream: bad frame (a header of {hlen} bytes, more than {MAX_HEADER_BYTES}; "
+                             "a publisher of another eaglenest version?)")
+        try:
+            header = json.loads(bytes(self._recv_exactly(hlen)))
+        except ValueError:  # not UTF-8, not JSON
+            header = None
         problem = _frame_problem(header, plen)
         if problem:  # before the payload is allocated: its size is the sender's word
             raise StoreError(f"capture stream: bad frame ({problem}; a publisher of another eaglenest version?)")

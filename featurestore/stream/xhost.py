@@ -47,6 +47,7 @@ import numpy as np
 
 from eaglenest.engine import EngineConfig
 from eaglenest.errors import ConfigError, StoreError
+from eaglenest.featurestore.capture.build import target_facts
 from eaglenest.featurestore.stream.addr import parse_addr
 from eaglenest.featurestore.stream.local import MAX_DEPTH, CaptureStream
 from eaglenest.hf import check_target
@@ -234,6 +235,24 @@ def _lost(exc: BaseException, group: Group) -> str:
     return "lost"
 
 
+def _frame_problem(tokens: int, layers: int, hidden: int, code: int, want_tokens: int,
+                   want_shape: tuple[int, int] | None) -> str | None:
+    """What is wrong with a frame header's sizes (None: a capture of the sequence sent, of the
+    trainer's ``[layers, hidden]`` when known). An unknown dtype code or a negative size used to
+    surface as 'lost engine' with an IndexError or a torch error."""
+    if not 0 <= code < len(_DTYPES):
+        return f"dtype code {code} is not one of 0..{len(_DTYPES) - 1}"
+    if tokens != want_tokens:
+        return f"{tokens} tokens for a sequence of {want_tokens}"
+    if want_shape is not None and (layers, hidden) != want_shape:
+        return (f"hidden states [{tokens}, {layers}, {hidden}] where the trainer's target has [{tokens}, "
+                f"{want_shape[0]}, {want_shape[1]}] (layers, hidden size): is stream-serve --target another "
+                "model than run.target?")
+    if layers < 1 or hidden < 1:
+        return f"hidden states [{tokens}, {layers}, {hidden}]"
+    return None
+
+
 def _credit(n: int):
     import torch
 
@@ -264,7 +283,12 @@ class RankStream:
                               f"capture in flight: set it to {k} or more")
         self.rank, self.world_size, self.num_engines = rank, world_size, num_engines
         self.num_items, self._poll_s = len(sequences), poll_s
+        self._lengths = [len(s) for s in sequences]
+        #: [layers, hidden] of every capture, when the spec says (the trainer's target).
+        self._shape = (len(spec["layer_ids"]) + 1, int(spec["hidden_size"])) \
+            if "layer_ids" in spec and "hidden_size" in spec else None
         self.group = Group(addr, is_master=rank == 0, timeout_s=timeout_s, who=f"rank {rank}")
+        self._claim_rank(addr, rank)
         if rank == 0:
             self.group.store.set("spec", json.dumps({**spec, "protocol": PROTOCOL, "world_size": world_size,
                                                      "num_engines": num_engines, "depth": depth}))
@@ -285,6 +309,16 @@ class RankStream:
         self._thread = threading.Thread(target=self._receive, name="eaglenest-xstream-recv", daemon=True)
         self._thread.start()
 
+    def _claim_rank(self, addr: str, rank: int) -> None:
+        """Take ``rank`` in the store, or refuse at once: a second trainer process given the same rank
+        (two jobs on one train.stream.addr, a RANK set by hand) overwrote the first one's share, and
+        every participant then waited train.stream.timeout_s for a group that never formed."""
+        me = f"{socket.gethostname()} pid {os.getpid()} ({uuid.uuid4().hex[:8]})"
+        holder = self.group.claim(f"rank-{rank}", me)
+        if holder != me:
+            raise ConfigError(f"capture stream: trainer rank {rank} at {addr} is already taken by the process on "
+                              f"{holder}: one trainer per train.stream.addr, each rank once")
+
     def _engine(self, pos: int) -> int:
         return self.engines[pos % len(self.engines)]
 
@@ -301,6 +335,10 @@ class RankStream:
                 if magic != MAGIC or p != pos:
                     raise StoreError(f"capture stream: bad frame from engine {self._engine(pos)} "
                                      f"(position {p}, expected {pos})")
+                problem = _frame_problem(T, L, H, code, self._lengths[pos], self._shape)
+                if problem:  # before anything is allocated: the sizes are the sender's word
+                    raise StoreError(f"capture stream: bad frame from engine {self._engine(pos)} at position "
+                                     f"{pos}: {problem}")
                 ids = torch.empty(T, dtype=torch.int64)
                 self.group.recv(ids, src, TAG_FRAME)
                 dtype = getattr(torch, _DTYPES[code])
@@ -422,6 +460,26 @@ def _check_trainers_target(target: str) -> None:
                           f"({str(exc).removeprefix('run.target: ')}): give --target DIR") from None
 
 
+def _check_same_shape(target: str, spec: dict, *, given: bool) -> None:
+    """The model this engine loads (``--target``, ``given``; else the trainer's run.target path as it is
+    on this host) against the trainer's: the same layer count and width, or one line before this
+    engine joins. Another model streamed states of another width (the trainer failed on its first
+    batch, after the engine start) or, with more layers, a middle layer taken for the last one
+    (trained on silently)."""
+    what = f"--target {target}" if given else f"{target} (the trainer's run.target, as it is on this host)"
+    want = {k: int(spec[k]) for k in ("num_layers", "hidden_size") if k in spec}
+    try:
+        facts = target_facts(target, trust_remote_code=bool(spec.get("trust_remote_code", False)))
+    except ConfigError as exc:  # said of run.target; here it is the flag
+        raise ConfigError(str(exc).replace("run.target: ", f"{what}: ", 1)) from None
+    differ = [k for k in want if facts[k] != want[k]]
+    if differ:
+        got = ", ".join(f"{k} {facts[k]}" for k in differ)
+        trainers = ", ".join(f"{k} {want[k]}" for k in differ)
+        raise ConfigError(f"{what}: {got}, but the trainer's model has {trainers}: give stream-serve the "
+                          "trainer's model (--target DIR)")
+
+
 def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: float = 1800.0,
           poll_s: float = 0.5, captures=None) -> int:
     """One engine host: capture the linked ranks' shares with a local engine, forward each capture.
@@ -442,6 +500,8 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
         raise ConfigError(f"--engine-rank {engine_rank}: the trainer expects train.stream.engines={M} (0..{M - 1})")
     if target is None and captures is None:  # the trainer's path, which this host may not have
         _check_trainers_target(str(spec.get("target")))
+    if target is not None or captures is None:  # another model than the trainer's: states of another shape
+        _check_same_shape(target or str(spec.get("target")), spec, given=target is not None)
     me = f"{socket.gethostname()} pid {os.getpid()} ({uuid.uuid4().hex[:8]})"
     holder = group.claim(f"engine-{engine_rank}", me)
     if holder != me:  # two hosts given the same rank: the group would wait train.stream.timeout_s, never form

@@ -125,7 +125,10 @@ def cmd_build(recipe, args) -> int:
     # Responses stored by another target: refused before the pool is read (a hub download, every prompt
     # tokenised) or anything is created; build() checks again under the table's lease (and warns, off-policy).
     if not recipe.run.off_policy:
-        policy.check_prompts(recipe.run.store_uri, recipe.run.target, off_policy=False, stage="ingest build")
+        try:
+            policy.check_prompts(recipe.run.store_uri, recipe.run.target, off_policy=False, stage="ingest build")
+        except OSError:  # a store path the system refuses (a name too long): named by ensure_writable below
+            pass
     cfg = recipe.ingest
     if cfg.dask_scheduler and cfg.executor != "dask":  # README: "ingest.dask_scheduler=... runs on a cluster"
         print(f"ingest: warning: ingest.dask_scheduler is {cfg.dask_scheduler} but ingest.executor is {cfg.executor}: "

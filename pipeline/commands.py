@@ -25,7 +25,8 @@ from eaglenest.train.model import draft_shape
 
 #: Keys that size a training step, each reset to its default in turn to find the one driving a refusal.
 _SIZE_KEYS = ("pack_tokens", "batch_rows", "ttt_steps", "draft_vocab_size", "peagle.num_slots",
-              "peagle.anchors_per_row", "dflash.block_size", "dflash.anchors_per_row", "dflash.num_layers")
+              "peagle.anchors_per_row", "dflash.block_size", "dflash.anchors_per_row", "dflash.num_layers",
+              "draft.intermediate_size", "draft.num_attention_heads", "draft.num_key_value_heads", "draft.head_dim")
 
 
 def check_fit(recipe, *, available: int | None = None) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import shlex
 import socket
@@ -34,11 +35,17 @@ def rdzv_id(workdir: str) -> str:
     return "eaglenest-" + hashlib.sha256(os.path.normpath(workdir).encode()).hexdigest()[:12]
 
 
+#: ``--rdzv-timeout``'s default: torchrun's own join_timeout.
+RDZV_TIMEOUT_S = 600.0
+
+
 def torchrun_argv(*, nnodes: int, nproc_per_node: int, node_rank: int | None, rdzv_endpoint: str | None,
-                  rdzv_id: str, max_restarts: int) -> list[str]:
+                  rdzv_id: str, max_restarts: int, rdzv_timeout_s: float = RDZV_TIMEOUT_S) -> list[str]:
     """torchrun's options for one node's agent; ConfigError (exit 2) for options that do not fit."""
     if nnodes < 1 or nproc_per_node < 1:
         raise ConfigError(f"--nnodes ({nnodes}) and --nproc-per-node ({nproc_per_node}) must be at least 1")
+    if not (math.isfinite(rdzv_timeout_s) and rdzv_timeout_s > 0):
+        raise ConfigError(f"--rdzv-timeout: a number of seconds > 0, got {rdzv_timeout_s}")
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
     if node_rank is not None and not 0 <= node_rank < nnodes:
@@ -58,12 +65,24 @@ def torchrun_argv(*, nnodes: int, nproc_per_node: int, node_rank: int | None, rd
                           f"got {rdzv_endpoint!r}")
     out = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}", f"--max-restarts={max_restarts}"]
+    # The longest wait for the other nodes to join (join_timeout), and for each try to reach node 0's
+    # store (read_timeout, torch's 60 s at most; torch tries twice).
+    wait = math.ceil(rdzv_timeout_s)
+    conf = [f"join_timeout={wait}", f"read_timeout={min(wait, 60)}"]
     if node_rank is not None:
         # Node 0 hosts the rendezvous store at the endpoint, the others connect to it; without a node
         # rank torchrun guesses from the host name (on one host: whichever agent binds the port first).
         # Not passed as torchrun's --node-rank: c10d ignores it (global ranks follow the rendezvous).
-        out.append(f"--rdzv-conf=is_host={int(node_rank == 0)}")
-    return out
+        conf.insert(0, f"is_host={int(node_rank == 0)}")
+    return [*out, f"--rdzv-conf={','.join(conf)}"]
+
+
+def check_cpus(nproc_per_node: int) -> None:
+    """More ranks on this node than CPUs it may use: each rank needs a core of its own."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if nproc_per_node > cpus:
+        raise ConfigError(f"--nproc-per-node {nproc_per_node}: more ranks than the {cpus} CPU(s) this node may "
+                          f"use; at most --nproc-per-node {cpus}")
 
 
 def check_resolves(rdzv_endpoint: str | None) -> None:
@@ -82,9 +101,10 @@ def check_resolves(rdzv_endpoint: str | None) -> None:
 def _launch(recipe, args) -> int:
     opts = torchrun_argv(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                          rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
-                         rdzv_id=args.rdzv_id or rdzv_id(recipe.run.workdir))
+                         rdzv_id=args.rdzv_id or rdzv_id(recipe.run.workdir), rdzv_timeout_s=args.rdzv_timeout)
     check_resolves(args.rdzv_endpoint)
     check_world(recipe.train, args.nnodes * args.nproc_per_node)
+    check_cpus(args.nproc_per_node)
     rest = ["-m", "eaglenest.pipeline.train_cli", "run"]
     if args.recipe:
         rest += ["--recipe", args.recipe]
@@ -156,8 +176,9 @@ def rendezvous_error(argv: list[str], exc: BaseException) -> str:
 def rendezvous_timeout(argv: list[str]) -> str:
     """One line for a rendezvous that timed out: a node never joined (or joined another id)."""
     opts = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    conf = dict(x.split("=", 1) for x in opts.get("rdzv-conf", "").split(",") if "=" in x)
     return (f"--rdzv-endpoint {opts.get('rdzv-endpoint')}: not all {opts.get('nnodes')} nodes joined rendezvous "
-            f"'{opts.get('rdzv-id')}' in time; start `train launch` on every node with the same --nnodes, "
+            f"'{opts.get('rdzv-id')}' within --rdzv-timeout {conf.get('join_timeout', '?')} s; start `train launch` on every node with the same --nnodes, "
             "--rdzv-endpoint and --rdzv-id (default: the same run.workdir)")
 
 
@@ -171,6 +192,8 @@ LAUNCH_ARGS = [
                             "help": "c10d rendezvous address, the same on every node (node 0's host)"}),
     (("--rdzv-id",), {"default": None, "help": "rendezvous id (default: derived from run.workdir)"}),
     (("--max-restarts",), {"type": int, "default": 0, "help": "torchrun worker-group restarts on failure"}),
+    (("--rdzv-timeout",), {"type": float, "default": RDZV_TIMEOUT_S, "metavar": "SECONDS",
+                           "help": "longest wait for every node to join the rendezvous (default 600)"}),
 ]
 
 COMMANDS = {

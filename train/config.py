@@ -44,6 +44,11 @@ RENAMED = {
 }
 
 
+#: The largest ``train.draft.head_dim``: the largest head size of vLLM's attention backends (its CPU
+#: backend's; FlashAttention stops at 256).
+MAX_HEAD_DIM = 512
+
+
 def _at_least(section: str, obj, names: tuple[str, ...], low: int) -> None:
     for name in names:
         if getattr(obj, name) < low:
@@ -67,6 +72,9 @@ class DraftShapeConfig:
         if self.head_dim % 2:  # rotary embeddings rotate pairs of dimensions
             raise ConfigError(f"train.draft.head_dim: an even number (rotary embeddings), or 0 for the sizing rule, "
                               f"got {self.head_dim}")
+        if self.head_dim > MAX_HEAD_DIM:  # past it vLLM serves no such head, and the projections fill the memory
+            raise ConfigError(f"train.draft.head_dim: at most {MAX_HEAD_DIM} (the largest attention head vLLM "
+                              f"serves), or 0 for the sizing rule, got {self.head_dim}")
 
     def shape(self) -> DraftShape:
         return DraftShape(**dataclasses.asdict(self))
@@ -307,7 +315,8 @@ class TrainConfig:
     #: Outputs go to <run.workdir>/<output_subdir>/.
     output_subdir: str = "train"
     log_every_steps: int = 10
-    #: torch intra-op threads per rank (the machines running the toy have 2 cores).
+    #: torch intra-op threads per rank (the machines running the toy have 2 cores); at most the CPUs
+    #: the process may use, checked when training starts (2 always runs).
     num_threads: int = 2
     #: FSDP2 mixed precision on CUDA (parameters; gradients reduce in fp32). CPU runs stay fp32.
     param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -354,7 +363,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("step_decay", "lr", "min_lr_ratio", "weight_decay", "grad_clip"):
-            if not math.isfinite(getattr(self, name)):  # NaN would pass every comparison below
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):  # "1e-3" from code: no recipe walker
+                raise ConfigError(f"train.{name}: must be a number, got {short(value)}")
+            if not math.isfinite(value):  # NaN would pass every comparison below
                 raise ConfigError(f"train.{name}: must be a finite number")
         if self.sliding_window != "auto" and self.sliding_window < 0:
             raise ConfigError(f"train.sliding_window: must be >= 0 or 'auto', got {short(self.sliding_window)}")

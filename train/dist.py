@@ -33,6 +33,14 @@ from eaglenest.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+def check_local_gpu(local_rank: int, num_gpus: int) -> None:
+    """A rank whose LOCAL_RANK names no visible GPU (``--nproc-per-node`` above the node's GPUs):
+    one line, not CUDA's "invalid device ordinal" traceback from each rank past the last GPU."""
+    if not 0 <= local_rank < num_gpus:
+        raise ConfigError(f"LOCAL_RANK {local_rank}: this node has {num_gpus} visible GPU(s), so at most "
+                          f"--nproc-per-node {num_gpus} (one rank per GPU; CUDA_VISIBLE_DEVICES picks them)")
+
+
 @dataclasses.dataclass
 class DistState:
     rank: int = 0
@@ -68,6 +76,7 @@ class DistState:
         # The GPU of this rank on its node (a launcher without LOCAL_RANK: ranks filled node by node).
         local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
         if torch.cuda.is_available():
+            check_local_gpu(local, torch.cuda.device_count())
             torch.cuda.set_device(local)
             device, backend, kind = torch.device("cuda", local), "nccl", "cuda"
         else:

@@ -24,6 +24,7 @@ import fcntl
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -174,6 +175,28 @@ def lr_factor(step: int, *, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
+def check_num_threads(num_threads: int) -> None:
+    """Refuse more intra-op threads than the CPUs this process may use (the default always runs):
+    they only compete for the same cores, and torch's OpenMP pool crashed the process (SIGSEGV) when
+    asked for 100000."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = max(cpus, TrainConfig.num_threads)
+    if num_threads > limit:
+        raise ConfigError(f"train.num_threads: {num_threads} threads per rank is more than the {cpus} CPU(s) this "
+                          f"process may use: at most {limit}")
+
+
+def _check_warmup(cfg: TrainConfig, total: int) -> None:
+    """Warn (once, at start) when ``train.warmup_steps`` takes the whole run: the learning rate then
+    rises to ``total / warmup_steps`` of ``train.lr`` and never decays (docs/training.md). Not
+    refused: a short run of the default recipe (``train.num_steps=2``) is a common smoke test."""
+    if total and cfg.warmup_steps >= total:
+        log.warning("train.warmup_steps=%d is not below the %d step(s) this run trains: the learning rate only "
+                    "rises, to %.3g at the last step (train.lr=%g x %d/%d), and never decays; lower "
+                    "train.warmup_steps", cfg.warmup_steps, total, cfg.lr * total / cfg.warmup_steps, cfg.lr, total,
+                    cfg.warmup_steps)
+
+
 def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, seed: int,
           argv: list[str] | None = None, recipe: dict[str, Any] | None = None,
           score=None, dist: DistState | None = None, featurestore=None,
@@ -199,6 +222,7 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
             dist = DistState.from_env()
             own.callback(dist.close)
         cp = CP.ContextParallel.create(cfg.context_parallel, dist)  # before any data is read
+        check_num_threads(cfg.num_threads)
         torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(seed)
         with contextlib.closing(open_source(cfg, store_uri, table=table, seed=seed, target_dir=target_dir,
@@ -298,6 +322,8 @@ class _Trainer:
             self.schedule += [(e, rows) for rows in data.plan(e)]
         total = min(len(self.schedule), cfg.num_steps) if cfg.num_steps else len(self.schedule)
         self.total = total
+        if dist.is_main:
+            _check_warmup(cfg, total)
         if cfg.num_steps:  # the steps it trains: with them equal, another num_epochs resumes (state.PLAN_STEPS)
             self.fp = {**fp, S.PLAN_STEPS: total}
         self.params = [p for p in draft.objective.parameters() if p.requires_grad]
@@ -340,8 +366,9 @@ class _Trainer:
         info = S.resolve(latest, self.fp, self.state_dir)
         if dist.is_main:  # a start-over keeps the old state aside until the new run has saved one
             selection.recover_best(self.outdir)  # a best/ swap a kill interrupted, before best/ moves with its books
-            S.settle(self.state_dir, info, books=(self.outdir / "metrics.jsonl", self.outdir / selection.SELECTION,
-                                                   self.outdir / selection.BEST))
+            books = (self.outdir / "metrics.jsonl", self.outdir / selection.SELECTION, self.outdir / selection.BEST)
+            S.settle(self.state_dir, info, books=books + track.books(self.cfg.track, self.outdir,
+                                                                      taken={b.name for b in books} | {"state"}))
         dist.barrier()
         if info is not None:
             info = {**info, "path": str(self.state_dir / Path(info["path"]).name)}

@@ -100,7 +100,18 @@ def draft_shape(target_cfg: dict[str, Any], override: DraftShape = DraftShape())
     if shape["num_attention_heads"] % shape["num_key_value_heads"]:
         raise ConfigError(f"train.draft: {shape['num_attention_heads']} attention heads are not a multiple of "
                           f"{shape['num_key_value_heads']} key/value heads")
+    _check_rotary_dims(shape["head_dim"], rotary_fraction(target_cfg))
     return shape
+
+
+def _check_rotary_dims(head_dim: int, fraction: float) -> None:
+    """The dims each head rotates (vLLM: int(head_dim x partial_rotary_factor)) come in pairs: an odd
+    or empty count fails in the first forward, far from the key that made it."""
+    rot = int(head_dim * fraction)
+    if fraction < 1 and (rot < 2 or rot % 2):
+        raise ConfigError(f"train.draft.head_dim: {head_dim} x the target's partial rotary factor {fraction} is "
+                          f"{rot} rotated dims, not an even number >= 2: pick a head_dim that makes it one "
+                          "(or 0 for the target's)")
 
 
 def rotary_fraction(target_cfg: dict[str, Any]) -> float:

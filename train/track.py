@@ -9,8 +9,9 @@ way. Other ranks get a :class:`Tracking` with no sinks.
 Resume: the event folder mirrors ``metrics.jsonl``. A fresh start removes its event files; a resume
 from the state at step N rewrites them without the records past N (a killed run may have logged
 past its last state), so every reader, TensorBoard's own and the data server's, sees each step
-once. A tracker cannot be rewound: each start is a new run of the tracker, the resumed one named
-``<name>-resumed-<N>`` and grouped with the first, its points at the same global steps.
+once. A start-over sets the folder aside with the previous state (:func:`books`). A tracker cannot
+be rewound: each start is a new run of the tracker, the resumed one named ``<name>-resumed-<N>``
+and grouped with the first, its points at the same global steps.
 Trade-off: the trackers and TensorBoard are imported only when used (they are optional or heavy);
 whether they are installed is checked before any work (:func:`require`), with ``importlib``'s
 finder, which imports nothing.
@@ -46,6 +47,16 @@ def require(cfg: TrackConfig) -> None:
     if cfg.tracker != "none" and importlib.util.find_spec(cfg.tracker) is None:
         raise ConfigError(f"train.track.tracker={cfg.tracker}: the {cfg.tracker} package is not installed "
                           f"({PIP[cfg.tracker]}, or pip install 'eaglenest[track]')")
+
+
+def books(cfg: TrackConfig, outdir: Path, *, taken: set[str]) -> tuple[Path, ...]:
+    """The event folder, when it is a folder of its own in ``outdir`` (``train.track.dir`` a plain name
+    none of ``taken``): it goes aside with the run's state at a start-over and comes back if that run
+    resumes, as metrics.jsonl does (eaglenest.train.state.settle). Elsewhere it is left where it is."""
+    logdir = outdir / cfg.dir
+    if cfg.tensorboard and logdir.parent == outdir and cfg.dir not in taken | {"", ".", ".."}:
+        return (logdir,)
+    return ()
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:

@@ -195,7 +195,7 @@ def test_launch_builds_torchrun_rendezvous_options():
     two = torchrun_argv(nnodes=2, nproc_per_node=1, node_rank=1, rdzv_endpoint="10.0.0.1:29400",
                         rdzv_id="run-a", max_restarts=3)
     assert "--rdzv-backend=c10d" in two and "--rdzv-endpoint=10.0.0.1:29400" in two and "--nnodes=2" in two
-    assert "--rdzv-id=run-a" in two and "--max-restarts=3" in two and "--rdzv-conf=is_host=0" in two
+    assert "--rdzv-id=run-a" in two and "--max-restarts=3" in two and "--rdzv-conf=is_host=0,join_timeout=600,read_timeout=60" in two
     assert "--standalone" not in two
     # Without --node-rank torchrun decides who hosts the store; the default id is the run's.
     assert not any("is_host" in x for x in torchrun_argv(nnodes=2, nproc_per_node=1, node_rank=None,

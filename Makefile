@@ -48,7 +48,7 @@ test: $(STAMP)
 	echo "make test: parallel part exit $$a, serial part exit $$b"; \
 	{ [ $$a -eq 0 ] || [ $$a -eq 5 ]; } && { [ $$b -eq 0 ] || [ $$b -eq 5 ]; }
 
-# Rebuild the committed tiny-target fixture (deterministic; a few minutes on CPU).
+# Rebuild the committed tiny-target fixture (deterministic; 7-16 min on CPU, docs/tiny-target.md).
 tiny-target: $(STAMP)
 	$(BIN)/eaglenest-tiny-target --out assets/tiny-target
 

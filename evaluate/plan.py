@@ -48,7 +48,10 @@ def plan(cfg, *, target: str, store_uri: str, trust_remote_code: bool = False) -
     max_pos = max_positions(target, trust_remote_code=trust_remote_code)
     tok = load_tokenizer(target, trust_remote_code=trust_remote_code)
     lengths = bucket_lengths(cfg.context_buckets, max_positions=max_pos, max_tokens=cfg.bucket_max_tokens)
-    max_len = max(cfg.engine.max_model_len, min(max_pos, max(lengths.values(), default=0) + cfg.bucket_max_tokens))
+    base = cfg.engine.max_model_len
+    if base == EngineConfig.max_model_len and base > max_pos:  # the default on a target of fewer positions: its own
+        base = max_pos
+    max_len = max(base, min(max_pos, max(lengths.values(), default=0) + cfg.bucket_max_tokens))
     engine = dataclasses.replace(cfg.engine, max_model_len=max_len)
     check_generated(tok, lengths, kinds=tuple(cfg.bucket_material), per_bucket=cfg.bucket_prompts, seed=cfg.engine.seed,
                     chat_template_kwargs=cfg.chat_template_kwargs)

@@ -5,6 +5,7 @@ groups or buckets differ. Only the merged-bucket test starts an engine (the tiny
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -14,6 +15,7 @@ from eaglenest.engine import EngineConfig
 from eaglenest.evaluate.cli import main as evaluate_main
 from eaglenest.evaluate.compare import differences, side_by_side
 from eaglenest.evaluate.config import EvaluateConfig
+from eaglenest.evaluate.plan import plan
 from eaglenest.evaluate.prompts import load_prompt_set
 from eaglenest.evaluate.report import markdown
 from eaglenest.evaluate.run import evaluate_al
@@ -90,6 +92,17 @@ def test_buckets_merged_on_a_short_target_are_in_the_report(short_target, random
     assert why.startswith("its answer's ") and "do not fit the engine's 1032 positions after its 1024 prompt" in why
     assert ("- Bucket 1024: answer value not scored for ctx1024-0: no room for the answer after the prompt within "
             "the engine's max_model_len.") in md
+
+
+def test_the_default_max_model_len_fits_a_target_of_fewer_positions(short_target, prompts_store):
+    """The engine's default max_model_len (4096) on a 1032-position target: every `evaluate al` failed at
+    the engine's start ("engine.max_model_len: 4096 is more than ... has positions for") though the user
+    set nothing. The default is the target's positions there; a value given explicitly is kept (and an
+    engine refuses one too long, naming it)."""
+    cfg = EvaluateConfig(num_speculative_tokens=2, max_tokens=4, max_prompts_per_domain=1, context_buckets=())
+    assert plan(cfg, target=str(short_target), store_uri=prompts_store).engine.max_model_len == 1032
+    explicit = dataclasses.replace(cfg, engine=EngineConfig(max_model_len=2048))
+    assert plan(explicit, target=str(short_target), store_uri=prompts_store).engine.max_model_len == 2048
 
 
 def _family_argv(root, tmp_path, tiny_target, draft, family):

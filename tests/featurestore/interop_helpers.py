@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 
 import fs_helpers as H
 from eaglenest.featurestore import schema as S
+from eaglenest.featurestore.interop import source, specforge
 from eaglenest.featurestore.table import store
 
 VOCAB, HIDDEN, LAYERS = 64, 8, 8
@@ -73,3 +74,14 @@ def base(tmp_path):
     uri = str(tmp_path / "store")
     make_table(uri, target)
     return uri, target, tmp_path
+
+
+def nan_dump(base):
+    """A SpecForge export of the ``base`` table whose fifth sample holds NaN (an import refuses it after
+    four rows are written)."""
+    uri, target, tmp = base
+    specforge.export(source.open_source(uri, "features"), tmp / "sf", target=target)
+    path = next((tmp / "sf").rglob("data_4.ckpt"))
+    d = torch.load(path, weights_only=True)
+    torch.save({**d, "aux_hidden_state": d["aux_hidden_state"] * float("nan")}, path)
+    return tmp / "sf"

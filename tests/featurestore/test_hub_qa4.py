@@ -8,7 +8,6 @@ import os
 
 import pyarrow as pa
 import pytest
-import torch
 
 import interop_helpers as I
 from interop_helpers import base  # noqa: F401  (a fixture: the table both files start from)
@@ -18,23 +17,13 @@ from eaglenest.featurestore.interop import sink, source, specforge, speculators
 from eaglenest.featurestore.table import store
 
 
-def _nan_dump(base):
-    """A SpecForge export of the table whose fifth sample holds NaN (refused after four rows are written)."""
-    uri, target, tmp = base
-    specforge.export(source.open_source(uri, "features"), tmp / "sf", target=target)
-    path = next((tmp / "sf").rglob("data_4.ckpt"))
-    d = torch.load(path, weights_only=True)
-    torch.save({**d, "aux_hidden_state": d["aux_hidden_state"] * float("nan")}, path)
-    return tmp / "sf"
-
-
 # -- a failed import into a new table on object storage ------------------------------------------------
 
 def test_failed_import_on_object_storage_leaves_no_table(base, s3):
     """It left the empty table (its first manifest) and the four rows' data files in the bucket:
     ``_remove_uncommitted`` skipped object stores."""
     _, target, _ = base
-    dump, remote = _nan_dump(base), s3.uri("failed-import")
+    dump, remote = I.nan_dump(base), s3.uri("failed-import")
     with pytest.raises(SchemaError, match=r"data_4\.ckpt: aux hidden states hold NaN"):
         specforge.import_dump(dump, remote, "back", target=target, budget_bytes=1)
     assert not store.exists(remote, "back") and store.table_names(remote) == []
@@ -44,7 +33,7 @@ def test_failed_import_on_object_storage_leaves_no_table(base, s3):
 def test_failed_import_on_object_storage_keeps_what_another_writer_committed(base, s3, monkeypatch):
     """The cleanup re-checks the table: rows another writer committed after this import created it stay."""
     _, target, _ = base
-    dump, remote = _nan_dump(base), s3.uri("raced-import")
+    dump, remote = I.nan_dump(base), s3.uri("raced-import")
     remove = sink._remove_uncommitted
 
     def other_writer_first(uri_, name, **kw):

@@ -5,24 +5,13 @@ import json
 
 import pyarrow as pa
 import pytest
-import torch
 
 import interop_helpers as I
 from interop_helpers import base  # noqa: F401  (a fixture: the table both files start from)
 from eaglenest.errors import SchemaError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.interop import sink, source, specforge
+from eaglenest.featurestore.interop import sink, specforge
 from eaglenest.featurestore.table import fragments, store
-
-
-def _nan_dump(base):
-    """A SpecForge export of the table whose fifth sample holds NaN (refused after four rows are written)."""
-    uri, target, tmp = base
-    specforge.export(source.open_source(uri, "features"), tmp / "sf", target=target)
-    path = next((tmp / "sf").rglob("data_4.ckpt"))
-    d = torch.load(path, weights_only=True)
-    torch.save({**d, "aux_hidden_state": d["aux_hidden_state"] * float("nan")}, path)
-    return tmp / "sf"
 
 
 # -- a failed import's cleanup on object storage -------------------------------------------------------
@@ -31,7 +20,7 @@ def test_failed_remote_import_keeps_another_writers_uncommitted_fragments(base, 
     """Another writer had written (not yet committed) a fragment into the table the failed import created;
     the cleanup deleted the whole table prefix, that writer's data files included, so its commit failed."""
     target = base[1]
-    dump, remote = _nan_dump(base), s3.uri("raced-uncommitted")
+    dump, remote = I.nan_dump(base), s3.uri("raced-uncommitted")
     meta = sink.record_meta(json.loads((dump / "eaglenest_export.json").read_text()), "record")
     remove, other = sink._remove_uncommitted, {}
 

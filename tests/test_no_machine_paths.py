@@ -58,8 +58,12 @@ def test_the_scan_finds_machine_paths(text, found):
 
 def test_no_machine_paths_in_tests_docs_recipes_and_benches():
     this = Path(__file__).resolve()
+    files = list(_files())
+    # Every tree and file named is there and read (a renamed one would be skipped silently).
+    read = {p.relative_to(ROOT).parts[0] for p in files}
+    assert read == set(SCANNED), f"not there, or nothing in them to read: {sorted(set(SCANNED) - read)}"
     hits = []
-    for path in _files():
+    for path in files:
         if path == this:  # its own examples above
             continue
         try:

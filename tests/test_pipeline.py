@@ -92,6 +92,7 @@ def test_vllm_features_equal_transformers_hidden_states(run, tiny_target):
     meta = S.feature_meta(ds.schema)
     assert meta.dtype == "float32" and meta.layer_ids == (2, 4, 5) and meta.last_layer_id == 8
     rows = ds.to_table(**store.BYTES).to_pylist()[:4]
+    assert len(rows) == 4, rows  # ~240 captured samples; an empty table would leave the loop below checking nothing
     model = LlamaForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     for row in rows:
         T = row["num_tokens"]

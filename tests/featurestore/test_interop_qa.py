@@ -400,7 +400,8 @@ def test_an_empty_out_is_refused_before_writing(base, module, monkeypatch):
     kw = {} if module is hf else {"target": target}
     with pytest.raises(ConfigError, match=r"^--out is empty; give a new directory$"):
         module.export(source.open_source(uri, "features"), "", **kw)
-    assert not read and not list((tmp / "empty").iterdir()) and not list(tmp.glob("..partial-*"))
+    # Nothing staged in the working directory nor beside it (as `.empty.partial-*`, had '' been resolved).
+    assert not read and not list((tmp / "empty").iterdir()) and not list(tmp.glob(".*partial-*"))
 
 
 # -- SpecForge: a dump whose folders are symbolic links (stitched from several disks) -----------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eaglenest.errors import StoreError
+from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.read.reader import SampleReader
 from eaglenest.featurestore.table import maintenance, store
 from fs_helpers import meta, table
@@ -53,7 +54,11 @@ def test_a_blob_read_from_an_object_store_that_fails_is_one_line(s3):
     versions = [store.append(uri, store.FEATURES, table([f"s{k}{j}" for j in range(2)], m, seed=k), meta=m)
                 for k in range(3)]
     with SampleReader(store.dataset(uri, store.FEATURES, versions[1])) as reader:
-        assert all(v is None for files in reader._files.values() for v in files.values())  # the blob reader's path
+        # Every fragment's tensor columns are mapped (an empty map would pass the check below vacuously),
+        # none to a local file: the blob reader's path.
+        assert len(reader._files) == len(reader.ds.get_fragments()) == 2, reader._files
+        assert all(files.keys() == set(S.TENSOR_COLUMNS) for files in reader._files.values()), reader._files
+        assert all(v is None for files in reader._files.values() for v in files.values())
         group = reader._group([1])  # descriptors taken, values not read yet
         maintenance.compact(uri, store.FEATURES)
         kept = maintenance.gc(uri, store.FEATURES, older_than_hours=0, grace_hours=0)["versions_after"]

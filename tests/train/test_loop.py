@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -83,5 +84,5 @@ def test_trains_on_the_recipes_feature_table(tmp_path, synth, tiny_target):
               argv=["test"], featurestore=FeaturestoreConfig(table="second"))
     prov = json.loads((s.outdir / "provenance.json").read_text())
     assert prov["inputs"]["table"] == "second" and prov["inputs"]["version"] == version
-    with pytest.raises(StoreError):  # the default table does not exist in this store
+    with pytest.raises(StoreError, match=rf"^no table 'features' in store {re.escape(uri)}$"):  # the default one
         train(cfg, store_uri=uri, workdir=str(tmp_path / "w2"), target_dir=str(tiny_target), seed=0, argv=["test"])

@@ -225,8 +225,8 @@ class PEagleConfig:
     #: Positions per packed row that get the depth >= 1 slots (drawn per row and step; depth 0 is
     #: trained at every position, as EAGLE-3's first step). Memory grows with anchors x (num_slots - 1).
     anchors_per_row: int = 64
-    #: The token id vLLM feeds at depth >= 1 (exported as ``mask_token_id``); null = the target's
-    #: pad_token_id, else its (first) eos_token_id. Any id of the target's vocabulary works: its
+    #: The token id vLLM feeds at depth >= 1 (exported as ``mask_token_id``); null = the first of the
+    #: target's pad_token_id and eos_token_id(s) inside its vocabulary. Any id of the target's vocabulary works: its
     #: embedding is the target's, frozen, and the learned ``mask_hidden`` carries the slot.
     mask_token_id: int | None = None
 
@@ -256,7 +256,7 @@ class DFlashConfig:
     #: Anchors (blocks) per packed row, drawn per row and step. Memory grows with anchors x block_size.
     anchors_per_row: int = 32
     #: The token id of the mask slots (exported as ``dflash_config.mask_token_id``); null = the
-    #: target's pad_token_id, else its (first) eos_token_id. Its embedding is the target's, frozen.
+    #: first of the target's pad_token_id and eos_token_id(s) inside its vocabulary. Its embedding is the target's, frozen.
     mask_token_id: int | None = None
 
     def __post_init__(self) -> None:

@@ -56,7 +56,7 @@ def is_dflash(cfg) -> bool:
 
 
 def mask_token_id(cfg: DFlashConfig, target_cfg: dict[str, Any]) -> int:
-    """``train.dflash.mask_token_id``, or the target's pad_token_id, else its first eos_token_id."""
+    """``train.dflash.mask_token_id``, or the first of the target's pad/eos token ids in its vocabulary."""
     return resolve_mask_token(cfg.mask_token_id, target_cfg, "train.dflash.mask_token_id")
 
 

@@ -44,27 +44,35 @@ from eaglenest.train.ttt import Batch, ChunkedSoftCE, TTTObjective, TTTResult, s
 
 
 def resolve_mask_token(chosen: int | None, target_cfg: dict[str, Any], key: str) -> int:
-    """The mask token id named by recipe key ``key`` (``chosen``), or the target's pad_token_id,
-    else its first eos_token_id; refused when outside the target's vocabulary."""
+    """The mask token id named by recipe key ``key`` (``chosen``), or else the first of the target's
+    pad_token_id and eos_token_id(s) that is a token id of its vocabulary; refused when outside it."""
     vocab = int(target_cfg["vocab_size"])
-    tid = chosen
-    if tid is None:
-        for name in ("pad_token_id", "eos_token_id"):
-            value = target_cfg.get(name)
-            value = value[0] if isinstance(value, list) and value else value
-            if isinstance(value, int) and 0 <= value < vocab:
-                tid = value
-                break
-    if tid is None:
-        raise ConfigError(f"{key}: the target's config has no pad_token_id or eos_token_id; "
-                          "set a token id of its vocabulary")
-    if not 0 <= int(tid) < vocab:
-        raise ConfigError(f"{key}: {tid} is outside the target's vocabulary (size {vocab})")
-    return int(tid)
+    if chosen is None:
+        found = default_token_ids(target_cfg)
+        tid = next((i for i in found if 0 <= i < vocab), None)
+        if tid is None:
+            named = ", ".join(f"{name} {target_cfg.get(name)!r}" for name in ("pad_token_id", "eos_token_id"))
+            raise ConfigError(f"{key}: null, and the target's config names no token id of its vocabulary "
+                              f"(size {vocab}) to use ({named}); set a token id of its vocabulary")
+        return tid
+    if not 0 <= int(chosen) < vocab:
+        raise ConfigError(f"{key}: {chosen} is outside the target's vocabulary (size {vocab})")
+    return int(chosen)
+
+
+def default_token_ids(target_cfg: dict[str, Any]) -> list[int]:
+    """The target's pad_token_id, then its eos_token_id(s) (an int or a list), integers only."""
+    ids = []
+    for name in ("pad_token_id", "eos_token_id"):
+        value = target_cfg.get(name)
+        for tid in value if isinstance(value, list) else [value]:
+            if isinstance(tid, int) and not isinstance(tid, bool):
+                ids.append(tid)
+    return ids
 
 
 def mask_token_id(cfg: PEagleConfig, target_cfg: dict[str, Any]) -> int:
-    """``train.peagle.mask_token_id``, or the target's pad_token_id, else its first eos_token_id."""
+    """``train.peagle.mask_token_id``, or the first of the target's pad/eos token ids in its vocabulary."""
     return resolve_mask_token(cfg.mask_token_id, target_cfg, "train.peagle.mask_token_id")
 
 

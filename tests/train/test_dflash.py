@@ -178,7 +178,9 @@ def test_anchors_have_context_and_a_first_slot():
     rows = make_rows(4, [[20], [7, 9], [16]], p_loss=0.8)
     batch = to_batch(rows)
     a = D.sample_anchors(batch, num_anchors=4, seed=0, step=5)
+    cand = D.anchor_candidates(batch)
     for r in range(3):
+        assert int(a.anchor_ok[r].sum()) == min(4, int(cand[r].sum())) > 0  # every row drew, up to 4
         for p in a.anchors[r][a.anchor_ok[r]].tolist():
             assert p >= 1 and batch.doc_ids[r, p - 1] == batch.doc_ids[r, p]  # at least one context position
             assert batch.loss_mask[r, p + 1] and batch.doc_ids[r, p + 1] == batch.doc_ids[r, p]

@@ -57,8 +57,8 @@ def test_offline_loads_a_dflash_export_as_trained(tmp_path, synth, tiny_target, 
     assert dflash.is_dflash(served.config) and len(served.layers) == 2
     assert served.config.eagle_aux_layer_ids == trained.config.eagle_aux_layer_ids
     assert (served.config.mask_token_id, served.config.dflash_block_size) == (trained.config.mask_token_id, 3)
-    ref = trained.state_dict()
-    assert all(torch.equal(t, ref[n]) for n, t in served.state_dict().items()), "weights differ"
+    ref, got = trained.state_dict(), served.state_dict()
+    assert got.keys() == ref.keys() and all(torch.equal(t, ref[n]) for n, t in got.items()), "weights differ"
     seq = [5, 9, 17, 3, 44, 100, 7]
     assert _proposals(served, seq, 2) == _proposals(trained, seq, 2)
 

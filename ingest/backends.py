@@ -46,6 +46,12 @@ from eaglenest.provenance import redact
 log = logging.getLogger(__name__)
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+#: Sampling parameters a request leaves at vLLM's neutral values. A vLLM server fills what a request
+#: leaves out from the target's generation_config.json (top_p, top_k, min_p, repetition_penalty, ...),
+#: while the in-process engine samples with exactly the SamplingParams it is given: the rows of both
+#: backends share one gen_params_id, so they must sample alike (top_k 0: off, since vLLM 0.10).
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +227,23 @@ class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
+def _choice(answer, where: str) -> dict:
+    """The first choice of an OpenAI-style answer; an EaglenestError naming ``where`` if it has none
+    (a server or proxy that answers 200 with something else)."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise EaglenestError(f"{where}: the answer holds no 'choices' list of objects (not an OpenAI completion)")
+    return choices[0]
+
+
+def _token_ids(value, what: str, where: str) -> list[int]:
+    """``value`` if it is a list of token ids (non-negative integers), else an EaglenestError: anything
+    else would fail the Arrow write of the whole shard, far from the answer that held it."""
+    if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
+        raise EaglenestError(f"{where}: the answer's {what} are not a list of token ids")
+    return value
+
+
 class EndpointBackend:
     """OpenAI-compatible vLLM servers, data parallel, with retries and per-request failures."""
 
@@ -263,13 +286,17 @@ class EndpointBackend:
         req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers=headers)
         try:
             with self._opener.open(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read())
+                data = resp.read()
         except urllib.error.HTTPError as exc:  # the message never contains our headers
             raise EaglenestError(f"{base}{path}: HTTP {exc.code}") from None
         except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:
             # HTTPException: a port that does not speak HTTP (BadStatusLine), a body cut off (IncompleteRead)
             reason = getattr(exc, "reason", exc)
             raise EaglenestError(f"{base}{path}: {type(reason).__name__}: {str(reason)[:200]}") from None
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as exc:  # a proxy's HTML page; JSON nested past the parser's depth
+            raise EaglenestError(f"{base}{path}: the answer is not JSON ({type(exc).__name__})") from None
 
     def _model(self, base: str) -> str:
         if base not in self._models:
@@ -281,12 +308,12 @@ class EndpointBackend:
             except urllib.error.HTTPError as exc:
                 raise EaglenestError(f"{base}/v1/models: HTTP {exc.code}") from None
             except (urllib.error.URLError, OSError, http.client.HTTPException, KeyError, IndexError,
-                    ValueError) as exc:
+                    TypeError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
                 raise EaglenestError(f"{base}/v1/models: {type(exc).__name__}") from None
         return self._models[base]
 
     def _sampling(self, gen: Generation) -> dict:
-        return {"temperature": gen.temperature, "max_tokens": gen.max_tokens, "seed": gen.seed,
+        return {"temperature": gen.temperature, "max_tokens": gen.max_tokens, "seed": gen.seed, **NEUTRAL_SAMPLING,
                 "return_token_ids": True, "skip_special_tokens": True}
 
     def _one(self, i: int, kind: str, payload, gen: Generation) -> Completion | Failure:
@@ -300,22 +327,35 @@ class EndpointBackend:
                     kwargs = chat_kwargs(gen, self.chat_template_kwargs)
                     if kwargs:
                         body["chat_template_kwargs"] = kwargs
-                    r = self._post(base, "/v1/chat/completions", body)
-                    choice = r["choices"][0]
-                    text, ids = choice["message"].get("content") or "", choice.get("token_ids")
-                    if ids and (choice["message"].get("reasoning_content") or choice["message"].get("reasoning")):
-                        # a server with --reasoning-parser moves the thinking out of `content`; the
-                        # stored text keeps it, as the token ids do
-                        text = self._tokenizer().decode(ids, skip_special_tokens=True)
+                    path = "/v1/chat/completions"
+                    r = self._post(base, path, body)
+                    choice = _choice(r, base + path)
+                    message = choice.get("message")
+                    if not isinstance(message, dict):
+                        raise EaglenestError(f"{base}{path}: the answer's choice holds no 'message' object")
+                    text = message.get("content")
                 else:
                     body["prompt"] = payload
-                    r = self._post(base, "/v1/completions", body)
-                    choice = r["choices"][0]
-                    text, ids = choice.get("text") or "", choice.get("token_ids")
-                prompt_ids = r.get("prompt_token_ids") or choice.get("prompt_token_ids")
+                    path = "/v1/completions"
+                    r = self._post(base, path, body)
+                    choice = message = _choice(r, base + path)
+                    text = choice.get("text")
+                served = r.get("model")
+                if isinstance(served, str) and served != body["model"]:  # a router's fallback, a swapped server
+                    raise EaglenestError(f"{base}{path}: answered by model '{served[:80]}', not '{body['model']}' "
+                                         "(the model the server lists and was asked for)")
+                ids, prompt_ids = choice.get("token_ids"), r.get("prompt_token_ids") or choice.get("prompt_token_ids")
                 if ids is None or prompt_ids is None:
                     raise EaglenestError(f"{base}: server returned no token ids (vLLM >= 0.10 needed)")
-                done = Completion(list(prompt_ids), list(ids), text, str(choice.get("finish_reason") or ""))
+                ids, prompt_ids = _token_ids(ids, "token_ids", base + path), _token_ids(prompt_ids, "prompt_token_ids",
+                                                                                       base + path)
+                if text is not None and not isinstance(text, str):
+                    raise EaglenestError(f"{base}{path}: the answer's text is {type(text).__name__}, not a string")
+                if kind == "chat" and ids and (message.get("reasoning_content") or message.get("reasoning")):
+                    # a server with --reasoning-parser moves the thinking out of `content`; the
+                    # stored text keeps it, as the token ids do
+                    text = self._tokenizer().decode(ids, skip_special_tokens=True)
+                done = Completion(prompt_ids, ids, text or "", str(choice.get("finish_reason") or ""))
                 if kind == "chat":
                     self._check_template(base, payload, done, gen)
                 return done

@@ -27,6 +27,7 @@ import logging
 import time
 from pathlib import Path
 
+from jinja2 import TemplateError
 from tqdm import tqdm
 
 from eaglenest import faults
@@ -265,14 +266,19 @@ def _fits(cfg: IngestConfig, tok, entries: list[PoolEntry], gen) -> tuple[list[P
 def prompt_tokens(tok, e: PoolEntry, gen, template_kwargs, *, limit: int) -> int:
     """The length of ``e``'s first request as the engine tokenizes it. A prompt whose text is less than
     half of ``limit`` in UTF-8 bytes is not rendered (each token holds at least one byte: only a chat
-    template adding over ``limit / 2`` tokens could take it past) and counts 0."""
+    template adding over ``limit / 2`` tokens could take it past) and counts 0. So does a conversation
+    the chat template refuses (``raise_exception``: "System role not supported"): the engine refuses
+    that request alone, and it is reported with the run's other failed requests."""
     text = raw_text(e) if e.mode == "raw" else "\n".join(m["content"] for m in e.messages())
     if len(text.encode("utf-8")) * 2 < limit:
         return 0
     if e.mode == "raw":
         return len(tok(text)["input_ids"])  # vLLM adds the tokenizer's special tokens to a plain prompt
-    rendered = tok.apply_chat_template(e.messages(), tokenize=False, add_generation_prompt=True,
-                                       **(chat_kwargs(gen, template_kwargs) or {}))
+    try:
+        rendered = tok.apply_chat_template(e.messages(), tokenize=False, add_generation_prompt=True,
+                                           **(chat_kwargs(gen, template_kwargs) or {}))
+    except TemplateError:
+        return 0
     return len(tok(rendered, add_special_tokens=False)["input_ids"])
 
 

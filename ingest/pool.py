@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import unicodedata
 from pathlib import Path
 from typing import Callable
 
@@ -224,14 +225,24 @@ def _check_system_column(src: Source, rows: list[dict], key: str, shown: str) ->
         raise ManifestError(f"{key}: no row of {shown} has a column '{src.system_field}' (columns: {columns})")
 
 
+#: Roles a conversation's messages may have: user and system turns are read, the others (answers the
+#: target regenerates, tool results) are left out.
+ROLES = ("user", "system", "assistant", "tool", "function", "ipython")
+
+
 def _check_roles(msgs: list[dict], at: str) -> None:
-    """Every message names its role: one that does not (a ShareGPT ``{from, value}`` turn) would
-    otherwise be skipped, its row counted as empty."""
+    """Every message names a known role: one that does not (a ShareGPT ``{from, value}`` turn, or its
+    speakers as roles, ``human``/``gpt``) would otherwise be skipped, its row counted as empty, and a
+    ``developer`` message (OpenAI's system prompt) dropped without a word."""
     for j, m in enumerate(msgs):
-        if not isinstance(m.get("role"), str):
+        role = m.get("role")
+        if not isinstance(role, str):
             keys = _short(", ".join(sorted(map(str, m))) or "none")
             raise ManifestError(f"{at}: message {j} has no 'role' string (its keys: {keys}); messages are "
                                 "{role, content} objects")
+        if role not in ROLES:
+            raise ManifestError(f"{at}: message {j} has role '{_short(role, 40)}', not one of {', '.join(ROLES)} "
+                                "(rename it: a prompt is read from user and system messages only)")
 
 
 def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
@@ -250,12 +261,12 @@ def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
         counts = {"rows": len(loaded.get(domain, [])), "empty": 0, "exact_duplicates": 0,
                   "near_duplicates": 0, "kept": 0}
         for row in loaded.get(domain, []):
-            turns = [normalise(t) for t in [row["prompt"], *row.get("later_turns", [])]]
-            if any(is_blank(t) for t in turns):  # nothing visible (a zero-width space is no prompt)
+            turns = [tidy(t) for t in [row["prompt"], *row.get("later_turns", [])]]
+            if any(is_blank(normalise(t)) for t in turns):  # nothing visible (a zero-width space is no prompt)
                 counts["empty"] += 1
                 continue
-            system = normalise(row["system"])
-            key = content_key("\n".join([system, *turns]))
+            system = tidy(row["system"])
+            key = content_key("\n".join([system, *turns]))  # normalises (NFKC) itself: ids as before
             if key in seen or key in cands:
                 counts["exact_duplicates"] += 1
                 continue  # exact duplicate (also across domains: first domain wins)
@@ -301,6 +312,14 @@ def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
                                   mode="raw" if raw else "chat", system=system, prompt=turns[0],
                                   later_turns=tuple(turns[1:])))
     return pool
+
+
+def tidy(text: str) -> str:
+    """The text a prompt is sent and stored as: canonical composition (NFC), unified newlines, trimmed
+    lines. Not NFKC, which only the identity (``content_key``) folds: it rewrites what a prompt says
+    ("x² + y²" to "x2 + y2", "½" to "1⁄2", "①" to "1"), and the target would answer another question."""
+    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
+    return "\n".join(line.rstrip() for line in text.strip().split("\n"))
 
 
 def _near_index(manifest: Manifest) -> NearDupIndex | None:

@@ -17,8 +17,19 @@ DOMAIN_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def normalise(text: str) -> str:
-    """Unicode NFKC, unified newlines, trimmed trailing spaces."""
-    text = unicodedata.normalize("NFKC", text).replace("\r\n", "\n").replace("\r", "\n")
+    """Unicode NFKC, unified newlines, trimmed trailing spaces: the form a text's identity is taken from."""
+    return _trimmed(unicodedata.normalize("NFKC", text))
+
+
+def tidy(text: str) -> str:
+    """The text a prompt is sent and stored as: canonical composition (NFC), unified newlines, trimmed
+    lines. Not NFKC, which only the identity (:func:`content_key`) folds: it rewrites what a prompt says
+    ("x² + y²" to "x2 + y2", "½" to "1⁄2", "①" to "1"), and the target would answer another question."""
+    return _trimmed(unicodedata.normalize("NFC", text))
+
+
+def _trimmed(text: str) -> str:
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     return "\n".join(line.rstrip() for line in text.strip().split("\n"))
 
 

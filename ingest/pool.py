@@ -18,13 +18,12 @@ import dataclasses
 import hashlib
 import json
 import logging
-import unicodedata
 from pathlib import Path
 from typing import Callable
 
 from eaglenest.errors import ManifestError, require
 from eaglenest.hf import load_tokenizer
-from eaglenest.text import content_key, is_blank, normalise
+from eaglenest.text import content_key, is_blank, normalise, tidy
 from eaglenest.ingest import compose
 from eaglenest.ingest.manifest import Manifest, Source, input_file, source_format
 from eaglenest.ingest.neardup import NearDupIndex
@@ -312,14 +311,6 @@ def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
                                   mode="raw" if raw else "chat", system=system, prompt=turns[0],
                                   later_turns=tuple(turns[1:])))
     return pool
-
-
-def tidy(text: str) -> str:
-    """The text a prompt is sent and stored as: canonical composition (NFC), unified newlines, trimmed
-    lines. Not NFKC, which only the identity (``content_key``) folds: it rewrites what a prompt says
-    ("x² + y²" to "x2 + y2", "½" to "1⁄2", "①" to "1"), and the target would answer another question."""
-    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
-    return "\n".join(line.rstrip() for line in text.strip().split("\n"))
 
 
 def _near_index(manifest: Manifest) -> NearDupIndex | None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal
 
+from eaglenest.config import short
 from eaglenest.engine import EngineConfig
 from eaglenest.errors import ConfigError
 from eaglenest.featurestore.table.names import check_name
@@ -34,6 +36,9 @@ class FeaturestoreConfig:
         if self.engine.in_process:  # the capture engine's connector needs vLLM's own processes
             raise ConfigError("featurestore.engine.in_process: capture runs its engine in vLLM's own processes; "
                               "set it to null (or false)")
+        if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in self.layer_ids):
+            raise ConfigError(f"featurestore.layer_ids: {short(list(self.layer_ids))} holds a value that is not a "
+                              "whole number (vLLM layer ids)")
         dup = sorted({i for i in self.layer_ids if list(self.layer_ids).count(i) > 1})
         if dup:
             raise ConfigError(f"featurestore.layer_ids: duplicate ids {dup}; give distinct layers (vLLM convention)")

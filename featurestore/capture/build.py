@@ -22,7 +22,7 @@ from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.capture import identity, policy, turns
 from eaglenest.featurestore.capture.engine import Capturer, resolve_layer_ids
-from eaglenest.featurestore.capture.writer import FeatureWriter, bytes_per_token
+from eaglenest.featurestore.capture.writer import FeatureWriter, bytes_per_token, captured_bytes_per_token
 from eaglenest.featurestore.schema import dtype_name
 from eaglenest.featurestore.table import fragments, lease, store
 from eaglenest.hf import load_config, load_tokenizer
@@ -79,13 +79,21 @@ def pool_conversations(store_uri: str) -> list[dict]:
     return sorted(rows, key=lambda r: r["sample_id"])
 
 
+def settled_pool(store_uri: str) -> list[dict]:
+    """:func:`pool_conversations`, read under the prompts table's writer lease: an ``ingest build``
+    still writing it is named (one line, after ``lease.MAINTENANCE_WAIT_S``). The pool is part of
+    the feature set's identity, so a capture of half an ingest's pool could never be extended."""
+    with lease.hold(store_uri, store.PROMPTS, purpose="featurestore capture", wait_s=lease.MAINTENANCE_WAIT_S):
+        return pool_conversations(store_uri)
+
+
 def pending_conversations(store_uri: str, table: str = store.FEATURES) -> list[dict]:
     """Pool rows with no features yet in ``table``, by id."""
     done = store.sample_ids(store_uri, table)
     return [r for r in pool_conversations(store_uri) if r["sample_id"] not in done]
 
 
-def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta) -> S.FeatureMeta | None:
+def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta, pool_ids=()) -> S.FeatureMeta | None:
     """The table's meta when ``table`` already holds this feature set (None: no table yet); refuses
     a different one, naming the keys. A table of an older, still readable schema version whose
     identity differs only in ``schema_version`` holds the same tensors: it is reused as is (read
@@ -97,6 +105,7 @@ def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta) -> S.FeatureMet
     if have.feature_set_id == meta.feature_set_id:
         return have
     diff = identity.differences(have.identity_components, meta.identity_components) or ["feature_set_id"]
+    diff = [_pool_change(store_uri, table, pool_ids) if d.startswith("prompt_pool") else d for d in diff]
     if [d for d in diff if not d.startswith("schema_version")] == [] and \
             S.schema_version(ds.schema) in S.READABLE_VERSIONS:
         log.info("table '%s' is features schema version %s (same feature set otherwise): reused",
@@ -105,6 +114,15 @@ def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta) -> S.FeatureMet
     raise StoreError(f"table '{table}' holds feature set {have.feature_set_id}, this capture is "
                      f"{meta.feature_set_id}: differs in {'; '.join(diff)}. Set featurestore.table to a new "
                      "name (or restore those keys)")
+
+
+def _pool_change(store_uri: str, table: str, pool_ids) -> str:
+    """The ``prompt_pool`` difference, saying how the pool and the table's rows disagree (the
+    manifest need not have changed: an ``ingest build`` resumed or extended since)."""
+    pool, have = set(pool_ids), store.sample_ids(store_uri, table)
+    return (f"prompt_pool (key {identity.KEYS['prompt_pool']}): {len(pool - have)} of the prompts table's "
+            f"{len(pool)} training conversations are not in this table, {len(have - pool)} of its {len(have)} "
+            "rows are no longer there")
 
 
 def feature_row(conv: dict, aux, last, meta: S.FeatureMeta, spans=()) -> dict:
@@ -150,14 +168,14 @@ def capture(*, target: str, store_uri: str, cfg, lineage: dict | None = None, of
 def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: float,
              trust_remote_code: bool = False) -> dict:
     name = cfg.table
-    pool = pool_conversations(store_uri)
+    pool = settled_pool(store_uri)
     if not pool:
         raise StoreError(f"the prompts table in {store_uri} has no training conversation with a response: "
                          "nothing to capture (run `ingest build`; check its failures)")
     meta = feature_meta(target, cfg.layer_ids, cfg.engine.dtype, storage=cfg.storage,
                         sample_ids=[r["sample_id"] for r in pool], gen_params_ids=[r["gen_params_id"] for r in pool],
                         trust_remote_code=trust_remote_code)
-    have = check_reuse(store_uri, name, meta)
+    have = check_reuse(store_uri, name, meta, [r["sample_id"] for r in pool])
     reused = have is not None
     meta = have or meta
     done = store.sample_ids(store_uri, name)
@@ -184,7 +202,7 @@ def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: floa
             # samples, write_buffer_mb bytes) bounds what is in flight, as fixed batches did.
             seqs = [c["prompt_token_ids"] + c["response_token_ids"] for c in todo]
             results = contextlib.closing(cap.stream(seqs, max_in_flight=cfg.batch_size, budget_bytes=budget,
-                                                    bytes_per_token=bytes_per_token(meta)))
+                                                    bytes_per_token=captured_bytes_per_token(meta)))
             with results as stream:  # closed on any error: what is still queued is aborted
                 for i, (conv, (aux, last)) in enumerate(zip(todo, stream), 1):
                     if dtype_name(aux) != meta.dtype:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import shutil
 import tempfile
 from collections import Counter
@@ -59,7 +60,7 @@ def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], num_layers: int) -
     capture takes them ascending, as vLLM hands them over: ``build.feature_meta``; an import ascending
     too, interop/sink.import_meta). Each id at most once, and never ``num_layers``: the last layer is
     always captured as ``last_hidden`` already, so as an aux layer it would be stored twice."""
-    ids = tuple(layer_ids) or default_layer_ids(num_layers)
+    ids = tuple(map(_layer_id, layer_ids)) or default_layer_ids(num_layers)
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:  # the same range as the last-layer refusal below names
         raise ConfigError(f"featurestore.layer_ids: {short(bad)} outside 0..{num_layers - 1} (vLLM convention; "
@@ -71,6 +72,15 @@ def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], num_layers: int) -
     if dups:
         raise ConfigError(f"featurestore.layer_ids: duplicate ids {short(dups)}; give each aux layer once")
     return ids
+
+
+def _layer_id(value) -> int:
+    """One layer id as a plain int (numpy's integers included: the identity is JSON, and vLLM's config
+    takes ints); a float, a string or a bool is one line naming the key (the recipe's walker refuses
+    them too, a config built in code reaches here)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"featurestore.layer_ids: {short(value)} is not a whole number (a vLLM layer id)")
+    return int(value)
 
 
 def capture_llm(target: str, capture_ids: list[int], engine: EngineConfig, *, spool: str, extra: dict | None = None,
@@ -217,8 +227,16 @@ class Capturer:
         path = (out.kv_transfer_params or {}).get("hidden_states_path")
         if path is None:
             raise StoreError("vLLM returned no hidden states: is the capture connector loaded?")
+        from safetensors import SafetensorError
+
         try:
             data = load_hidden_states(path)  # waits on the file's lock until the writer is done
+        except (OSError, SafetensorError) as exc:  # vLLM only logs a failed write (a full temp folder)
+            first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            raise StoreError(f"cannot read the hidden states the capture engine spooled to {Path(path).parent} "
+                             f"({first}): vLLM's log says why; a full temp folder? set TMPDIR to a disk with "
+                             "room for featurestore.batch_size captures. What was committed is kept: a re-run "
+                             "resumes") from None
         finally:
             _cleanup(path)
         hs, ids = data["hidden_states"], data["token_ids"]

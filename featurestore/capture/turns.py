@@ -12,6 +12,8 @@ Pure functions of (tokenizer, messages, prompt ids): no I/O.
 
 from __future__ import annotations
 
+import jinja2
+
 
 def _ids(tokenizer, messages: list[dict], *, open_turn: bool, kwargs: dict) -> list[int]:
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=open_turn, tokenize=True, **kwargs)
@@ -22,8 +24,9 @@ def assistant_spans(tokenizer, messages: list[dict], prompt_ids: list[int],
                     chat_template_kwargs: dict | None = None) -> list[tuple[int, int]] | None:
     """``[(start, end), ...]`` token spans of the assistant turns before the last message, or None
     when the template, rendered with ``chat_template_kwargs`` (those ingest rendered the prompt
-    with, e.g. a reasoning mode), does not reproduce ``prompt_ids`` as a prefix (the caller then
-    trains on the last answer only)."""
+    with, e.g. a reasoning mode), does not reproduce ``prompt_ids`` as a prefix or refuses the
+    conversation (a role it does not take: a template changed since ingest); the caller then trains
+    on the last answer only."""
     kw = dict(chat_template_kwargs or {})
     if sum(m.get("role") == "assistant" for m in messages) < 2:
         return []
@@ -32,8 +35,11 @@ def assistant_spans(tokenizer, messages: list[dict], prompt_ids: list[int],
     for i, m in enumerate(messages[:-1]):
         if m.get("role") != "assistant":
             continue
-        start = _ids(tokenizer, messages[:i], open_turn=True, kwargs=kw)
-        end = _ids(tokenizer, messages[:i + 1], open_turn=False, kwargs=kw)
+        try:
+            start = _ids(tokenizer, messages[:i], open_turn=True, kwargs=kw)
+            end = _ids(tokenizer, messages[:i + 1], open_turn=False, kwargs=kw)
+        except jinja2.TemplateError:  # a template (changed since ingest?) that refuses the conversation
+            return None
         if end[:len(start)] != start or prompt_ids[:len(end)] != end or len(end) <= len(start):
             return None
         stop = len(end)

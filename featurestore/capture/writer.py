@@ -32,10 +32,15 @@ from eaglenest.featurestore.table import fragments
 
 def bytes_per_token(meta: S.FeatureMeta) -> int:
     """Stored bytes of one token's hidden states (aux layers + last) in ``meta``'s storage."""
-    rows = len(meta.layer_ids) + 1
     if meta.storage == "fp8_e4m3":
-        return rows * (meta.hidden_size + 4)
-    return rows * meta.hidden_size * S._DTYPES[meta.dtype].itemsize
+        return (len(meta.layer_ids) + 1) * (meta.hidden_size + 4)
+    return captured_bytes_per_token(meta)
+
+
+def captured_bytes_per_token(meta: S.FeatureMeta) -> int:
+    """Bytes of one token's hidden states as the engine hands them over (aux layers + last, in the
+    target's dtype), whatever the storage: what the capture window holds before encoding."""
+    return (len(meta.layer_ids) + 1) * meta.hidden_size * S._DTYPES[meta.dtype].itemsize
 
 
 class FeatureWriter:

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+# The first test's set-up runs the whole pipeline (ingest, capture, train, export, evaluate): 8-13 min on a
+# loaded 2-core machine, near the suite's 900 s per test; its own limit keeps load from failing all six.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 BIN = Path(sys.executable).parent
 DOMAINS = ("arithmetic", "records", "code", "prose")

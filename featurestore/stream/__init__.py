@@ -3,6 +3,7 @@
 Owns the bypass for targets whose features are too large to store. Bottom to top: ``producer``
 (the child process running a capture engine in publish mode, started as
 ``python -m eaglenest.featurestore.stream.producer``), ``local`` (one host: the consumer's socket,
-credits and in-order hand-out, :class:`CaptureStream`), ``xhost`` (across hosts: M engine hosts
+credits and in-order hand-out, :class:`CaptureStream`), ``hostcheck`` (what an engine host
+checks of its model before it joins), ``xhost`` (across hosts: M engine hosts
 feeding N trainer ranks over gloo, ``featurestore stream-serve``). Uses ``capture``.
 """

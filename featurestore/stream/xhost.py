@@ -47,10 +47,9 @@ import numpy as np
 
 from eaglenest.engine import EngineConfig
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.featurestore.capture.build import target_facts
+from eaglenest.featurestore.stream import hostcheck
 from eaglenest.featurestore.stream.addr import parse_addr
 from eaglenest.featurestore.stream.local import MAX_DEPTH, CaptureStream
-from eaglenest.hf import check_target
 
 log = logging.getLogger(__name__)
 
@@ -442,44 +441,6 @@ def engine_captures(spec: dict, sequences: list[list[int]], target: str | None =
                          window=int(spec["window"]), trust_remote_code=bool(spec.get("trust_remote_code", False)))
 
 
-def _check_target_flag(target: str) -> None:
-    """stream-serve's ``--target``: a model directory here (or a cached hub id), else one line naming the flag."""
-    try:
-        check_target(target)
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace("run.target: ", "--target ", 1)) from None
-
-
-def _check_trainers_target(target: str) -> None:
-    """The trainer's ``run.target`` when stream-serve has no ``--target``: here too, or one line saying
-    to give ``--target`` (before this engine joins the group, where its failure would end every rank)."""
-    try:
-        check_target(target)
-    except ConfigError as exc:
-        raise ConfigError(f"--target: not given, and the trainer's run.target is not usable on this host "
-                          f"({str(exc).removeprefix('run.target: ')}): give --target DIR") from None
-
-
-def _check_same_shape(target: str, spec: dict, *, given: bool) -> None:
-    """The model this engine loads (``--target``, ``given``; else the trainer's run.target path as it is
-    on this host) against the trainer's: the same layer count and width, or one line before this
-    engine joins. Another model streamed states of another width (the trainer failed on its first
-    batch, after the engine start) or, with more layers, a middle layer taken for the last one
-    (trained on silently)."""
-    what = f"--target {target}" if given else f"{target} (the trainer's run.target, as it is on this host)"
-    want = {k: int(spec[k]) for k in ("num_layers", "hidden_size") if k in spec}
-    try:
-        facts = target_facts(target, trust_remote_code=bool(spec.get("trust_remote_code", False)))
-    except ConfigError as exc:  # said of run.target; here it is the flag
-        raise ConfigError(str(exc).replace("run.target: ", f"{what}: ", 1)) from None
-    differ = [k for k in want if facts[k] != want[k]]
-    if differ:
-        got = ", ".join(f"{k} {facts[k]}" for k in differ)
-        trainers = ", ".join(f"{k} {want[k]}" for k in differ)
-        raise ConfigError(f"{what}: {got}, but the trainer's model has {trainers}: give stream-serve the "
-                          "trainer's model (--target DIR)")
-
-
 def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: float = 1800.0,
           poll_s: float = 0.5, captures=None) -> int:
     """One engine host: capture the linked ranks' shares with a local engine, forward each capture.
@@ -491,7 +452,7 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
     if engine_rank < 0:  # refused before connecting (the trainer's engine count is known only then)
         raise ConfigError(f"--engine-rank {engine_rank}: must be >= 0 (0..train.stream.engines-1)")
     if target is not None:  # found out here, not once the whole group formed and this engine starts
-        _check_target_flag(target)
+        hostcheck.check_target_flag(target)
     who = f"engine {engine_rank}"
     group = Group(addr, is_master=False, timeout_s=timeout_s, who=who, key="--addr")
     spec = _spec(group.get("spec"), addr)
@@ -499,9 +460,9 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
     if not 0 <= engine_rank < M:
         raise ConfigError(f"--engine-rank {engine_rank}: the trainer expects train.stream.engines={M} (0..{M - 1})")
     if target is None and captures is None:  # the trainer's path, which this host may not have
-        _check_trainers_target(str(spec.get("target")))
+        hostcheck.check_trainers_target(str(spec.get("target")))
     if target is not None or captures is None:  # another model than the trainer's: states of another shape
-        _check_same_shape(target or str(spec.get("target")), spec, given=target is not None)
+        hostcheck.check_same_shape(target or str(spec.get("target")), spec, given=target is not None)
     me = f"{socket.gethostname()} pid {os.getpid()} ({uuid.uuid4().hex[:8]})"
     holder = group.claim(f"engine-{engine_rank}", me)
     if holder != me:  # two hosts given the same rank: the group would wait train.stream.timeout_s, never form

@@ -4,6 +4,7 @@ a tiny loopback HTTP server; no vLLM engine."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import shutil
@@ -49,6 +50,22 @@ class _Answers(http.server.BaseHTTPRequestHandler):
 
 
 _CHAT = [{"role": "user", "content": "hello"}]
+
+
+@contextlib.contextmanager
+def _endpoint(handler, target, *, body: bytes = b"", max_retries: int = 0):
+    """A local HTTP server answering with ``handler`` (``server.body``; requests kept in ``server.seen``)
+    and an EndpointBackend on it: ``(server, url, backend)``, both closed after."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.body, httpd.seen = body, []
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    backend = backends.EndpointBackend([url], target=str(target), max_retries=max_retries, backoff_s=0, timeout_s=10)
+    try:
+        yield httpd, url, backend
+    finally:
+        backend.close()
+        httpd.shutdown()
 _BAD_BODIES = [
     ("chat", {"choices": [{"message": None, "token_ids": [1], "finish_reason": "stop"}], "prompt_token_ids": [1]}),
     ("raw", {"choices": [[1, 2]], "prompt_token_ids": [1]}),
@@ -65,17 +82,10 @@ def test_an_endpoint_answer_of_the_wrong_shape_is_a_failed_request(tiny_target, 
     # raised AttributeError / RecursionError out of the request's thread: `ingest build` ended in a
     # traceback. Token ids that were not integers (["a", null], the string "12") were stored as a
     # Completion and failed later, in the Arrow write of the whole shard.
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
-    httpd.body = b"[" * 100_000 + b"]" * 100_000 if body == "deep" else json.dumps(body).encode()
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    backend = backends.EndpointBackend([url], target=str(tiny_target), max_retries=1, backoff_s=0, timeout_s=10)
-    try:
+    answer = b"[" * 100_000 + b"]" * 100_000 if body == "deep" else json.dumps(body).encode()
+    with _endpoint(_Answers, tiny_target, body=answer, max_retries=1) as (_, url, backend):
         backend.submit("k", kind, _CHAT if kind == "chat" else "hello", Generation())
         ((key, result),) = backend.poll()
-    finally:
-        backend.close()
-        httpd.shutdown()
     assert key == "k" and isinstance(result, backends.Failure), result
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     assert result.error.startswith(f"2 attempt(s) failed; last: {url}{path}: "), result.error
@@ -83,18 +93,11 @@ def test_an_endpoint_answer_of_the_wrong_shape_is_a_failed_request(tiny_target, 
 
 
 def test_a_well_formed_endpoint_answer_is_still_a_completion(tiny_target):
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
-    httpd.body = json.dumps({"choices": [{"text": "hi", "token_ids": [7, 8], "finish_reason": "length"}],
-                             "prompt_token_ids": [1, 2, 3]}).encode()
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    backend = backends.EndpointBackend([f"http://127.0.0.1:{httpd.server_address[1]}"], target=str(tiny_target),
-                                       max_retries=0, backoff_s=0, timeout_s=10)
-    try:
+    answer = json.dumps({"choices": [{"text": "hi", "token_ids": [7, 8], "finish_reason": "length"}],
+                         "prompt_token_ids": [1, 2, 3]}).encode()
+    with _endpoint(_Answers, tiny_target, body=answer) as (_, _url, backend):
         backend.submit("k", "raw", "hello", Generation())
         ((_, result),) = backend.poll()
-    finally:
-        backend.close()
-        httpd.shutdown()
     assert result == backends.Completion([1, 2, 3], [7, 8], "hi", "length")
 
 
@@ -188,21 +191,14 @@ def test_an_answer_from_another_model_than_the_one_asked_for_is_a_failed_request
     # A router in front of the servers (a fallback to another deployment) or a server whose model was
     # swapped between /v1/models and the request answered as "other-model": the answer was stored as the
     # target's own, on-policy, and trained on. vLLM echoes the model it was asked for.
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
-    httpd.body = json.dumps({"model": "other-model", "prompt_token_ids": [1, 2],
-                             "choices": [{"text": "hi", "token_ids": [7], "finish_reason": "stop"}]}).encode()
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    backend = backends.EndpointBackend([url], target=str(tiny_target), max_retries=0, backoff_s=0, timeout_s=10)
-    try:
+    answer = json.dumps({"model": "other-model", "prompt_token_ids": [1, 2],
+                         "choices": [{"text": "hi", "token_ids": [7], "finish_reason": "stop"}]}).encode()
+    with _endpoint(_Answers, tiny_target, body=answer) as (httpd, url, backend):
         backend.submit("k", "raw", "hello", Generation())
         ((_, result),) = backend.poll()
         httpd.body = httpd.body.replace(b'"other-model"', b'"m"')  # the model listed by /v1/models: accepted
         backend.submit("k2", "raw", "hello", Generation())
         ((_, same),) = backend.poll()
-    finally:
-        backend.close()
-        httpd.shutdown()
     assert isinstance(result, backends.Failure), result
     assert result.error == (f"1 attempt(s) failed; last: {url}/v1/completions: answered by model 'other-model', "
                             "not 'm' (the model the server lists and was asked for)")
@@ -232,21 +228,13 @@ def test_endpoint_requests_sample_as_the_in_process_engine_does(tiny_target, kin
     # differently under one gen_params_id (a repetition_penalty changes even greedy answers) and mixed.
     from vllm import SamplingParams
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Records)
-    httpd.seen = []
-    httpd.body = json.dumps({"model": "m", "prompt_token_ids": [1], "choices": [
+    answer = json.dumps({"model": "m", "prompt_token_ids": [1], "choices": [
         {"text": "hi", "message": {"content": "hi"}, "token_ids": [7], "finish_reason": "stop"}]}).encode()
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    backend = backends.EndpointBackend([f"http://127.0.0.1:{httpd.server_address[1]}"], target=str(tiny_target),
-                                       max_retries=0, backoff_s=0, timeout_s=10)
-    backend._checked.add(backend.urls[0])  # the template check is another test's (the ids here are made up)
     gen = Generation(temperature=0.7, max_tokens=9, seed=3)
-    try:
+    with _endpoint(_Records, tiny_target, body=answer) as (httpd, _url, backend):
+        backend._checked.add(backend.urls[0])  # the template check is another test's (the ids here are made up)
         backend.submit("k", kind, _CHAT if kind == "chat" else "hello", gen)
         backend.poll()
-    finally:
-        backend.close()
-        httpd.shutdown()
     (body,) = httpd.seen
     assert set(_SERVER_DEFAULTED) <= set(body), sorted(body)
     local = SamplingParams(temperature=gen.temperature, max_tokens=gen.max_tokens, seed=gen.seed)  # LocalBackend's
@@ -261,14 +249,7 @@ class _DeepModels(_Answers):
 
 def test_a_model_list_nested_past_the_parsers_depth_is_a_failed_request(tiny_target):
     # /v1/models nested past the JSON parser's depth raised RecursionError out of the request's thread.
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DeepModels)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    backend = backends.EndpointBackend([url], target=str(tiny_target), max_retries=0, backoff_s=0, timeout_s=10)
-    try:
+    with _endpoint(_DeepModels, tiny_target) as (_, url, backend):
         backend.submit("k", "raw", "hello", Generation())
         ((_, result),) = backend.poll()
-    finally:
-        backend.close()
-        httpd.shutdown()
     assert result == backends.Failure(f"1 attempt(s) failed; last: {url}/v1/models: RecursionError")

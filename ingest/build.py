@@ -50,7 +50,7 @@ from eaglenest.provenance import write_json_atomic
 log = logging.getLogger(__name__)
 
 
-def chat_template(target: str, *, trust_remote_code: bool = False) -> str:
+def chat_template(target: str, *, trust_remote_code: bool = False) -> str | dict:
     return load_tokenizer(target, trust_remote_code=trust_remote_code).chat_template or ""
 
 

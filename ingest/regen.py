@@ -38,11 +38,13 @@ class Dropped(str):
 THINKING_TRUNCATED = Dropped("thinking truncated: max_tokens reached inside an open think block")
 
 
-def gen_params_id(gen: Generation, chat_template: str, chat_template_kwargs: dict | None = None) -> str:
+def gen_params_id(gen: Generation, chat_template: str | dict, chat_template_kwargs: dict | None = None) -> str:
     """Identity of how responses were produced (sampling + template + the recipe's
-    ``ingest.chat_template_kwargs``), stored with every row."""
+    ``ingest.chat_template_kwargs``), stored with every row. ``chat_template``: the tokenizer's, a
+    mapping for a target with named templates (a list in tokenizer_config.json: default, tool_use)."""
+    text = chat_template if isinstance(chat_template, str) else json.dumps(chat_template, sort_keys=True)
     spec = {"temperature": gen.temperature, "max_tokens": gen.max_tokens, "seed": gen.seed,
-            "chat_template_sha256": hashlib.sha256(chat_template.encode()).hexdigest()}
+            "chat_template_sha256": hashlib.sha256(text.encode()).hexdigest()}
     if gen.reasoning != "default":  # keeps ids of existing runs unchanged
         spec["reasoning"] = gen.reasoning
     if chat_template_kwargs:  # likewise: only present when set

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from eaglenest import faults, memfit
 from eaglenest.config import short, short_text
-from eaglenest.errors import ConfigError, StoreError
+from eaglenest.errors import ConfigError, SchemaError, StoreError
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.capture import identity, policy, turns
 from eaglenest.featurestore.capture.engine import Capturer, resolve_layer_ids
@@ -100,8 +100,12 @@ def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta, pool_ids=()) ->
     only: adding rows to it is refused by ``fragments.check_identity``)."""
     if not store.exists(store_uri, table):
         return None
-    ds = store.dataset(store_uri, table)
-    have = S.feature_meta(ds.schema)
+    try:
+        ds = store.dataset(store_uri, table)
+        have = S.feature_meta(ds.schema)
+    except SchemaError as exc:  # a table of another kind under that name: the key to change, not a column
+        raise StoreError(f"featurestore.table: table '{table}' in {store_uri} is not a features table ({exc}); "
+                         "set featurestore.table to another name") from None
     if have.feature_set_id == meta.feature_set_id:
         return have
     diff = identity.differences(have.identity_components, meta.identity_components) or ["feature_set_id"]
@@ -184,7 +188,7 @@ def _capture(*, target: str, store_uri: str, cfg, lineage: dict | None, t0: floa
     if todo:
         if reused:  # a table that takes no rows (an older schema version) is refused now, not at the first write
             fragments.check_identity(store.dataset(store_uri, name), name, meta)
-        longest = check_lengths(todo, cfg.engine.max_model_len)
+        longest = check_lengths(todo, cfg.engine.max_model_len, target=target)
         check_fit(target, meta, longest, cfg.engine.dtype)  # before the engine starts
         vocab_size = target_facts(target, trust_remote_code=trust_remote_code)["vocab_size"]
         check_token_ids(todo, target, vocab_size=vocab_size, trust_remote_code=trust_remote_code)
@@ -243,10 +247,10 @@ def check_fit(target: str, meta: S.FeatureMeta, tokens: int, engine_dtype: str) 
                         key="the manifest's compose.target_tokens (or generation.max_tokens)")
 
 
-def check_lengths(convs: list[dict], max_model_len: int) -> int:
+def check_lengths(convs: list[dict], max_model_len: int, *, target: str | None = None) -> int:
     """The longest conversation's token count; refuses, naming the row, a conversation of no token
     (vLLM refuses an empty prompt only once its engine is up) or one the engine cannot hold with the
-    one token each capture generates."""
+    one token each capture generates (``target``: named when that one token is past its positions)."""
     longest, row = 0, None
     for conv in convs:
         n = len(conv["prompt_token_ids"]) + len(conv["response_token_ids"])
@@ -257,8 +261,23 @@ def check_lengths(convs: list[dict], max_model_len: int) -> int:
             longest, row = n, conv["sample_id"]
     if longest + 1 > max_model_len:
         raise ConfigError(f"featurestore.engine.max_model_len: {max_model_len} is too small for prompts row {row} "
-                          f"({longest} tokens; capture needs {longest + 1}): raise it")
+                          f"({longest} tokens; capture needs {longest + 1}): raise it"
+                          + _past_positions(target, longest))
     return longest
+
+
+def _past_positions(target: str | None, tokens: int) -> str:
+    """What to add to the refusal when a conversation fills every position of ``target`` (ingest
+    generated it up to an engine's max_model_len of all of them): vLLM refuses a max_model_len past
+    them unless told, yet the one position more holds only the token capture samples, which no
+    layer computes (no hidden state is taken there)."""
+    if target is None or not (Path(target) / "config.json").is_file():
+        return ""
+    if language_config(read_config(target)).get("max_position_embeddings") != tokens:
+        return ""
+    return (f"; {tokens + 1} is past the {tokens} positions of run.target {target}, which vLLM allows with "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in the environment: the position past them only holds the one "
+            "token capture samples, never run through the model")
 
 
 def check_token_ids(convs: list[dict], target: str, *, vocab_size: int | None,

@@ -83,27 +83,50 @@ def weights_hash(target: str) -> str:
 _HASHED: dict[tuple, str] = {}
 
 
+def _tokenizer_files(root: Path) -> list[Path]:
+    # (Mistral's tekken.json, BERT-style vocab.txt and tiktoken files too; a file absent adds nothing,
+    # so the identities of stores captured before stay the same)
+    names = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt", "merges.txt",
+             "tokenizer_config.json", "special_tokens_map.json", *sorted(p.name for p in root.glob("*.tiktoken")))
+    return [root / name for name in names if (root / name).is_file()]
+
+
 def tokenizer_hashes(target: str) -> tuple[str, str]:
     """(sha256 of the tokenizer files, sha256 of the chat template)."""
     root = Path(target)
     tok = hashlib.sha256()
+    for p in _tokenizer_files(root):
+        tok.update(p.name.encode() + p.read_bytes())
+    return tok.hexdigest(), hashlib.sha256(chat_template_text(root).encode()).hexdigest()
+
+
+def chat_template_text(root: Path) -> str:
+    """The target's chat template as the tokenizer loads it (``chat_template.jinja`` over
+    ``tokenizer_config.json``'s; a list of named templates as sorted JSON; none: empty)."""
     template = ""
-    # (Mistral's tekken.json, BERT-style vocab.txt and tiktoken files too; a file absent adds nothing,
-    # so the identities of stores captured before stay the same)
-    for name in ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt", "merges.txt",
-                 "tokenizer_config.json", "special_tokens_map.json", *sorted(p.name for p in root.glob("*.tiktoken"))):
-        p = root / name
-        if p.is_file():
-            tok.update(name.encode() + p.read_bytes())
     cfg = root / "tokenizer_config.json"
     if cfg.is_file():
         template = _json_object(cfg).get("chat_template") or ""
     jinja = root / "chat_template.jinja"
     if jinja.is_file():
         template = jinja.read_text()
-    if isinstance(template, list):
+    if not isinstance(template, str):
         template = json.dumps(template, sort_keys=True)
-    return tok.hexdigest(), hashlib.sha256(template.encode()).hexdigest()
+    return template
+
+
+def vocab_hash(target: str) -> str:
+    """sha256 of the tokenizer files with the chat template left out of ``tokenizer_config.json``:
+    what turns text into token ids, so an edited template is told apart from another tokenizer."""
+    h = hashlib.sha256()
+    for p in _tokenizer_files(Path(target)):
+        if p.name == "tokenizer_config.json":
+            cfg = {k: v for k, v in _json_object(p).items() if k != "chat_template"}
+            data = json.dumps(cfg, sort_keys=True).encode()
+        else:
+            data = p.read_bytes()
+        h.update(p.name.encode() + data)
+    return h.hexdigest()
 
 
 def _json_object(path: Path) -> dict:

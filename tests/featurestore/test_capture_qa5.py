@@ -177,7 +177,8 @@ def test_a_conversation_the_current_chat_template_refuses_trains_on_its_last_ans
     """The target's chat template changed since ingest to one that refuses a role the stored
     conversation has (a system turn, as Gemma's does): rendering its earlier turns for their loss
     spans raised jinja's TemplateError, a traceback mid-capture with the engine up. Handled as a
-    template that does not reproduce the prompt: a warning naming the row, the last answer trained."""
+    template that does not reproduce the prompt: a warning naming the row, the last answer trained.
+    (A template changed since ingest is refused unless run.off_policy=true (test_capture_qa6.py): opted in.)"""
     target = tmp_path / "target"
     shutil.copytree(tiny_target, target)
     cfg_path = target / "tokenizer_config.json"
@@ -193,7 +194,7 @@ def test_a_conversation_the_current_chat_template_refuses_trains_on_its_last_ans
     monkeypatch.setattr(build, "Capturer", _StubCapturer)
     uri = fs_helpers.prompts_store(tmp_path, rows, tiny_target)
     with caplog.at_level("WARNING", logger=build.__name__):
-        assert build.capture(target=str(target), store_uri=uri, cfg=CFG)["captured"] == 2
+        assert build.capture(target=str(target), store_uri=uri, cfg=CFG, off_policy=True)["captured"] == 2
     got = store.read(uri, store.FEATURES, columns=["sample_id", "num_loss_tokens"]).to_pylist()
     assert {r["sample_id"]: r["num_loss_tokens"] for r in got} == {
         r["sample_id"]: len(r["response_token_ids"]) for r in rows}

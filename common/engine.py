@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from eaglenest.config import short
-from eaglenest.engine_errors import TOO_LONG, kv_cache_problem, one_line, shown, weights_mismatch
+from eaglenest.engine_errors import TOO_LONG, TOO_MANY_SEQS, kv_cache_problem, one_line, shown, weights_mismatch
 from eaglenest.errors import ConfigError, require
-from eaglenest.hf import check_generation_config, check_remote_code, is_refusal, refusal
+from eaglenest.hf import is_refusal, refusal
 from eaglenest.paths import read_json_object
 from eaglenest.provenance import write_text_atomic
-from eaglenest.shapes import check_weight_shapes
+from eaglenest.precheck import check_engine_target
 
 log = logging.getLogger(__name__)
 
@@ -351,15 +351,16 @@ def is_mla_checkpoint(model: str) -> bool:
     return cfg.get("kv_lora_rank") is not None or text.get("kv_lora_rank") is not None
 
 
-def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, **extra: Any):
-    """A ``vllm.LLM`` for ``model``; ``extra`` adds e.g. ``speculative_config``. A local checkpoint
-    that needs its own code is refused before the engine starts unless ``trust_remote_code``; weights of
-    other shapes than its config.json says are one line naming run.target and the tensor, before the
-    engine starts (``shapes.py``), or from vLLM's failure (an engine in this process)."""
-    cfg.check("engine")  # a section's engine was checked under its own name; one built in code is checked here
-    check_remote_code(model, trust_remote_code=trust_remote_code)
-    check_weight_shapes(model)  # vLLM would cut a larger tensor to config.json's shape without a word
-    check_generation_config(model)
+def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, key: str = "run.target",
+             where: str = "engine", **extra: Any):
+    """A ``vllm.LLM`` for ``model``; ``extra`` adds e.g. ``speculative_config``. What the engine would
+    refuse only once started is refused first (:func:`check_engine_target`), in one line naming ``key``
+    (how the user gave ``model``: ``run.target``, a command's ``--model``) or a setting of ``where`` (the
+    engine's section, ``ingest.engine``: ``ingest.engine.max_model_len``); so are vLLM's own refusals of
+    its settings and weights of other shapes than config.json says that vLLM itself finds (an engine in
+    this process)."""
+    cfg.check(where)  # a section's engine was checked under its own name; one built in code is checked here
+    check_engine_target(model, cfg.max_model_len, trust_remote_code=trust_remote_code, key=key, where=where)
     require("vllm", "cpu" if not has_cuda() else "cuda")
     quiet_vllm()  # the run's vLLM log, written now that an engine starts (not when the command did)
     if "VLLM_CONFIGURE_LOGGING" not in os.environ:
@@ -380,12 +381,17 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
     except ValueError as exc:  # a hub checkpoint with its own code: vLLM reads its config in process
         too_long = TOO_LONG.search(str(exc))
         if too_long:  # found by vLLM's config check, before any weight is loaded
-            raise ConfigError(f"engine.max_model_len: {too_long[1]} is more than {model} has positions for "
-                              f"({too_long[2]}); lower the stage's engine.max_model_len") from None
+            raise ConfigError(f"{where}.max_model_len: {too_long[1]} is more than {model} has positions for "
+                              f"({too_long[2]}); lower {where}.max_model_len") from None
+        too_many = TOO_MANY_SEQS.search(str(exc))
+        if too_many:  # vLLM's scheduler config check, before any weight is loaded
+            raise ConfigError(f"{where}.max_num_seqs: {too_many[2]} is more than the {too_many[1]} tokens vLLM "
+                              f"schedules a step (its max_num_batched_tokens); set {where}.max_num_seqs="
+                              f"{too_many[1]} or less") from None
         if short_kv := kv_cache_problem(str(exc)):  # an engine in this process (vLLM's own: a RuntimeError)
-            raise ConfigError(f"engine.memory_fraction: {cfg.memory_fraction} leaves {short_kv} for one sequence of "
-                              f"engine.max_model_len {cfg.max_model_len} tokens; raise the stage's "
-                              "engine.memory_fraction or lower its engine.max_model_len") from None
+            raise ConfigError(f"{where}.memory_fraction: {cfg.memory_fraction} leaves {short_kv} for one sequence "
+                              f"of {where}.max_model_len {cfg.max_model_len} tokens; raise {where}.memory_fraction "
+                              f"or lower {where}.max_model_len") from None
         if trust_remote_code or not is_refusal(exc):
             raise
         raise refusal(model) from None
@@ -395,7 +401,7 @@ def make_llm(model: str, cfg: EngineConfig, *, trust_remote_code: bool = False, 
         log.debug("vLLM could not load the weights of %s", model, exc_info=True)
         problem = one_line(exc) or "a tensor of another shape"
     # Raised here, past the except block, so vLLM's frames (its progress bar) are gone before the line is printed.
-    raise ConfigError(f"run.target: {shown(model, extra)}: weights do not match config.json ({problem}); restore "
+    raise ConfigError(f"{key}: {shown(model, extra)}: weights do not match config.json ({problem}); restore "
                       "the checkpoint's own config.json, or download the checkpoint again")
 
 

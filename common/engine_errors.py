@@ -1,6 +1,7 @@
-"""What vLLM's start-up failures mean: its refusals of a ``max_model_len`` past the target's positions
-and of a KV cache too small for one sequence, and a checkpoint whose weights do not fit its config.json.
-Pure text and traceback matching; :func:`eaglenest.engine.make_llm` turns each into one line."""
+"""What vLLM's start-up failures mean: its refusals of a ``max_model_len`` past the target's positions,
+of a ``max_num_seqs`` past the tokens it batches a step and of a KV cache too small for one sequence,
+and a checkpoint whose weights do not fit its config.json. Pure text and traceback matching;
+:func:`eaglenest.engine.make_llm` turns each into one line."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ TOO_LONG = re.compile(r"User-specified max_model_len \((\d+)\) is greater than t
 KV_TOO_SMALL = re.compile(r"\(([\d.]+) GiB KV cache is needed, which is larger than the available KV cache memory "
                           r"\(([\d.]+) GiB\)")
 NO_KV_MEMORY = "No available memory for the cache blocks"
+#: vLLM's refusal of more sequences a step than tokens a step (its SchedulerConfig validation).
+TOO_MANY_SEQS = re.compile(r"max_num_batched_tokens \((\d+)\) must be greater than or equal to max_num_seqs "
+                           r"\((\d+)\)")
 
 
 def kv_cache_problem(message: str) -> str | None:

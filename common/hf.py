@@ -56,48 +56,51 @@ def remote_code_needed(target: str | Path) -> list[str]:
     return found
 
 
-def check_target(target: str | Path) -> None:
-    """Raise a :class:`ConfigError` naming ``run.target`` when it names a local path that is not a
+def check_target(target: str | Path, *, key: str = "run.target", label: str = "") -> None:
+    """Raise a :class:`ConfigError` naming ``key`` when ``target`` names a local path that is not a
     model directory (no such directory, no ``config.json`` in it, an unknown architecture, no
     tokenizer, missing shards, no or truncated weights), or a bare name that is neither a directory
-    here nor cached. A hub id ``namespace/name`` is left to transformers."""
+    here nor cached. A hub id ``namespace/name`` is left to transformers. ``key``: what the caller's
+    user typed the target as (``run.target``, a command's ``--model``), named by every refusal as
+    ``key: target`` (``label``: another way the command names it, ``--target DIR``)."""
     text = str(target)
-    root = user_path(text, "run.target", error=ConfigError, resolve=False)  # a NUL, ~nosuchuser, a loop: one line
+    label = label or f"{key}: {text}"
+    root = user_path(text, key, error=ConfigError, resolve=False)  # a NUL, ~nosuchuser, a loop: one line
     if root.exists():
         if not root.is_dir() or not (root / "config.json").is_file():
-            raise ConfigError(f"run.target: {text} is not a model directory (no config.json in it)")
+            raise ConfigError(f"{label} is not a model directory (no config.json in it)")
         try:  # a broken config.json fails here, not in transformers' loader after outputs were started
             cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            raise ConfigError(f"run.target: {text}/config.json is not valid JSON "
+            raise ConfigError(f"{label}/config.json is not valid JSON "
                               f"({str(exc).splitlines()[0][:120]})") from None
         if not isinstance(cfg, dict):
-            raise ConfigError(f"run.target: {text}/config.json is not a JSON object (not a model directory)")
+            raise ConfigError(f"{label}/config.json is not a JSON object (not a model directory)")
         if "speculators_config" in cfg or "speculators_model_type" in cfg:
             return  # a speculators-format draft: vLLM serves it with the verifier (and tokenizer) it names
-        _check_model_type(text, cfg)
-        _check_architectures(text, cfg)
-        _check_tokenizer(text, root)
-        _check_shards(text, root)
-        _check_weights(text, root)
+        _check_model_type(label, cfg)
+        _check_architectures(label, cfg)
+        _check_tokenizer(label, root)
+        _check_shards(label, root)
+        _check_weights(label, root)
         return
     if root.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1:
-        raise ConfigError(f"run.target: {text}: no such directory (a local Hugging Face model directory, "
+        raise ConfigError(f"{label}: no such directory (a local Hugging Face model directory, "
                           "or a hub id namespace/name)")
     # A bare name is mostly a relative directory looked for from another directory; a hub id of one
     # part (legacy repos) is accepted only from the local cache, as docs/targets.md says.
     # So is namespace/name whose namespace is a directory here (models/qwen3 with a typo in qwen3): as a
     # hub id it would be fetched for a minute of retries, after the stage made its store.
     if ("/" not in text or root.parent.is_dir()) and not (local_dir(text) / "config.json").is_file():
-        raise ConfigError(f"run.target: {text}: no such directory in the current directory ({Path.cwd()}) and "
+        raise ConfigError(f"{label}: no such directory in the current directory ({Path.cwd()}) and "
                           "no hub model of that name in the local cache (a relative path is read from the current "
                           "directory)")
 
 
-def check_remote_code(target: str | Path, *, trust_remote_code: bool) -> None:
-    """Raise a :class:`ConfigError` if ``target`` is not a model (:func:`check_target`), or needs
-    its own code and the run does not allow it."""
-    check_target(target)
+def check_remote_code(target: str | Path, *, trust_remote_code: bool, key: str = "run.target") -> None:
+    """Raise a :class:`ConfigError` if ``target`` is not a model (:func:`check_target`, naming ``key``),
+    or needs its own code and the run does not allow it."""
+    check_target(target, key=key)
     if trust_remote_code:
         return
     needed = remote_code_needed(target)
@@ -122,10 +125,10 @@ def load_tokenizer(target: str | Path, *, trust_remote_code: bool):
     return _load(AutoTokenizer.from_pretrained, target, trust_remote_code, what="config or tokenizer")
 
 
-def load_config(target: str | Path, *, trust_remote_code: bool):
+def load_config(target: str | Path, *, trust_remote_code: bool, key: str = "run.target"):
     from transformers import AutoConfig
 
-    return _load(AutoConfig.from_pretrained, target, trust_remote_code, what="config or tokenizer")
+    return _load(AutoConfig.from_pretrained, target, trust_remote_code, what="config or tokenizer", key=key)
 
 
 def load_causal_lm(target: str | Path, *, trust_remote_code: bool, **kwargs):
@@ -134,10 +137,10 @@ def load_causal_lm(target: str | Path, *, trust_remote_code: bool, **kwargs):
     return _load(AutoModelForCausalLM.from_pretrained, target, trust_remote_code, what="model", **kwargs)
 
 
-def _load(loader, target, trust_remote_code: bool, *, what: str = "files", **kwargs):
-    """``loader(target)``; what it refuses is one :class:`ConfigError` naming ``run.target`` and ``what``
+def _load(loader, target, trust_remote_code: bool, *, what: str = "files", key: str = "run.target", **kwargs):
+    """``loader(target)``; what it refuses is one :class:`ConfigError` naming ``key`` and ``what``
     it was loading (a config.json transformers refuses raises ZeroDivisionError, TypeError, ...)."""
-    check_remote_code(target, trust_remote_code=trust_remote_code)
+    check_remote_code(target, trust_remote_code=trust_remote_code, key=key)
     try:
         return loader(str(target), trust_remote_code=trust_remote_code, **kwargs)
     except (EaglenestError, ImportError, MemoryError):  # already one line; a missing package or memory: not the target
@@ -146,22 +149,22 @@ def _load(loader, target, trust_remote_code: bool, *, what: str = "files", **kwa
         if Path(target).is_dir():
             raise
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"run.target: {target}: no such directory in the current directory ({Path.cwd()}), "
+        raise ConfigError(f"{key}: {target}: no such directory in the current directory ({Path.cwd()}), "
                           f"and not loadable as a hub id ({first})") from None
     except Exception as exc:  # noqa: BLE001 - a config.json transformers refuses raises anything (ZeroDivisionError)
         if is_refusal(exc) and not trust_remote_code:  # transformers' refusal for a hub checkpoint with custom code
             raise refusal(target) from None
         if "out of memory" in str(exc).lower():
             raise
-        raise ConfigError(f"run.target: {shown_path(target)}: transformers cannot load its {what} "
+        raise ConfigError(f"{key}: {shown_path(target)}: transformers cannot load its {what} "
                           f"({_first_line(exc)}); compare its files with the original checkpoint's") from None
 
 
-def check_generation_config(target: str | Path) -> None:
+def check_generation_config(target: str | Path, *, key: str = "run.target") -> None:
     """A local target's ``generation_config.json`` as vLLM reads it when an engine starts (transformers'
     ``GenerationConfig``, whose stop tokens and defaults it applies): a value transformers refuses
     (``max_new_tokens: -5``) was a ValueError traceback from the engine's start, and a file that is no
-    JSON was skipped without a word (the checkpoint's extra stop tokens lost). One line naming the file."""
+    JSON was skipped without a word (the checkpoint's extra stop tokens lost). One line naming ``key`` and the file."""
     path = Path(target) / "generation_config.json"
     if not path.is_file():
         return
@@ -172,7 +175,7 @@ def check_generation_config(target: str | Path) -> None:
             raise TypeError("it holds no JSON object")
         GenerationConfig.from_pretrained(str(target))
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:  # UnicodeDecodeError: a ValueError
-        raise ConfigError(f"run.target: {shown_path(path)} is refused ({_first_line(exc)}); fix the value it names, "
+        raise ConfigError(f"{key}: {shown_path(path)} is refused ({_first_line(exc)}); fix the value it names, "
                           "or remove the file (the engine then stops at the tokenizer's end token only)") from None
 
 
@@ -186,7 +189,7 @@ def _first_line(exc: BaseException) -> str:
 TOKENIZER_GLOBS = ("tokenizer.json", "tekken.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
 
 
-def _check_model_type(text: str, cfg: dict) -> None:
+def _check_model_type(label: str, cfg: dict) -> None:
     """Refuse a config.json whose ``model_type`` neither transformers nor vLLM knows, unless it ships
     its own config class (``auto_map``, checked by :func:`check_remote_code`): vLLM would fail at
     engine start and transformers on loading, each with a traceback."""
@@ -197,15 +200,15 @@ def _check_model_type(text: str, cfg: dict) -> None:
     archs = cfg.get("architectures")
     named = f" (architectures: {', '.join(map(str, archs))})" if isinstance(archs, list) and archs else ""
     if not isinstance(model_type, str) or not model_type:
-        raise ConfigError(f"run.target: {text}/config.json has no model_type{named}; a Hugging Face config names "
+        raise ConfigError(f"{label}/config.json has no model_type{named}; a Hugging Face config names "
                           "its architecture family there")
     if not _known_model_type(model_type) and not _known_to_vllm(model_type):
-        raise ConfigError(f"run.target: {text}/config.json: model_type {model_type!r}{named} is not one the "
+        raise ConfigError(f"{label}/config.json: model_type {model_type!r}{named} is not one the "
                           "installed transformers or vLLM knows (a newer release, or a checkpoint with its own "
                           "code and auto_map)")
 
 
-def _check_architectures(text: str, cfg: dict) -> None:
+def _check_architectures(label: str, cfg: dict) -> None:
     """Refuse a config.json whose ``architectures`` name no class transformers or vLLM has (unless it
     ships its own code): vLLM's refusal is a traceback listing its few hundred classes."""
     archs = cfg.get("architectures")
@@ -214,19 +217,22 @@ def _check_architectures(text: str, cfg: dict) -> None:
     if not isinstance(archs, list) or not archs:  # vLLM then runs it as a pooling model: every chat request fails
         hint = _causal_lm_class(cfg.get("model_type"))
         add = f'add "architectures": ["{hint}"], or ' if hint else ""
-        raise ConfigError(f"run.target: {text}/config.json has no architectures list (the model class vLLM runs); "
+        raise ConfigError(f"{label}/config.json has no architectures list (the model class vLLM runs); "
                           f"{add}download the checkpoint's config.json again")
-    names = [a for a in archs if isinstance(a, str)]
-    if names and not any(_known_architecture(a) for a in names):
-        raise ConfigError(f"run.target: {text}/config.json: architectures {', '.join(names)} is no model class the "
+    names = [a for a in archs if isinstance(a, str) and a]
+    if len(names) != len(archs):  # vLLM looks each up by name: a number or null is a TypeError once it starts
+        raise ConfigError(f"{label}/config.json: architectures must be model class names, got "
+                          f"{json.dumps(archs)[:120]}; download the checkpoint's config.json again")
+    if not any(_known_architecture(a) for a in names):
+        raise ConfigError(f"{label}/config.json: architectures {', '.join(names)} is no model class the "
                           "installed transformers or vLLM has (a typo, or a checkpoint needing a newer release)")
 
 
-def _check_tokenizer(text: str, root: Path) -> None:
+def _check_tokenizer(label: str, root: Path) -> None:
     """Refuse a model directory with no tokenizer vocabulary file (ingest, capture and evaluation all
     tokenize with it; transformers' own error lists three ways to build one)."""
     if not any(next(root.glob(pattern), None) for pattern in TOKENIZER_GLOBS):
-        raise ConfigError(f"run.target: {text} has no tokenizer (none of {', '.join(TOKENIZER_GLOBS)}); "
+        raise ConfigError(f"{label} has no tokenizer (none of {', '.join(TOKENIZER_GLOBS)}); "
                           "copy the checkpoint's tokenizer files into it")
     # Truncated, the tokenizers library raises a bare Exception from inside every loader (tokenizer.json),
     # and transformers a JSONDecodeError traceback (tokenizer_config.json).
@@ -237,11 +243,11 @@ def _check_tokenizer(text: str, root: Path) -> None:
         try:
             json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            raise ConfigError(f"run.target: {text}/{name} is not valid JSON "
+            raise ConfigError(f"{label}/{name} is not valid JSON "
                               f"({str(exc).splitlines()[0][:120]}); download it again") from None
 
 
-def _check_shards(text: str, root: Path) -> None:
+def _check_shards(label: str, root: Path) -> None:
     """Refuse sharded weights whose index is unreadable or names a shard that is not there (an
     interrupted download): vLLM finds that only after its engine started, as a traceback."""
     index = root / "model.safetensors.index.json"
@@ -249,12 +255,12 @@ def _check_shards(text: str, root: Path) -> None:
         return
     weight_map = _read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise ConfigError(f"run.target: {text}/{index.name} has no weight_map of tensor names to files; "
+        raise ConfigError(f"{label}/{index.name} has no weight_map of tensor names to files; "
                           "download the checkpoint again")
     missing = sorted(f for f in set(weight_map.values()) if not (root / f).is_file())
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ConfigError(f"run.target: {text}: {index.name} names weight files that are not there "
+        raise ConfigError(f"{label}: {index.name} names weight files that are not there "
                           f"({', '.join(missing[:3])}{more}); the download was interrupted? download them again")
 
 
@@ -262,13 +268,13 @@ def _check_shards(text: str, root: Path) -> None:
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
-def _check_weights(text: str, root: Path) -> None:
+def _check_weights(label: str, root: Path) -> None:
     """Refuse a model directory with no weight file, or with a safetensors file shorter than its own
     header says (an interrupted download, or a Git LFS pointer from a clone without git-lfs): vLLM
     finds either only after its engine started, as a traceback, and after the store was made."""
     files = sorted({p for pattern in WEIGHT_GLOBS for p in root.glob(pattern) if p.is_file()})
     if not files:
-        raise ConfigError(f"run.target: {text} has no weights (none of {', '.join(WEIGHT_GLOBS)}); "
+        raise ConfigError(f"{label} has no weights (none of {', '.join(WEIGHT_GLOBS)}); "
                           "copy the checkpoint's weight files into it")
     index = _read_json(root / "model.safetensors.index.json").get("weight_map")
     if isinstance(index, dict):  # vLLM loads only the shards the index names (not a consolidated.safetensors)
@@ -276,7 +282,7 @@ def _check_weights(text: str, root: Path) -> None:
     for path in files:
         problem = _safetensors_problem(path) if path.suffix == ".safetensors" else ""
         if problem:
-            raise ConfigError(f"run.target: {text}/{path.name} {problem}; download it again")
+            raise ConfigError(f"{label}/{path.name} {problem}; download it again")
 
 
 def _safetensors_problem(path: Path) -> str:

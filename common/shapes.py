@@ -18,9 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 from eaglenest.errors import ConfigError
+from eaglenest.target import language_config, read_config
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +77,43 @@ def mismatches(have: dict[str, tuple[str, list[int]]], want: dict[str, list[int]
             for name in sorted(have.keys() & want.keys()) if math.prod(have[name][1]) != math.prod(want[name])]
 
 
-def check_weight_shapes(target: str | Path) -> None:
+#: A decoder layer's index in a tensor name, after the stack's prefix (``model.`` in ``model.layers.7.mlp...``).
+_LAYER = re.compile(r"^(.*?)layers\.(\d+)\.")
+
+
+def _missing_layers(have: dict[str, tuple[str, list[int]]], cfg: dict) -> str:
+    """What config.json's ``num_hidden_layers`` asks beyond the layers the weights hold ("" if
+    nothing): vLLM builds every layer it names (a typo's 80 for 8 takes minutes) and then fails on
+    the weights they lack; transformers' model for it here would be as slow to build. Only weights
+    with one stack of ``layers.N`` are judged (a vision tower's beside the decoder's could be taken
+    for it), and more layers than config.json names (MTP layers) are not refused."""
+    n = cfg.get("num_hidden_layers")
+    stacks: dict[str, set[int]] = {}
+    for m in filter(None, map(_LAYER.match, have)):
+        stacks.setdefault(m[1], set()).add(int(m[2]))
+    if len(stacks) != 1 or isinstance(n, bool) or not isinstance(n, int):
+        return ""
+    held = next(iter(stacks.values()))
+    if n <= max(held) + 1:
+        return ""
+    return f"num_hidden_layers is {n}, the weights hold {max(held) + 1} layers (0..{max(held)})"
+
+
+def check_weight_shapes(target: str | Path, *, key: str = "run.target") -> None:
     """Refuse a local checkpoint whose weights are of other shapes than its config.json makes: one
-    :class:`ConfigError` line naming ``run.target`` and the first tensor (nothing for a hub id)."""
+    :class:`ConfigError` line naming ``key`` (how the user gave the target) and the first tensor
+    (nothing for a hub id)."""
     root = Path(target)
     if not (root / "config.json").is_file():
         return
     have = checkpoint_shapes(root)
+    layers = _missing_layers(have, language_config(read_config(root))) if have else None
+    if layers:
+        raise ConfigError(f"{key}: {target}/config.json: {layers}; restore the checkpoint's own config.json, or "
+                          "download the checkpoint again")
     want = config_shapes(root) if have else None
     found = mismatches(have, want) if want else []
     if found:
         more = f"; and {len(found) - 1} more tensors" if len(found) > 1 else ""
-        raise ConfigError(f"run.target: {target}: weights do not match config.json ({found[0]}{more}); restore "
+        raise ConfigError(f"{key}: {target}: weights do not match config.json ({found[0]}{more}); restore "
                           "the checkpoint's own config.json, or download the checkpoint again")

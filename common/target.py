@@ -40,18 +40,19 @@ def local_dir(target: str | Path) -> Path:
     return Path(cached).parent if isinstance(cached, str) else root
 
 
-def read_config(target: str | Path) -> dict[str, Any]:
-    """``config.json`` of a local target directory (or a cached hub id's snapshot) as a dict."""
+def read_config(target: str | Path, *, key: str = "run.target") -> dict[str, Any]:
+    """``config.json`` of a local target directory (or a cached hub id's snapshot) as a dict; what is
+    wrong with it is one line naming ``key`` (how the user gave the target)."""
     p = local_dir(target) / "config.json"
     if not p.is_file():
-        raise ConfigError(f"run.target: {target} has no config.json (a local Hugging Face model directory, "
+        raise ConfigError(f"{key}: {target} has no config.json (a local Hugging Face model directory, "
                           "or a hub id in the local cache, is required)")
     try:
         cfg = json.loads(p.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"run.target: {p} is not valid JSON ({e})") from None
+        raise ConfigError(f"{key}: {p} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
-        raise ConfigError(f"run.target: {p} is not a JSON object (a Hugging Face config holds one)")
+        raise ConfigError(f"{key}: {p} is not a JSON object (a Hugging Face config holds one)")
     return cfg
 
 
@@ -74,7 +75,51 @@ def nested_key(cfg: dict[str, Any]) -> str | None:
     return next((k for k in NESTED if isinstance(cfg.get(k), dict) and "hidden_size" in cfg[k]), None)
 
 
-__all__ = ["NESTED", "language_config", "local_dir", "nested_key", "read_config"]
+#: Rotary types whose ``max_position_embeddings`` is already the scaled length (vLLM applies no factor).
+_SCALED_ALREADY = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def max_positions(cfg: dict[str, Any]) -> tuple[int, str] | None:
+    """The longest ``max_model_len`` vLLM accepts for a target whose config.json is ``cfg``, as its
+    ``_get_and_verify_max_len`` derives it: the language config's ``max_position_embeddings``, times
+    the rotary ``factor`` of a scaling that does not already count it (``linear``, ``dynamic``; not
+    YaRN, Llama-3 or LongRoPE, nor any Gemma-3). None where vLLM may allow more than that tells
+    (a ``model_max_length`` key, no or no whole ``max_position_embeddings``, a factor that is no
+    number): the engine judges those. The other limits vLLM applies (the tokenizer's, a sliding
+    window) only lower it, so a length past this one is certainly refused. Returns the length and
+    where it comes from (``max_position_embeddings=4096 x rotary factor 2.0``)."""
+    text = language_config(cfg)
+    positions = text.get("max_position_embeddings")
+    if "model_max_length" in cfg or "model_max_length" in text:
+        return None
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+        return None
+    factor = 1.0
+    if "gemma3" not in str(cfg.get("model_type")):
+        for rope in _rope_parameters(text):
+            kind = rope.get("rope_type", rope.get("type", "default"))
+            value = rope.get("factor")
+            if kind in _SCALED_ALREADY or value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return None
+            factor = max(factor, float(value))
+    how = f"max_position_embeddings={positions}" + (f" x rotary factor {factor:g}" if factor != 1 else "")
+    return int(positions * factor), how
+
+
+def _rope_parameters(text: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rotary settings of a language config, ``rope_parameters`` and the older ``rope_scaling``
+    (transformers merges them: either may carry the factor), one dict per layer type where nested."""
+    found = []
+    for rope in (text.get("rope_parameters"), text.get("rope_scaling")):
+        if isinstance(rope, dict):
+            nested = [v for v in rope.values() if isinstance(v, dict)]
+            found += nested if nested and len(nested) == len(rope) else [rope]
+    return found
+
+
+__all__ = ["NESTED", "language_config", "local_dir", "max_positions", "nested_key", "read_config"]
 
 
 #: The end of the one line for a target's weight file or index that cannot be read.

@@ -23,6 +23,25 @@ MAX_WAIT_S = 86400.0
 MAX_DASK_WORKERS = 256
 MAX_IN_FLIGHT_PER_ENDPOINT = 1024
 
+#: transformers' own ``apply_chat_template`` arguments. Given as chat template variables they clash with
+#: the ones every render passes (``tokenize``, ``add_generation_prompt``: a TypeError from ingest's and
+#: evaluate's own renders, after the engine started) or change what is rendered rather than the template's
+#: variables (``chat_template``, ``tools``). Kept in step with transformers by tests/common/test_targets_qa6.py.
+TEMPLATE_CALL_ARGS = ("conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def check_template_kwargs(kwargs: dict[str, Any], key: str) -> None:
+    """Refuse (naming ``key``) chat template variables that are no variable names: a key that is not text,
+    or one of transformers' own ``apply_chat_template`` arguments (:data:`TEMPLATE_CALL_ARGS`)."""
+    for name in kwargs:
+        if not isinstance(name, str):
+            raise ConfigError(f"{key}: variable names are text, got {short(name)}")
+        if name in TEMPLATE_CALL_ARGS:
+            raise ConfigError(f"{key}: {name} is an argument of transformers' apply_chat_template, not a chat "
+                              "template variable; remove it (eaglenest sets it for each render)")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IngestConfig:
@@ -87,6 +106,7 @@ class IngestConfig:
             raise ConfigError(f"ingest.retry_backoff_s: the last of {self.max_retries} retries would wait "
                               f"{longest:.3g} s (retry_backoff_s * 2**(max_retries - 1)), more than {MAX_WAIT_S:g} s; "
                               "lower ingest.retry_backoff_s or ingest.max_retries")
+        check_template_kwargs(self.chat_template_kwargs, "ingest.chat_template_kwargs")
         if self.think_tags and (len(self.think_tags) != 2 or not all(self.think_tags)
                                 or self.think_tags[0] == self.think_tags[1]):
             raise ConfigError(f"ingest.think_tags: two different, non-empty tags [open, close], "

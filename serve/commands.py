@@ -10,6 +10,7 @@ import time
 from eaglenest.engine import draft_num_speculative_tokens
 from eaglenest.errors import ConfigError, ManifestError
 from eaglenest.ingest.manifest import load_manifest
+from eaglenest.precheck import check_max_model_len
 from eaglenest.serve.draft_files import check_draft_dir, local_target_config
 from eaglenest.serve.push import check_repo_id, plan_push, push_draft, read_report, resolve_token
 from eaglenest.serve.server import Server
@@ -18,14 +19,9 @@ from eaglenest.train.config import recommended_num_speculative_tokens
 
 def check_positions(target: str, max_model_len: int) -> None:
     """Refuse, before a server starts (a minute here), a ``serve.max_model_len`` past a local target's
-    positions; vLLM would refuse it at start-up. A scaled rotary (YaRN, ...) changes what vLLM derives:
-    left to vLLM."""
-    cfg = local_target_config(target) or {}
-    positions, rope = cfg.get("max_position_embeddings"), cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
-    if isinstance(positions, int) and not scaled and max_model_len > positions:
-        raise ConfigError(f"serve.max_model_len: {max_model_len} is more than {target} has positions for "
-                          f"({positions}); set serve.max_model_len={positions} or less")
+    positions as vLLM derives them (a rotary factor counted where vLLM counts it: not YaRN's); vLLM
+    would refuse it at start-up."""
+    check_max_model_len(target, max_model_len, where="serve")
 
 
 def up_server(recipe, *, no_spec: bool = False):

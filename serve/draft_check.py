@@ -16,11 +16,14 @@ import argparse
 import gc
 import json
 import sys
+from pathlib import Path
 
 from eaglenest.engine import EngineConfig, close_llm, draft_num_speculative_tokens, make_llm, speculative_config
+from eaglenest.engine_errors import one_line
 from eaglenest.errors import ConfigError, EaglenestError, StoreError
 from eaglenest.featurestore.table import store
 from eaglenest.serve.draft_files import check_draft_dir, local_target_config
+from eaglenest.target import max_positions, read_config
 
 #: Draft tokens a round for a draft whose config.json records none (an export made before the key).
 DEFAULT_NUM_SPEC = 3
@@ -28,10 +31,21 @@ DEFAULT_NUM_SPEC = 3
 
 def _engine(target: str, *, draft: str | None, num_spec: int, mem: float, max_len: int,
             trust_remote_code: bool = False, dtype: str = "auto"):
+    """An in-process engine on ``target`` (with ``draft``); vLLM's own start-up failure (a RuntimeError, a
+    pydantic ValidationError, ...: a traceback) is one line naming what it started."""
     extra = {"speculative_config": speculative_config(draft, num_spec)} if draft else {}
-    return make_llm(target, EngineConfig(max_model_len=max_len, memory_fraction=mem, dtype=dtype),
-                    trust_remote_code=trust_remote_code, disable_log_stats=False, skip_tokenizer_init=True,
-                    **extra)
+    try:
+        return make_llm(target, EngineConfig(max_model_len=max_len, memory_fraction=mem, dtype=dtype),
+                        trust_remote_code=trust_remote_code, key="target", disable_log_stats=False,
+                        skip_tokenizer_init=True, **extra)
+    except ENGINE_FAILURES as exc:
+        what = f"{target} with the draft {draft}" if draft else f"{target} alone"
+        raise EaglenestError(f"vLLM could not start an engine on {what}: {one_line(exc)[:300]}") from None
+
+
+#: How vLLM's engine start fails (its own refusals, pydantic's ValidationError: a ValueError; a failed
+#: engine core: a RuntimeError); eaglenest's refusals are EaglenestErrors, none of these.
+ENGINE_FAILURES = (RuntimeError, ValueError, AssertionError, NotImplementedError, KeyError, TypeError)
 
 
 def _run(target: str, prompts: list[list[int]], max_tokens: int, **kw) -> tuple[list[list[int]], dict]:
@@ -67,11 +81,18 @@ def spec_metrics(llm) -> dict[str, float]:
 
 def check(target: str, draft: str, prompts: list[list[int]], *, max_tokens: int = 64, num_spec: int = 3,
           mem: float = 0.15, max_len: int = 2048, trust_remote_code: bool = False) -> dict:
-    kw = dict(num_spec=num_spec, mem=mem, max_len=max_len, trust_remote_code=trust_remote_code)
+    kw = dict(num_spec=num_spec, mem=mem, max_len=fitted_max_len(target, max_len), trust_remote_code=trust_remote_code)
     base, _ = _run(target, prompts, max_tokens, draft=None, **kw)
     spec, metrics = _run(target, prompts, max_tokens, draft=draft, **kw)
     same = sum(a == b for a, b in zip(base, spec))
     return {"prompts": len(prompts), "identical_outputs": same, "lossless": same == len(prompts), **metrics}
+
+
+def fitted_max_len(target: str, max_len: int) -> int:
+    """``max_len``, lowered to a local target's positions (``target.max_positions``): this command has no
+    setting for it, so a target of fewer than its default positions could not be checked at all."""
+    found = max_positions(read_config(target)) if (Path(target) / "config.json").is_file() else None
+    return min(max_len, found[0]) if found else max_len
 
 
 def prompts_from_store(uri: str, *, n: int, split: str = "heldout") -> list[list[int]]:

@@ -41,9 +41,10 @@ _LAYER_NAME = re.compile(r"^(?:midlayer|layers\.(\d+))\.")
 _AGAIN = "export the draft again (`serve export`)"
 
 
-def vocab_map_error(d2t: np.ndarray, vocab_size: int) -> str | None:
+def vocab_map_error(d2t: np.ndarray, vocab_size: int, t2d: np.ndarray | None = None) -> str | None:
     """What is wrong with the offsets ``d2t`` (target id = draft id + ``d2t[draft id]``) for a target
-    of ``vocab_size`` tokens, or None: each draft id must map to a distinct id of the target."""
+    of ``vocab_size`` tokens, or None: each draft id must map to a distinct id of the target, and
+    ``t2d`` (when given: True where a target id is in the draft vocabulary) must mark exactly those."""
     if d2t.ndim != 1 or d2t.dtype.kind not in "iu":
         return f"d2t is {d2t.dtype} {list(d2t.shape)}, not a 1-D integer tensor"
     targets = np.arange(d2t.shape[0], dtype=np.int64) + d2t.astype(np.int64)
@@ -54,6 +55,18 @@ def vocab_map_error(d2t: np.ndarray, vocab_size: int) -> str | None:
                 f"0..{vocab_size - 1} ({bad.size} such ids)")
     if np.unique(targets).size != targets.size:
         return "d2t maps two draft ids to the same target id"
+    return None if t2d is None else _t2d_error(t2d.astype(bool), targets)
+
+
+def _t2d_error(t2d: np.ndarray, targets: np.ndarray) -> str | None:
+    """Whether ``t2d`` marks exactly the target ids ``targets`` that d2t maps the draft ids to."""
+    unmarked = targets[~t2d[targets]] if t2d.shape[0] > int(targets.max(initial=-1)) else targets
+    if unmarked.size:
+        return (f"t2d does not mark target id {int(unmarked[0])}, which d2t maps a draft id to "
+                f"({unmarked.size} such ids): the two vocabulary maps disagree")
+    if int(t2d.sum()) != targets.size:
+        return (f"t2d marks {int(t2d.sum())} target ids, d2t maps the draft's {targets.size} to: "
+                "the two vocabulary maps disagree")
     return None
 
 
@@ -93,7 +106,7 @@ def check_draft_dir(draft: str | Path, target_cfg: dict[str, Any] | None = None)
                           f"[{draft_vocab}]; {_AGAIN}")
     if t2d is not None and t2d.shape != (vocab,):
         raise ConfigError(f"{wpath}: t2d is {list(t2d.shape)}, config.json's vocab_size makes it [{vocab}]; {_AGAIN}")
-    why = vocab_map_error(d2t, vocab)
+    why = vocab_map_error(d2t, vocab, t2d)
     if why:
         raise ConfigError(f"{wpath}: {why}; {_AGAIN}")
 
@@ -105,6 +118,7 @@ def _check_serving_keys(cfg: dict[str, Any], where: str, vocab: int, target_cfg:
     archs = cfg.get("architectures")
     if not (isinstance(archs, list) and archs and all(isinstance(a, str) and a for a in archs)):
         raise ConfigError(f"{where}: architectures: a list of model class names, got {short(archs)}; {_AGAIN}")
+    _check_draft_class(cfg, archs, where)
     _check_k(cfg, where)
     _check_aux_layers(cfg, where, (target_cfg or {}).get("num_hidden_layers"))
     flag = cfg.get("parallel_drafting")
@@ -117,6 +131,30 @@ def _check_serving_keys(cfg: dict[str, Any], where: str, vocab: int, target_cfg:
         if not (is_int(mask) and 0 <= mask < vocab):
             raise ConfigError(f"{where}: mask_token_id: a token id of the target's vocabulary (0..{vocab - 1}) for "
                               f"a {family} draft, got {short(mask)}; {_AGAIN}")
+
+
+def vllm_draft_classes(archs: list[str], family: str) -> list[str]:
+    """The classes vLLM looks up for a vLLM-format draft's ``architectures`` (its EAGLEConfig renames
+    ``X`` to ``Eagle3X``, or ``DFlashX`` for a DFlash draft, unless the name already says so)."""
+    prefix = "DFlash" if family == "dflash" else "Eagle3"
+    keep = ("LiLiCorrDraftModel",) if family == "dflash" else ()
+    return [a if a.startswith(prefix) or a.endswith(prefix) or a in keep else f"{prefix}{a}" for a in archs]
+
+
+def _check_draft_class(cfg: dict[str, Any], archs: list[str], where: str) -> None:
+    """A vLLM-format draft's ``architectures`` name a draft class vLLM has (a speculators config's are
+    speculators' own names, which vLLM maps by ``speculators_model_type``): vLLM's refusal comes
+    once its engine started, as a traceback listing its few hundred classes. Not checked without vLLM."""
+    if "speculators_model_type" in cfg or "speculators_config" in cfg:
+        return
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry
+    except ImportError:
+        return
+    wanted = vllm_draft_classes(archs, draft_family(cfg))
+    if not set(wanted) & set(ModelRegistry.get_supported_archs()):
+        raise ConfigError(f"{where}: architectures: {', '.join(archs)} is no draft model class the installed vLLM "
+                          f"has (it would look for {', '.join(wanted)}); {_AGAIN}")
 
 
 def _check_k(cfg: dict[str, Any], where: str) -> None:

@@ -516,7 +516,7 @@ def _check_values(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tenso
             raise ConfigError(f"serve.dtype: tensor {name} of {shown_path(path)} has values past {dtype}'s range "
                               f"(largest |w| {float(state[name].abs().max()):.4g}); export with serve.dtype=float32 "
                               "or bfloat16")
-    why = vocab_map_error(tensors["d2t"].numpy(), vocab_size)
+    why = vocab_map_error(tensors["d2t"].numpy(), vocab_size, tensors["t2d"].numpy())
     if why:
         raise StoreError(f"{shown_path(path)}: {why}; the checkpoint is damaged: train again (`train run`)")
 

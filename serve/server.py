@@ -25,8 +25,8 @@ from pathlib import Path
 
 from eaglenest.engine import checkpoint_dtype, quiet_vllm, speculative_config
 from eaglenest.errors import ConfigError, EaglenestError
-from eaglenest.hf import check_remote_code
 from eaglenest.paths import make_dir
+from eaglenest.precheck import check_engine_target
 from eaglenest.serve.draft_files import check_draft_dir, local_target_config
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,8 @@ class Server:
             raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
         if draft:  # what vLLM would fail on only once started (or never): refused before it starts
             check_draft_dir(draft, local_target_config(target))
-        check_remote_code(target, trust_remote_code=trust_remote_code)
+        # the server's engine would fail on these only once started (a minute), its traceback in its log
+        check_engine_target(target, trust_remote_code=trust_remote_code)
         if not 0 <= port <= 65535:  # getaddrinfo takes 70000 as 4464: the check would test another port
             raise ConfigError(f"serve.port: 0..65535, got {port}")
         if port:

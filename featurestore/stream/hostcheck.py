@@ -11,20 +11,17 @@ from eaglenest.hf import check_target
 
 def check_target_flag(target: str) -> None:
     """stream-serve's ``--target``: a model directory here (or a cached hub id), else one line naming the flag."""
-    try:
-        check_target(target)
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace("run.target: ", "--target ", 1)) from None
+    check_target(target, key="--target", label=f"--target {target}")
 
 
 def check_trainers_target(target: str) -> None:
     """The trainer's ``run.target`` when stream-serve has no ``--target``: here too, or one line saying
     to give ``--target`` (before this engine joins the group, where its failure would end every rank)."""
     try:
-        check_target(target)
+        check_target(target, label=target)  # named below as the trainer's run.target
     except ConfigError as exc:
-        raise ConfigError(f"--target: not given, and the trainer's run.target is not usable on this host "
-                          f"({str(exc).removeprefix('run.target: ')}): give --target DIR") from None
+        raise ConfigError(f"--target: not given, and the trainer's run.target is not usable on this host ({exc}): "
+                          "give --target DIR") from None
 
 
 def check_same_shape(target: str, spec: dict, *, given: bool) -> None:

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-import eaglenest.engine
+import eaglenest.precheck
 from eaglenest.engine import EngineConfig, make_llm
 from eaglenest.errors import ConfigError
 from eaglenest.shapes import check_weight_shapes, mismatches
@@ -80,7 +80,7 @@ def test_only_tensors_of_both_with_another_element_count_are_named():
 def test_vllms_own_shape_failure_still_names_the_target(tmp_path, tiny_target, monkeypatch):
     """Where the comparison cannot run (no transformers class for it), vLLM's loader failure is still one
     line naming run.target (``engine_errors``): the pre-check turned off here to reach it. Starts an engine."""
-    monkeypatch.setattr(eaglenest.engine, "check_weight_shapes", lambda target: None)
+    monkeypatch.setattr(eaglenest.precheck, "check_weight_shapes", lambda target, **kwargs: None)
     target = edited_target(tmp_path, tiny_target, intermediate_size=512)
     with pytest.raises(ConfigError) as info:
         make_llm(str(target), EngineConfig(max_model_len=128, memory_fraction=0.05, in_process=True))

@@ -59,8 +59,11 @@ def test_busy_port_names_the_key(tmp_path):
 
 
 @pytest.mark.parametrize("rope, refused", [({"rope_theta": 10000.0, "rope_type": "default"}, True),
+                                           # YaRN's max_position_embeddings is already the scaled length: vLLM
+                                           # refuses 65 (its _get_and_verify_max_len applies no factor to it)
                                            ({"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
-                                             "original_max_position_embeddings": 64}, False)])
+                                             "original_max_position_embeddings": 16}, True),
+                                           ({"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}, False)])
 def test_max_model_len_past_the_targets_positions_is_refused_before_a_server_starts(tmp_path, tiny_target,
                                                                                      rope, refused):
     target = tmp_path / "target"
@@ -71,9 +74,9 @@ def test_max_model_len_past_the_targets_positions_is_refused_before_a_server_sta
                                               "serve.max_model_len=65"])
     if refused:
         with pytest.raises(ConfigError, match=r"serve.max_model_len: 65 is more than .*target has positions for "
-                                              r"\(64\); set serve.max_model_len=64 or less"):
+                                              r"\(max_position_embeddings=64\); set serve.max_model_len=64 or less"):
             up_server(recipe, no_spec=True)
-    else:  # a scaled rotary: vLLM derives the length itself
+    else:  # a linear rotary of factor 2: vLLM allows 128
         assert _argv_value(up_server(recipe, no_spec=True).argv, "--max-model-len") == "65"
     ok = load_recipe("recipes/toy.yaml", [f"run.workdir={tmp_path}", f"run.target={target}", "serve.port=0",
                                           "serve.max_model_len=64"])

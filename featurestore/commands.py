@@ -12,28 +12,33 @@ import collections
 import contextlib
 import json
 
-from eaglenest.errors import ConfigError, StoreError
+from eaglenest.errors import ConfigError, EaglenestError, StoreError
 from eaglenest.featurestore import schema
-from eaglenest.featurestore.capture import build
+from eaglenest.featurestore.capture import build, policy
 from eaglenest.featurestore.interop import source
 from eaglenest.featurestore.read import query
 from eaglenest.featurestore.stream import xhost
 from eaglenest.featurestore.table import integrity, lease, maintenance, names, objects, store, versions
 from eaglenest.hf import check_remote_code
 from eaglenest.paths import ensure_writable, user_path
+from eaglenest.precheck import check_max_model_len
 from eaglenest.provenance import write_json_atomic, write_provenance
 
 
 def cmd_capture(recipe, args) -> int:
     check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)  # fail fast
+    check_max_model_len(recipe.run.target, recipe.featurestore.engine.max_model_len, where="featurestore.engine")
     if not store.exists(recipe.run.store_uri, store.PROMPTS):  # refused before anything is written
         raise StoreError(f"no prompts table in {recipe.run.store_uri}: run `ingest build` first")
     # Before the engine starts; not kept: the capture may still refuse its input (featurestore.layer_ids).
     ensure_writable(recipe.run.path("featurestore"), "run.workdir", keep=False)
     ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
-    ingest_stats = recipe.run.path("ingest") / "stats.json"
-    manifest_hash = json.loads(ingest_stats.read_text()).get("manifest_hash") if ingest_stats.is_file() else None
-    lineage = {"manifest_hash": manifest_hash, "prompts_version": _version(recipe.run.store_uri, "prompts")}
+    # The prompts table's own record, not <workdir>/ingest/stats.json (another store's when run.store is
+    # set; a damaged one was a JSONDecodeError traceback).
+    hashes = [lin["manifest_hash"] for lin in policy.response_lineages(recipe.run.store_uri) or []
+              if lin.get("manifest_hash")]
+    lineage = {"manifest_hash": hashes[-1] if hashes else None,
+               "prompts_version": _version(recipe.run.store_uri, "prompts")}
     stats = build.capture(target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.featurestore,
                           lineage=lineage, off_policy=recipe.run.off_policy, trust_remote_code=recipe.run.trust_remote_code)
     out = recipe.run.path("featurestore")
@@ -62,21 +67,37 @@ def _store_must_exist(recipe) -> str:
 
 
 def cmd_show(recipe, args) -> int:
+    """Every table of the store; one that cannot be read is marked in the report with the line saying
+    why, the others still listed, and the command fails at the end with that line (exit 2)."""
     uri = _store_must_exist(recipe)
-    report = {"store": uri, "tables": {}}
+    report, unreadable = {"store": uri, "tables": {}}, []
     for name in store.table_names(uri):  # every feature set's table, not only the default one's
-        ds = integrity.checked_dataset(uri, name)  # a damaged file: one line naming it, not its rows
-        with store.unreadable(uri, name, ds.version):
-            t = ds.to_table(columns=["domain", "split"])
-        counts = collections.Counter(zip(t.column("domain").to_pylist(), t.column("split").to_pylist()))
-        info = {"version": ds.version, "rows": ds.count_rows(),
-                "versions": [v["version"] for v in store.version_list(ds, uri, name)], "tags": sorted(ds.tags.list()),
-                "counts": {f"{d}/{s}": n for (d, s), n in sorted(counts.items())}}
-        if store.is_features(name):
-            info["meta"] = json.loads(schema.feature_meta(ds.schema).to_json())
-        report["tables"][name] = info
+        try:
+            report["tables"][name] = _table_info(uri, name)
+        except EaglenestError as exc:  # a damaged file or manifest: one line naming it, not its rows
+            report["tables"][name] = {"error": str(exc)}
+            unreadable.append(name)
     print(json.dumps(report, indent=2))
+    if unreadable:  # the first one's line; the report above says why for each, and lists the others
+        first, *rest = unreadable
+        more = f"; table(s) {', '.join(rest)} cannot be read either (the report above says why)" if rest else ""
+        raise StoreError(report["tables"][first]["error"] + more)
     return 0
+
+
+def _table_info(uri: str, name: str) -> dict:
+    """``show``'s entry for one table: its latest version, row counts per domain/split, versions, tags."""
+    ds = integrity.checked_dataset(uri, name)
+    with store.unreadable(uri, name, ds.version):
+        t = ds.to_table(columns=["domain", "split"])
+    counts = collections.Counter(zip(t.column("domain").to_pylist(), t.column("split").to_pylist()))
+    info = {"version": ds.version, "rows": ds.count_rows(),
+            "versions": [v["version"] for v in store.version_list(ds, uri, name)],
+            "tags": sorted(store.tag_list(ds, uri, name)),
+            "counts": {f"{d}/{s}": n for (d, s), n in sorted(counts.items())}}
+    if store.is_features(name):
+        info["meta"] = json.loads(schema.feature_meta(ds.schema).to_json())
+    return info
 
 
 def _print(obj) -> int:
@@ -112,7 +133,8 @@ def cmd_tags(recipe, args) -> int:
         versions.set_tag(*_t(recipe), args.create, _ver(args.version))
     if args.delete is not None:
         versions.delete_tag(*_t(recipe), args.delete)
-    return _print({k: v["version"] for k, v in store.dataset(*_t(recipe)).tags.list().items()})
+    uri, name = _t(recipe)
+    return _print({k: v["version"] for k, v in store.tag_list(store.dataset(uri, name), uri, name).items()})
 
 
 def cmd_diff(recipe, args) -> int:

@@ -39,6 +39,7 @@ from eaglenest.featurestore.capture.identity import identity_hash, weights_hash
 from eaglenest.featurestore.capture.writer import FeatureWriter
 from eaglenest.featurestore.interop.source import EXPORT_RECORD, SAMPLES, STRING_COLUMNS
 from eaglenest.featurestore.table import lease, objects, store
+from eaglenest.paths import user_path
 from eaglenest.provenance import code_version
 from eaglenest.text import DOMAIN_NAME
 
@@ -277,6 +278,24 @@ def check_target(record: dict | None, target: str, *, off_policy: bool) -> None:
         log.warning("%s; importing anyway (run.off_policy=true)", msg)
 
 
+def check_width(record: dict | None, target: str, *, trust_remote_code: bool = False) -> None:
+    """An eaglenest export's hidden size against ``run.target``'s (a foreign dump's: :func:`import_meta`).
+    Neither the weights hash (it leaves config.json out) nor ``run.off_policy=true`` (another model's
+    states, let in on purpose) holds the width: states of another hidden size would be committed and
+    fail only in the trainer, which applies run.target's final norm and lm_head to them. A target whose
+    config does not read is not checked (:func:`target_vocab` warns)."""
+    if record is None:
+        return
+    hidden = record_meta(record, EXPORT_RECORD).hidden_size
+    try:
+        have = target_facts(target, trust_remote_code=trust_remote_code)["hidden_size"]
+    except Exception:  # noqa: BLE001 - an unreadable config: target_vocab says so
+        return
+    if hidden != have:
+        raise SchemaError(f"the dump's hidden size is {hidden} ({EXPORT_RECORD}), run.target {target} has {have}: "
+                          "set run.target to the dump's target; nothing was imported")
+
+
 def import_meta(*, fmt: str, target: str, layer_ids, n_aux: int, hidden: int, dtype: str, ids: list[str],
                 dump_digest: str, trust_remote_code: bool = False) -> S.FeatureMeta:
     """Feature metadata for a foreign dump: the target's shapes, checked against the dump's."""
@@ -416,7 +435,7 @@ def _others_data(data: str) -> bool:
 def require_dir(src: str | Path, fmt: str) -> Path:
     if not str(src).strip():  # an unset shell variable: Path('') would be the working directory, imported whole
         raise ConfigError(f"--src is empty; give the {fmt} dump's directory")
-    src = Path(src)
+    src = user_path(src, "--src", error=ConfigError, resolve=False)  # a name too long, a NUL, a loop: one line
     if not src.is_dir():
         raise ConfigError(f"--src {src}: not a directory (a {fmt} hidden-state dump)")
     return src

@@ -34,7 +34,7 @@ from eaglenest.config import short
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.table import integrity, lease, objects, store
-from eaglenest.paths import orphans, pid_prefix, shown_path
+from eaglenest.paths import orphans, pid_prefix, shown_path, user_path
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.target import language_config, read_config
 
@@ -193,7 +193,7 @@ def staged_export(src: Source, out: str | Path, *, purpose: str) -> Iterator[Pat
     symbolic link to an empty directory is followed (the export is built beside and renamed onto that)."""
     if not str(out).strip():  # an unset shell variable: Path('') would be the working directory
         raise ConfigError("--out is empty; give a new directory")
-    out = Path(out)
+    out = user_path(out, "--out", error=ConfigError, resolve=False)  # a name too long, a NUL, a loop: one line
     check_out(out, src.uri)
     if out.is_symlink():
         out = out.resolve()

@@ -273,6 +273,7 @@ def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_
     src = sink.require_dir(src_dir, FORMAT)
     record, samples = sink.read_record(src, FORMAT)
     sink.check_target(record, target, off_policy=off_policy)
+    sink.check_width(record, target, trust_remote_code=trust_remote_code)
     files = _files(src)
     _check_complete(files, record, samples, src)
     vocab = sink.target_vocab(target, record, trust_remote_code=trust_remote_code)

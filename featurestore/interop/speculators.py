@@ -194,7 +194,7 @@ def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_
             raise StoreError(f"--src {src}: the dump holds no samples; nothing was imported") from None
         text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise StoreError(f"--src {src}: not a datasets save_to_disk directory ({text}); speculators keeps "
-                         "input_ids and loss_mask there") from None
+                         f"input_ids and loss_mask there{_parquet_hint(src)}") from None
     if not isinstance(data, datasets.Dataset):
         raise SchemaError(f"--src {src}: holds a {type(data).__name__}, expected one dataset (speculators' layout)")
     missing = {"input_ids", "loss_mask"} - set(data.column_names)
@@ -203,6 +203,7 @@ def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_
     if len(data) == 0:
         raise StoreError(f"--src {src}: the dump holds no samples; nothing was imported")
     sink.check_target(record, target, off_policy=off_policy)
+    sink.check_width(record, target, trust_remote_code=trust_remote_code)
     sink.check_rows(record, samples, len(data), src, "dataset rows")
     _check_listed(samples, len(data), src)
     vocab = sink.target_vocab(target, record, trust_remote_code=trust_remote_code)
@@ -245,6 +246,17 @@ def _check_listed(samples: dict[int, dict], rows: int, src: Path) -> None:
         if d["file"] != _hs_name(i):
             raise SchemaError(f"{src / SAMPLES}: sample index {i} names file {d['file']!r}, expected "
                               f"{_hs_name(i)!r}")
+
+
+def _parquet_hint(src: Path) -> str:
+    """What to do with a dataset pushed to the Hub (parquet shards, as ``snapshot_download`` fetches it)
+    instead of saved with ``save_to_disk``: rows i and ``hs_<i>`` pair up only in one known order."""
+    shards = sorted(src.glob("*.parquet")) or sorted(src.glob("data/*.parquet"))
+    if not shards:
+        return ""
+    where = shards[0].parent.relative_to(src) / "*.parquet"
+    return (f"; it holds parquet shards ({where}: a dataset pushed to the Hub): load them with "
+            "datasets.load_dataset('parquet', data_files=..., split='train') and save_to_disk the result into --src")
 
 
 def _no_data_files(src: Path) -> bool:

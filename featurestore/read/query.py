@@ -41,7 +41,7 @@ from eaglenest.config import short_text
 from eaglenest.errors import ConfigError, StoreError, require
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.table import integrity, objects, store
-from eaglenest.paths import shown_path
+from eaglenest.paths import shown_path, user_path
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,8 @@ def _check_attach(attach: dict[str, str], tables: list[str]) -> None:
                               f"{', '.join(tables)}); attach the file under another name")
         if Path(path).suffix not in READERS:
             raise ConfigError(f"{item}: use a .parquet, .csv, .json or .jsonl file")
-        if not Path(path).is_file():
+        # a name too long, a NUL: one line (``is_file`` raises on those)
+        if not user_path(path, f"--attach {short_text(name, 40)}", error=ConfigError, resolve=False).is_file():
             raise ConfigError(f"{item}: no such file")
 
 

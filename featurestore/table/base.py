@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 __all__ = ["BYTES", "FEATURES", "HEAD_FILE", "PROMPTS", "check_name", "check_tag", "dataset", "exists",
            "expected_schema", "head_version", "is_features", "iter_batches", "latest_version", "read",
            "record_head", "require_lance", "rolled_back", "sample_ids", "sql_text", "table_names", "table_path",
-           "table_uri", "unreadable"]
+           "table_uri", "tag_list", "unreadable"]
 
 
 def require_lance():
@@ -102,6 +103,26 @@ def _missing_number(uri: str, name: str, version: int, numbers: list[int]) -> st
             f"{max(numbers, default='none')}; `featurestore versions` lists them)")
 
 
+#: Where Lance's messages name its own Rust source (", /home/runner/.../sql.rs:109:30"): noise to a user.
+_RUST_SOURCE = re.compile(r",?\s*/\S+\.rs:\d+(:\d+)?:?")
+
+
+def lance_line(exc: BaseException) -> str:
+    """The first line of a Lance error, without the Rust source locations it appends (300 chars at most)."""
+    text = _RUST_SOURCE.sub("", str(exc).splitlines()[0] if str(exc) else "").strip()
+    return text[:300] or type(exc).__name__
+
+
+def _cannot_open(uri: str, name: str, version: int | str | None, exc: BaseException) -> str:
+    """The line for a version Lance cannot open: its manifest (the newest one, for the latest) is
+    damaged, truncated or gone, or, for a tag, the tag's file; Lance's own text says which file,
+    without its Rust source lines."""
+    what = "its latest version" if version is None else f"version {version!r}"
+    files = f"{name}.lance/_versions" if not isinstance(version, str) else f"{name}.lance/_refs/tags or _versions"
+    return (f"table '{name}' in {uri}: cannot open {what} ({lance_line(exc)}); a file under {files} is "
+            "damaged or missing: restore it from a backup")
+
+
 #: What Lance raises for a table it cannot open or list (RuntimeError: a damaged manifest).
 LANCE_ERRORS = (ValueError, OSError, RuntimeError)
 
@@ -117,6 +138,17 @@ def version_list(ds, uri: str, name: str) -> list[dict]:
                          f"{name}.lance/_versions is damaged: restore it from a backup") from None
 
 
+def tag_list(ds, uri: str, name: str) -> dict:
+    """``ds.tags.list()``, every tag of the table; a damaged tag file is a :class:`StoreError` naming
+    the tags folder, not Lance's ``RuntimeError`` (``show``, ``versions``, ``tags`` and ``gc`` list them)."""
+    try:
+        return ds.tags.list()
+    except LANCE_ERRORS as exc:
+        raise StoreError(f"table '{name}' in {uri}: cannot read its tags ({lance_line(exc)}); a file under "
+                         f"{name}.lance/_refs/tags is damaged: restore it from a backup, or delete that file "
+                         "(its tag is lost, the version stays)") from None
+
+
 def dataset(uri: str, name: str, version: int | str | None = None, *, allow_rolled_back: bool = False):
     """Open a table at ``version`` (a number or a tag; latest when None), validating its schema.
 
@@ -128,10 +160,7 @@ def dataset(uri: str, name: str, version: int | str | None = None, *, allow_roll
     try:
         ds = objects.dataset(table_uri(uri, name), version)
     except LANCE_ERRORS as exc:  # RuntimeError: a damaged manifest ("Encountered corrupt file <path>")
-        raise StoreError(_missing_version(uri, name, version)
-                         or f"table '{name}' in {uri}: cannot open "
-                            f"{'its latest version' if version is None else f'version {version!r}'} "
-                            f"({str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__})") from None
+        raise StoreError(_missing_version(uri, name, version) or _cannot_open(uri, name, version, exc)) from None
     base = S.PROMPTS_SCHEMA if name == PROMPTS else S.FEATURES_SCHEMA
     # A version number past the latest, or an unknown tag, is a user error, not a traceback.
     S.validate(ds.schema, base, what=f"table '{name}'")
@@ -216,7 +245,7 @@ def read(uri: str, name: str, *, version: int | str | None = None, columns: list
     """A table version as Arrow (tensor columns as bytes; training reads use featurestore.read.reader)."""
     ds = dataset(uri, name, version)
     check_columns(ds, name, columns)
-    with unreadable(uri, name, ds.version):
+    with unreadable(uri, name, ds.version, filter=filter):
         return ds.to_table(columns=columns, filter=filter, **BYTES)
 
 
@@ -238,20 +267,27 @@ def iter_batches(uri: str, name: str, *, version: int | str | None = None,
     ds = dataset(uri, name, version)
     check_columns(ds, name, columns)
     ahead = {"batch_readahead": 1, "fragment_readahead": 1, "io_buffer_size": 32 << 20} if bounded else {}
-    with unreadable(uri, name, ds.version):
+    with unreadable(uri, name, ds.version, filter=filter):
         yield from ds.to_batches(columns=columns, filter=filter, batch_size=batch_size, **ahead, **BYTES)
 
 
 @contextlib.contextmanager
-def unreadable(uri: str, name: str, version: int):
+def unreadable(uri: str, name: str, version: int, *, filter: str | None = None):
     """A Lance read failure (a missing, truncated or corrupt data file) as one line naming the
-    table and version, pointing at ``featurestore verify`` (which names the fragment and file)."""
+    table and version, pointing at ``featurestore verify`` (which names the fragment and file). A
+    ``filter`` Lance refuses (a column the table lacks, a value of the wrong type, bad SQL) is one
+    line naming the filter: Lance raises a bare ``ValueError`` that ends in its Rust source lines."""
     try:
         yield
     except (OSError, pa.ArrowException) as exc:
         first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
         raise StoreError(f"table '{name}' in {uri}, version {version}: cannot read it ({first}); "
                          "`featurestore verify` names the damaged fragment and file") from None
+    except ValueError as exc:
+        if filter is None:
+            raise
+        raise StoreError(f"table '{name}' in {uri}: the filter {filter[:200]!r} is refused "
+                         f"({lance_line(exc)})") from None
 
 
 def sample_ids(uri: str, name: str, *, filter: str | None = None) -> set[str]:

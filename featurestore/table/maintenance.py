@@ -188,7 +188,7 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
         raise StoreError("featurestore gc: --older-than-hours and --grace-hours must be finite and >= 0")
     with lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S), \
             lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
-        ds = base.dataset(uri, name)  # refuses a rolled-back table
+        ds = _intact_latest(uri, name)
         listed = base.version_list(ds, uri, name)
         before = [v["version"] for v in listed]
         # A version a live training run reads (lease.pin) stays, and so does every newer one:
@@ -239,6 +239,18 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
             "uncommitted_files_removed": swept, "checksums_removed": len(stale),
             "temporary_files_removed": len(litter),
             "pinned_versions_kept": sorted(pinned)}
+
+
+def _intact_latest(uri: str, name: str):
+    """The latest version for ``gc``, every data file held to its checksum first: after a ``compact``
+    the old versions' files are the only intact copy of rows whose new file is damaged, and ``gc``
+    would delete them. A rolled-back or damaged table (or tag file) is refused with one line, nothing removed."""
+    try:
+        ds = integrity.checked_dataset(uri, name)
+        base.tag_list(ds, uri, name)  # the tagged versions gc keeps: unreadable, it cannot tell which
+        return ds
+    except StoreError as exc:
+        raise StoreError(f"{exc}; gc removed nothing") from None
 
 
 def _utc(stamp: dt.datetime) -> dt.datetime:

@@ -41,6 +41,7 @@ from eaglenest.featurestore.table.base import (
     table_names,
     table_path,
     table_uri,
+    tag_list,
     unreadable,
     version_list,
 )
@@ -48,7 +49,7 @@ from eaglenest.featurestore.table.base import (
 __all__ = ["BYTES", "FEATURES", "HEAD_FILE", "PROMPTS", "append", "check_name", "check_tag", "dataset", "exists",
            "expected_schema", "head_version", "is_features", "iter_batches", "latest_version", "read",
            "record_head", "rolled_back", "sample_ids", "sql_text", "table_names", "table_path", "table_uri", "tag",
-           "unreadable", "version_list"]
+           "tag_list", "unreadable", "version_list"]
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def list_versions(uri: str, name: str) -> list[dict]:
     ds = base.dataset(uri, name, allow_rolled_back=True)  # listing is how a rollback is looked into
     tags = collections.defaultdict(list)
-    for tag, info in ds.tags.list().items():
+    for tag, info in base.tag_list(ds, uri, name).items():
         tags[int(info["version"])].append(tag)
     out = []
     for v in base.version_list(ds, uri, name):
@@ -43,7 +43,7 @@ def set_tag(uri: str, name: str, tag: str, version: int | str | None) -> int:
     with lease.hold(uri, name, purpose="featurestore tags", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
         ds = base.dataset(uri, name, allow_rolled_back=version is not None)
         v = int(base.dataset(uri, name, version).version)
-        old = ds.tags.list().get(tag)
+        old = base.tag_list(ds, uri, name).get(tag)
         try:
             if old is not None:
                 ds.tags.update(tag, v)
@@ -61,7 +61,7 @@ def delete_tag(uri: str, name: str, tag: str) -> None:
     base.check_tag(tag)
     with lease.hold(uri, name, purpose="featurestore tags", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
         ds = base.dataset(uri, name, allow_rolled_back=True)
-        if tag not in ds.tags.list():
+        if tag not in base.tag_list(ds, uri, name):
             raise StoreError(f"table '{name}' has no tag '{tag}'")
         ds.tags.delete(tag)
 

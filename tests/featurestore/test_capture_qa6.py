@@ -204,3 +204,40 @@ def test_the_advice_captures_a_conversation_of_every_position_exactly(tmp_path, 
     assert row["num_tokens"] == 20
     for j, layer in enumerate(meta.layer_ids):
         torch.testing.assert_close(aux[:, j], hs[layer][0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_damaged_ingest_stats_file_is_not_read_the_prompts_tables_record_is(tmp_path, tiny_target, monkeypatch,
+                                                                               capsys):
+    """capture took the manifest hash for its lineage from <workdir>/ingest/stats.json: a truncated file
+    was a JSONDecodeError traceback (and with run.store set, the file was another store's). The prompts
+    table's own lineage is read: the capture goes on to its own refusal (a row too long), in one line."""
+    fs_helpers.forbid_capture_engine(monkeypatch)
+    work = tmp_path / "run"
+    rows = fs_helpers.prompt_rows(2, seed=1)
+    rows[1]["response_token_ids"] = list(range(3, 3 + 80))
+    fs_helpers.prompts_store(work, rows, tiny_target)
+    (work / "ingest").mkdir(parents=True)
+    (work / "ingest" / "stats.json").write_text('{"manifest_hash": "ab')
+    rc = featurestore_main(["capture", f"run.workdir={work}", f"run.target={tiny_target}",
+                            "featurestore.engine.max_model_len=64"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "featurestore.engine.max_model_len: 64 is too small for prompts row s-001" in err[0]
+
+
+def test_capture_refuses_a_max_model_len_past_the_targets_positions_before_reading_the_pool(tmp_path, tiny_target,
+                                                                                           capsys):
+    """featurestore.engine.max_model_len past the target's positions was refused by vLLM once its
+    engine started; now at the command's start, naming the key and the target's limit."""
+    from eaglenest.target import read_config
+
+    limit = read_config(tiny_target)["max_position_embeddings"]
+    work = tmp_path / "run"
+    fs_helpers.prompts_store(work, fs_helpers.prompt_rows(2, seed=1), tiny_target)
+    rc = featurestore_main(["capture", f"run.workdir={work}", f"run.target={tiny_target}",
+                            f"featurestore.engine.max_model_len={limit + 1}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert f"featurestore.engine.max_model_len: {limit + 1} is more than {tiny_target} has positions for" in err[0]
+    assert f"set featurestore.engine.max_model_len={limit} or less" in err[0]
+    assert not store.exists(str(work / "store"), store.FEATURES)

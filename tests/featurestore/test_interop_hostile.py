@@ -329,9 +329,14 @@ def test_import_into_prompts_is_refused_as_export_does(sf):
 
 
 def test_legacy_torch_save_files_import(sf):
+    import zipfile
+
     uri, target, src = sf
-    for p in src.rglob("*.ckpt"):
+    files = sorted(src.rglob("*.ckpt"))
+    for p in files:
         torch.save(torch.load(p, weights_only=True), p, _use_new_zipfile_serialization=False)
+    # the loop ran over every sample's file, and each is now the legacy (non-zip) format the test is about
+    assert len(files) == 5 and not any(zipfile.is_zipfile(p) for p in files)
     assert specforge.import_dump(src, uri, "back", target=target)["rows"] == 5
     I.assert_same_rows(uri, "features", "back")
 

@@ -5,12 +5,13 @@ thread's stack, starts the process guard (:mod:`eaglenest.reaper`: whatever the 
 engines, servers, workers, ends with it), loads and validates the recipe, registers the store's
 options for this process, remembers where vLLM should log (written only when an engine starts:
 :func:`eaglenest.engine.defer_quiet_vllm`), and calls the command's body, imported only now. User
-errors (:class:`EaglenestError`) become exit code 2 and one line on stderr. A SIGTERM (``kill``, a
-scheduler's stop, torchrun stopping its other ranks) or a SIGHUP (a closed terminal or ssh session)
-unwinds like Ctrl-C, so the same cleanup runs (an import's uncommitted new table is removed, engines
-are closed), then the process ends by that signal (its parent sees it signalled, as before); so
-does Ctrl-C (SIGINT), so a shell script or loop running the command stops with it. Output piped into
-a reader that stops early (``| head``) ends the command quietly, exit 141.
+errors (:class:`EaglenestError`) become exit code 2 and one line on stderr (under torchrun, once per
+node: :func:`first_to_say`). A SIGTERM (``kill``, a scheduler's stop, torchrun stopping its other
+ranks) or a SIGHUP (a closed terminal or ssh session) unwinds like Ctrl-C, so the same cleanup runs
+(an import's uncommitted new table is removed, engines are closed), then the process ends by that
+signal (its parent sees it signalled, as before); so does Ctrl-C (SIGINT), so a shell script or loop
+running the command stops with it. Output piped into a reader that stops early (``| head``) ends the
+command quietly, exit 141.
 ``eaglenest.cli`` parses the arguments and imports this module only once they are accepted.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import hashlib
 import importlib
 import json
 import logging
@@ -25,6 +27,7 @@ import os
 import select
 import signal
 import sys
+from pathlib import Path
 from typing import Callable
 
 from eaglenest import reaper
@@ -176,6 +179,28 @@ def end_quietly_on_closed_stdout() -> int:
     return 128 + signal.SIGPIPE
 
 
+def first_to_say(line: str) -> bool:
+    """Whether this process prints its refusal ``line``: yes, but for a torchrun rank whose node's
+    other ranks already printed the same line (every rank refuses the same recipe or table: one line,
+    not one per rank). A line only some ranks have (a file only this rank's rows read) is printed.
+
+    The node's ranks share torchrun's folder of this attempt (``TORCHELASTIC_ERROR_FILE`` is
+    ``<...>/attempt_<n>/<local rank>/error.json``); the first rank to create a marker named by the line's
+    hash there prints it, the others exit quietly with the same code. A restart is a new attempt, so it
+    says it again; without torchrun's folders every rank prints."""
+    rank_dir = Path(os.environ.get("TORCHELASTIC_ERROR_FILE", "/")).parent
+    if rank_dir.name != os.environ.get("LOCAL_RANK") or not rank_dir.parent.name.startswith("attempt_"):
+        return True  # not torchrun's folders (no torchrun, another launcher)
+    marker = rank_dir.parent / f"eaglenest-refused-{hashlib.sha256(line.encode()).hexdigest()[:16]}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
 def resolve(fn: Callable[..., int] | str) -> Callable[..., int]:
     """A command body, imported now if named as ``"module:function"``."""
     if callable(fn):
@@ -205,7 +230,9 @@ def execute(prog: str, cmd, args: argparse.Namespace) -> int:
         # Imported only now: a bad recipe costs no heavy import.
         return int(resolve(cmd.fn)(recipe, args) or 0)
     except EaglenestError as exc:
-        print(f"{prog}: error: {printable(str(exc))}", file=sys.stderr)  # one line, whatever the input held
+        line = f"{prog}: error: {printable(str(exc))}"  # one line, whatever the input held
+        if first_to_say(line):
+            print(line, file=sys.stderr)
         return 2
     except BrokenPipeError:
         if not stdout_closed():  # a connection of the command's own: a bug, with its traceback

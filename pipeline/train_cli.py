@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -111,7 +112,29 @@ def _launch(recipe, args) -> int:
     rest += list(args.overrides) + ["-v"] * args.verbose
     log.info("%s", shlex.join(["torchrun", *opts, *rest]))
     cmd = [sys.executable, "-c", _TORCHRUN, *opts, *rest]
-    return subprocess.call(cmd)
+    return wait_torchrun(cmd)
+
+
+#: Seconds torchrun gets to stop its ranks after a Ctrl-C or SIGTERM of `train launch` (then it is killed).
+TORCHRUN_STOP_S = 30.0
+
+
+def wait_torchrun(cmd: list[str]) -> int:
+    """Run torchrun and wait for it. Interrupted (Ctrl-C, SIGTERM: a KeyboardInterrupt here), torchrun is
+    sent SIGTERM and given :data:`TORCHRUN_STOP_S` to stop its ranks, which then end through their own
+    cleanup: ``subprocess.call`` killed it at once, so its ranks were left to the process guard."""
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait()
+    except BaseException:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=TORCHRUN_STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        raise
 
 
 def check_world(train, world: int) -> None:
@@ -134,11 +157,27 @@ def check_world(train, world: int) -> None:
 _TORCHRUN = "import sys; from eaglenest.pipeline.train_cli import torchrun; sys.exit(torchrun(sys.argv[1:]))"
 
 
+def import_torch_quietly() -> None:
+    """Import torch in torchrun's own process with torch's C++ log at FATAL: a rendezvous store it cannot
+    reach logged each try's error with its C++ stack, before the one line :func:`torchrun` prints. c10
+    reads ``TORCH_CPP_LOG_LEVEL`` when torch is imported, so the variable is unset again at once: the
+    ranks (started with this process's environment) log as usual. A level the user set is kept (set
+    ``TORCH_CPP_LOG_LEVEL=WARNING`` to see torchrun's C++ log)."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def torchrun(argv: list[str]) -> int:
     """torchrun with ``argv``: when the first rank to fail exited with 2 (bad input: it printed its one
     line) and the others exited 2 as well or were stopped by torchrun, exit 2 without torchrun's
     ChildFailedError traceback; a rendezvous store that cannot be hosted or reached (a port in use, a
     wrong host) is one line and exit 2 too; any other failure is torchrun's own (traceback, its exit code 1)."""
+    import_torch_quietly()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun_main
@@ -178,8 +217,8 @@ def rendezvous_timeout(argv: list[str]) -> str:
     opts = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     conf = dict(x.split("=", 1) for x in opts.get("rdzv-conf", "").split(",") if "=" in x)
     return (f"--rdzv-endpoint {opts.get('rdzv-endpoint')}: not all {opts.get('nnodes')} nodes joined rendezvous "
-            f"'{opts.get('rdzv-id')}' within --rdzv-timeout {conf.get('join_timeout', '?')} s; start `train launch` on every node with the same --nnodes, "
-            "--rdzv-endpoint and --rdzv-id (default: the same run.workdir)")
+            f"'{opts.get('rdzv-id')}' within --rdzv-timeout {conf.get('join_timeout', '?')} s; start `train launch` "
+            "on every node with the same --nnodes, --rdzv-endpoint and --rdzv-id (default: the same run.workdir)")
 
 
 LAUNCH_ARGS = [

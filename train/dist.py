@@ -41,6 +41,20 @@ def check_local_gpu(local_rank: int, num_gpus: int) -> None:
                           f"--nproc-per-node {num_gpus} (one rank per GPU; CUDA_VISIBLE_DEVICES picks them)")
 
 
+#: The last barrier's work, held until the interpreter tears this module down. gloo completes a work on
+#: its worker thread, and the worker drops it afterwards, when it next runs: on a busy machine, after
+#: this process has begun to exit. A barrier holds the works still in flight when it started (weakly,
+#: which keeps them unfreed), among them FSDP2's all-gathers of the final state, whose tensors' Python
+#: objects the main thread already released: the worker freeing them takes the GIL, and in an
+#: interpreter that is finalizing that ends the thread (pthread_exit) inside a C++ destructor, so the
+#: rank died with "terminate called without an active exception" (SIGABRT) after a finished run.
+#: Held here, the barrier (and what it holds) is freed by the main thread when the module is torn down,
+#: where torch no longer takes the GIL (``Py_IsInitialized()`` is false; it leaks the object). Closing the
+#: group cannot stop the workers: gloo's backend has no ``shutdown``, and the DeviceMesh that FSDP2's
+#: parameters and DTensor's caches hold keeps the group alive until the process ends.
+_last_barrier: list[Any] = []
+
+
 @dataclasses.dataclass
 class DistState:
     rank: int = 0
@@ -152,10 +166,19 @@ class DistState:
         return box[0]
 
     def barrier(self) -> None:
-        if self.distributed:
-            import torch.distributed as dist
+        """Wait for every rank. On gloo the barrier's work is kept until the interpreter tears this module
+        down (:data:`_last_barrier`); NCCL's barrier is left as it was (it blocks the CPU only without
+        ``async_op``)."""
+        if not self.distributed:
+            return
+        import torch.distributed as dist
 
+        if self.device.type == "cuda":
             dist.barrier()
+            return
+        work = dist.barrier(async_op=True)
+        work.wait()
+        _last_barrier[:] = [work]
 
     def close(self) -> None:
         if self.distributed:

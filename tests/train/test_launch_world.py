@@ -18,7 +18,7 @@ from eaglenest.train.config import DFlashConfig, TrainConfig
 ])
 def test_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch, argv, says):
     started = []
-    monkeypatch.setattr(train_cli.subprocess, "call", lambda cmd: started.append(cmd) or 0)
+    monkeypatch.setattr(train_cli, "wait_torchrun", lambda cmd: started.append(cmd) or 0)
     assert train_cli.main(["launch", *argv, f"run.workdir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("train: error: ") and says in err[-1], err

@@ -311,7 +311,7 @@ def test_launch_of_a_unix_stream_on_several_ranks_is_refused_before_torchrun(tmp
     from eaglenest.pipeline import train_cli
 
     started = []
-    monkeypatch.setattr(train_cli.subprocess, "call", lambda cmd: started.append(cmd) or 0)
+    monkeypatch.setattr(train_cli, "wait_torchrun", lambda cmd: started.append(cmd) or 0)
     argv = ["launch", "--recipe", RECIPE, "--nproc", "2", "train.source=stream", f"run.workdir={tmp_path}"]
     assert train_cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -15,7 +15,7 @@ from eaglenest.hf import check_generation_config, check_remote_code, load_config
 from eaglenest.ingest import compose, contamination, dask_executor
 from eaglenest.ingest.backends import chat_kwargs
 from eaglenest.ingest.build import build, check_chat_template, stored_heldout, stored_splits
-from eaglenest.ingest.manifest import Dedup, ManifestProblems, input_file, load_manifest
+from eaglenest.ingest.manifest import Dedup, input_file, load_manifest, read_manifest
 from eaglenest.ingest.pool import build_pool, load_pool, load_source
 from eaglenest.paths import ensure_writable
 from eaglenest.provenance import write_json_atomic, write_provenance
@@ -27,48 +27,57 @@ MAX_PROBLEMS = 50
 
 def cmd_validate(recipe, args) -> int:
     path = args.manifest or recipe.ingest.manifest
-    try:
-        m = load_manifest(path)
-        problems = read_inputs(m, path)
-        if problems:
-            raise ManifestProblems(problems)
-    except ManifestProblems as exc:
-        for line in exc.problems[:MAX_PROBLEMS]:
+    m, problems = read_manifest(path)
+    if m is not None:  # structurally sound: its sources' rows are read beside its semantic problems
+        problems += read_inputs(m, path, known=problems)
+    if problems:
+        for line in problems[:MAX_PROBLEMS]:
             print(line, file=sys.stderr)
-        if len(exc.problems) > MAX_PROBLEMS:
-            print(f"... and {len(exc.problems) - MAX_PROBLEMS} more", file=sys.stderr)
-        print(f"ingest: error: {path}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        if len(problems) > MAX_PROBLEMS:
+            print(f"... and {len(problems) - MAX_PROBLEMS} more", file=sys.stderr)
+        print(f"ingest: error: {path}: {len(problems)} problem(s)", file=sys.stderr)
         return 2
     print(f"{path}: ok ({len(m.domains)} domains, manifest hash {m.content_hash()})")
     return 0
 
 
-def read_inputs(m, path) -> list[str]:
+def read_inputs(m, path, *, known: list[str] = ()) -> list[str]:
     """Every problem ``ingest build`` would find reading the manifest's local files, one line each:
     the rows of local sources (an empty file, a bad JSON line, a missing column), the evaluation files,
-    and an empty pool. Hub datasets are left to ``ingest build`` (a download)."""
+    and an empty pool (only when nothing else is wrong). Hub datasets are left to ``ingest build`` (a
+    download). A file whose path is among the ``known`` problems (not found, no known format) is not
+    read again: its line is there already."""
     problems, loaded = [], {}
     for name, d in m.domains.items():
         for i, src in enumerate(d.sources):
-            if src.path:
+            where = f"domains.{name}.sources[{i}]"
+            if src.path and not _named(known, f"{where}.path"):
                 try:
-                    loaded.setdefault(name, []).extend(load_source(src, where=f"domains.{name}.sources[{i}]"))
+                    loaded.setdefault(name, []).extend(load_source(src, where=where))
                 except ManifestError as exc:
                     problems.append(str(exc))
     for kind in ("mt_bench", "speed_bench"):
         for i, file in enumerate(getattr(m.contamination, kind)):
             key = f"contamination.{kind}[{i}]"
+            if _named(known, key):
+                continue
             try:
                 contamination.load_eval_prompts(input_file(file, None, key=key), where=key)
             except ManifestError as exc:
                 problems.append(str(exc))
     # The pool as `ingest build` finds it before its token caps and contamination check (those need
     # the target's tokenizer), when every row is here (no hub source, no composing): empty is empty.
-    if not problems and all(d.compose is None and all(s.path for s in d.sources) for d in m.domains.values()):
+    if not (problems or known) and all(d.compose is None and all(s.path for s in d.sources)
+                                       for d in m.domains.values()):
         report: dict = {}
         if not build_pool(dataclasses.replace(m, dedup=Dedup()), loaded, count_tokens=lambda _: 0, report=report):
             problems.append(empty_pool(path, report, contaminated=0))
     return problems
+
+
+def _named(problems, key: str) -> bool:
+    """Whether a problem line is about ``key`` or a key inside it (``key.path: ...``, ``key: ...``)."""
+    return any(line.startswith((f"{key}.", f"{key}:")) for line in problems)
 
 
 def empty_pool(path, pool_report: dict, contaminated: int) -> str:

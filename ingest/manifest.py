@@ -181,6 +181,16 @@ class Manifest:
 
 def load_manifest(path: str | Path, *, base_dir: str | Path | None = None) -> Manifest:
     """Load and fully validate a manifest; raise :class:`ManifestProblems` listing every problem."""
+    manifest, problems = read_manifest(path, base_dir=base_dir)
+    if problems:
+        raise ManifestProblems(problems, path=path)
+    return manifest
+
+
+def read_manifest(path: str | Path, *, base_dir: str | Path | None = None) -> tuple[Manifest | None, list[str]]:
+    """``(manifest, problems)``: every problem of the manifest at ``path``, and the manifest when its
+    structure is sound (None otherwise), so ``ingest validate`` can read its sources beside semantic
+    problems. A file that is no YAML mapping raises ManifestError."""
     if not str(path).strip():  # Path("") is ".": "is a directory" named neither the key nor the mistake
         raise ManifestError("ingest.manifest: no path given (it is empty); set it, or pass --manifest PATH")
     data = load_yaml(path, error=ManifestError)
@@ -193,9 +203,7 @@ def load_manifest(path: str | Path, *, base_dir: str | Path | None = None) -> Ma
     manifest = build(Manifest, data, error=ManifestError, problems=problems)
     if manifest is not None:
         problems += check(manifest, base_dir=base_dir)
-    if problems:
-        raise ManifestProblems(problems, path=path)
-    return manifest
+    return manifest, problems
 
 
 def validate(m: Manifest, *, base_dir: str | Path | None = None) -> None:
@@ -345,8 +353,9 @@ SOURCE_FORMATS = (".jsonl", ".json", ".parquet")
 def source_format(path: str, resolved: Path) -> str:
     """The format of a local source: the suffix of ``path`` as the manifest writes it, else that of the
     file it resolves to ('' if neither is known). A symlink's own name counts first: the Hugging Face
-    cache links ``snapshots/<rev>/train.jsonl`` to ``blobs/<sha256>``, which has no suffix."""
-    return next((x for x in (Path(path).suffix, resolved.suffix) if x in SOURCE_FORMATS), "")
+    cache links ``snapshots/<rev>/train.jsonl`` to ``blobs/<sha256>``, which has no suffix. Case does not
+    count (``DATA.JSONL``)."""
+    return next((x for x in (Path(path).suffix.lower(), resolved.suffix.lower()) if x in SOURCE_FORMATS), "")
 
 
 def _blank_licence(key: str, licence: str) -> list[str]:
@@ -369,5 +378,6 @@ def input_file(path: str, base_dir: str | Path | None, *, key: str) -> Path:
     if p.is_dir():
         raise ManifestError(f"{key}: {shown_path(path)} is a directory, not a file")
     if not p.is_file():
-        raise ManifestError(f"{key}: file not found: {shown_path(path)}")
+        glob = " (a path is one file, not a glob: list each file)" if any(c in str(path) for c in "*?[") else ""
+        raise ManifestError(f"{key}: file not found: {shown_path(path)}{glob}")
     return p

@@ -14,6 +14,7 @@ prompt does replace it: the price of keeping the choice a pure function of the c
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
 import json
@@ -85,6 +86,8 @@ def _read_rows(src: Source, where: str, base_dir) -> tuple[list, str]:
     datasets = require("datasets")
     label = f"hf:{src.hf_id}/{src.hf_config or 'default'}/{src.hf_split}"
     try:
+        if Path(src.hf_id, "state.json").is_file():  # a folder Dataset.save_to_disk wrote: one split, read whole
+            return list(datasets.load_from_disk(src.hf_id)), f"hf:{src.hf_id}"
         ds = datasets.load_dataset(src.hf_id, src.hf_config or None, split=src.hf_split)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as exc:  # not found, offline, no such split
         raise ManifestError(f"{where}.hf_id: cannot load {shown_path(label)} ({_short(exc, 200)})") from None
@@ -103,6 +106,8 @@ def read_text(p: Path, path: str, key: str) -> str:
         data = p.read_bytes()
     except OSError as exc:  # no read permission, a failing disk or mount
         raise ManifestError(f"{key}: {shown_path(path)} cannot be read ({exc.strerror or exc})") from None
+    if _is_utf16(data):  # Windows "Unicode", PowerShell's `>`: not the binary file the error below suspects
+        raise ManifestError(f"{key}: {shown_path(path)} is UTF-16 text, not UTF-8; save it as UTF-8")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -110,6 +115,17 @@ def read_text(p: Path, path: str, key: str) -> str:
         raise ManifestError(f"{key}: {shown_path(path)} line {line} is not UTF-8 text (byte {exc.start}; "
                             "binary file?)") from None
     return text.removeprefix("\ufeff")  # a byte-order mark (Windows editors write one) is not content
+
+
+def _is_utf16(data: bytes) -> bool:
+    """Whether ``data`` is UTF-16 text with a byte-order mark (a binary file may start with one too)."""
+    if not data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return False
+    try:
+        data.decode("utf-16")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def json_lines(text: str, path: str, key: str) -> list[tuple[int, object]]:
@@ -268,7 +284,7 @@ def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
             key = content_key("\n".join([system, *turns]))  # normalises (NFKC) itself: ids as before
             if key in seen or key in cands:
                 counts["exact_duplicates"] += 1
-                continue  # exact duplicate (also across domains: first domain wins)
+                continue  # exact duplicate (also across domains: the first domain listed owns it)
             cands[key] = (turns, system, row["source"])
         order = sorted(cands)
         if near is not None:  # greedy in hash order: a prompt goes if it is near one kept before it
@@ -289,12 +305,14 @@ def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
                 if count_tokens is None:
                     raise ManifestError(f"domains.{domain}.cap_tokens: needs the target's tokenizer")
                 turns, system, _ = cands[key]
-                n = count_tokens("\n".join([system, *turns]))
+                n = count_tokens("\n".join([system, *turns] if system else turns))  # no "\n" for no system
                 if tokens + n > dcfg.cap_tokens:
                     break  # stop (not skip): a later, shorter prompt never jumps the hash order
                 tokens += n
             chosen.append(key)
-        seen.update(chosen)
+        # Every prompt of this domain's sources is its own, chosen or not: a prompt its caps leave out is
+        # not passed on to a later domain, so a changed cap never moves a stored prompt between domains.
+        seen.update(cands)
         if near is not None:
             for key in chosen:
                 near.add(key, sketches[key])

@@ -1,10 +1,13 @@
 """Sixth QA pass of ``ingest``'s data path: an endpoint answering 200 with a body of the wrong shape,
-prompt text rewritten by the identity normalisation, chat roles no template knows. Pure functions and
-a tiny loopback HTTP server; no vLLM engine."""
+prompt text rewritten by the identity normalisation, chat roles no template knows. Then the manifest and
+the prompt pool as a user's own domains meet them: `ingest validate` beside a manifest's own problem,
+domains sharing prompts under changed caps, token caps, save_to_disk folders, suffixes in capitals,
+UTF-16 files. Pure functions, a scripted backend and a tiny loopback HTTP server; no vLLM engine."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.server
 import json
 import shutil
@@ -18,9 +21,10 @@ from eaglenest.errors import ManifestError
 from eaglenest.hf import load_tokenizer
 from eaglenest.ingest import backends
 from eaglenest.ingest.build import build
+from eaglenest.ingest.cli import main
 from eaglenest.ingest.config import IngestConfig
-from eaglenest.ingest.manifest import Generation, Manifest, Source
-from eaglenest.ingest.pool import PoolEntry, build_pool, load_source
+from eaglenest.ingest.manifest import Generation, Manifest, Source, check
+from eaglenest.ingest.pool import PoolEntry, build_pool, load_source, token_counter
 
 
 def _manifest(**top) -> Manifest:
@@ -253,3 +257,149 @@ def test_a_model_list_nested_past_the_parsers_depth_is_a_failed_request(tiny_tar
         backend.submit("k", "raw", "hello", Generation())
         ((_, result),) = backend.poll()
     assert result == backends.Failure(f"1 attempt(s) failed; last: {url}/v1/models: RecursionError")
+
+
+# == the prompt pool and the manifest as a user's own domains meet them ==========================================
+def _domains_manifest(caps: dict, **top) -> Manifest:
+    return build_cfg(Manifest, {"name": "t", "licence": "x", "raw_fraction": 0.0, "held_out_fraction": 0.0, **top,
+                                "domains": {d: {**cap, "sources": [{"path": "x", "provenance": "p"}]}
+                                            for d, cap in caps.items()}})
+
+
+def _rows(prompts) -> list[dict]:
+    return [{"prompt": p, "system": "", "source": "s"} for p in prompts]
+
+
+def test_validate_reads_the_sources_beside_a_problem_of_the_manifest(tmp_path, capsys):
+    # A manifest with one problem of its own (a cap of 0) had its sources left unread: `ingest validate`
+    # listed the cap alone, and the source without the 'prompt' column and the file that is not UTF-8
+    # came out one run later; the docs promise every problem in one run.
+    (tmp_path / "nocol.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "latin.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
+    m = tmp_path / "m.yaml"
+    m.write_text(f"name: t\nlicence: x\ndomains:\n  a:\n    cap_prompts: 0\n    sources:\n"
+                 f"      - {{path: {tmp_path}/nocol.jsonl, provenance: p}}\n"
+                 f"      - {{path: {tmp_path}/missing.jsonl, provenance: p}}\n"
+                 f"  b:\n    cap_prompts: 2\n    sources: [{{path: {tmp_path}/latin.jsonl, provenance: p}}]\n")
+    assert main(["validate", "--manifest", str(m)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["domains.a.cap_prompts: must be at least 1",
+                     f"domains.a.sources[1].path: file not found: {tmp_path}/missing.jsonl",  # once, not read again
+                     f"domains.a.sources[0].field: row 0 of {tmp_path}/nocol.jsonl has no column 'prompt'",
+                     f"domains.b.sources[0].path: {tmp_path}/latin.jsonl line 1 is not UTF-8 text (byte 15; "
+                     "binary file?)",
+                     f"ingest: error: {m}: 4 problem(s)"]
+
+
+def test_a_prompt_a_domains_cap_leaves_out_is_not_passed_to_a_later_domain():
+    # Two domains sharing prompts: the first listed owns them. A prompt its cap left out went to the later
+    # domain instead, so the owner of a prompt depended on the caps (next test: a changed cap was refused).
+    shared = [f"shared question {i}" for i in range(6)]
+    loaded = {"a": _rows(shared), "b": _rows([f"own question {i}" for i in range(6)] + shared)}
+    for cap in (1, 3, 6):
+        report: dict = {}
+        pool = build_pool(_domains_manifest({"a": {"cap_prompts": cap}, "b": {"cap_prompts": 20}}), loaded,
+                          report=report)
+        assert sorted(e.prompt for e in pool if e.domain == "b") == [f"own question {i}" for i in range(6)], cap
+        assert sum(e.domain == "a" for e in pool) == cap
+        assert report["domains"]["b"]["exact_duplicates"] == 6
+
+
+@pytest.mark.parametrize("caps", [(2, 6), (6, 2)], ids=["raised", "lowered"])
+def test_a_rerun_with_a_changed_cap_keeps_each_stored_prompt_in_its_domain(tmp_path, tiny_target, caps):
+    # Raising domain a's cap (2 -> 6) or lowering it (6 -> 2) when domain b's source shares a's prompts was
+    # refused: "4 prompt(s) of domain 'a' are stored already under domain 'b' (a renamed domain, or a source
+    # moved ...)", neither of which happened. The docs: a cap raised adds prompts; a cap lowered keeps the
+    # stored ones, counted in not_in_pool.
+    shared = [f"shared question {i}" for i in range(6)]
+    loaded = {"a": _rows(shared), "b": _rows([f"own question {i}" for i in range(6)] + shared)}
+    tok = load_tokenizer(str(tiny_target), trust_remote_code=False)
+    store_uri, cfg = str(tmp_path / "store"), build_cfg(IngestConfig, {})
+    stats = []
+    for cap in caps:
+        m = _domains_manifest({"a": {"cap_prompts": cap}, "b": {"cap_prompts": 20}})
+        stats.append(build(m, build_pool(m, loaded), target=str(tiny_target), store_uri=store_uri,
+                           backend=Scripted(tok), cfg=cfg))
+    first, second = stats
+    assert first["counts"] == {"a/train": caps[0], "b/train": 6}
+    assert second["counts"] == {"a/train": max(caps), "b/train": 6}  # every row once, in its own domain
+    assert second["regenerated"] == max(caps) - caps[0]
+    assert second["not_in_pool"] == ({"prompts": 4, "per_domain": {"a": 4}} if caps[0] > caps[1]
+                                     else {"prompts": 0, "per_domain": {}})
+
+
+def test_a_token_cap_counts_the_prompt_not_a_newline_before_it(tiny_target):
+    # A prompt without a system prompt was counted as "\n" + prompt: one token more each, so a domain with
+    # cap_tokens kept fewer prompts than fit (7 of these 9 seven-token prompts under cap_tokens: 63).
+    count = token_counter(str(tiny_target))
+    prompts = [f"What is {i}+{i}?" for i in range(1, 10)]  # 7 tokens each, without a system prompt
+    assert {count(p) for p in prompts} == {7}
+    m = _domains_manifest({"a": {"cap_tokens": 7 * len(prompts)}})
+    pool = build_pool(m, {"a": _rows(prompts)}, count_tokens=count)
+    assert sorted(e.prompt for e in pool) == sorted(prompts)
+    system = [{**r, "system": "Be brief."} for r in _rows(prompts)]  # a system prompt counts, and its "\n"
+    pool = build_pool(m, {"a": system}, count_tokens=count)
+    assert len(pool) == 7 * len(prompts) // count("Be brief.\nWhat is 1+1?")
+
+
+def test_a_dataset_folder_written_by_save_to_disk_is_a_source(tmp_path):
+    # `hf_id: ./folder` of a Dataset.save_to_disk was refused: "cannot load ... (You are trying to load a
+    # dataset that was saved using `save_to_disk`. Please use `load_from_disk` instead.)", advice no
+    # manifest key can follow.
+    import datasets
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_list([{"prompt": "first one"}, {"prompt": "second one"}]).save_to_disk(str(folder))
+    rows = load_source(Source(hf_id=str(folder), provenance="p"), where="domains.d.sources[0]")
+    assert [r["prompt"] for r in rows] == ["first one", "second one"]
+    assert {r["source"] for r in rows} == {f"hf:{folder}"}
+
+
+@pytest.mark.parametrize("name", ["PROMPTS.JSONL", "prompts.Parquet", "prompts.JSON"])
+def test_a_source_suffix_in_capitals_is_its_format(tmp_path, name):
+    # "PROMPTS.JSONL" (a Windows export) was refused by validate with ".JSONL is not .jsonl, .json or
+    # .parquet", and read by build as one JSON document ("not valid JSON ... Extra data").
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "first one"}, {"prompt": "second one"}]
+    path = tmp_path / name
+    if name.endswith("Parquet"):
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text(json.dumps(rows) if name.endswith("JSON") else "".join(json.dumps(r) + "\n" for r in rows))
+    m = _domains_manifest({"a": {"cap_prompts": 5}})
+    src = Source(path=str(path), provenance="p")
+    assert check(dataclasses.replace(m, domains={"a": dataclasses.replace(m.domains["a"], sources=[src])})) == []
+    assert [r["prompt"] for r in load_source(src, where="domains.a.sources[0]")] == ["first one", "second one"]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be"])
+def test_a_utf16_source_says_so_rather_than_binary(tmp_path, encoding):
+    # Windows PowerShell's `>` and Notepad's "Unicode" write UTF-16 with a byte-order mark: the line said
+    # "line 1 is not UTF-8 text (byte 0; binary file?)", pointing at a binary file that the user can read.
+    path = tmp_path / "prompts.jsonl"
+    data = '{"prompt": "hello"}\n'.encode(encoding)
+    path.write_bytes(data if encoding == "utf-16" else b"\xfe\xff" + data)
+    with pytest.raises(ManifestError) as exc:
+        load_source(Source(path=str(path)), where="domains.a.sources[0]")
+    assert str(exc.value) == f"domains.a.sources[0].path: {path} is UTF-16 text, not UTF-8; save it as UTF-8"
+
+
+def test_a_binary_file_that_starts_like_utf16_is_still_not_utf8(tmp_path):
+    # Bytes FF FE are a UTF-16 byte-order mark only when the rest decodes as UTF-16.
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b"\xff\xfe" + bytes(range(256)) * 4)  # a lone surrogate early on: no UTF-16 text
+    with pytest.raises(ManifestError, match=r"^domains\.a\.sources\[0\]\.path: .* line 1 is not UTF-8 text \(byte 0;"):
+        load_source(Source(path=str(path)), where="domains.a.sources[0]")
+
+
+def test_a_glob_as_a_source_path_says_paths_are_not_globs(tmp_path):
+    # `path: data/*.jsonl` with data/a.jsonl and data/b.jsonl there said "file not found: data/*.jsonl",
+    # beside the very files the user meant.
+    (tmp_path / "a.jsonl").write_text('{"prompt": "x"}\n')
+    m = _domains_manifest({"a": {"cap_prompts": 5}})
+    src = Source(path=str(tmp_path / "*.jsonl"), provenance="p")
+    problems = check(dataclasses.replace(m, domains={"a": dataclasses.replace(m.domains["a"], sources=[src])}))
+    assert problems == [f"domains.a.sources[0].path: file not found: {tmp_path}/*.jsonl (a path is one file, not a "
+                        "glob: list each file)"]

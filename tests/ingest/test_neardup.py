@@ -101,5 +101,5 @@ def test_bad_threshold_is_a_manifest_problem():
     problems = check(bad)
     assert any(p.startswith("dedup.near_duplicate_threshold: 1.5") for p in problems)
     assert any(p.startswith("dedup.num_perm: 4") for p in problems)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^threshold 0\.0 is not in \(0, 1\]$"):
         NearDupIndex(0.0)

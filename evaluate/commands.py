@@ -41,16 +41,27 @@ def _check_target(recipe) -> None:
     check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
 
 
-def _out(path, args, *, inputs: dict[str, str] | None = None) -> Path:
+#: What each ``evaluate`` command writes last, the mark of its finished run (``al``, ``offline``,
+#: ``throughput``, ``parity``, ``compare``).
+RESULTS = ("report.json", "offline_report.json", "throughput.json", "parity.json", "compare.json")
+
+
+def _out(path, args, *, result: str, inputs: dict[str, str] | None = None) -> Path:
     """The command's output folder, proven writable before any engine starts (``--out`` or
     ``run.workdir`` named if not); the check leaves nothing behind: not every input is checked yet.
     ``inputs`` ({key: folder}: the draft, the target, a checkpoint) are refused as the output folder:
-    the command's provenance.json would replace theirs (an export's, which ``serve push`` publishes)."""
+    the command's provenance.json would replace theirs (an export's, which ``serve push`` publishes).
+    So is a folder holding another ``evaluate`` command's result (``RESULTS`` other than ``result``):
+    its provenance.json would then describe this command's run, not the result beside it."""
     key = "--out" if args.out else "run.workdir"
     for name, folder in (inputs or {}).items():
         if folder and Path(folder).is_dir() and Path(path).resolve() == Path(folder).resolve():
             raise ConfigError(f"{key}: {path} is the {name} folder: this command's provenance.json and report "
                               "would replace its own; write the output elsewhere")
+    other = next((name for name in RESULTS if name != result and (Path(path) / name).is_file()), None)
+    if other is not None:
+        raise ConfigError(f"{key}: {path} holds {other}, another evaluate command's result: this command's "
+                          f"provenance.json would replace that run's; write the output elsewhere")
     ensure_writable(path, key, keep=False)
     return Path(path)
 
@@ -66,7 +77,7 @@ def cmd_al(recipe, args) -> int:
     _check_target(recipe)
     check_draft_family(recipe, draft_dir(recipe))
     cfg, draft = evaluate_config(recipe, manifest=args.manifest), draft_dir(recipe)
-    out = str(_out(args.out or recipe.run.path("eval"), args, inputs=_inputs_of(recipe, draft)))
+    out = str(_out(args.out or recipe.run.path("eval"), args, result="report.json", inputs=_inputs_of(recipe, draft)))
     key = _cache_key(recipe, draft, cfg)
     cached = None if args.force else _cached_report(out, key)
     if cached is not None:
@@ -197,7 +208,8 @@ def cmd_throughput(recipe, args) -> int:
     _check_target(recipe)
     draft = draft_dir(recipe)
     check_draft_family(recipe, draft)
-    out = _out(recipe.run.path(args.out or "throughput"), args, inputs=_inputs_of(recipe, draft))
+    out = _out(recipe.run.path(args.out or "throughput"), args, result="throughput.json",
+               inputs=_inputs_of(recipe, draft))
     result = run_sweep(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri,
                        cfg=evaluate_config(recipe, manifest=args.manifest), serve_cfg=recipe.serve,
                        log_dir=recipe.run.path("serve"),
@@ -219,7 +231,7 @@ def cmd_compare(recipe, args) -> int:
     folders = {name: spec if spec.is_dir() else spec.parent for name, spec in specs.items()}
     sides = {f"--{name} draft or report": str(folder) for name, folder in folders.items()
              if (folder / "provenance.json").is_file()}
-    out = _out(recipe.run.path(args.out or "compare"), args,  # before any draft is evaluated
+    out = _out(recipe.run.path(args.out or "compare"), args, result="compare.json",  # before any draft is evaluated
                inputs=_inputs_of(recipe, draft_dir(recipe), **sides))
     print(compare(args.a, args.b, recipe=recipe, outdir=out, key="--out" if args.out else "run.workdir"))
     return 0
@@ -230,7 +242,8 @@ def cmd_offline(recipe, args) -> int:
     draft = args.draft or draft_dir(recipe)
     check_draft_family(recipe, draft)
     cfg = evaluate_config(recipe, manifest=args.manifest, draft=draft)  # the K the given draft records
-    out = _out(recipe.run.path(args.out or "eval_offline"), args, inputs=_inputs_of(recipe, draft))
+    out = _out(recipe.run.path(args.out or "eval_offline"), args, result="offline_report.json",
+               inputs=_inputs_of(recipe, draft))
     if cfg.temperature != 0.0:
         raise ConfigError(f"evaluate.temperature: offline AL is greedy only (0.0), got {cfg.temperature}")
     groups, info = load_prompt_set(cfg, recipe.run.store_uri)
@@ -273,7 +286,7 @@ def cmd_parity(recipe, args) -> int:
     if not (Path(checkpoint) / INFO).is_file():  # an export would be checked against itself and always pass
         raise ConfigError(f"--checkpoint: {checkpoint} is not a train checkpoint (no {INFO}; an exported draft "
                           "checked against itself proves nothing): name the `train run` folder it was exported from")
-    out = _out(recipe.run.path(args.out or "parity"), args,
+    out = _out(recipe.run.path(args.out or "parity"), args, result="parity.json",
                inputs=_inputs_of(recipe, draft, checkpoint=checkpoint))
     if cfg.temperature != 0.0:
         raise ConfigError(f"evaluate.temperature: the parity check is greedy only (0.0), got {cfg.temperature}")

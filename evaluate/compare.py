@@ -89,7 +89,8 @@ SETTINGS = ("target", "num_speculative_tokens", "temperature", "max_tokens", "bu
 
 def differences(a: dict, b: dict) -> dict[str, list]:
     """``{setting: [A's, B's]}`` for every :data:`SETTINGS` key (and the prompt set) the reports differ in,
-    and for their groups and context buckets: an overall AL over other groups is not a like delta."""
+    for their groups and context buckets (an overall AL over other groups is not a like delta), and
+    (``prompts``) for the groups and buckets both have whose prompt counts or lengths differ."""
     def settings(r: dict) -> dict:
         prompts = r.get("prompts") if isinstance(r.get("prompts"), dict) else {}
         buckets = sorted(r.get("context_buckets") or {}, key=lambda k: (0, int(k)) if str(k).isdecimal() else (1, k))
@@ -97,7 +98,22 @@ def differences(a: dict, b: dict) -> dict[str, list]:
                 "groups": sorted(r.get("domains") or {}), "context_buckets": buckets}
 
     x, y = settings(a), settings(b)
-    return {k: [x[k], y[k]] for k in x if x[k] != y[k]}
+    out = {k: [x[k], y[k]] for k in x if x[k] != y[k]}
+    u, v = _sizes(a), _sizes(b)
+    unlike = [k for k in u if k in v and u[k] != v[k]]  # a group or bucket only one side has is named above
+    if unlike:
+        out["prompts"] = [{k: u[k] for k in unlike}, {k: v[k] for k in unlike}]
+    return out
+
+
+def _sizes(r: dict) -> dict:
+    """Prompts per group, and per context bucket with their length (``ctx B``): the same names over
+    other prompts (another ``max_prompts_per_domain`` or ``bucket_prompts``, a bucket shortened to
+    another target's positions) are not a like delta either."""
+    groups = {str(g): row.get("prompts") for g, row in (r.get("domains") or {}).items()}
+    buckets = {f"ctx {b}": {"prompts": row.get("prompts"), "prompt_tokens": row.get("prompt_tokens")}
+               for b, row in (r.get("context_buckets") or {}).items()}
+    return {**groups, **buckets}
 
 
 def side_by_side(a: dict, b: dict, *, names: tuple[str, str] = ("A", "B")) -> str:
@@ -128,8 +144,11 @@ def compare(spec_a: str, spec_b: str, *, recipe, outdir: Path, key: str = "--out
     a, b = _load(spec_a, recipe), _load(spec_b, recipe)
     md = side_by_side(a, b)
     make_dir(outdir, key)
-    write_json_atomic(outdir / "compare.json", {"a": a, "b": b, "inputs": [spec_a, spec_b],
-                                                "settings_differ": differences(a, b)})
+    # compare.json last, an earlier run's removed first (as every evaluate command does with its result):
+    # a run stopped while writing leaves no compare.json beside another run's compare.md or provenance.json.
+    (outdir / "compare.json").unlink(missing_ok=True)
     write_text_atomic(outdir / "compare.md", md)
     write_provenance(outdir, config=recipe.to_dict(), inputs={"a": spec_a, "b": spec_b})
+    write_json_atomic(outdir / "compare.json", {"a": a, "b": b, "inputs": [spec_a, spec_b],
+                                                "settings_differ": differences(a, b)})
     return md

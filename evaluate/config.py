@@ -17,6 +17,9 @@ DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768)
 Material = Literal["records", "code", "recall", "chat"]
 #: A bucket with fewer prompts than this is reported as "not a measurement".
 MIN_BUCKET_PROMPTS = 16
+#: The most draft tokens a round vLLM verifies (its rejection sampler's ``MAX_SPEC_LEN``): past it the
+#: engine starts, then fails its first decode with an AssertionError.
+MAX_NUM_SPECULATIVE_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,10 +93,12 @@ class EvaluateConfig:
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ConfigError("evaluate.num_speculative_tokens: must be >= 1 or null, "
                               f"got {short(self.num_speculative_tokens)}")
-        if self.num_speculative_tokens is not None and self.num_speculative_tokens >= self.engine.max_model_len:
+        most = min(MAX_NUM_SPECULATIVE_TOKENS, self.engine.max_model_len - 1)
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens > most:
             raise ConfigError(f"evaluate.num_speculative_tokens: {short(self.num_speculative_tokens)} draft tokens a "
-                              "round and the target's own token must fit evaluate.engine.max_model_len "
-                              f"({self.engine.max_model_len}); set at most {self.engine.max_model_len - 1}")
+                              f"round; vLLM verifies at most {MAX_NUM_SPECULATIVE_TOKENS} a round, and they and the "
+                              "target's own token must fit evaluate.engine.max_model_len "
+                              f"({self.engine.max_model_len}); set at most {most}")
         if self.prompt_set != "heldout" and not self.prompt_path:
             raise ConfigError(f"evaluate.prompt_path: required for prompt_set={self.prompt_set} "
                               "(a local file/directory or a hub dataset id)")

@@ -15,10 +15,10 @@ once and recomputes both buckets' AL on them, which cancels what the questions t
 contribute; buckets that are not paired (different counts, rows without ``pair``) are resampled
 independently (a wider interval).
 
-Trade-off: a percentile interval from few prompts is too narrow (one prompt gives a zero-width
-interval), so a bucket with fewer than ``MIN_BUCKET_PROMPTS`` prompts is flagged "not a
-measurement" however narrow its interval looks. Pure Python and seeded: the same per-prompt figures
-and seed give the same interval on every machine.
+Trade-off: a percentile interval from few prompts is too narrow, so a bucket with fewer than
+``MIN_BUCKET_PROMPTS`` prompts is flagged "not a measurement" however narrow its interval looks; a
+bucket of one prompt gets no interval at all (every resample is that prompt: zero width). Pure
+Python and seeded: the same per-prompt figures and seed give the same interval on every machine.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ def bootstrap(n: int, stat: Stat, *, resamples: int, seed: int | str, level: flo
     """Percentile interval of ``stat`` over ``resamples`` draws of ``n`` indices with replacement.
 
     ``stat`` maps a list of indices to a figure (None when undefined on that draw, e.g. no draft
-    rounds at all; such draws are left out). None when ``n`` is 0 or no draw is defined."""
-    if n <= 0:
+    rounds at all; such draws are left out). None when ``n`` is below 2 (every draw of one prompt is
+    that prompt: its zero-width interval would read as certainty) or no draw is defined."""
+    if n < 2:
         return None
     rng = random.Random(seed)
     values = []
@@ -192,9 +193,12 @@ def _ratio_interval(first: list[dict], rows: list[dict], keys: tuple[str, str, f
 
 
 def spec_counts(metrics) -> dict:
-    """Per-prompt draft rounds and accepted tokens from vLLM's per-request spec-decode metrics."""
-    hist = list(getattr(metrics, "histogram", None) or [])
-    return {"draft_rounds": sum(hist), "accepted_tokens": sum(j * c for j, c in enumerate(hist))}
+    """Per-prompt draft rounds, accepted tokens and the histogram they come from (rounds by accepted
+    count: the bucket's ``acceptance_histogram`` and ``acceptance_by_position`` pool them) from vLLM's
+    per-request spec-decode metrics."""
+    hist = [int(c) for c in getattr(metrics, "histogram", None) or []]
+    return {"draft_rounds": sum(hist), "accepted_tokens": sum(j * c for j, c in enumerate(hist)),
+            "acceptance_histogram": hist}
 
 
 def per_prompt(report: dict, bucket, sample_id: str) -> dict:

@@ -21,9 +21,10 @@ from eaglenest.hf import load_config, load_tokenizer
 
 
 def max_positions(target: str, *, trust_remote_code: bool = False) -> int:
-    """The target's positions (``max_position_embeddings``; 4096 when its config does not say)."""
+    """The target's positions: its language config's ``max_position_embeddings`` (a multimodal
+    wrapper's ``text_config``, Gemma-3 or Mistral-3 style); 4096 when it does not say."""
     cfg = load_config(target, trust_remote_code=trust_remote_code)
-    return int(getattr(cfg, "max_position_embeddings", 4096))
+    return int(getattr(cfg.get_text_config(), "max_position_embeddings", 4096))
 
 
 class Plan(NamedTuple):

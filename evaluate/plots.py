@@ -44,12 +44,10 @@ def _bars(ax, names, rows):
     import numpy as np
 
     x = np.arange(len(names))
-    pooled = [r.get("acceptance_length") or 0 for r in rows]
-    per_req = [r.get("acceptance_length_per_request") or 0 for r in rows]
-    ax.bar(x - 0.2, pooled, 0.4, label="pooled over rounds")
-    ax.bar(x + 0.2, per_req, 0.4, label="mean per request")
+    ax.bar(x - 0.2, _values(rows, "acceptance_length"), 0.4, label="pooled over rounds")  # no rounds: no bar
+    ax.bar(x + 0.2, _values(rows, "acceptance_length_per_request"), 0.4, label="mean per request")
     if any(r.get("ngram_al") for r in rows):  # the training-free n-gram drafter on the same outputs
-        ax.scatter(x, [r.get("ngram_al") or float("nan") for r in rows], marker="_", s=400, color="black",
+        ax.scatter(x, _values(rows, "ngram_al"), marker="_", s=400, color="black",
                    zorder=3, label="n-gram drafter (ngram_al)")
     ax.set_xticks(x, names, rotation=30, ha="right", parse_math=False)  # a category's "$" is text, not TeX
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
@@ -58,12 +56,18 @@ def _bars(ax, names, rows):
 
 
 def _yerr(rows: list[dict], key: str) -> list[list[float]] | None:
-    """Matplotlib ``yerr`` (below, above) from each row's 95% interval of ``key``; None if any lacks one."""
-    cis = [(r.get("intervals") or {}).get(key) for r in rows]
-    if not cis or any(ci is None or r.get(key) is None for ci, r in zip(cis, rows)):
+    """Matplotlib ``yerr`` (below, above) from each row's 95% interval of ``key``: no bar (0, 0) for a row
+    without one (one prompt, no figure), so the other rows keep theirs; None when no row has one."""
+    cis = [(r.get("intervals") or {}).get(key) if r.get(key) is not None else None for r in rows]
+    if not any(cis):
         return None
-    return [[max(0.0, r[key] - ci[0]) for ci, r in zip(cis, rows)],
-            [max(0.0, ci[1] - r[key]) for ci, r in zip(cis, rows)]]
+    return [[max(0.0, r[key] - ci[0]) if ci else 0.0 for ci, r in zip(cis, rows)],
+            [max(0.0, ci[1] - r[key]) if ci else 0.0 for ci, r in zip(cis, rows)]]
+
+
+def _values(rows: list[dict], key: str) -> list[float]:
+    """Each row's ``key``, NaN (no point) where it has none: a bucket without draft rounds has no AL, not 0."""
+    return [float("nan") if r.get(key) is None else r[key] for r in rows]
 
 
 def _prompt_tokens(bucket: str, row: dict) -> int:
@@ -83,11 +87,11 @@ def context_axes(ax, buckets: dict[str, dict]):
     a bucket has too few prompts to be a measurement. Returns the right axis (or None)."""
     rows = [buckets[b] for b in buckets]
     xs = [_prompt_tokens(b, r) for b, r in zip(buckets, rows)]
-    ax.errorbar(xs, [r.get("acceptance_length") or 0 for r in rows], yerr=_yerr(rows, "acceptance_length"),
+    ax.errorbar(xs, _values(rows, "acceptance_length"), yerr=_yerr(rows, "acceptance_length"),
                 marker="o", capsize=3, label="pooled over rounds")
-    ax.plot(xs, [r.get("acceptance_length_per_request") or 0 for r in rows], marker="o", label="mean per request")
+    ax.plot(xs, _values(rows, "acceptance_length_per_request"), marker="o", label="mean per request")
     if any(r.get("ngram_al") for r in rows):
-        ax.errorbar(xs, [r.get("ngram_al") or float("nan") for r in rows], yerr=_yerr(rows, "ngram_al"), ls="--",
+        ax.errorbar(xs, _values(rows, "ngram_al"), yerr=_yerr(rows, "ngram_al"), ls="--",
                     color="black", capsize=3, label="n-gram drafter (ngram_al)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [_tokens_label(x) for x in xs])
@@ -95,7 +99,7 @@ def context_axes(ax, buckets: dict[str, dict]):
     ax.set_ylabel("acceptance length")
     few = [(x, r) for x, r in zip(xs, rows) if r.get("measurement") is False]
     if few:  # ringed: too few prompts for the point (and its interval) to be a measurement
-        ax.scatter([x for x, _ in few], [r.get("acceptance_length") or 0 for _, r in few], s=160,
+        ax.scatter([x for x, _ in few], _values([r for _, r in few], "acceptance_length"), s=160,
                    facecolors="none", edgecolors="red", zorder=4, label=f"< {MIN_BUCKET_PROMPTS} prompts")
     n = sorted({r.get("prompts") for r in rows})
     ax.set_title(f"AL against context length ({'/'.join(map(str, n))} prompts per bucket"
@@ -105,9 +109,8 @@ def context_axes(ax, buckets: dict[str, dict]):
     right = None
     if any(r.get("target_confidence") is not None for r in rows):
         right = ax.twinx()
-        right.errorbar(xs, [r.get("target_confidence") if r.get("target_confidence") is not None else float("nan")
-                            for r in rows], yerr=_yerr(rows, "target_confidence"), ls=":", marker="s",
-                       color="grey", capsize=3, label="target_confidence (right)")
+        right.errorbar(xs, _values(rows, "target_confidence"), yerr=_yerr(rows, "target_confidence"), ls=":",
+                       marker="s", color="grey", capsize=3, label="target_confidence (right)")
         right.set_ylim(0, 1.05)
         right.set_ylabel("target_confidence")
         h, lab = right.get_legend_handles_labels()

@@ -52,7 +52,7 @@ def _bucket_section(report: dict, k: int, conf: tuple[str, ...]) -> list[str]:
     lines = [f"- Prompts per bucket: {', '.join(map(str, counts))}; material: "
              f"{', '.join(sorted({p['material'] for _, d in rows for p in d.get('per_prompt') or []})) or '-'}. "
              f"A bucket with fewer than {how.get('min_prompts', MIN_BUCKET_PROMPTS)} prompts is "
-             "**not a measurement** (its interval is too narrow to trust)."]
+             "**not a measurement** (its interval is too narrow to trust; one prompt has none)."]
     if how:
         lines.append(f"- [low, high]: {int(how['level'] * 100)}% interval, {how['method']}, "
                      f"{how['resamples']} resamples, seed {how['seed']}.")

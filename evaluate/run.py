@@ -76,9 +76,9 @@ def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = No
     toks = [list(o.token_ids) for o in outs]
     if prompt_ids is not None:
         prompt_ids.update({p["sample_id"]: list(r.prompt_token_ids or ()) for p, r in zip(prompts, reqs)})
-    if per_request is not None:  # draft rounds and accepted tokens per prompt (bucket intervals)
-        per_request.update({p["sample_id"]: spec_counts(getattr(o, "spec_decode_metrics", None))
-                            for p, o in zip(prompts, outs)})
+    if per_request is not None:  # per prompt, what the row pools: draft rounds, accepted tokens, output tokens
+        per_request.update({p["sample_id"]: {**spec_counts(getattr(o, "spec_decode_metrics", None)),
+                                             "output_tokens": len(t)} for p, o, t in zip(prompts, outs, toks)})
     row = {"prompts": len(prompts), "output_tokens": sum(map(len, toks)), **delta.summary(),
            **per_request_summary([getattr(o, "spec_decode_metrics", None) for o in outs])}
     return row, toks, delta

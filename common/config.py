@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import difflib
 import functools
 import logging
 import math
@@ -268,9 +269,13 @@ def _name(where: str, key: str) -> str:
 
 def _unknown_key(tp: Any, where: str, key: str) -> str:
     """The line for a key dataclass ``tp`` does not have. A key the section moved names its new
-    place (the class's ``RENAMED_KEYS``, old name -> dotted new name; e.g. ``TrainConfig``)."""
+    place (the class's ``RENAMED_KEYS``, old name -> dotted new name; e.g. ``TrainConfig``); a misspelt
+    one, the section's key it is closest to."""
     new = getattr(tp, "RENAMED_KEYS", {}).get(key)
-    return f"{_name(where, key)}: renamed to {_name(where, new)}" if new else f"{_name(where, key)}: unknown key"
+    if new:
+        return f"{_name(where, key)}: renamed to {_name(where, new)}"
+    close = difflib.get_close_matches(str(key), [f.name for f in dataclasses.fields(tp) if f.init], n=1, cutoff=0.75)
+    return f"{_name(where, key)}: unknown key" + (f"; did you mean {_name(where, close[0])}?" if close else "")
 
 
 def _collect(tp: Any, value: Any, where: str, error: type[ConfigError], problems: list[str]) -> Any:

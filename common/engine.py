@@ -39,9 +39,11 @@ from eaglenest.precheck import check_engine_target
 log = logging.getLogger(__name__)
 
 #: Bounds vLLM enforces only once an engine runs, checked at config time: ``SamplingParams``'
-#: temperature, and the engine seed (vLLM seeds numpy with it, which takes [0, 2**32 - 1]).
+#: temperature, the engine seed (vLLM seeds numpy with it, which takes [0, 2**32 - 1]) and the draft
+#: tokens a round its rejection sampler verifies (``MAX_SPEC_LEN``: past it the first decode fails).
 MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**32 - 1
+MAX_NUM_SPECULATIVE_TOKENS = 128
 
 
 #: The engine dtypes a recipe may name: "auto" (the checkpoint's own), else vLLM's names.

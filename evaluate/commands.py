@@ -31,6 +31,7 @@ from eaglenest.hf import check_remote_code, load_tokenizer
 from eaglenest.paths import ensure_writable, make_dir
 from eaglenest.provenance import package_versions, write_json_atomic, write_provenance, write_text_atomic
 from eaglenest.target import local_dir
+from eaglenest.target import max_positions as vllm_positions
 from eaglenest.train.checkpoint import INFO
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,8 @@ def check_fit(target: str, cfg) -> None:
     tcfg = memfit.load_target_config(target)
     if tcfg is None or not cfg.context_buckets:
         return
-    max_pos = int(tcfg.get("max_position_embeddings") or 4096)
+    derived = vllm_positions(tcfg)  # a linear or dynamic rotary factor counted, as vLLM does
+    max_pos = derived[0] if derived else int(tcfg.get("max_position_embeddings") or 4096)
     tokens = max(bucket_length(b, max_positions=max_pos, max_tokens=cfg.bucket_max_tokens)
                  for b in cfg.context_buckets) + cfg.bucket_max_tokens
     memfit.check_engine(target, tokens=tokens, engine_dtype=cfg.engine.dtype, key="evaluate.context_buckets",

@@ -6,8 +6,9 @@ import dataclasses
 from typing import Any, Literal
 
 from eaglenest.config import short
-from eaglenest.engine import MAX_TEMPERATURE, EngineConfig
+from eaglenest.engine import MAX_NUM_SPECULATIVE_TOKENS, MAX_TEMPERATURE, EngineConfig
 from eaglenest.errors import ConfigError
+from eaglenest.ingest.config import check_template_kwargs
 
 #: Context buckets of the issue: prompt lengths in tokens (1K .. 32K).
 DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -17,9 +18,6 @@ DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768)
 Material = Literal["records", "code", "recall", "chat"]
 #: A bucket with fewer prompts than this is reported as "not a measurement".
 MIN_BUCKET_PROMPTS = 16
-#: The most draft tokens a round vLLM verifies (its rejection sampler's ``MAX_SPEC_LEN``): past it the
-#: engine starts, then fails its first decode with an AssertionError.
-MAX_NUM_SPECULATIVE_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,6 +88,8 @@ class EvaluateConfig:
 
     def __post_init__(self) -> None:
         self.engine.check("evaluate.engine")
+        if self.chat_template_kwargs is not None:
+            check_template_kwargs(self.chat_template_kwargs, "evaluate.chat_template_kwargs")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ConfigError("evaluate.num_speculative_tokens: must be >= 1 or null, "
                               f"got {short(self.num_speculative_tokens)}")

@@ -43,7 +43,7 @@ def served_proposals(*, target: str, draft: str, prompts: list[list[int]], k: in
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = make_llm(target, engine, trust_remote_code=trust_remote_code,
+    llm = make_llm(target, engine, trust_remote_code=trust_remote_code, where="evaluate.engine",
                    speculative_config=speculative_config(draft, k), worker_extension_cls=RECORDER)
     try:
         llm.collective_rpc("start_recording_proposals")

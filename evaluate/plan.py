@@ -18,12 +18,19 @@ from eaglenest.engine import EngineConfig
 from eaglenest.evaluate.buckets import bucket_lengths, check_generated, material_pool
 from eaglenest.evaluate.prompts import check_prompt_lengths, load_prompt_set
 from eaglenest.hf import load_config, load_tokenizer
+from eaglenest.precheck import check_max_model_len
+from eaglenest.target import local_dir, read_config
+from eaglenest.target import max_positions as vllm_positions
 
 
 def max_positions(target: str, *, trust_remote_code: bool = False) -> int:
-    """The target's positions: its language config's ``max_position_embeddings`` (a multimodal
-    wrapper's ``text_config``, Gemma-3 or Mistral-3 style); 4096 when it does not say."""
+    """The target's positions as vLLM derives them from a local config.json (``target.max_positions``:
+    a linear or dynamic rotary factor counted), else its language config's ``max_position_embeddings``
+    (a multimodal wrapper's ``text_config``, Gemma-3 or Mistral-3 style); 4096 when it does not say."""
     cfg = load_config(target, trust_remote_code=trust_remote_code)
+    derived = vllm_positions(read_config(target)) if (local_dir(target) / "config.json").is_file() else None
+    if derived is not None:
+        return derived[0]
     return int(getattr(cfg.get_text_config(), "max_position_embeddings", 4096))
 
 
@@ -53,6 +60,7 @@ def plan(cfg, *, target: str, store_uri: str, trust_remote_code: bool = False) -
     if base == EngineConfig.max_model_len and base > max_pos:  # the default on a target of fewer positions: its own
         base = max_pos
     max_len = max(base, min(max_pos, max(lengths.values(), default=0) + cfg.bucket_max_tokens))
+    check_max_model_len(target, max_len, where="evaluate.engine")  # a user's value past max_pos: before any engine
     engine = dataclasses.replace(cfg.engine, max_model_len=max_len)
     check_generated(tok, lengths, kinds=tuple(cfg.bucket_material), per_bucket=cfg.bucket_prompts, seed=cfg.engine.seed,
                     chat_template_kwargs=cfg.chat_template_kwargs)

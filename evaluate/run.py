@@ -97,8 +97,8 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
     check_draft_dir(draft, local_target_config(target))  # what vLLM would fail on, before the engine starts
     t0 = time.time()
     spec = speculative_config(draft, cfg.num_speculative_tokens)  # + parallel_drafting for a P-EAGLE draft
-    llm = make_llm(target, engine, trust_remote_code=trust_remote_code, speculative_config=spec,
-                   disable_log_stats=False,
+    llm = make_llm(target, engine, trust_remote_code=trust_remote_code, where="evaluate.engine",
+                   speculative_config=spec, disable_log_stats=False,
                    per_request_spec_decode_metrics="summary")
     domains, buckets, outputs, total = {}, {}, {}, SpecCounters(0, 0, 0, ())
     bucket_prompts: dict[int, list[dict]] = {}
@@ -289,7 +289,7 @@ def _check_lossless(target: str, engine, groups, bucket_prompts, outputs: dict, 
     """Decode without speculation; (lossless summary, {sample_id: probability of each output token}).
     With ``far``, the same engine also scores the bucket prompts with their far part removed
     (``evaluate.farctx``) into it."""
-    llm = make_llm(target, engine, trust_remote_code=trust_remote_code)
+    llm = make_llm(target, engine, trust_remote_code=trust_remote_code, where="evaluate.engine")
     try:
         probing = far is not None and bool(bucket_prompts) and bool(cfg.far_context_keep_tokens)
         tok = load_tokenizer(target, trust_remote_code=trust_remote_code) if probing else None

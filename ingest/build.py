@@ -235,8 +235,10 @@ def _check_moved(todo: list[PoolEntry], done: set[str]) -> None:
         (was, now), _ = collections.Counter(moved).most_common(1)[0]
         n = len(moved)
         raise ConfigError(f"manifest: {n} prompt(s) of domain '{now}' are stored already under domain '{was}' "
-                          "(a renamed domain, or a source moved between domains): they would be stored twice, "
-                          f"under new ids; keep the domain name '{was}', or ingest into a new store (run.store)")
+                          "(a renamed domain, a source moved between domains, or domains that share prompts "
+                          "removed or reordered: the first one listed owns a shared prompt): they would be stored "
+                          f"twice, under new ids; keep domain '{was}' where it was, or ingest into a new store "
+                          "(run.store)")
 
 
 def check_chat_template(tok, target: str, num_chat: int) -> None:

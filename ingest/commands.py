@@ -18,6 +18,7 @@ from eaglenest.ingest.build import build, check_chat_template, stored_heldout, s
 from eaglenest.ingest.manifest import Dedup, input_file, load_manifest, read_manifest
 from eaglenest.ingest.pool import build_pool, load_pool, load_source
 from eaglenest.paths import ensure_writable
+from eaglenest.precheck import check_max_model_len
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.shapes import check_weight_shapes
 
@@ -113,7 +114,7 @@ def check_long(manifest, recipe) -> None:
                         what=f"regenerating the longest composed conversation ({longest} tokens)")
 
 
-def check_target_loads(target: str, *, trust_remote_code: bool) -> None:
+def check_target_loads(target: str, *, trust_remote_code: bool, max_model_len: int) -> None:
     """transformers' own checks of the target's config and tokenizer, before anything is written: a
     config.json that reads as JSON but that transformers refuses (``num_attention_heads: 0``) is one
     line naming run.target (``eaglenest.hf``), not a traceback once the store was made; so are weights of
@@ -121,6 +122,7 @@ def check_target_loads(target: str, *, trust_remote_code: bool) -> None:
     refuses."""
     load_config(target, trust_remote_code=trust_remote_code)
     load_tokenizer(target, trust_remote_code=trust_remote_code)
+    check_max_model_len(target, max_model_len, where="ingest.engine")
     check_weight_shapes(target)  # an engine would cut a tensor larger than config.json says to fit, silently
     check_generation_config(target)
 
@@ -130,7 +132,8 @@ def cmd_build(recipe, args) -> int:
     A target transformers refuses, a target other than the one whose responses the store holds and a Dask
     scheduler that is not there fail first, before the pool is built or anything is written."""
     check_remote_code(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)  # fail fast
-    check_target_loads(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code)
+    check_target_loads(recipe.run.target, trust_remote_code=recipe.run.trust_remote_code,
+                       max_model_len=recipe.ingest.engine.max_model_len)
     # Responses stored by another target: refused before the pool is read (a hub download, every prompt
     # tokenised) or anything is created; build() checks again under the table's lease (and warns, off-policy).
     if not recipe.run.off_policy:

@@ -32,7 +32,8 @@ def make_backend(cfg: IngestConfig, target: str, *, trust_remote_code: bool = Fa
             in_flight_per_endpoint=cfg.in_flight_per_endpoint, allow_remote=cfg.allow_remote_endpoints,
             max_in_flight=cfg.max_in_flight, allow_plaintext_key=cfg.allow_plaintext_api_key,
             chat_template_kwargs=cfg.chat_template_kwargs, trust_remote_code=trust_remote_code)
-    return backends.LocalBackend(make_llm(target, cfg.engine, trust_remote_code=trust_remote_code),
+    llm = make_llm(target, cfg.engine, trust_remote_code=trust_remote_code, where="ingest.engine")
+    return backends.LocalBackend(llm,
                                  max_in_flight=cfg.max_in_flight, chat_template_kwargs=cfg.chat_template_kwargs)
 
 

@@ -7,6 +7,7 @@ import posixpath
 from typing import Literal
 
 from eaglenest.config import short
+from eaglenest.engine import MAX_NUM_SPECULATIVE_TOKENS
 from eaglenest.errors import ConfigError
 
 
@@ -66,10 +67,12 @@ class ServeConfig:
             raise ConfigError(f"serve.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len < 16:
             raise ConfigError(f"serve.max_model_len: must be >= 16, got {short(self.max_model_len)}")
-        if self.num_speculative_tokens is not None and self.num_speculative_tokens >= self.max_model_len:
+        most = min(MAX_NUM_SPECULATIVE_TOKENS, self.max_model_len - 1)
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens > most:
             raise ConfigError(f"serve.num_speculative_tokens: {short(self.num_speculative_tokens)} draft tokens a "
-                              f"round and the target's own token must fit serve.max_model_len ({self.max_model_len}); "
-                              f"set at most {self.max_model_len - 1}")
+                              f"round; vLLM verifies at most {MAX_NUM_SPECULATIVE_TOKENS} a round, and they and the "
+                              f"target's own token must fit serve.max_model_len ({self.max_model_len}); "
+                              f"set at most {most}")
         if self.format == "speculators" and self.quantization != "none":
             raise ConfigError("serve.format: speculators checkpoints carry no quantised weights; "
                               "use serve.format=vllm with serve.quantization=fp8")

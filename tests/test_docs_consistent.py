@@ -134,9 +134,10 @@ def unresolved(override: str) -> str | None:
 def test_unresolved_tells_a_wrong_key_from_a_wrong_value():
     assert unresolved("train.num_epochs=3") is None
     assert unresolved("train.num_epochs=N") is None  # a placeholder value: the key resolves
-    assert unresolved("train.num_epoch=3") == "train.num_epoch: unknown key"
-    assert unresolved("train.stream.dept=3") == "train.stream.dept: unknown key"
+    assert unresolved("train.num_epoch=3") == "train.num_epoch: unknown key; did you mean train.num_epochs?"
+    assert unresolved("train.stream.dept=3") == "train.stream.dept: unknown key; did you mean train.stream.depth?"
     assert unresolved("train.stream_depth=3") == "train.stream_depth: renamed to train.stream.depth"
+    assert unresolved("train.zzz=3") == "train.zzz: unknown key"  # nothing close: no guess
     assert unresolved("trainer.lr=1") is not None
     assert unresolved("train.lr.x=1") is not None
 

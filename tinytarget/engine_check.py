@@ -29,20 +29,12 @@ def run_check(model: str, prompts_dir: Path, *, num_per_domain: int, max_model_l
               gpu_memory_utilization: float) -> dict:
     check_engine_sizes(max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
     prompts = read_prompts(prompts_dir, num_per_domain=num_per_domain)  # before the engine's start
-    try:
-        llm = make_llm(model, EngineConfig(max_model_len=max_model_len, memory_fraction=gpu_memory_utilization))
-    except ConfigError as exc:
-        raise ConfigError(as_model_flag(str(exc))) from None
+    llm = make_llm(model, EngineConfig(max_model_len=max_model_len, memory_fraction=gpu_memory_utilization),
+                   key="--model")
     try:
         return _answers(llm, prompts, max_model_len=max_model_len)
     finally:
         close_llm(llm)
-
-
-def as_model_flag(message: str) -> str:
-    """The engine's refusals name the recipe key ``run.target``; this command has no recipe: its
-    ``--model`` is that key, so the line names the flag the user typed."""
-    return "--model:" + message.removeprefix("run.target:") if message.startswith("run.target:") else message
 
 
 def check_engine_sizes(*, max_model_len: int, gpu_memory_utilization: float) -> None:

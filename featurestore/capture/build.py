@@ -35,24 +35,25 @@ _DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32", "
                   "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
 
 
-def target_facts(target: str, *, trust_remote_code: bool = False) -> dict:
+def target_facts(target: str, *, trust_remote_code: bool = False, key: str = "run.target") -> dict:
     """num_hidden_layers, hidden_size, dtype and vocab_size (None if absent) from a local target's
     config.json (or the hub cache)."""
     path = Path(target) / "config.json"
     if path.is_file():
-        cfg = language_config(read_config(target))  # a multimodal wrapper's text_config; not JSON: one line
+        cfg = language_config(read_config(target, key=key))  # a multimodal wrapper's text_config; not JSON: one line
     else:
-        cfg = language_config(load_config(target, trust_remote_code=trust_remote_code).to_dict())
+        cfg = language_config(load_config(target, trust_remote_code=trust_remote_code, key=key).to_dict())
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-    return {"num_layers": _size(cfg, "num_hidden_layers", target), "hidden_size": _size(cfg, "hidden_size", target),
+    return {"num_layers": _size(cfg, "num_hidden_layers", target, key),
+            "hidden_size": _size(cfg, "hidden_size", target, key),
             "dtype": _DTYPE_ALIASES.get(dtype.replace("torch.", ""), "bfloat16"), "vocab_size": cfg.get("vocab_size")}
 
 
-def _size(cfg: dict, key: str, target: str) -> int:
+def _size(cfg: dict, name: str, target: str, key: str = "run.target") -> int:
     """A positive integer of the target's config (the layer count, the width), or one line naming it."""
-    value = cfg.get(key)
+    value = cfg.get(name)
     if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).isdecimal() or int(value) < 1:
-        raise ConfigError(f"run.target: {target}'s config has no {key} (a positive integer; got {short(value)}): "
+        raise ConfigError(f"{key}: {target}'s config has no {name} (a positive integer; got {short(value)}): "
                           "capture needs a decoder's layer count and hidden size")
     return int(value)
 

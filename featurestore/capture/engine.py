@@ -97,6 +97,7 @@ def capture_llm(target: str, capture_ids: list[int], engine: EngineConfig, *, sp
                           "(its connector hands states over in the engine's next step); set it to null or false")
     return make_llm(
         target, dataclasses.replace(engine, in_process=False), trust_remote_code=trust_remote_code,
+        where="featurestore.engine",
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,

@@ -32,10 +32,7 @@ def check_same_shape(target: str, spec: dict, *, given: bool) -> None:
     (trained on silently)."""
     what = f"--target {target}" if given else f"{target} (the trainer's run.target, as it is on this host)"
     want = {k: int(spec[k]) for k in ("num_layers", "hidden_size") if k in spec}
-    try:
-        facts = target_facts(target, trust_remote_code=bool(spec.get("trust_remote_code", False)))
-    except ConfigError as exc:  # said of run.target; here it is the flag
-        raise ConfigError(str(exc).replace("run.target: ", f"{what}: ", 1)) from None
+    facts = target_facts(target, trust_remote_code=bool(spec.get("trust_remote_code", False)), key=what)
     differ = [k for k in want if facts[k] != want[k]]
     if differ:
         got = ", ".join(f"{k} {facts[k]}" for k in differ)

@@ -12,9 +12,9 @@ import pytest
 
 from eaglenest import engine
 from eaglenest.engine import EngineConfig, make_llm
-from eaglenest.precheck import check_max_model_len
 from eaglenest.errors import ConfigError
 from eaglenest.hf import check_target
+from eaglenest.precheck import check_max_model_len
 from eaglenest.target import max_positions
 
 
@@ -163,3 +163,25 @@ def test_architectures_that_are_no_class_names_are_refused(tmp_path, tiny_target
         check_target(target)
     assert str(err.value).startswith(f"run.target: {target}/config.json: architectures must be model class names, "
                                      f"got {json.dumps(archs)}"), err.value
+
+
+def test_ingest_build_refuses_an_engine_length_past_the_targets_positions_before_writing(tmp_path, tiny_target,
+                                                                                       capsys):
+    """``ingest.engine.max_model_len`` past the target's positions was refused by vLLM once the engine
+    started (the store made, the pool read): one line naming the key and the limit, nothing written."""
+    from eaglenest.ingest.cli import main
+
+    limit = max_positions(json.loads((tiny_target / "config.json").read_text()))[0]
+    src = tmp_path / "src.jsonl"
+    src.write_text('{"prompt": "a"}\n')
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(f"name: t\nlicence: x\ndomains:\n  d:\n    cap_prompts: 5\n    sources:\n"
+                        f"      - path: {src}\n        provenance: p\n")
+    work = tmp_path / "work"
+    assert main(["build", "--manifest", str(manifest), f"run.workdir={work}", f"run.target={tiny_target}",
+                 f"ingest.engine.max_model_len={limit + 1}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"ingest: error: ingest.engine.max_model_len: {limit + 1} is more than {tiny_target} has "
+                     f"positions for (max_position_embeddings={limit}); set ingest.engine.max_model_len={limit} "
+                     "or less"], lines
+    assert not (work / "store").exists()

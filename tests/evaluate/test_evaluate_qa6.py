@@ -19,11 +19,11 @@ import pytest
 
 import eaglenest.evaluate.commands as commands
 import eaglenest.evaluate.compare as compare_mod
-from eaglenest.engine import EngineConfig
+from eaglenest.engine import MAX_NUM_SPECULATIVE_TOKENS, EngineConfig
 from eaglenest.evaluate.buckets import bucket_lengths
 from eaglenest.evaluate.cli import main as evaluate_main
 from eaglenest.evaluate.compare import differences, side_by_side
-from eaglenest.evaluate.config import MAX_NUM_SPECULATIVE_TOKENS, EvaluateConfig
+from eaglenest.evaluate.config import EvaluateConfig
 from eaglenest.evaluate.intervals import add_intervals
 from eaglenest.evaluate.plan import max_positions, plan
 from eaglenest.evaluate.plots import context_axes
@@ -61,6 +61,25 @@ def test_buckets_are_cut_to_the_positions_of_a_wrapped_language_model(tmp_path, 
     p = plan(cfg, target=wrapped, store_uri=prompts_store)
     assert p.max_positions == 16384 and p.engine.max_model_len == 8200
     assert bucket_lengths(cfg.context_buckets, max_positions=p.max_positions, max_tokens=8) == {1024: 1024, 8192: 8192}
+
+
+def _linear_rope(cfg: dict) -> dict:
+    """A target of 4096 positions stretched 4x by a linear rotary factor (vicuna-16k style): vLLM serves 16384."""
+    return {**cfg, "max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+
+
+def test_a_linear_rotary_factor_counts_for_the_buckets_as_vllm_counts_it(tmp_path, tiny_target, prompts_store):
+    """A 4096-position target with a linear rotary factor of 4 was evaluated to 4K only: the 8K bucket
+    was cut to 4K (merged), though vLLM runs it at 16384 (its max_model_len derivation counts the factor)."""
+    from eaglenest.evaluate.commands import check_fit
+
+    stretched = _target(tmp_path, tiny_target, "stretched", _linear_rope)
+    assert max_positions(stretched) == 16384
+    cfg = EvaluateConfig(num_speculative_tokens=2, max_tokens=4, max_prompts_per_domain=1, bucket_max_tokens=8,
+                         context_buckets=(1024, 8192), bucket_material=("records",))
+    p = plan(cfg, target=stretched, store_uri=prompts_store)
+    assert p.max_positions == 16384 and p.engine.max_model_len == 8200
+    check_fit(stretched, cfg)  # sized for the 8K bucket, not refused
 
 
 def _bucket(prompts: int, *, pair_shift: int = 0) -> dict:

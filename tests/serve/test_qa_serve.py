@@ -289,20 +289,22 @@ def test_an_intact_speculators_draft_passes_the_check(tmp_path, root, toy_export
     assert spec["model"] == str(tmp_path / "draft") and spec["num_speculative_tokens"] == 3
 
 
-@pytest.mark.parametrize("k, length", [(1000000, 2048), (64, 64)], ids=["huge", "whole-context"])
-def test_a_k_no_sequence_can_hold_is_refused_in_the_recipe(capsys, tmp_path, root, k, length):
+@pytest.mark.parametrize("k, length, most", [(1000000, 2048, 128), (129, 4096, 128), (64, 64, 63)],
+                         ids=["huge", "past-vllms-verifier", "whole-context"])
+def test_a_k_no_sequence_can_hold_is_refused_in_the_recipe(capsys, tmp_path, root, k, length, most):
     """``serve.num_speculative_tokens=1000000`` was taken as is (by ``serve export`` into the draft's
-    config.json, by ``serve up`` into vLLM, which failed in its own log once started)."""
+    config.json, by ``serve up`` into vLLM, which failed in its own log once started); so was 129, past
+    the 128 draft tokens a round vLLM's rejection sampler verifies (its first decode failed)."""
     code = serve_main(["up", f"--recipe={root / 'recipes' / 'toy.yaml'}", f"run.workdir={tmp_path}",
                        "serve.port=0", f"serve.num_speculative_tokens={k}", f"serve.max_model_len={length}"])
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"serve: error: serve.num_speculative_tokens: {k} draft tokens a round and the target's own token must fit "
-        f"serve.max_model_len ({length}); set at most {length - 1}"]
+        f"serve: error: serve.num_speculative_tokens: {k} draft tokens a round; vLLM verifies at most 128 a round, "
+        f"and they and the target's own token must fit serve.max_model_len ({length}); set at most {most}"]
     assert not (tmp_path / "serve").exists()
-    assert load_recipe(root / "recipes" / "toy.yaml", [f"serve.num_speculative_tokens={length - 1}",
+    assert load_recipe(root / "recipes" / "toy.yaml", [f"serve.num_speculative_tokens={most}",
                                                       f"serve.max_model_len={length}"]).serve.num_speculative_tokens \
-        == length - 1
+        == most
 
 
 @pytest.mark.parametrize("revision", ["a..b", "-x", "v1.lock", "feat/", "a:b", "x@{1}", "dev.", "/main", "a//b"])

@@ -76,3 +76,28 @@ def forbid_capture_engine(monkeypatch) -> None:
         raise AssertionError("the capture started an engine before refusing its input")
 
     monkeypatch.setattr(build, "Capturer", started)
+
+
+class StubCapturer:
+    """Stands in for the vLLM capture engine (as ``build.Capturer``): zero hidden states of the right
+    shape, and a crash after ``die_after`` captures, to test what capture does around the engine."""
+
+    die_after: int | None = None
+
+    def __init__(self, target, layer_ids, num_layers, engine, **kwargs):
+        self.layers, self.num_forward_passes = len(layer_ids), 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def stream(self, seqs, **kwargs):
+        from eaglenest.errors import StoreError
+
+        for k, s in enumerate(seqs):
+            if k == self.die_after:
+                raise StoreError("the capture engine died (stub)")
+            self.num_forward_passes += 1
+            yield np.zeros((len(s), self.layers, 128), np.float32), np.zeros((len(s), 128), np.float32)

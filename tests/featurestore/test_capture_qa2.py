@@ -216,27 +216,7 @@ def test_resuming_into_a_schema_version_1_table_is_refused_before_the_engine(tmp
     assert store.latest_version(uri, store.FEATURES) == before
 
 
-class _StubCapturer:
-    """Stands in for the vLLM capture engine (named so): zero hidden states of the right shape, and
-    a crash after ``die_after`` captures, to test what capture does around the engine."""
-
-    die_after: int | None = None
-
-    def __init__(self, target, layer_ids, num_layers, engine, **kwargs):
-        self.layers, self.num_forward_passes = len(layer_ids), 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def stream(self, seqs, **kwargs):
-        for k, s in enumerate(seqs):
-            if k == self.die_after:
-                raise StoreError("the capture engine died (stub)")
-            self.num_forward_passes += 1
-            yield np.zeros((len(s), self.layers, 128), np.float32), np.zeros((len(s), 128), np.float32)
+_StubCapturer = fs_helpers.StubCapturer
 
 
 def test_a_resumed_capture_into_its_own_table_adds_only_what_is_missing(tmp_path, tiny_target, monkeypatch):

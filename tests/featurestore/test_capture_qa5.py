@@ -111,22 +111,7 @@ def test_a_spooled_capture_the_engine_could_not_write_is_one_store_error(tmp_pat
     assert list(path.parent.iterdir()) == []
 
 
-class _StubCapturer:
-    """Stands in for the vLLM capture engine (named so): zero hidden states of the right shape."""
-
-    def __init__(self, target, layer_ids, num_layers, engine, **kwargs):
-        self.layers, self.num_forward_passes = len(layer_ids), 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def stream(self, seqs, **kwargs):
-        for s in seqs:
-            self.num_forward_passes += 1
-            yield np.zeros((len(s), self.layers, 128), np.float32), np.zeros((len(s), 128), np.float32)
+_StubCapturer = fs_helpers.StubCapturer
 
 
 def test_a_prompts_table_that_gained_rows_is_refused_saying_how_the_pool_changed(tmp_path, tiny_target,

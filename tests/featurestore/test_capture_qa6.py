@@ -11,7 +11,6 @@ import logging
 import re
 import shutil
 
-import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -28,22 +27,7 @@ import fs_helpers  # on sys.path via conftest
 CFG = FeaturestoreConfig(engine=EngineConfig(max_model_len=64, memory_fraction=0.1))
 
 
-class _StubCapturer:
-    """Stands in for the vLLM capture engine (named so): zero hidden states of the right shape."""
-
-    def __init__(self, target, layer_ids, num_layers, engine, **kwargs):
-        self.layers, self.num_forward_passes = len(layer_ids), 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def stream(self, seqs, **kwargs):
-        for s in seqs:
-            self.num_forward_passes += 1
-            yield np.zeros((len(s), self.layers, 128), np.float32), np.zeros((len(s), 128), np.float32)
+_StubCapturer = fs_helpers.StubCapturer
 
 
 def _chat_rows(n: int) -> list[dict]:

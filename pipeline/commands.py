@@ -58,9 +58,9 @@ def check_fit(recipe, *, available: int | None = None) -> None:
         try:
             small = (dataclasses.replace(t, **{section: dataclasses.replace(getattr(t, section), **{name: default})})
                      if section else dataclasses.replace(t, **{name: default}))
-        except ConfigError:  # the default does not go with another key (row_tokens > pack_tokens)
+            gains.append((est.total_bytes - estimate(small).total_bytes, f"train.{key}"))
+        except ConfigError:  # the default does not go with another key (row_tokens > pack_tokens; draft heads)
             continue
-        gains.append((est.total_bytes - estimate(small).total_bytes, f"train.{key}"))
     key = max(gains)[1] if gains and max(gains)[0] > 0 else "train.pack_tokens"
     memfit.require_fit(dataclasses.replace(est, key=key), available=available)
 

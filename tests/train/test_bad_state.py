@@ -228,6 +228,15 @@ def test_the_memory_refusal_names_the_key_that_drives_it(overrides, key):
     commands.check_fit(load_recipe(RECIPE, overrides[:1] if len(overrides) > 1 else []), available=8 << 30)
 
 
+def test_keys_whose_defaults_do_not_go_together_still_get_the_memory_refusal():
+    """``num_attention_heads`` and ``num_key_value_heads`` both huge: setting either back to its default
+    alone breaks the heads' ratio, and that ConfigError ("4 attention heads are not a multiple of
+    1000000 key/value heads": heads the user never typed) escaped instead of the memory line."""
+    recipe = load_recipe(RECIPE, ["train.draft.num_attention_heads=1000000", "train.draft.num_key_value_heads=1000000"])
+    with pytest.raises(ConfigError, match=r"^train\.\w+: a training step .* more than the 8\.00 GiB of memory"):
+        commands.check_fit(recipe, available=8 << 30)
+
+
 def test_draft_vocab_past_the_target_vocab_is_a_range_error_first():
     with pytest.raises(ConfigError, match=r"^train.draft_vocab_size: 999999 must be in \[2, 2048\]"):
         commands.check_fit(load_recipe(RECIPE, ["train.draft_vocab_size=999999"]), available=1)

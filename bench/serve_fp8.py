@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from eaglenest.cli import at_least
+from eaglenest.cli import at_least, path_arg
 from eaglenest.errors import EaglenestError
 from eaglenest.provenance import write_json_atomic
 
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="runs/toy", help="run directory holding the demo's checkpoint and store")
     p.add_argument("--target", default="assets/tiny-target", help="the target model folder")
-    p.add_argument("--out", default="/tmp/eaglenest-bench-fp8", help="folder for the three exports and results.json")
+    p.add_argument("--out", type=path_arg, default="/tmp/eaglenest-bench-fp8",
+                   help="folder for the three exports and results.json")
     p.add_argument("--max-prompts-per-domain", type=at_least(0), default=0, help="held-out prompts per domain (0: all)")
     p.add_argument("--max-tokens", type=at_least(1), default=160, help="tokens generated per prompt")
     p.add_argument("--served", action="store_true", help="also serve each draft in vLLM and read its AL")

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from eaglenest.cli import path_arg
 from eaglenest.errors import EaglenestError
 
 DEFAULTS = ["evaluate.concurrency=[1,4,16,64]", "evaluate.throughput_seeds=[0,1,2,3,4]",
@@ -43,7 +44,7 @@ def speedup_lines(speedup: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="recipes/toy.yaml", help="the recipe (its run.workdir holds the draft)")
-    p.add_argument("--out", default="/tmp/eaglenest-bench-throughput",
+    p.add_argument("--out", type=path_arg, default="/tmp/eaglenest-bench-throughput",
                    help="folder for throughput.json/.md/.png and the servers' logs")
     p.add_argument("overrides", nargs="*", help="recipe overrides (section.key=value)")
     a = p.parse_args(argv)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 
@@ -28,6 +29,17 @@ def at_least(low: int) -> Callable[[str], int]:
 
     parse.__name__ = f"int >= {low}"
     return parse
+
+
+def path_arg(text: str) -> Path:
+    """An argparse ``type``: a path, refusing an empty one (``--out "$DIR"`` with ``DIR`` unset), which
+    ``Path`` would read as the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path")
+    return Path(text)
+
+
+path_arg.__name__ = "path"
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.workdir.strip():  # "" would put the run's store and outputs in the current directory
             raise ConfigError("run.workdir: must not be empty (a directory for this run's outputs, e.g. runs/toy)")
+        if not self.target.strip():  # "" would be read as the current directory, or a hub id of no name
+            raise ConfigError("run.target: must not be empty (a local Hugging Face model directory or a hub id, "
+                              "e.g. assets/tiny-target)")
         for key in ("workdir", "target", "store"):  # the same folder for every reader of the recipe
             check_no_shell_variable(key, getattr(self, key))
             object.__setattr__(self, key, home_expanded(getattr(self, key)))

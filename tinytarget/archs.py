@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from eaglenest.cli import Command
+from eaglenest.cli import Command, path_arg
 from eaglenest.errors import ConfigError
 from eaglenest.launch import execute
 from eaglenest.paths import staged_dir
@@ -228,7 +228,7 @@ PROG = "python -m eaglenest.tinytarget.archs"
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("arch", metavar="ARCH", help=f"one of {', '.join(ARCHS)}")
-    p.add_argument("out", type=Path, metavar="OUT_DIR", help="the Hugging Face folder to write")
+    p.add_argument("out", type=path_arg, metavar="OUT_DIR", help="the Hugging Face folder to write")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     args = p.parse_args(argv)
     # The shared CLI layer: logging, the process guard, one-line errors (exit 2), Ctrl-C and SIGTERM

@@ -17,7 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
-from eaglenest.cli import Command
+from eaglenest.cli import Command, path_arg
 from eaglenest.errors import ConfigError
 from eaglenest.launch import execute
 from eaglenest.paths import check_output_dir, make_dir, staged_dir
@@ -97,8 +97,8 @@ PROG = "eaglenest-tiny-target"
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("assets/tiny-target"), help="model folder")
-    p.add_argument("--prompts-out", type=Path, default=Path("recipes/data"),
+    p.add_argument("--out", type=path_arg, default=Path("assets/tiny-target"), help="model folder")
+    p.add_argument("--prompts-out", type=path_arg, default=Path("recipes/data"),
                    help="folder for <domain>.jsonl prompt files")
     p.add_argument("--steps", type=int, default=TrainConfig().num_steps, help="optimizer steps")
     p.add_argument("--seed", type=int, default=TrainConfig().seed, help="training seed")

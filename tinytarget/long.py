@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from eaglenest.cli import Command
+from eaglenest.cli import Command, path_arg
 from eaglenest.errors import ConfigError, EaglenestError
 from eaglenest.evaluate import longctx
 from eaglenest.evaluate.buckets import bucket_lengths, check_generated
@@ -444,8 +444,8 @@ PROG = "python -m eaglenest.tinytarget.long"
 def main(argv: list[str] | None = None) -> int:
     d = LongConfig()
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("assets/tiny-target-long"), help="model folder")
-    p.add_argument("--recipe", default=None,
+    p.add_argument("--out", type=path_arg, default=Path("assets/tiny-target-long"), help="model folder")
+    p.add_argument("--recipe", type=path_arg, default=None,
                    help="YAML of the build's settings and its phases (recipes/tiny_target/long.yaml); "
                         "flags given beside it override its top-level settings")
     for flag, field, _, text in FLAGS:
@@ -457,12 +457,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="resume a --recipe build at this phase, --base being the output of the phases before it")
     p.add_argument("--measure-only", action="store_true",
                    help="measure --base as it is (no training, nothing written) and print the figures")
-    p.add_argument("--phase-dir", type=Path, default=None,
+    p.add_argument("--phase-dir", type=path_arg, default=None,
                    help="save each finished phase of a --recipe build to DIR/NAME (resume a stopped build "
                         "with --from-phase NEXT --base DIR/NAME)")
     p.add_argument("--remeasure", action="store_true",
                    help="measure the build at --out again (same recipe and flags) and rewrite its card and "
-                        "provenance; weights and training figures stay"),
+                        "provenance; weights and training figures stay")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     args = p.parse_args(argv)
     # The shared CLI layer: logging, the process guard, one-line errors (exit 2), Ctrl-C and SIGTERM
@@ -492,7 +492,7 @@ def run(recipe: None, args: argparse.Namespace) -> int:
 def _settings(args: argparse.Namespace) -> LongConfig:
     """The build's settings from --recipe and the flags, checked before any training."""
     d = LongConfig()
-    kwargs = load_recipe(args.recipe) if args.recipe else {}
+    kwargs = load_recipe(args.recipe) if args.recipe is not None else {}
     if args.from_phase:
         if args.base is None:
             raise ConfigError("--from-phase: give --base, the output of the phases before it")

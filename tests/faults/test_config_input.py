@@ -136,9 +136,12 @@ def test_train_ranges_name_the_key(kwargs, key):
         TrainConfig(**kwargs)
 
 
-def test_run_seed_range(capsys, recipe):
-    assert train_main(["run", "--recipe", recipe, "--dry-run", "run.seed=-1"]) == 2
-    assert _one_short_line(capsys.readouterr().err).startswith("train: error: run.seed: ")
+@pytest.mark.parametrize("seed", [-1, 2 ** 63])
+def test_run_seed_range(capsys, recipe, seed):
+    # Both ends: the upper one was untested (dropping it from RunConfig left this test passing).
+    assert train_main(["run", "--recipe", recipe, "--dry-run", f"run.seed={seed}"]) == 2
+    assert _one_short_line(capsys.readouterr().err) == f"train: error: run.seed: must be in [0, 2**63), got {seed}"
+    assert train_main(["run", "--recipe", recipe, "--dry-run", f"run.seed={2 ** 63 - 1}"]) == 0
 
 
 def test_duplicate_and_last_layer_ids_are_refused(tiny_target):

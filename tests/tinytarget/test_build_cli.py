@@ -29,3 +29,17 @@ def test_prompts_out_that_cannot_be_made_is_one_line(tmp_path, capsys):
     assert main(["--prompts-only", "--prompts-out", str(blocker / "data")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("eaglenest-tiny-target: error: --prompts-out: ") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
+    (["--seed", str(2 ** 63)], f"--seed must be in [0, 2**63), got {2 ** 63}"),
+    # the prompts must not be drawn from the training stream (they would be training data)
+    (["--seed", "5", "--prompt-seed", "5", "--steps", "1"], "--prompt-seed must differ from --seed"),
+])
+def test_bad_flags_are_one_line_and_nothing_is_written(tmp_path, capsys, argv, says):
+    out, prompts = tmp_path / "out", tmp_path / "prompts"
+    assert main(["--out", str(out), "--prompts-out", str(prompts), *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"eaglenest-tiny-target: error: {says}"]
+    assert os.listdir(tmp_path) == []

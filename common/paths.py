@@ -204,6 +204,8 @@ def check_output_dir(out: str | Path, key: str, *, replaces: Callable[[Path], bo
     """What :func:`staged_dir` refuses, checked before long work (nothing is left behind): ``out`` a
     file, a folder of other files, or a place that cannot be written. Returns ``out`` as a Path."""
     out = user_path(out, key, error=error, resolve=False)
+    if out.name in ("", ".", ".."):  # the current, a parent or the root folder: never replaced whole
+        raise error(f"{key}: {shown_path(out)} names no folder of its own; give a new folder, e.g. out/model")
     if out.exists() and not out.is_dir():
         raise error(f"{key}: {shown_path(out)} is a file; give a folder")
     if out.is_dir() and any(out.iterdir()) and not replaces(out):
@@ -226,7 +228,11 @@ def install_dir(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)  # new, or an empty folder (a rename replaces it)
         return
     old = Path(tempfile.mkdtemp(prefix=pid_prefix(f".{out.name}.old-"), dir=out.parent))
-    os.replace(out, old)
+    try:
+        os.replace(out, old)
+    except OSError:  # ``out`` cannot be moved (a mount point, the current folder): no empty side folder left
+        old.rmdir()
+        raise
     try:
         os.replace(tmp, out)
     except OSError:

@@ -4,11 +4,15 @@ before refusing its folder)."""
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 
+from eaglenest.errors import StoreError
+from eaglenest.paths import check_output_dir, install_dir
 from eaglenest.pipeline.train_cli import main as train_main
 from eaglenest.tinytarget import archs, build, long
 
@@ -80,3 +84,33 @@ def test_an_empty_bench_out_is_refused_not_the_current_directory(tmp_path, capsy
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("error: argument --out: empty path")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("out", [".", "..", "/"])
+def test_an_output_folder_that_is_the_current_a_parent_or_the_root_is_refused(tmp_path, monkeypatch, out):
+    """`python -m eaglenest.tinytarget.archs qwen3 .` in an empty folder built the model, then failed to
+    rename the folder it runs in ("Device or resource busy"), leaving an empty side folder behind."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreError, match=rf"^--out: .* names no folder of its own; give a new folder"):
+        check_output_dir(out, "--out", replaces=lambda p: True)
+
+
+def test_an_output_folder_that_cannot_be_moved_aside_leaves_no_side_folder(tmp_path, monkeypatch):
+    """install_dir moves an earlier output aside before the new one goes in; when that rename fails
+    (a mount point, a busy folder) the empty side folder it made for it was left behind."""
+    out, tmp = tmp_path / "out", tmp_path / "new"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    tmp.mkdir()
+    real = os.replace
+
+    def busy(src, dst):
+        if Path(src) == out:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", busy)
+    with pytest.raises(OSError):
+        install_dir(tmp, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "out"]
+    assert (out / "old.txt").read_text() == "old"

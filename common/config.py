@@ -196,6 +196,10 @@ _CORE_SCALAR = re.compile(r"true|True|TRUE|false|False|FALSE|[-+]?(0|[1-9][0-9]*
 _COMMENT = re.compile(r"(^|\s)#")
 
 
+#: A dotted key shown as typed in messages (else quoted, as any odd text is).
+_PLAIN_KEY = re.compile(r"[\w.-]+")
+
+
 def override_value(raw: str) -> Any:
     """The value of ``section.key=raw``: YAML (``[1, 2]``, ``{a: 1}``, ``null``, ``3``, ``1e-4``,
     ``true``), except that YAML 1.1's other numbers, booleans and dates (``0601``, ``12:30``, ``yes``,
@@ -207,7 +211,11 @@ def override_value(raw: str) -> Any:
         return raw
     try:
         value = parse_yaml(raw)
-    except InvalidYAML:  # not YAML (or refused, e.g. an alias): the plain string
+    except _Refused as exc:  # a mapping or list the loader refuses (a key that is no text): say why
+        if text[0] in "[{":
+            raise ConfigError(str(exc)) from None
+        return raw
+    except InvalidYAML:  # not YAML: the plain string
         return raw
     if isinstance(value, (bool, int, float)) and not _CORE_SCALAR.fullmatch(text):
         return raw
@@ -235,7 +243,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], texts: dict[str,
             log.debug("override %s given twice (%s, then %s): the later one is used", short(key),
                         short(given[key]), short(raw))
         given[key] = raw
-        value = override_value(raw)
+        try:
+            value = override_value(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{key if _PLAIN_KEY.fullmatch(key) else short(key)}: {exc}") from None
         if texts is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
             texts[".".join(keys)] = raw.strip()
         node = out

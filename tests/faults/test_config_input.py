@@ -72,19 +72,30 @@ def test_alias_bomb_manifest_exits_2_with_one_line(tmp_path, capsys, recipe):
     assert str(m) in line and "line 3" in line and "alias" in line
 
 
-@pytest.mark.parametrize("value", [_bomb(7), "&a [*a, *a]", "&a [1, *a]"])
-def test_alias_in_override_is_not_expanded(capsys, recipe, value):
-    # The value is then a plain string, refused by the type check like any other bad value.
+@pytest.mark.parametrize("value, says", [(_bomb(7), ": line 1: YAML aliases (*a0) are not allowed"),
+                                         ("&a [*a, *a]", ": expected"), ("&a [1, *a]", ": expected")])
+def test_alias_in_override_is_not_expanded(capsys, recipe, value, says):
+    # A list or mapping holding an alias is refused as the recipe loader refuses one, naming the key; a
+    # value starting with an anchor is a plain string, refused by the type check like any other bad value.
     for key in ("train.lr", "evaluate.context_buckets"):
         assert _timed(train_main, ["run", "--recipe", recipe, "--dry-run", f"{key}={value}"]) == 2
-        assert _one_short_line(capsys.readouterr().err).startswith(f"train: error: {key}: expected")
+        assert _one_short_line(capsys.readouterr().err).startswith(f"train: error: {key}{says}")
 
 
-@pytest.mark.parametrize("value", ["9" * 5000, "[" * 5000 + "]" * 5000])
-def test_unparsable_override_values_exit_2(capsys, recipe, value):
+@pytest.mark.parametrize("value, says", [("9" * 5000, ": expected int"),
+                                         ("[" * 5000 + "]" * 5000, ": line 1: nested too deeply")])
+def test_unparsable_override_values_exit_2(capsys, recipe, value, says):
     # A 5000-digit integer (Python's int-string limit) or nesting past the recursion limit.
     assert _timed(train_main, ["run", "--recipe", recipe, "--dry-run", f"train.num_epochs={value}"]) == 2
-    assert _one_short_line(capsys.readouterr().err).startswith("train: error: train.num_epochs: expected int")
+    assert _one_short_line(capsys.readouterr().err).startswith(f"train: error: train.num_epochs{says}")
+
+
+def test_a_mapping_override_with_a_key_that_is_no_text_says_so(capsys, recipe):
+    """``run.storage_options={1: x}``: the loader refused the int key, the override fell back to the text
+    typed, and the line said "expected a mapping, got str" (the user gave a mapping)."""
+    assert _timed(train_main, ["run", "--recipe", recipe, "--dry-run", "run.storage_options={1: x}"]) == 2
+    assert _one_short_line(capsys.readouterr().err) == (
+        "train: error: run.storage_options: line 1: the key 1 is read as int, not text; quote it")
 
 
 def test_deeply_nested_recipe_exits_2(tmp_path, capsys):

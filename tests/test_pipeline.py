@@ -80,6 +80,12 @@ def test_rerun_resumes_without_duplicates_or_forward_passes(run):
     cap = json.loads((run["work"] / "featurestore" / "stats.json").read_text())
     assert cap["captured"] == 0 and cap["target_forward_passes"] == 0
     assert cap["samples_per_domain"] == run["stats"]["capture"]["samples_per_domain"]
+    from eaglenest.featurestore.table import store  # the tables themselves: every row once
+
+    uri = str(run["work"] / "store")
+    for name in (store.PROMPTS, store.FEATURES):
+        ids = store.read(uri, name, columns=["sample_id"]).column("sample_id").to_pylist()
+        assert ids and len(ids) == len(set(ids)), (name, len(ids), len(set(ids)))
 
 
 def test_vllm_features_equal_transformers_hidden_states(run, tiny_target):

@@ -22,6 +22,7 @@ from typing import ClassVar, Literal
 from eaglenest.config import short
 from eaglenest.errors import ConfigError
 from eaglenest.featurestore.stream.addr import MAX_DEPTH as STREAM_MAX_DEPTH  # stdlib only: cheap at recipe load
+from eaglenest.featurestore.stream.addr import MAX_TIMEOUT_S as STREAM_MAX_TIMEOUT_S
 from eaglenest.featurestore.stream.addr import parse_addr
 from eaglenest.runconfig import SEED_RANGE
 from eaglenest.train.spec import DraftFlags, DraftShape
@@ -47,6 +48,14 @@ RENAMED = {
 #: The largest ``train.draft.head_dim``: the largest head size of vLLM's attention backends (its CPU
 #: backend's; FlashAttention stops at 256).
 MAX_HEAD_DIM = 512
+
+#: The largest ``train.sliding_window``: vLLM's attention kernels take the window as a 32-bit integer
+#: (a larger one also overflowed the trainer's int64 mask arithmetic at 2**63).
+MAX_WINDOW = 2**31 - 1
+
+#: The largest float32 (torch.finfo(torch.float32).max): AdamW casts the step size into the weights'
+#: type, and a train.lr past it raised torch's overflow RuntimeError at the first step.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _at_least(section: str, obj, names: tuple[str, ...], low: int) -> None:
@@ -110,8 +119,10 @@ class StreamConfig:
                               f"{STREAM_MAX_DEPTH} the stream can grant: lower it")
         if self.transport not in ("unix", "gloo"):
             raise ConfigError(f"train.stream.transport: 'unix' or 'gloo', got {short(self.transport)}")
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ConfigError(f"train.stream.timeout_s: a number of seconds > 0, got {short(self.timeout_s)}")
+        # Past a year the stream's Group refused it, but only once the ranks had started (its timedelta holds it).
+        if not (math.isfinite(self.timeout_s) and 0 < self.timeout_s <= STREAM_MAX_TIMEOUT_S):
+            raise ConfigError(f"train.stream.timeout_s: a number of seconds > 0 and at most {STREAM_MAX_TIMEOUT_S:.0f} "
+                              f"(a year), got {short(self.timeout_s)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -370,6 +381,9 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}: must be a finite number")
         if self.sliding_window != "auto" and self.sliding_window < 0:
             raise ConfigError(f"train.sliding_window: must be >= 0 or 'auto', got {short(self.sliding_window)}")
+        if self.sliding_window != "auto" and self.sliding_window > MAX_WINDOW:
+            raise ConfigError(f"train.sliding_window: at most {MAX_WINDOW} positions (vLLM's attention takes a "
+                              f"32-bit window), 0 for none or 'auto', got {short(self.sliding_window)}")
         if self.draft_vocab_size < 2:  # one token: its softmax is 1 whatever the draft computes, the loss 0
             raise ConfigError(f"train.draft_vocab_size: must be >= 2 (a draft vocabulary of one token has a loss "
                               f"of 0 and learns nothing), got {short(self.draft_vocab_size)}")
@@ -390,6 +404,13 @@ class TrainConfig:
                               f"source={self.source}: set train.context_parallel=1")
         if not self.lr > 0:
             raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
+        if self.lr > FLOAT32_MAX:
+            raise ConfigError(f"train.lr: at most {FLOAT32_MAX:.2g} (the largest float32, the weights' type), "
+                              f"got {self.lr:g}")
+        if self.lr * self.weight_decay >= 1:  # AdamW scales each weight by 1 - lr x weight_decay a step
+            raise ConfigError(f"train.weight_decay: {self.weight_decay:g} x train.lr={self.lr:g} is "
+                              f"{self.lr * self.weight_decay:g}, >= 1: AdamW would zero or flip every weight "
+                              "each step; lower it")
         if not 0 < self.step_decay <= 1:
             raise ConfigError(f"train.step_decay: must be in (0, 1], got {self.step_decay}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -411,6 +432,8 @@ class TrainConfig:
             # "auto" (the demo recipe's) means no window for DFlash: train.loop.attention_span.
             raise ConfigError(f"train.sliding_window: must be 0 or 'auto' for train.family=dflash (its layers attend "
                               f"to the whole context), got {short(self.sliding_window)}")
+        if self.family == "dflash":
+            self._refuse_eagle31_flags()
         if self.family == "peagle" and self.pack_tokens > self.attn_chunk_tokens:
             raise ConfigError(f"train.family=peagle: rows of pack_tokens={self.pack_tokens} exceed "
                               f"attn_chunk_tokens={self.attn_chunk_tokens}; the P-EAGLE objective has no "
@@ -428,6 +451,14 @@ class TrainConfig:
             parse_addr(self.stream.addr)  # names train.stream.addr
         if not self.output_subdir or "/" in self.output_subdir or self.output_subdir.startswith("."):
             raise ConfigError(f"train.output_subdir: a plain directory name, got {short(self.output_subdir)}")
+
+    def _refuse_eagle31_flags(self) -> None:
+        """A DFlash draft is Qwen3-style layers with no EAGLE-3.1 norms: a flag set there was not trained
+        (and checkpoint.json's draft_config would record it as if it were)."""
+        for name, on in dataclasses.asdict(self.flags()).items():
+            if on:
+                raise ConfigError(f"train.{name}: an EAGLE-3.1 option of train.family=eagle3 or peagle; a DFlash "
+                                  f"draft has no such norm: set train.{name}=false")
 
     def flags(self) -> DraftFlags:
         return DraftFlags(norm_before_fc=self.norm_before_fc, fc_norm=self.fc_norm,

@@ -78,8 +78,9 @@ def count_loss_tokens_in_store(store_uri: str, *, version: int | str | None, spl
 def select_vocab(counts: np.ndarray, draft_vocab_size: int) -> DraftVocab:
     """Top ``draft_vocab_size`` ids by count (desc), ties by id (asc); returned ascending."""
     vocab_size = counts.shape[0]
-    if not 0 < draft_vocab_size <= vocab_size:
-        raise ConfigError(f"train.draft_vocab_size: {draft_vocab_size} must be in [1, {vocab_size}]")
+    if not 2 <= draft_vocab_size <= vocab_size:  # TrainConfig's lower bound: one token learns nothing
+        raise ConfigError(f"train.draft_vocab_size: {draft_vocab_size} must be in [2, {vocab_size}] "
+                          "(the target's vocabulary size)")
     # lexsort sorts by the last key first: primary -count, secondary id.
     order = np.lexsort((np.arange(vocab_size), -counts))
     ids = np.sort(order[:draft_vocab_size]).astype(np.int64)

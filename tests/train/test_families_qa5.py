@@ -152,7 +152,8 @@ def test_peagle_on_hostile_rows_counts_exactly_and_stays_finite(layout):
     assert all(loss == 0.0 for loss, n in zip(res.step_loss, plain) if n == 0)
     res.loss.backward()
     assert torch.isfinite(res.loss)
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)  # the loss reached the weights, finite
 
 
 @pytest.mark.parametrize("layout", list(HOSTILE))
@@ -172,7 +173,8 @@ def test_dflash_on_hostile_rows_counts_exactly_and_stays_finite(layout):
     assert all(loss == 0.0 for loss, n in zip(res.step_loss, plain) if n == 0)
     res.loss.backward()
     assert torch.isfinite(res.loss)
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)  # the loss reached the weights, finite
 
 
 # -- the default mask token ------------------------------------------------------------------------

@@ -1,9 +1,9 @@
-"""The cross-host stream's address: ``host:port`` of the TCPStore that trainer rank 0 hosts, and
-the most captures a stream grants in flight.
+"""The cross-host stream's address: ``host:port`` of the TCPStore that trainer rank 0 hosts, the
+most captures a stream grants in flight, and the longest wait for a peer it accepts.
 
 Apart from :mod:`eaglenest.featurestore.stream.xhost` and ``.local`` so that a config module can
-check ``train.stream.addr`` and ``train.stream.depth`` when a recipe loads, without importing the
-stream stack (numpy, pyarrow).
+check ``train.stream.addr``, ``train.stream.depth`` and ``train.stream.timeout_s`` when a recipe
+loads, without importing the stream stack (numpy, pyarrow, torch).
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from eaglenest.errors import ConfigError
 #: receiver thread: more than a socket buffer holds (~200 KiB by default) blocked that thread on
 #: the grant while the publisher, with credits to spend, blocked on its frames: neither moved.
 MAX_DEPTH = 4096
+
+#: Longest wait for a peer a stream accepts (a year; ``train.stream.timeout_s``, stream-serve
+#: ``--timeout-s``): a timedelta, and the store's, hold it.
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 #: One label of a host name (RFC 1123, plus '_' as container and cluster names use): 1-63 ASCII
 #: letters, digits, '-' or '_', not starting or ending with '-'.

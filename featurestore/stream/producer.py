@@ -8,7 +8,8 @@ producer shuts the engine down and exits (its engine children are ended by pid).
 the engine in windows of at most ``window`` requests, each tagged with its position, so the
 consumer can hand captures out in order within its credit bound. After the last window, one
 untagged flush request makes sure every capture has been published before the engine is closed
-(see :func:`_flush`). vLLM is imported only here.
+(see :func:`_flush`). An engine that dies under it ends the producer with exit code
+:data:`ENGINE_DIED` (:func:`_watch_engine`). vLLM is imported only here.
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ import logging
 import os
 import sys
 import threading
+import time
 
 from eaglenest.engine import EngineConfig, close_llm
 from eaglenest.featurestore.capture.engine import capture_llm
 from eaglenest.featurestore.capture.publish import PUBLISH_KEY, TAG_KEY
 
 log = logging.getLogger("eaglenest.featurestore.stream.producer")
+
+#: The producer's exit code when its engine died under it (the consumer names the code and the log).
+ENGINE_DIED = 3
 
 
 def _end_children(timeout_s: float = 10.0) -> None:
@@ -45,9 +50,14 @@ def _end_children(timeout_s: float = 10.0) -> None:
 
 
 def _watch_consumer(state: dict) -> None:
-    """Blocks until the consumer closes our stdin (or dies), then stops everything and exits."""
+    """Blocks until the consumer closes our stdin (or dies), then stops everything and exits.
+
+    Reads the file descriptor, not ``sys.stdin.buffer``: this daemon thread, blocked inside the
+    buffered reader, holds its lock, and an interpreter exiting meanwhile (the captures done, or an
+    error) aborted on it at shutdown (SIGABRT, "could not acquire lock for <stdin>"), so the
+    consumer said the producer was killed by signal 6 instead of quoting its exit."""
     try:
-        while sys.stdin.buffer.read(65536):
+        while os.read(sys.stdin.fileno(), 65536):
             pass
     except OSError:
         pass
@@ -61,6 +71,29 @@ def _watch_consumer(state: dict) -> None:
     finally:
         _end_children()
         os._exit(0)
+
+
+def _watch_engine(state: dict, poll_s: float = 0.5) -> None:
+    """Ends the producer with :data:`ENGINE_DIED` once its EngineCore process is dead.
+
+    vLLM's synchronous client marks itself dead when its EngineCore exits (the OOM killer, a crash)
+    but never wakes a ``generate()`` waiting for output (vLLM 0.32). Once a capture has been sent,
+    the connection's EOF tells the consumer; an EngineCore killed before its first frame left the
+    producer, and the trainer waiting on it (the unix stream has no timeout), blocked for ever.
+    Reads vLLM internals (the client's dead flag); where a version lacks them it watches nothing."""
+    resources = getattr(getattr(state["llm"].llm_engine, "engine_core", None), "resources", None)
+    if not hasattr(resources, "engine_dead"):
+        return
+    while not resources.engine_dead:
+        time.sleep(poll_s)
+    with state["lock"]:
+        if state.get("finished") or state.get("stopping"):  # done, or the control thread is ending us
+            return
+        state["stopping"] = True
+    log.error("capture stream: the capture engine died (its EngineCore exited: out of memory?); vLLM's log "
+              "above says why")
+    _end_children()
+    os._exit(ENGINE_DIED)
 
 
 def _flush(llm, token_ids: list[int]) -> None:
@@ -90,6 +123,7 @@ def run(spec: dict) -> int:
                                      EngineConfig(**spec["engine"]), spool=spec["storage_dir"],
                                      extra={PUBLISH_KEY: spec["socket"]},
                                      trust_remote_code=bool(spec.get("trust_remote_code", False)))
+    threading.Thread(target=_watch_engine, args=(state,), name="eaglenest-stream-engine", daemon=True).start()
     seqs, window = spec["sequences"], int(spec["window"])
     try:
         for start in range(0, len(seqs), window):

@@ -48,7 +48,7 @@ import numpy as np
 from eaglenest.engine import EngineConfig
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore.stream import hostcheck
-from eaglenest.featurestore.stream.addr import parse_addr
+from eaglenest.featurestore.stream.addr import MAX_TIMEOUT_S, parse_addr
 from eaglenest.featurestore.stream.local import MAX_DEPTH, CaptureStream
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,6 @@ PROTOCOL = 1
 TAG_FRAME, TAG_CREDIT = 1, 2
 DONE = -1
 _DTYPES = ("float32", "bfloat16", "float16")
-#: Longest wait for a peer a stream accepts (a year): a timedelta, and the store's, hold it.
-MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def engines_of(rank: int, num_engines: int, world_size: int) -> list[int]:
@@ -109,12 +107,40 @@ def _wait_reachable(host: str, port: int, timeout_s: float, what: str) -> None:
             time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
 
 
+def _tcp_store(host: str, port: int, *, is_master: bool, timeout: datetime.timedelta):
+    """A TCPStore hosted (``is_master``) or reached at host:port, within ``timeout``. A client's
+    handshake has no timeout of its own (torch 2.13): a listener that accepts and never answers (a
+    stopped trainer rank 0, another service on the port) held it for ever. So a client is made in a
+    helper thread, given up (a :class:`TimeoutError`) if it has not answered by then; that thread
+    stays blocked in C++ until the process ends (a daemon: it keeps no process alive)."""
+    import torch.distributed as dist
+
+    if is_master:
+        return dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
+    box: dict = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        except BaseException as exc:  # noqa: BLE001 - raised by the caller
+            box["error"] = exc
+
+    worker = threading.Thread(target=connect, name="eaglenest-stream-store", daemon=True)
+    worker.start()
+    worker.join(timeout.total_seconds() + 5.0)  # the client's own retries end at the timeout
+    if "error" in box:
+        raise box["error"]
+    if "store" not in box:
+        raise TimeoutError(f"it accepts connections but did not answer as a stream store within "
+                           f"{timeout.total_seconds():.0f} s (a stopped trainer rank 0, or another service at "
+                           "that port?)")
+    return box["store"]
+
+
 class Group:
     """This stream's TCPStore and gloo group (never the default process group), plus the abort flag."""
 
     def __init__(self, addr: str, *, is_master: bool, timeout_s: float, who: str, key: str = "train.stream.addr"):
-        import torch.distributed as dist
-
         host, port = parse_addr(addr, key)
         if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):  # timedelta(nan or inf): a traceback
             raise ConfigError(f"capture stream ({who}): timeout {timeout_s} s: a number of seconds in (0, "
@@ -124,8 +150,7 @@ class Group:
         if not is_master:
             _wait_reachable(host, port, timeout_s, f"capture stream ({who}): cannot reach the stream store at {addr}")
         try:
-            self.store = dist.TCPStore(host, port, is_master=is_master, timeout=self.timeout,
-                                       wait_for_workers=False)
+            self.store = _tcp_store(host, port, is_master=is_master, timeout=self.timeout)
         except (RuntimeError, OSError) as exc:
             how = "bind" if is_master else "reach"
             raise StoreError(f"capture stream ({who}): cannot {how} the stream store at {addr}: {exc}") from None

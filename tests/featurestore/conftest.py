@@ -29,3 +29,16 @@ def s3():
         for k, v in server.env.items():
             mp.setenv(k, v)
         yield server
+
+
+@pytest.fixture
+def short_tmp(monkeypatch):
+    """A fresh temp dir of a short path, also the process's temp dir: a stream's socket lives there, and
+    pytest's own (``.../popen-gw1/test_<long name>0/``) leaves too few of a socket path's 107 bytes."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="en-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

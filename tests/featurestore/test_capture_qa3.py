@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,16 +10,6 @@ import pytest
 from eaglenest.engine import EngineConfig
 from eaglenest.featurestore.stream import local
 
-
-@pytest.fixture
-def short_tmp(monkeypatch):
-    """A fresh temp dir of a short path as the process's temp dir (a stream's socket lives there)."""
-    import shutil
-
-    path = Path(tempfile.mkdtemp(prefix="en-", dir="/tmp"))
-    monkeypatch.setattr(tempfile, "tempdir", str(path))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_stream_of_no_sequence_starts_no_engine_and_leaves_nothing(short_tmp, monkeypatch, tiny_target):

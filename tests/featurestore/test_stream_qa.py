@@ -72,17 +72,6 @@ def _frame(header: dict, payload: bytes) -> bytes:
 GOOD = {"tag": 0, "seq": 0, "shape": [2, 1, 4], "dtype": "float32", "sent_at": 0.0}
 
 
-@pytest.fixture
-def short_tmp(monkeypatch):
-    """A fresh temp dir of a short path as the process's temp dir: a stream's socket lives there, and
-    pytest's own (``.../popen-gw1/test_<long name>0/``) leaves too few of a socket path's 107 bytes."""
-    import shutil
-
-    path = Path(tempfile.mkdtemp(prefix="en-", dir="/tmp"))
-    monkeypatch.setattr(tempfile, "tempdir", str(path))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
 
 @pytest.mark.parametrize("header,payload_bytes,problem", [
     (GOOD, 2 * 8 + 2 * 4 * 4 - 4, "44 payload bytes for shape [2, 1, 4], expected 48"),  # one value short

@@ -180,16 +180,6 @@ def test_captures_of_another_width_fail_the_rank_in_one_line():
     assert out["engine"].startswith("capture stream"), out  # its own line, the rank's abort or its lost send
 
 
-@pytest.fixture
-def short_tmp():
-    """A short folder for a Unix socket (pytest's tmp_path can pass the 107 bytes a socket path holds)."""
-    import tempfile
-    from pathlib import Path
-
-    path = Path(tempfile.mkdtemp(prefix="en5-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
 
 def _next_within(chan, seconds: float):
     """``chan.next()`` run with a bound: (the exception it raised, or its result) or 'hung'."""

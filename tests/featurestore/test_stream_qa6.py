@@ -7,9 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -89,14 +87,6 @@ def test_a_store_that_accepts_and_never_answers_fails_within_the_timeout(silent_
     assert str(err).startswith(f"capture stream (engine 0): cannot reach the stream store at {silent_listener}: ")
     assert "did not answer" in str(err) and "2 s" in str(err) and "\n" not in str(err)
 
-
-@pytest.fixture
-def short_tmp(monkeypatch):
-    """A short temp dir as the process's temp dir: a stream's socket lives there (107 bytes at most)."""
-    path = Path(tempfile.mkdtemp(prefix="en-", dir="/tmp"))
-    monkeypatch.setattr(tempfile, "tempdir", str(path))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 #: Fault injection into the real engine's processes (``sitecustomize`` runs in every interpreter the

@@ -21,6 +21,7 @@ import logging
 import numbers
 import shutil
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -233,6 +234,10 @@ class Capturer:
         try:
             data = load_hidden_states(path)  # waits on the file's lock until the writer is done
         except (OSError, SafetensorError) as exc:  # vLLM only logs a failed write (a full temp folder)
+            if _engine_died(self.llm):  # its file never written: the engine's death, said as such
+                from vllm.v1.engine.exceptions import EngineDeadError
+
+                raise EngineDeadError() from None
             first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
             raise StoreError(f"cannot read the hidden states the capture engine spooled to {Path(path).parent} "
                              f"({first}): vLLM's log says why; a full temp folder? set TMPDIR to a disk with "
@@ -273,6 +278,20 @@ def _wait_for_output(engine, poll_s: float = 0.5) -> None:
             if resources.engine_dead:
                 raise EngineDeadError()
             ready.wait(poll_s)
+
+
+def _engine_died(llm, wait_s: float = 2.0, poll_s: float = 0.1) -> bool:
+    """Whether ``llm``'s EngineCore is dead, allowing ``wait_s`` for vLLM's monitor thread to mark it
+    (a spool file missing because the engine was killed before writing it, seen before the mark).
+    False where vLLM's internals lack the mark (or there is no engine)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    resources = getattr(core, "resources", None)
+    if not hasattr(resources, "engine_dead"):
+        return False
+    deadline = time.monotonic() + wait_s
+    while not resources.engine_dead and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return bool(resources.engine_dead)
 
 
 def _cleanup(path: str) -> None:

@@ -12,6 +12,7 @@ import shutil
 import pytest
 
 from eaglenest.engine import EngineConfig
+from eaglenest.errors import ConfigError
 from eaglenest.evaluate.cli import main as evaluate_main
 from eaglenest.evaluate.compare import differences, side_by_side
 from eaglenest.evaluate.config import EvaluateConfig
@@ -97,12 +98,17 @@ def test_buckets_merged_on_a_short_target_are_in_the_report(short_target, random
 def test_the_default_max_model_len_fits_a_target_of_fewer_positions(short_target, prompts_store):
     """The engine's default max_model_len (4096) on a 1032-position target: every `evaluate al` failed at
     the engine's start ("engine.max_model_len: 4096 is more than ... has positions for") though the user
-    set nothing. The default is the target's positions there; a value given explicitly is kept (and an
-    engine refuses one too long, naming it)."""
+    set nothing. The default is the target's positions there; a value given explicitly is kept, and one
+    past the positions is refused before any engine, naming the key and the limit."""
     cfg = EvaluateConfig(num_speculative_tokens=2, max_tokens=4, max_prompts_per_domain=1, context_buckets=())
     assert plan(cfg, target=str(short_target), store_uri=prompts_store).engine.max_model_len == 1032
-    explicit = dataclasses.replace(cfg, engine=EngineConfig(max_model_len=2048))
-    assert plan(explicit, target=str(short_target), store_uri=prompts_store).engine.max_model_len == 2048
+    explicit = dataclasses.replace(cfg, engine=EngineConfig(max_model_len=1024))
+    assert plan(explicit, target=str(short_target), store_uri=prompts_store).engine.max_model_len == 1024
+    too_long = dataclasses.replace(cfg, engine=EngineConfig(max_model_len=2048))
+    with pytest.raises(ConfigError, match=r"^evaluate\.engine\.max_model_len: 2048 is more than .* has positions "
+                                          r"for \(max_position_embeddings=1032\); set evaluate\.engine\."
+                                          r"max_model_len=1032"):
+        plan(too_long, target=str(short_target), store_uri=prompts_store)
 
 
 def _family_argv(root, tmp_path, tiny_target, draft, family):

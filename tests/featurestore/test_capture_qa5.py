@@ -103,6 +103,7 @@ def test_a_spooled_capture_the_engine_could_not_write_is_one_store_error(tmp_pat
     if damage == "truncated":
         path.write_bytes(b"\x10\x00")
     cap = Capturer.__new__(Capturer)  # no engine: _read only needs the capture's layer count
+    cap.llm = None  # (no engine to ask whether it died)
     cap.capture_ids = [2, 4, 5, 8]
     out = SimpleNamespace(kv_transfer_params={"hidden_states_path": str(path)})
     with pytest.raises(StoreError, match=rf"cannot read the hidden states the capture engine spooled to "

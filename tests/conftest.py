@@ -88,6 +88,22 @@ def thinking_target(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def edited_target(tmp_path_factory) -> Path:
+    """A copy of the tiny target (same weights, same vocabulary) whose chat template a user edited:
+    a system line added in front (lineage tests: the stored token ids no longer match it)."""
+    import json
+    import shutil
+
+    dst = tmp_path_factory.mktemp("template") / "edited"
+    shutil.copytree(TINY_TARGET, dst)
+    path = dst / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["chat_template"] = "{{ '<|system|>\\nYou are helpful.\\n' }}" + cfg["chat_template"]
+    path.write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+@pytest.fixture(scope="session")
 def toy_checkpoint(tmp_path_factory, tiny_target) -> Path:
     """A draft checkpoint folder (``checkpoint.json`` + ``draft.safetensors``) for the tiny target:
     untrained (seeded), draft vocab 1024, aux layers (2, 4, 5). Copy it before damaging it."""

@@ -38,25 +38,14 @@ def _chat_rows(n: int) -> list[dict]:
     return rows
 
 
-def _edited_template(tmp_path, tiny_target):
-    """The tiny target with a system line added to its chat template (same weights, same vocabulary)."""
-    target = tmp_path / "edited-target"
-    shutil.copytree(tiny_target, target)
-    path = target / "tokenizer_config.json"
-    cfg = json.loads(path.read_text())
-    cfg["chat_template"] = "{{ '<|system|>\\nBe brief.\\n' }}" + cfg["chat_template"]
-    path.write_text(json.dumps(cfg, indent=2))
-    return target
-
-
-def test_capture_refuses_a_chat_template_edited_since_ingest_in_one_line(tmp_path, tiny_target, monkeypatch, capsys):
+def test_capture_refuses_a_chat_template_edited_since_ingest_in_one_line(tmp_path, tiny_target, edited_target, monkeypatch, capsys):
     """The user edited tokenizer_config.json's chat_template after `ingest build`: capture went on and
     stored features of token ids the target would no longer produce for those prompts. Exit 2, one
     line naming the template and run.off_policy; no engine, no features table."""
     fs_helpers.forbid_capture_engine(monkeypatch)
     work = tmp_path / "run"
     fs_helpers.prompts_store(work, _chat_rows(2), tiny_target)
-    target = _edited_template(tmp_path, tiny_target)
+    target = edited_target
     rc = featurestore_main(["capture", f"run.workdir={work}", f"run.target={target}",
                             "featurestore.engine.max_model_len=64"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -88,10 +77,10 @@ def test_capture_refuses_another_tokenizer_with_the_same_weights(tmp_path, tiny_
     assert not store.exists(uri, store.FEATURES)
 
 
-def test_off_policy_capture_of_an_edited_template_warns_and_captures(tmp_path, tiny_target, monkeypatch, caplog):
+def test_off_policy_capture_of_an_edited_template_warns_and_captures(tmp_path, tiny_target, edited_target, monkeypatch, caplog):
     monkeypatch.setattr(build, "Capturer", _StubCapturer)
     uri = fs_helpers.prompts_store(tmp_path, _chat_rows(2), tiny_target)
-    target = _edited_template(tmp_path, tiny_target)
+    target = edited_target
     with caplog.at_level(logging.WARNING, logger=policy.__name__):
         assert build.capture(target=str(target), store_uri=uri, cfg=CFG, off_policy=True)["captured"] == 2
     assert "the chat template (sha256" in caplog.text and "going on because run.off_policy=true" in caplog.text

@@ -42,16 +42,6 @@ def _ingest(target, uri: str, entries: list[PoolEntry], **kw) -> dict:
                  cfg=IngestConfig(), **kw)
 
 
-def _edit_template(src, dst):
-    """A copy of ``src`` (same weights, same vocabulary) whose chat template a user edited."""
-    shutil.copytree(src, dst)
-    path = dst / "tokenizer_config.json"
-    cfg = json.loads(path.read_text())
-    cfg["chat_template"] = "{{ '<|system|>\\nYou are helpful.\\n' }}" + cfg["chat_template"]
-    path.write_text(json.dumps(cfg, indent=2))
-    return dst
-
-
 def _prompts(uri: str, lineage: dict, *, mode: str = "chat") -> None:
     rows = [{"sample_id": f"p{i}", "domain": "d", "source": "s", "split": "train", "mode": mode,
              "messages_json": json.dumps([{"role": "user", "content": "hi"}]), "prompt_token_ids": [5, 6, 7],
@@ -74,11 +64,11 @@ def test_ingest_records_the_tokenizer_and_chat_template_it_generated_with(tmp_pa
     assert lineage["tokenizer_sha256"] == policy.tokenization_record(str(tiny_target))["tokenizer_sha256"]
 
 
-def test_an_edited_template_keeps_the_tokenizer_hash_and_changes_the_template_hash(tmp_path, tiny_target):
+def test_an_edited_template_keeps_the_tokenizer_hash_and_changes_the_template_hash(tmp_path, tiny_target, edited_target):
     """The tokenizer hash leaves the template out, so a refusal can say which of the two changed; a
     tokenizer_config.json only re-indented is the same tokenizer and the same template."""
     mine = policy.tokenization_record(str(tiny_target))
-    edited = policy.tokenization_record(str(_edit_template(tiny_target, tmp_path / "edited")))
+    edited = policy.tokenization_record(str(edited_target))
     assert edited["tokenizer_sha256"] == mine["tokenizer_sha256"]
     assert edited["chat_template_sha256"] != mine["chat_template_sha256"]
     reindented = tmp_path / "reindented"
@@ -88,13 +78,13 @@ def test_an_edited_template_keeps_the_tokenizer_hash_and_changes_the_template_ha
     assert policy.tokenization_record(str(reindented)) == mine
 
 
-def test_ingest_adding_responses_after_the_template_changed_is_refused(tmp_path, tiny_target):
+def test_ingest_adding_responses_after_the_template_changed_is_refused(tmp_path, tiny_target, edited_target):
     """A second `ingest build` into the same store after the template was edited appended answers
     rendered another way beside the stored ones (only a warning about mixed generation settings),
     and capture then took both as on-policy. Refused now, naming the template; nothing is added."""
     uri = str(tmp_path / "store")
     _ingest(tiny_target, uri, _entries(0, 2))
-    edited = _edit_template(tiny_target, tmp_path / "edited")
+    edited = edited_target
     before = store.latest_version(uri, store.PROMPTS)
     with pytest.raises(ConfigError, match=r"^ingest build: the chat template \(sha256 [0-9a-f]{12} then, "
                                           r"[0-9a-f]{12} now\) of run\.target .*edited changed since `ingest build` "
@@ -103,10 +93,10 @@ def test_ingest_adding_responses_after_the_template_changed_is_refused(tmp_path,
     assert store.latest_version(uri, store.PROMPTS) == before
 
 
-def test_off_policy_lets_ingest_add_them_and_capture_still_names_the_change(tmp_path, tiny_target, caplog):
+def test_off_policy_lets_ingest_add_them_and_capture_still_names_the_change(tmp_path, tiny_target, edited_target, caplog):
     uri = str(tmp_path / "store")
     _ingest(tiny_target, uri, _entries(0, 2))
-    edited = _edit_template(tiny_target, tmp_path / "edited")
+    edited = edited_target
     with caplog.at_level(logging.WARNING, logger=policy.__name__):
         assert _ingest(edited, uri, _entries(2, 2), off_policy=True)["regenerated"] == 2
     assert "chat template" in caplog.text and "going on because run.off_policy=true" in caplog.text
@@ -132,22 +122,22 @@ def test_another_tokenizer_with_the_same_weights_is_refused_naming_the_tokenizer
         policy.check_prompts(uri, str(other), off_policy=False, stage="train run")
 
 
-def test_a_store_from_before_the_record_is_not_refused_nor_warned_about(tmp_path, tiny_target, caplog):
+def test_a_store_from_before_the_record_is_not_refused_nor_warned_about(tmp_path, tiny_target, edited_target, caplog):
     """Old stores keep working: lineage with the target's identity but no tokenization record."""
     uri = str(tmp_path / "store")
     _prompts(uri, {"target": str(tiny_target), "target_id": policy.target_id(str(tiny_target))})
-    edited = _edit_template(tiny_target, tmp_path / "edited")
+    edited = edited_target
     with caplog.at_level(logging.WARNING, logger=policy.__name__):
         policy.check_prompts(uri, str(edited), off_policy=False, stage="featurestore capture")
     assert caplog.text == ""
 
 
-def test_a_template_change_does_not_matter_to_raw_completions(tmp_path, tiny_target):
+def test_a_template_change_does_not_matter_to_raw_completions(tmp_path, tiny_target, edited_target):
     """Raw-completion rows never went through the chat template: an edited template is no reason to
     refuse them (another tokenizer still is)."""
     uri = str(tmp_path / "store")
     _prompts(uri, policy.lineage_record(str(tiny_target)), mode="raw")
-    policy.check_prompts(uri, str(_edit_template(tiny_target, tmp_path / "edited")), off_policy=False,
+    policy.check_prompts(uri, str(edited_target), off_policy=False,
                          stage="featurestore capture")
 
 
@@ -198,7 +188,7 @@ def test_the_rendering_kwargs_of_versions_gc_removed_are_still_read(tmp_path, ti
     assert policy.rendered_kwargs(uri) == [{"enable_thinking": True}, {}]
 
 
-def test_ingest_build_refuses_an_edited_template_in_one_line_before_reading_the_pool(tmp_path, tiny_target, capsys):
+def test_ingest_build_refuses_an_edited_template_in_one_line_before_reading_the_pool(tmp_path, tiny_target, edited_target, capsys):
     """Through the CLI: exit 2 and one line naming the template and run.off_policy, before the manifest's
     pool is read (the recipe's manifest is not even there) or anything is written."""
     from eaglenest.ingest.cli import main
@@ -206,7 +196,7 @@ def test_ingest_build_refuses_an_edited_template_in_one_line_before_reading_the_
     work = tmp_path / "run"
     _prompts(str(work / "store"), policy.lineage_record(str(tiny_target)))
     before = store.latest_version(str(work / "store"), store.PROMPTS)
-    edited = _edit_template(tiny_target, tmp_path / "edited")
+    edited = edited_target
     rc = main(["build", f"run.workdir={work}", f"run.target={edited}", f"ingest.manifest={tmp_path / 'absent.yaml'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err

@@ -47,23 +47,38 @@ def checkpoint_shapes(root: Path) -> dict[str, tuple[str, list[int]]]:
     return shapes
 
 
-def config_shapes(root: Path) -> dict[str, list[int]] | None:
+def config_shapes(root: Path, *, key: str = "run.target") -> dict[str, list[int]] | None:
     """{parameter name: shape} of transformers' causal-LM model for ``root``'s config.json, built on the
-    meta device; None where it cannot be built without the checkpoint's own code, or is quantised."""
+    meta device; None where it cannot be built without the checkpoint's own code, or is quantised.
+    A model transformers has a class for that fails on a value of config.json (:data:`BUILD_REFUSALS`:
+    an activation or rotary type no library has, zero heads) is one line naming ``key``: vLLM refused
+    the same config only once its engine started, with a traceback."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    config = None
     try:
         config = AutoConfig.from_pretrained(str(root), trust_remote_code=False)
         if _quantized(config):
             return None
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-    except Exception:  # noqa: BLE001 - no class for it, custom code: vLLM (and engine_errors) judge it
+    except Exception as exc:  # noqa: BLE001 - no class for it, custom code: vLLM (and engine_errors) judge it
+        if config is not None and isinstance(exc, BUILD_REFUSALS) and type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            why = f"{type(exc).__name__}: {lines[0][:120]}" if lines else type(exc).__name__
+            raise ConfigError(f"{key}: {root}/config.json: transformers cannot build its model ({why}), and vLLM "
+                              "cannot either; restore the checkpoint's own config.json") from None
         log.debug("no transformers model for %s's config.json: its weight shapes are not checked", root,
                   exc_info=True)
         return None
     return {name: list(t.shape) for name, t in model.state_dict().items()}
+
+
+#: What transformers' own model class raises on a config.json value no implementation takes: an unknown
+#: name looked up (``hidden_act``, a rotary ``rope_type``: KeyError) or a size of zero divided by.
+BUILD_REFUSALS = (KeyError, ZeroDivisionError)
 
 
 def _quantized(config) -> bool:
@@ -111,7 +126,7 @@ def check_weight_shapes(target: str | Path, *, key: str = "run.target") -> None:
     if layers:
         raise ConfigError(f"{key}: {target}/config.json: {layers}; restore the checkpoint's own config.json, or "
                           "download the checkpoint again")
-    want = config_shapes(root) if have else None
+    want = config_shapes(root, key=key) if have else None
     found = mismatches(have, want) if want else []
     if found:
         more = f"; and {len(found) - 1} more tensors" if len(found) > 1 else ""

@@ -227,6 +227,21 @@ class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
+def _reason(exc: urllib.error.HTTPError, limit: int = 300) -> str:
+    """``": <why>"``: the message of an OpenAI-style error body (vLLM's ``{"error": {"message": ...}}``,
+    older ``{"message": ...}``), one line of at most ``limit`` characters ("" if the body holds none: a
+    proxy's HTML page). vLLM says there why it refused a request (a prompt past its context length),
+    which ``HTTP 400`` alone did not."""
+    try:
+        body = json.loads(exc.read(64 << 10) or b"null")
+    except (OSError, ValueError, RecursionError, http.client.HTTPException):
+        return ""
+    err = body.get("error", body) if isinstance(body, dict) else None
+    message = err.get("message") if isinstance(err, dict) else err
+    text = " ".join(message.split()) if isinstance(message, str) else ""
+    return f": {redact(text)[:limit]}" if text else ""
+
+
 def _choice(answer, where: str) -> dict:
     """The first choice of an OpenAI-style answer; an EaglenestError naming ``where`` if it has none
     (a server or proxy that answers 200 with something else)."""
@@ -288,7 +303,8 @@ class EndpointBackend:
             with self._opener.open(req, timeout=self.timeout_s) as resp:
                 data = resp.read()
         except urllib.error.HTTPError as exc:  # the message never contains our headers
-            raise EaglenestError(f"{base}{path}: HTTP {exc.code}") from None
+            why = _reason(exc).replace(self._key, "<redacted>") if self._key else _reason(exc)  # an echoed key
+            raise EaglenestError(f"{base}{path}: HTTP {exc.code}{why}") from None
         except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:
             # HTTPException: a port that does not speak HTTP (BadStatusLine), a body cut off (IncompleteRead)
             reason = getattr(exc, "reason", exc)
@@ -306,7 +322,8 @@ class EndpointBackend:
                 with self._opener.open(req, timeout=self.timeout_s) as resp:
                     self._models[base] = json.loads(resp.read())["data"][0]["id"]
             except urllib.error.HTTPError as exc:
-                raise EaglenestError(f"{base}/v1/models: HTTP {exc.code}") from None
+                why = _reason(exc).replace(self._key, "<redacted>") if self._key else _reason(exc)
+                raise EaglenestError(f"{base}/v1/models: HTTP {exc.code}{why}") from None
             except (urllib.error.URLError, OSError, http.client.HTTPException, KeyError, IndexError,
                     TypeError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
                 raise EaglenestError(f"{base}/v1/models: {type(exc).__name__}") from None

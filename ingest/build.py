@@ -107,8 +107,8 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
     todo = [e for e in pool if e.sample_id not in done and e.sample_id not in skipped]
     _check_moved(todo, done)
     heldout = [e for e in todo if e.split == "heldout"]
+    check_chat_template(tok, target, sum(e.mode == "chat" and e.split == "train" for e in todo))  # before rendering
     train, too_long = _fits(cfg, tok, [e for e in todo if e.split == "train"], manifest.generation)
-    check_chat_template(tok, target, sum(e.mode == "chat" for e in train))
     if train:  # responses are about to be added: they must come from the same target as those stored
         policy.check_prompts(store_uri, target, off_policy=off_policy, stage="ingest build")
     # How the prompts were rendered, readable (gen_params_id is only a hash of it): evaluation renders
@@ -251,10 +251,11 @@ def check_chat_template(tok, target: str, num_chat: int) -> None:
 
 
 def _fits(cfg: IngestConfig, tok, entries: list[PoolEntry], gen) -> tuple[list[PoolEntry], list[tuple]]:
-    """``(kept, too_long)``: the training prompts whose first request the in-process engine can take,
-    and ``(entry, tokens)`` for those it would refuse on every run (a prompt of ``max_model_len``
-    tokens or more, rendered as vLLM renders it). Left out of this run with a warning, never recorded:
-    a larger ``ingest.engine.max_model_len`` tries them again. Endpoints' limits are their own."""
+    """``(kept, too_long)``: the training prompts whose requests the in-process engine can take, and
+    ``(entry, tokens)`` for those it would refuse on every run (a prompt, or a multi-turn chat's user
+    turns with its answers still to come, of ``max_model_len`` tokens or more, rendered as vLLM renders
+    it). Left out of this run with a warning, never recorded: a larger ``ingest.engine.max_model_len``
+    tries them again. Endpoints' limits are their own."""
     if cfg.backend != "vllm":
         return entries, []
     limit = cfg.engine.max_model_len
@@ -266,20 +267,26 @@ def _fits(cfg: IngestConfig, tok, entries: list[PoolEntry], gen) -> tuple[list[P
 
 
 def prompt_tokens(tok, e: PoolEntry, gen, template_kwargs, *, limit: int) -> int:
-    """The length of ``e``'s first request as the engine tokenizes it. A prompt whose text is less than
-    half of ``limit`` in UTF-8 bytes is not rendered (each token holds at least one byte: only a chat
-    template adding over ``limit / 2`` tokens could take it past) and counts 0. So does a conversation
-    the chat template refuses (``raise_exception``: "System role not supported"): the engine refuses
-    that request alone, and it is reported with the run's other failed requests."""
-    text = raw_text(e) if e.mode == "raw" else "\n".join(m["content"] for m in e.messages())
-    if len(text.encode("utf-8")) * 2 < limit:
-        return 0
+    """The fewest tokens of ``e``'s longest request as the engine tokenizes it: its only one for a
+    single turn; for a multi-turn conversation the last, its every user turn rendered with the answers
+    to come left empty (the target's answers only add to it), so a chat the engine would refuse at a
+    later turn is known before its first turn is answered. A request whose text (rendered by the chat
+    template: a default system preamble counts) is less than half of ``limit`` in UTF-8 bytes is not
+    tokenized (each token holds at least one byte) and counts 0. So does a conversation the chat
+    template refuses (``raise_exception``: "System role not supported"): the engine refuses that
+    request alone, and it is reported with the run's other failed requests."""
     if e.mode == "raw":
+        text = raw_text(e)
+        if len(text.encode("utf-8")) * 2 < limit:
+            return 0
         return len(tok(text)["input_ids"])  # vLLM adds the tokenizer's special tokens to a plain prompt
-    try:
-        rendered = tok.apply_chat_template(e.messages(), tokenize=False, add_generation_prompt=True,
+    later = [m for t in e.later_turns for m in ({"role": "assistant", "content": ""}, {"role": "user", "content": t})]
+    try:  # rendering is cheap next to tokenizing; it tells what the template adds (a long preamble)
+        rendered = tok.apply_chat_template(e.messages() + later, tokenize=False, add_generation_prompt=True,
                                            **(chat_kwargs(gen, template_kwargs) or {}))
     except TemplateError:
+        return 0
+    if len(rendered.encode("utf-8")) * 2 < limit:
         return 0
     return len(tok(rendered, add_special_tokens=False)["input_ids"])
 

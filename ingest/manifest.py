@@ -223,7 +223,7 @@ def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
     if not m.domains:
         p.append("domains: at least one domain is required")
     p += _fraction("held_out_fraction", m.held_out_fraction)
-    p += _fraction("raw_fraction", m.raw_fraction)
+    p += _fraction("raw_fraction", m.raw_fraction, upto_one=True)
     if m.held_out_count is not None and m.held_out_count < 0:
         p.append(f"held_out_count: {m.held_out_count} is negative")
     g = m.generation
@@ -268,7 +268,7 @@ def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
         if d.held_out_count is not None and d.held_out_count < 0:
             p.append(f"{where}.held_out_count: {d.held_out_count} is negative")
         if d.raw_fraction is not None:
-            p += _fraction(f"{where}.raw_fraction", d.raw_fraction)
+            p += _fraction(f"{where}.raw_fraction", d.raw_fraction, upto_one=True)
         generated = d.compose is not None and d.compose.rule == "documents"
         if not d.sources and not generated:
             p.append(f"{where}.sources: at least one source is required")
@@ -321,7 +321,11 @@ def _check_composed_heldout(where: str, d: Domain, held_out: tuple[str, float]) 
             "every other as contaminated"]
 
 
-def _fraction(key: str, value: float) -> list[str]:
+def _fraction(key: str, value: float, *, upto_one: bool = False) -> list[str]:
+    """A share in [0, 1); ``upto_one``: in [0, 1] (``raw_fraction`` 1.0, every single-turn prompt raw, is
+    how a base model with no chat template is ingested; a held-out fraction of 1 leaves nothing to train)."""
+    if upto_one:
+        return [] if 0.0 <= value <= 1.0 else [f"{key}: {value} is not in [0, 1]"]
     return [] if 0.0 <= value < 1.0 else [f"{key}: {value} is not in [0, 1)"]
 
 

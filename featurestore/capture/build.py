@@ -27,7 +27,7 @@ from eaglenest.featurestore.schema import dtype_name
 from eaglenest.featurestore.table import fragments, lease, store
 from eaglenest.hf import load_config, load_tokenizer
 from eaglenest.provenance import code_version
-from eaglenest.target import language_config, read_config
+from eaglenest.target import language_config, max_positions, read_config
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,8 @@ def _past_positions(target: str | None, tokens: int) -> str:
     layer computes (no hidden state is taken there)."""
     if target is None or not (Path(target) / "config.json").is_file():
         return ""
-    if language_config(read_config(target)).get("max_position_embeddings") != tokens:
+    found = max_positions(read_config(target))  # a linear rotary factor counted, as vLLM (and ingest) count it
+    if found is None or found[0] != tokens:
         return ""
     return (f"; {tokens + 1} is past the {tokens} positions of run.target {target}, which vLLM allows with "
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in the environment: the position past them only holds the one "
@@ -335,6 +336,10 @@ def _turn_spans(target: str, convs: list[dict], rendered: list[dict], *, trust_r
     if not multi_turn:
         return lambda conv: ()
     tok = load_tokenizer(target, trust_remote_code=trust_remote_code)
+    if not tok.chat_template:  # off-policy, a base model: transformers' ValueError on each render, mid-capture
+        log.warning("run.target %s has no chat template to locate earlier answers with: %d multi-turn "
+                    "conversation(s) are trained on their last answer only", target, len(multi_turn))
+        return lambda conv: ()
 
     def spans(conv: dict):
         msgs = multi_turn.get(conv["sample_id"])

@@ -144,10 +144,13 @@ def interactive() -> bool:
 
 
 def end_by_signal(prog: str, signum: int) -> int:
-    """After the cleanup: end the process by ``signum``'s default action, as if no handler had been set."""
+    """After the cleanup: end the process by ``signum``'s default action, as if no handler had been set.
+    The line saying so is said once per torchrun node and attempt (:func:`first_to_say`): a stop reaches
+    every rank, and each printed it."""
     named = "" if signum == signal.SIGTERM else f" ({signal.Signals(signum).name})"
     said = f"{prog}: interrupted" if signum == signal.SIGINT else f"{prog}: terminated{named}"
-    for line, stream in ((f"{said}\n", sys.stderr), ("", sys.stdout), ("", sys.stderr)):
+    told = f"{said}\n" if first_to_say(said) else ""
+    for line, stream in ((told, sys.stderr), ("", sys.stdout), ("", sys.stderr)):
         try:  # after a hangup the terminal is gone: writing to it fails
             stream.write(line)
             stream.flush()

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import logging
 import os
-import sys
 from pathlib import Path
 
 from eaglenest import memfit
@@ -143,7 +142,9 @@ def cmd_run(recipe, args) -> int:
                                  store_uri=r.store_uri, trust_remote_code=r.trust_remote_code,
                                  serve_cfg=recipe.serve)
     summary = train(recipe.train, store_uri=r.store_uri, workdir=r.workdir, target_dir=r.target,
-                    seed=r.seed, argv=sys.argv, recipe=recipe.to_dict(), score=score,
+                    # argv None: the provenance writer names a `python -m` run's module (torchrun's ranks),
+                    # where sys.argv holds its file's absolute path
+                    seed=r.seed, argv=None, recipe=recipe.to_dict(), score=score,
                     featurestore=recipe.featurestore, target_keys=dataclasses.asdict(r.target_keys),
                     off_policy=r.off_policy, trust_remote_code=r.trust_remote_code)
     if main_rank:

@@ -22,6 +22,7 @@ import os
 import shlex
 import signal
 import socket
+import stat
 import subprocess
 import sys
 
@@ -99,7 +100,22 @@ def check_resolves(rdzv_endpoint: str | None) -> None:
                           "use node 0's host name or address, the same on every node") from None
 
 
+def check_recipe_file(recipe_path: str | None) -> None:
+    """Every rank reads ``--recipe`` again: a pipe (``--recipe <(cmd)``, which ``train run`` takes) has been
+    read by this process, and each rank then said '/dev/fd/63: file not found'."""
+    if recipe_path is None:
+        return
+    try:
+        regular = stat.S_ISREG(os.stat(recipe_path).st_mode)
+    except (OSError, ValueError):  # the recipe loaded, so it was there: a pipe's fd that is gone now
+        regular = False
+    if not regular:
+        raise ConfigError(f"--recipe {recipe_path}: not a regular file (a pipe or process substitution?): the "
+                          "ranks `train launch` starts each read the recipe again; give a recipe file")
+
+
 def _launch(recipe, args) -> int:
+    check_recipe_file(args.recipe)
     opts = torchrun_argv(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                          rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
                          rdzv_id=args.rdzv_id or rdzv_id(recipe.run.workdir), rdzv_timeout_s=args.rdzv_timeout)
@@ -176,8 +192,10 @@ def torchrun(argv: list[str]) -> int:
     """torchrun with ``argv``: when the first rank to fail exited with 2 (bad input: it printed its one
     line) and the others exited 2 as well or were stopped by torchrun, exit 2 without torchrun's
     ChildFailedError traceback; a rendezvous store that cannot be hosted or reached (a port in use, a
-    wrong host) is one line and exit 2 too; any other failure is torchrun's own (traceback, its exit code 1)."""
+    wrong host) is one line and exit 2 too; stopped by a signal (Ctrl-C, SIGTERM), it ends by that signal
+    once its ranks are stopped; any other failure is torchrun's own (traceback, its exit code 1)."""
     import_torch_quietly()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun_main
@@ -190,6 +208,12 @@ def torchrun(argv: list[str]) -> int:
     except RendezvousTimeoutError:
         print(f"train: error: {rendezvous_timeout(argv)}", file=sys.stderr)
         return 2
+    except SignalException as exc:
+        # Ctrl-C, or `train launch` stopping it (wait_torchrun): the agent has stopped its ranks, which said
+        # so; end by the signal, without the exception's traceback under the launcher's one line.
+        signal.signal(exc.sigval, signal.SIG_DFL)
+        os.kill(os.getpid(), exc.sigval)
+        return 128 + int(exc.sigval)  # not reached
     except ChildFailedError as exc:
         _, first = exc.get_first_failure()
         # The first rank out exited 2; the others exited 2 too or were stopped by torchrun (SIGTERM: < 0).

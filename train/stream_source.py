@@ -78,8 +78,8 @@ class StreamShards:
                                 dtype=np.int64)
         # What `featurestore capture` refuses before its engine starts, refused before this one starts.
         build.check_lengths(self.convs, featurestore.engine.max_model_len)
-        vocab_size = build.target_facts(target, trust_remote_code=trust_remote_code)["vocab_size"]
-        build.check_token_ids(self.convs, target, vocab_size=vocab_size, trust_remote_code=trust_remote_code)
+        self.vocab_size = build.target_facts(target, trust_remote_code=trust_remote_code)["vocab_size"]
+        build.check_token_ids(self.convs, target, vocab_size=self.vocab_size, trust_remote_code=trust_remote_code)
         self.split, self.pack_tokens, self.batch_rows, self.seed = split, pack_tokens, batch_rows, seed
         self.row_tokens = row_tokens
         self.target, self.engine, self.depth, self.devices = target, featurestore.engine, depth, devices
@@ -128,6 +128,8 @@ class StreamShards:
                      rank, len(seqs), self.num_engines, self.addr, self.depth)
             spec = {"target": str(self.target), "layer_ids": list(self.meta.layer_ids),
                     "num_layers": self.meta.last_layer_id, "hidden_size": self.meta.hidden_size,
+                    # what stream-serve checks its model against besides the shape (stream.hostcheck)
+                    "dtype": self.meta.dtype, "vocab_size": self.vocab_size,
                     "engine": dataclasses.asdict(self.engine),
                     "window": max(1, min(self.window or self.depth, self.depth)),
                     "trust_remote_code": self.trust_remote_code}

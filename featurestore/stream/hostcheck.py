@@ -26,14 +26,20 @@ def check_trainers_target(target: str) -> None:
 
 def check_same_shape(target: str, spec: dict, *, given: bool) -> None:
     """The model this engine loads (``--target``, ``given``; else the trainer's run.target path as it is
-    on this host) against the trainer's: the same layer count and width, or one line before this
-    engine joins. Another model streamed states of another width (the trainer failed on its first
-    batch, after the engine start) or, with more layers, a middle layer taken for the last one
-    (trained on silently)."""
+    on this host) against the trainer's: the same layer count, width, dtype and vocabulary size, or one
+    line before this engine joins. Another model streamed states of another width (the trainer failed on
+    its first batch, after the engine start) or, with more layers, a middle layer taken for the last one
+    (trained on silently); a copy in another dtype, states of another precision than the trainer's
+    features (silently). A spec without ``dtype`` or ``vocab_size`` (an earlier trainer) is not asked them."""
     what = f"--target {target}" if given else f"{target} (the trainer's run.target, as it is on this host)"
-    want = {k: int(spec[k]) for k in ("num_layers", "hidden_size") if k in spec}
+    want = {k: int(spec[k]) for k in ("num_layers", "hidden_size", "vocab_size") if spec.get(k) is not None}
+    if spec.get("dtype"):
+        want["dtype"] = str(spec["dtype"])
     facts = target_facts(target, trust_remote_code=bool(spec.get("trust_remote_code", False)), key=what)
-    differ = [k for k in want if facts[k] != want[k]]
+    engine_dtype = str((spec.get("engine") or {}).get("dtype", "auto"))
+    if engine_dtype != "auto":  # the trainer's engine setting is what runs, whatever the checkpoint's dtype
+        facts["dtype"] = {"half": "float16", "float": "float32"}.get(engine_dtype, engine_dtype)
+    differ = [k for k in want if facts[k] is not None and facts[k] != want[k]]  # a config without vocab_size
     if differ:
         got = ", ".join(f"{k} {facts[k]}" for k in differ)
         trainers = ", ".join(f"{k} {want[k]}" for k in differ)

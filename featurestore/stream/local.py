@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import select
 import shutil
 import signal
@@ -289,8 +290,9 @@ class CaptureStream:
             return
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         self._keep_log = True
+        # Its last error line, not only the log's path: on a cluster that file is on another machine's disk.
         raise StoreError(f"capture stream: the producer (pid {proc.pid}) {how} after {self.channel.handed} "
-                         f"of {self.channel.num_items} captures; its log: {self.log_path}")
+                         f"of {self.channel.num_items} captures: {_last_line(self.log_path)}; its log: {self.log_path}")
 
     def close(self, grace_s: float = 30.0) -> None:
         """Stop the producer (EOF on its control pipe), then reap its process group; idempotent."""
@@ -347,8 +349,13 @@ def _last_line(path: str) -> str:
             lines = [line for line in f.read().decode(errors="replace").splitlines() if line.strip()]
     except OSError:
         lines = []
-    errors = [line for line in lines if "Error" in line or "error" in line]
-    return (errors or lines or ["(its log is empty)"])[-1].strip()[:300]
+    errors = [line for line in lines if "Error" in line or "error" in line or " ERROR " in line]
+    # quoted in a one-line error: without the producer's logging prefix (its time, level and logger name)
+    return _LOG_PREFIX.sub("", (errors or lines or ["(its log is empty)"])[-1].strip())[:300]
+
+
+#: The producer's logging prefix (``producer.main``: "%(asctime)s %(levelname)s %(name)s: ").
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ [\w.]+: ")
 
 
 def _listen(path: str) -> socket.socket:

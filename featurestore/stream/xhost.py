@@ -574,6 +574,10 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
         log.info("%s: %d captures sent", who, sent)
         group.mark_done(f"engine-{engine_rank}")
         return 0
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (eaglenest.launch): the ranks are told, the CLI ends by it
+        group.abort(f"{who}: stream-serve was stopped (interrupted or terminated) after {sent} "
+                    f"capture{'s' * (sent != 1)}")
+        raise
     except BaseException as exc:
         msg = str(exc) if isinstance(exc, StoreError) else f"{who}: {type(exc).__name__}: {exc}"
         if not msg.startswith("capture stream aborted"):

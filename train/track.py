@@ -98,9 +98,12 @@ class Tracking:
             sink.log(values, step)
 
     def close(self) -> None:
+        """Close every sink. Called while an exception unwinds (train/loop.py closes the trackers from
+        its exit stack: a non-finite loss, Ctrl-C), the tracker's run is marked failed, not finished."""
+        failed = sys.exc_info()[1] is not None
         sinks, self.sinks = self.sinks, []
         for sink in sinks:
-            sink.close()
+            sink.close(failed=failed)
 
 
 class _TensorBoard:
@@ -117,7 +120,7 @@ class _TensorBoard:
             self.writer.add_scalar(tag, v, global_step=step)
         self.writer.flush()  # curves show while training runs; a SIGKILL loses nothing logged
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -172,8 +175,8 @@ class _Wandb:
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, *, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # non-zero: W&B shows the run as failed
 
 
 class _Trackio:
@@ -190,7 +193,7 @@ class _Trackio:
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:  # trackio's finish takes no status
         with contextlib.redirect_stdout(sys.stderr):
             if self.trackio.context_vars.current_run.get() is self.run:
                 self.trackio.finish()  # also clears trackio's current run

@@ -88,6 +88,14 @@ def final_norm(target: str, key: str = ""):
     return weight, float(eps)
 
 
+def check_norm(weight, hidden: int, target: str, owner: str) -> None:
+    """The final norm's weight is one value per hidden unit: another tensor (``run.target_keys.norm``
+    naming the embedding, another model) is refused in one line, not broadcast or failed on mid-way."""
+    if tuple(weight.shape) != (hidden,):
+        raise SchemaError(f"run.target {target}: final norm of shape {list(weight.shape)}, the {owner}'s hidden "
+                          f"size is {hidden}: is it the {owner}'s target (and run.target_keys.norm its final norm)?")
+
+
 def apply_norm(last, weight, eps: float):
     """The target's final RMSNorm of ``last`` [T, H], in float32, cast once to ``last``'s dtype."""
     x = last.float()
@@ -103,9 +111,7 @@ def export(src: Source, out: str | Path, *, draft_vocab_size: int | None = None,
         raise SchemaError("layer id 0 (the embedding output) has no SpecForge name (its ids are vLLM id - 1)")
     target = target or src.meta.target
     weight, eps = final_norm(target, norm_key)
-    if weight.shape != (src.meta.hidden_size,):
-        raise SchemaError(f"run.target {target}: final norm of shape {list(weight.shape)}, the table's hidden size "
-                          f"is {src.meta.hidden_size}: is it the table's target?")
+    check_norm(weight, src.meta.hidden_size, target, "table")
     vocab = target_vocab_size(target) if draft_vocab_size else None
     if vocab is not None:
         check_draft_vocab(draft_vocab_size, vocab)  # before a file is written
@@ -304,6 +310,8 @@ def import_dump(src_dir: str | Path, uri: str, name: str, *, target: str, layer_
         raise ConfigError("featurestore.layer_ids: layer id 0 (the embedding output) has no SpecForge name; give the "
                           "dump's layers (vLLM ids >= 1)")
     weight = None if prenorm else final_norm(target, norm_key)[0]
+    if weight is not None:
+        check_norm(weight, meta.hidden_size, target, "dump")
     if weight is not None and not bool((weight != 0).all()):
         raise SchemaError(f"run.target {target}: its final norm weight has zeros; the unnormed last hidden state "
                           "cannot be recovered from SpecForge's hidden_state")

@@ -1,0 +1,83 @@
+"""Trackers, seventh pass (hostile user): a training run that fails or is interrupted is not reported to
+W&B as one that finished well; a resume is a run of its own, named for the step it resumed from, in
+the first run's group."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from pathlib import Path
+
+import pytest
+
+from eaglenest.errors import StoreError
+from eaglenest.train.config import TrackConfig
+from eaglenest.train.track import Tracking
+
+
+def _exit_codes(run_file: Path) -> list[int]:
+    """The ``exit`` records' exit codes of a wandb offline run file (LevelDB-log records of
+    ``wandb_internal_pb2.Record``, as tests/train/test_trackers.py reads its history)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block = run_file.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, parts, out = 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack_from("<HB", data, pos + 4)
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            continue
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind not in (1, 4):
+            continue
+        record = pb.Record.FromString(parts)
+        if record.WhichOneof("record_type") == "exit":
+            out.append(record.exit.exit_code)
+    return out
+
+
+@pytest.mark.parametrize("failure", [None, StoreError, KeyboardInterrupt])
+def test_wandb_run_of_a_failed_training_is_not_marked_finished(tmp_path, monkeypatch, failure):
+    """``train run`` closes its trackers from an exit stack: a run stopped by an error (a non-finite loss)
+    or Ctrl-C was finished with exit code 0, shown in W&B as a run that completed."""
+    import wandb
+
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing in the user's home
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    cfg = TrackConfig(tensorboard=False, tracker="wandb", mode="offline", project="eaglenest-test")
+    outdir = tmp_path / "train"
+    outdir.mkdir()
+    with contextlib.suppress(StoreError, KeyboardInterrupt), contextlib.ExitStack() as own:
+        tracking = Tracking.open(cfg, outdir, resume_step=0, active=True, workdir=str(tmp_path), config={})
+        own.callback(tracking.close)  # as train/loop.py closes them
+        tracking.log({"train/loss": 1.5}, 1)
+        if failure is not None:
+            raise failure("stopped at step 2")
+    wandb.teardown()
+    [run_file] = list((outdir / "wandb").glob("offline-run-*/run-*.wandb"))
+    codes = _exit_codes(run_file)
+    assert len(codes) == 1 and (codes[0] == 0) == (failure is None), codes
+
+
+@pytest.mark.parametrize("resume_step", [0, 7])
+def test_wandb_run_of_a_resume_is_its_own_run_in_the_first_ones_group(tmp_path, monkeypatch, resume_step):
+    """docs/trackers.md, "Resume": a tracker cannot take points back, so a resume from step N is a new run
+    named ``<run_name>-resumed-N`` in the group of the first (``run_name``: the workdir's folder name)."""
+    import wandb
+
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    cfg = TrackConfig(tensorboard=False, tracker="wandb", mode="offline", project="eaglenest-test")
+    (tmp_path / "toy" / "train").mkdir(parents=True)
+    tracking = Tracking.open(cfg, tmp_path / "toy" / "train", resume_step=resume_step, active=True,
+                             workdir=str(tmp_path / "toy"), config={})
+    try:
+        assert wandb.run is not None and wandb.run.group == "toy"
+        assert wandb.run.name == ("toy" if resume_step == 0 else "toy-resumed-7")
+    finally:
+        tracking.close()
+        wandb.teardown()

@@ -160,7 +160,7 @@ def _meta_problem(d) -> str | None:
 
 def schema_version(schema: pa.Schema) -> int | None:
     raw = (schema.metadata or {}).get(b"eaglenest.schema_version", b"").decode()
-    return int(raw) if raw.isdigit() else None
+    return int(raw) if raw.isascii() and raw.isdigit() else None  # '²' is a digit to isdigit, not to int
 
 
 def tensor_layout(schema: pa.Schema) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -36,12 +37,13 @@ import re
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from eaglenest.config import short_text
 from eaglenest.errors import ConfigError, StoreError, require
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.table import integrity, objects, store
-from eaglenest.paths import shown_path, user_path
+from eaglenest.paths import pid_alive, shown_path, user_path
 
 log = logging.getLogger(__name__)
 
@@ -189,10 +191,17 @@ def _check_attach(attach: dict[str, str], tables: list[str]) -> None:
 
 
 def _rows_per_batch(ds, columns: list[str]) -> int:
-    """Rows of ``ds`` holding about :data:`BATCH_BYTES` of ``columns``, judged by its first row."""
+    """Rows of ``ds`` holding about :data:`BATCH_BYTES` of ``columns``, judged by its largest row (the most
+    ``num_tokens``; the first row of a table without that column). Rows of one table differ in length a
+    thousandfold (1K to 32K tokens): judged by a short first row, one batch held the whole table."""
     lance = require("lance")
-    first = lance.LanceDataset.scanner(ds, columns=columns, limit=1, **store.BYTES).to_table()
-    return max(1, BATCH_BYTES // max(1, first.nbytes)) if first.num_rows else 1
+    where = {}
+    if "num_tokens" in ds.schema.names:  # one small column scanned: about 4 bytes a row
+        tokens = lance.LanceDataset.scanner(ds, columns=["num_tokens"]).to_table().column("num_tokens")
+        if len(tokens):
+            where = {"filter": f"num_tokens = {int(pc.max(tokens).as_py())}"}
+    row = lance.LanceDataset.scanner(ds, columns=columns, limit=1, **where, **store.BYTES).to_table()
+    return max(1, BATCH_BYTES // max(1, row.nbytes)) if row.num_rows else 1
 
 
 def _view(uri: str, ds, *, tensors: bool):
@@ -314,7 +323,8 @@ def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
     """Run one read-only statement and stream its result into ``out`` (``.parquet`` or ``.csv``)
     batch by batch; returns the number of rows. The file appears whole or not at all: it is
     written beside ``out`` under a temporary name and renamed into place; a refused or failed
-    query leaves nothing."""
+    query leaves nothing, and the temporary file of a run that was killed (SIGKILL, the OOM killer)
+    is removed by the next write of the same ``out``."""
     out = Path(out)
     if out.suffix not in (".parquet", ".csv"):
         raise ConfigError(f"--out {out}: use a .csv or .parquet file name")
@@ -324,9 +334,8 @@ def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
     con, batch_rows = _connect(uri, only=named_tables(sql), **kw)
     if batch_rows is not None:
         con.execute("SET threads = 2")  # each DuckDB thread holds a batch in flight
-    # Within NAME_MAX (255 bytes, not characters: a name in a non-Latin script takes 3 or 4 a character)
-    # whatever out's length: at most its first 200 bytes, never half a character (the writers take UTF-8).
-    tmp = out.with_name(f".{os.fsencode(out.name)[:200].decode('utf-8', 'ignore')}.tmp{os.getpid()}")
+    tmp = temp_path(out)
+    _remove_stale_temps(out)
     rows = 0
     try:
         try:
@@ -349,6 +358,29 @@ def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
             tmp.unlink(missing_ok=True)
         con.close()
     return rows
+
+
+def temp_path(out: str | Path, pid: int | None = None) -> Path:
+    """Where :func:`write_query` of process ``pid`` (this one by default) writes ``out`` before renaming it
+    into place: beside it, hidden, tagged with the pid. Within NAME_MAX (255 bytes, not characters: a
+    name in a non-Latin script takes 3 or 4 a character) whatever out's length: at most its first 200
+    bytes, never half a character (the writers take UTF-8)."""
+    out = Path(out)
+    head = os.fsencode(out.name)[:200].decode("utf-8", "ignore")
+    return out.with_name(f".{head}.tmp{os.getpid() if pid is None else pid}")
+
+
+def _remove_stale_temps(out: Path) -> None:
+    """Remove the temporary files of earlier ``--out`` writes of ``out`` whose process is gone: a run
+    killed by SIGKILL (or the OOM killer) cannot remove its own, and each would hold a partial copy
+    of the result for good. A live process's file (a write in progress) is kept."""
+    stem = temp_path(out, 0).name[:-1]
+    for path in out.parent.glob(glob.escape(stem) + "*"):
+        pid = path.name[len(stem):]
+        if pid.isascii() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError):  # removed by another rerun meanwhile, or not ours to remove
+                path.unlink()
+                log.info("removed %s, left by a killed `featurestore query --out` (pid %s)", path, pid)
 
 
 def _check_csv_columns(schema: pa.Schema, out: Path) -> None:

@@ -175,6 +175,9 @@ GRACE_HOURS = 1.0
 #: Lance and ``timedelta`` overflow on values not far above it.
 MAX_HOURS = 100 * 365.25 * 24
 TMP_SUFFIX = re.compile(r"\.tmp\d+$")
+#: A small side file's temporary (``objects.write_text``: ``<file>.tmp<pid>-<thread>``): the head record's,
+#: gc's lineage record's, left in the table's directory by a writer killed between the write and the rename.
+SIDE_TMP = re.compile(r"\.json\.tmp\d+-\d+$")
 
 
 def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRACE_HOURS) -> dict:
@@ -184,7 +187,7 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
     still commit its written fragments is live; the grace period also protects fragments that a
     writer outside eaglenest's leases (a bare ``write_fragment`` caller) has not committed yet.
     A rolled-back table is refused: its lost version's files are the only copy left."""
-    if not (older_than_hours >= 0 and grace_hours >= 0) or older_than_hours == float("inf"):
+    if not all(0 <= h < float("inf") for h in (older_than_hours, grace_hours)):  # NaN fails both
         raise StoreError("featurestore gc: --older-than-hours and --grace-hours must be finite and >= 0")
     with lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S), \
             lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
@@ -259,11 +262,14 @@ def _utc(stamp: dt.datetime) -> dt.datetime:
 
 
 def killed_writer_litter(uri: str, name: str, crc_dir: Path | None, cutoff: float) -> list[Path]:
-    """Temporary files a killed writer left (a half-written checksum ``*.crc.tmp<pid>``, a table
-    create's ``.eaglenest/tmp/<name>.*.lance``), older than the grace cut-off: a live writer's are newer."""
+    """Temporary files a killed writer left (a half-written checksum ``*.crc.tmp<pid>``, head or lineage
+    record ``*.json.tmp<pid>-<thread>``, a table create's ``.eaglenest/tmp/<name>.*.lance``), older than
+    the grace cut-off: a live writer's are newer."""
     found = []
     if crc_dir is not None and crc_dir.is_dir():
         found += [p for p in crc_dir.iterdir() if TMP_SUFFIX.search(p.name)]
+    table_dir = base.table_path(uri, name)
+    found += [p for p in table_dir.iterdir() if p.is_file() and SIDE_TMP.search(p.name)]
     tmp_dir = Path(objects.local(uri)) / ".eaglenest" / "tmp"
     if tmp_dir.is_dir():
         found += list(tmp_dir.glob(f"{name}.*.lance"))

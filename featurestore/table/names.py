@@ -21,6 +21,8 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 #: A tag is a file name inside the table (Lance ``_refs/tags``): the same rule, single dots allowed
 #: inside, and Lance's (git's) ref rules: no ``..``, no trailing ``.``, no ``.lock`` suffix.
 TAG = re.compile(r"(?=.{1,128}\Z)(?!.*\.lock\Z)[A-Za-z](?:\.?[A-Za-z0-9_-])*")
+#: A signed whole number (``-1``: Python's "the last one"; ``+3``): no version number, and no tag name.
+SIGNED = re.compile(r"\s*[+-]\s*[0-9]+\s*")
 #: The largest version number Lance stores (a signed 64-bit integer on its Python side).
 MAX_VERSION = 2**63 - 1
 
@@ -46,6 +48,9 @@ def check_tag(tag: str) -> str:
 def version_arg(text: str | None, what: str = "--version") -> int | str | None:
     """A version given on the command line: None, a number (ASCII digits only, at most
     :data:`MAX_VERSION`) or a tag name (looked up as given); one-line :class:`ConfigError` else."""
+    if text is not None and SIGNED.fullmatch(text):  # '-1' is no tag name (those start with a letter)
+        raise ConfigError(f"{what} {short(text)}: not a version number (versions are numbered 1, 2, ...; "
+                          "leave the option out for the latest, `featurestore versions` lists them)")
     if text is None or not text.isdigit():  # a tag (an unknown one is refused when opened)
         return text
     if not text.isascii():  # '²' or '٣' are digits to str.isdigit, and no version number

@@ -6,10 +6,11 @@ are read in their published formats with ``datasets``: a local file (``.jsonl``/
 ``.parquet``), a local directory (SPEED-Bench: ``<dir>/<config>/*.parquet``, MT-Bench: a
 ``question.jsonl`` inside) or a hub id (``load_dataset(id, config, split=...)``).
 
-Only the first user turn of a multi-turn question is decoded: later turns need the target's own
-answer to earlier ones, which would double the cost and tie AL to that answer. Prompts whose
-normalised content (``eaglenest.text.content_key``, the same key ingest deduplicates with) matches
-a training prompt of the store are reported and dropped, so AL is never measured on training data.
+Only the first user turn of a multi-turn question (published, or a held-out conversation) is
+decoded: later turns need the target's own answer to earlier ones, which would double the cost and
+tie AL to that answer. Prompts whose normalised content (``eaglenest.text.content_key``, the same
+key ingest deduplicates with) matches a training prompt of the store are reported and dropped, so
+AL is never measured on training data.
 """
 
 from __future__ import annotations
@@ -54,9 +55,24 @@ def heldout(store_uri: str, split: str) -> Groups:
         raise StoreError(f"no '{split}' prompts in {store_uri}")
     groups: Groups = collections.defaultdict(list)
     for r in sorted(rows, key=lambda r: r["sample_id"]):
-        msgs = [m for m in json.loads(r["messages_json"]) if m["role"] != "assistant"]
+        msgs = first_turn(json.loads(r["messages_json"]))
         groups[r["domain"]].append({"sample_id": r["sample_id"], "messages": msgs})
     return dict(groups)
+
+
+def first_turn(messages: list[dict]) -> list[dict]:
+    """A conversation up to its first user turn (the system prompt kept): what is decoded. A held-out
+    multi-turn row holds every user turn unanswered (``ingest.regen.heldout_row``); decoding them all
+    would send consecutive user messages, a conversation the target never sees (and that templates
+    requiring alternating roles refuse)."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            continue
+        out.append(m)
+        if m["role"] == "user":
+            break
+    return out
 
 
 def domains_without(store_uri: str, split: str, groups: Groups) -> dict[str, str]:

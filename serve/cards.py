@@ -15,12 +15,13 @@ from eaglenest.serve import formats
 def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any], *,
                format: formats.Format = "vllm", notes: list[tuple[str, str]] = ()) -> str:
     m = info.get("metrics") or {}
-    acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc", [])) or "n/a"
+    acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc") or []) or "n/a"
     window = f"{cfg['sliding_window']} tokens" if "sliding_window" in cfg else "none (full attention)"
     family = "P-EAGLE (parallel drafting)" if cfg.get("parallel_drafting") else "EAGLE-3"
-    steps = (f"P-EAGLE slots {info.get('train_config', {}).get('peagle', {}).get('num_slots')}, mask token "
+    train = info.get("train_config") or {}  # null reads as absent, as export's own checks read it
+    steps = (f"P-EAGLE slots {(train.get('peagle') or {}).get('num_slots')}, mask token "
              f"{cfg.get('mask_token_id')}" if cfg.get("parallel_drafting")
-             else f"TTT steps {info.get('train_config', {}).get('ttt_steps')}")
+             else f"TTT steps {train.get('ttt_steps')}")
     return f"""# {family} draft head (eaglenest)
 
 {formats.usage_text(format, inputs['target'], cfg['architectures'][0], parallel=bool(cfg.get('parallel_drafting')),
@@ -29,8 +30,8 @@ def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]
 | | |
 |---|---|
 | aux layers (vLLM ids) | {cfg['eagle_aux_hidden_state_layer_ids']} |
-| draft vocab | {cfg['draft_vocab_size']} of {cfg['vocab_size']} target ids (coverage of loss tokens: {info.get('vocab_coverage', float('nan')):.3f}) |
-| parameters | {info.get('num_parameters', 0):,} (target embeddings shared, not counted) |
+| draft vocab | {cfg['draft_vocab_size']} of {cfg['vocab_size']} target ids (coverage of loss tokens: {_number(info.get('vocab_coverage'), '.3f')}) |
+| parameters | {_number(info.get('num_parameters'), ',')} (target embeddings shared, not counted) |
 | hidden / heads / kv heads / head dim / MLP | {cfg['hidden_size']} / {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / {cfg['head_dim']} / {cfg['intermediate_size']} |
 | rotary | {_rope_text(cfg['rope_parameters'])} |
 | EAGLE-3.1 flags | {', '.join(f for f in formats.FLAGS if cfg[f]) or 'none'} |
@@ -39,7 +40,7 @@ def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]
 | speculative tokens when none is set | {cfg.get(RECOMMENDED_K, 'n/a')} (the family's best on the demo, docs/families.md) |
 | sliding window | {window} |
 | features | `{inputs['store_uri']}` table `{inputs['table']}` version {inputs['version']} |
-| last logged loss | {m.get('loss', float('nan')):.4f} |
+| last logged loss | {_number(m.get('loss'), '.4f')} |
 | last logged per-step top-1 accuracy | {acc} |
 
 `d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`. Full provenance in `provenance.json`.
@@ -57,7 +58,7 @@ Training configuration:
 def dflash_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any], *,
                 format: formats.Format = "vllm") -> str:
     m = info.get("metrics") or {}
-    acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc", [])) or "n/a"
+    acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc") or []) or "n/a"
     k = cfg.get(RECOMMENDED_K) or cfg["block_size"] - 1
     if format == "speculators":
         usage = f"""in speculators' DFlash checkpoint format
@@ -93,14 +94,14 @@ trained for up to {cfg['block_size'] - 1}, and `serve` / `evaluate` use {k} when
 |---|---|
 | target layers (`dflash_config.target_layer_ids`, 0-based; vLLM adds 1) | {cfg['dflash_config']['target_layer_ids']} |
 | mask token id | {cfg['dflash_config']['mask_token_id']} |
-| draft vocab | {cfg['draft_vocab_size']} of {cfg['vocab_size']} target ids (coverage of loss tokens: {info.get('vocab_coverage', float('nan')):.3f}) |
-| parameters | {info.get('num_parameters', 0):,} (target embeddings shared, not counted) |
+| draft vocab | {cfg['draft_vocab_size']} of {cfg['vocab_size']} target ids (coverage of loss tokens: {_number(info.get('vocab_coverage'), '.3f')}) |
+| parameters | {_number(info.get('num_parameters'), ',')} (target embeddings shared, not counted) |
 | layers / hidden / heads / kv heads / head dim / MLP | {cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / {cfg['head_dim']} / {cfg['intermediate_size']} |
 | rotary | {_rope_text(cfg['rope_parameters'])} |
 | dtype | {cfg['torch_dtype']} |
 | trained steps | {info.get('step')} (block size {cfg['block_size']}) |
 | features | `{inputs['store_uri']}` table `{inputs['table']}` version {inputs['version']} |
-| last logged loss | {m.get('loss', float('nan')):.4f} |
+| last logged loss | {_number(m.get('loss'), '.4f')} |
 | last logged per-slot top-1 accuracy | {acc} |
 
 `d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`. Full provenance in `provenance.json`.
@@ -111,6 +112,11 @@ Training configuration:
 {json.dumps(info.get('train_config', {}), indent=2, sort_keys=True)}
 ```
 """
+
+
+def _number(x: Any, spec: str) -> str:
+    """``x`` formatted, or n/a: checkpoint.json writes a loss or coverage that was NaN or infinite as null."""
+    return "n/a" if x is None else format(x, spec)
 
 
 def _rope_text(rope: dict[str, Any]) -> str:

@@ -233,7 +233,10 @@ def _al_table(report: dict | None) -> list[str]:
            f"{report.get('temperature')})", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, d in rows:
         pos = [*(d.get("acceptance_by_position") or []), *[None] * k][:k]
-        cells = [name, d.get("prompts"), d.get("acceptance_length"), d.get("acceptance_length_per_request"), *pos]
+        # A group is a manifest domain or a prompt file's category, any text: one cell, a "|" escaped, line breaks
+        # as spaces (as evaluate's report.md writes it; serve may not import evaluate).
+        cells = [" ".join(str(name).replace("|", "\\|").split()), d.get("prompts"), d.get("acceptance_length"),
+                 d.get("acceptance_length_per_request"), *pos]
         out.append("| " + " | ".join("-" if c is None else f"{c:.3f}" if isinstance(c, float) else str(c)
                                      for c in cells) + " |")
     if "lossless" in report:

@@ -40,7 +40,7 @@ from eaglenest.train import checkpoint, context_parallel as CP, selection, state
 from eaglenest.train.config import TrainConfig
 from eaglenest.train.data import Prefetcher
 from eaglenest.train.dist import DistState
-from eaglenest.train.model import Eagle3Draft, draft_config, init_weights, num_parameters
+from eaglenest.train.model import Eagle3Draft, draft_config, draft_shape, init_weights, num_parameters
 from eaglenest.train import dflash, peagle
 from eaglenest.train.source import DataSource, open_source
 from eaglenest.train.target import load_target_tensors
@@ -110,6 +110,14 @@ def attention_span(cfg: TrainConfig, lengths) -> int:
     if cfg.sliding_window == "auto":
         return int(min(max((int(n) for n in lengths), default=cfg.pack_tokens), cfg.pack_tokens))
     return int(cfg.sliding_window)
+
+
+def resolved_keys(cfg: TrainConfig, target_cfg: dict[str, Any], lengths) -> dict[str, Any]:
+    """The train keys with several spellings of one value, as this run resolves them (state.RESOLVED):
+    another spelling of the same window, row fill or draft size trains the same draft and resumes."""
+    shape = draft_shape(target_cfg, cfg.draft.shape())
+    return {"sliding_window": attention_span(cfg, lengths), "row_tokens": cfg.row_tokens or cfg.pack_tokens,
+            **{f"draft.{k}": int(v) for k, v in shape.items()}}
 
 
 def build_draft(cfg: TrainConfig, target: dict[str, Any], *, layer_ids: tuple[int, ...],
@@ -241,7 +249,8 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
                     "world_size": dist.world_size, "num_parameters": draft.num_parameters,
                     "target_keys": target["keys"], "target_weights_sha256": policy.target_id(target_dir)}
             fp = S.fingerprint(mask_ids_as_default(cfg, target["config"]), table_version=data.version,
-                               store_uri=store_uri, target=target_dir, seed=seed, table=table)
+                               store_uri=store_uri, target=target_dir, seed=seed, table=table,
+                               resolved=resolved_keys(cfg, target["config"], data.lengths))
             # The inputs are good: from here on the run writes its folder, alone (a refusal above wrote nothing).
             own.enter_context(hold_outdir(Path(workdir) / cfg.output_subdir, dist))
             trainer = _Trainer(cfg, draft, data, outdir=Path(workdir) / cfg.output_subdir, fp=fp, base=base,
@@ -324,8 +333,10 @@ class _Trainer:
         self.total = total
         if dist.is_main:
             _check_warmup(cfg, total)
+        # train.num_steps as resolved (state.RESOLVED): 0 (every epoch's steps) and that number train alike.
+        self.fp = {**fp, S.RESOLVED: {**fp.get(S.RESOLVED, {}), "num_steps": total}}
         if cfg.num_steps:  # the steps it trains: with them equal, another num_epochs resumes (state.PLAN_STEPS)
-            self.fp = {**fp, S.PLAN_STEPS: total}
+            self.fp = {**self.fp, S.PLAN_STEPS: total}
         self.params = [p for p in draft.objective.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(

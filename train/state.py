@@ -57,6 +57,12 @@ PLAN_STEPS = "plan_steps"
 #: Train keys compared as the run resolves them, at the fingerprint's top: ``train.seed`` null is
 #: ``run.seed`` (a state saved with one spelling resumes under the other; another seed is refused there).
 RESOLVED_KEYS = frozenset({"seed"})
+#: In a fingerprint: {dotted train key: its value as the run resolves it} for keys with several spellings
+#: of one value (``train.sliding_window`` "auto" is the longest sample; ``train.row_tokens`` 0 is
+#: ``pack_tokens``; a ``train.draft.*`` size 0 is the target's rule; ``train.num_steps`` 0 is every epoch's
+#: steps, and more than those is those). Compared instead of the spelling,
+#: so a state saved with one spelling resumes under another; a state saved before compares the spelling.
+RESOLVED = "resolved"
 #: Train keys (dotted; a trailing dot: a whole section) the family does not read (docs/training.md, "Draft
 #: families"): they do not change its trajectory either.
 UNREAD_BY_FAMILY = {"eagle3": ("peagle.", "dflash."), "peagle": ("dflash.", "ttt_steps"),
@@ -93,7 +99,8 @@ def same_place(where: Any) -> Any:
 
 
 def fingerprint(cfg, *, table_version: int, store_uri: str, target: str, seed: int,
-                table: str = "features") -> dict[str, Any]:
+                table: str = "features", resolved: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What must match to resume. ``resolved``: train keys as the run resolves them (:data:`RESOLVED`)."""
     keys = read_by_family({k: v for k, v in train_keys(dataclasses.asdict(cfg)).items()
                            if k not in FREE_KEYS | RESOLVED_KEYS},
                           cfg.family, cfg.source)
@@ -101,6 +108,8 @@ def fingerprint(cfg, *, table_version: int, store_uri: str, target: str, seed: i
           "target": same_place(str(target)), "seed": int(seed), "train": keys}
     if table != "features":  # the default table stays out, so states saved before still match
         fp["features_table"] = table
+    if resolved:
+        fp[RESOLVED] = dict(resolved)
     return fp
 
 
@@ -110,7 +119,7 @@ def _diff(saved: dict[str, Any], now: dict[str, Any], moved: tuple[str, str] | N
     copied or renamed) is the same store."""
     out = []
     for k in sorted(set(saved) | set(now)):
-        if k == "train" or (k == PLAN_STEPS and (k not in saved or k not in now)):
+        if k in ("train", RESOLVED) or (k == PLAN_STEPS and (k not in saved or k not in now)):
             continue  # a state saved before PLAN_STEPS compares its train keys alone
         if k in ("store_uri", "target") and same_place(saved.get(k)) == same_place(now.get(k)):
             continue  # states saved before paths were resolved: the same folder spelled otherwise
@@ -132,6 +141,9 @@ def _diff(saved: dict[str, Any], now: dict[str, Any], moved: tuple[str, str] | N
     if nt.get("num_steps") and PLAN_STEPS in saved and saved[PLAN_STEPS] == now.get(PLAN_STEPS):
         st.pop("num_epochs", None)  # the same steps of the same plan: the epochs past them are not read
         nt.pop("num_epochs", None)
+    sr, nr = saved.get(RESOLVED) or {}, now.get(RESOLVED) or {}
+    for k in set(sr) & set(nr):  # compared as resolved: "auto" and the number it resolves to are one window
+        st[k], nt[k] = sr[k], nr[k]
     out += [f"train.{k} {st.get(k)!r} -> {nt.get(k)!r}" for k in sorted(set(st) | set(nt))
             if st.get(k) != nt.get(k)]
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import ClassVar, Literal
 
 from eaglenest.config import short
@@ -189,8 +190,17 @@ class TrackConfig:
             raise ConfigError(f"train.track.mode: 'online' or 'offline', got {short(self.mode)}")
         if self.tensorboard and not self.dir:
             raise ConfigError("train.track.dir: a folder for the event files (or train.track.tensorboard=false)")
+        if self.tensorboard and os.path.normpath(self.dir) in RUN_OUTPUTS:
+            raise ConfigError(f"train.track.dir: {short(self.dir)} is where the run keeps its own "
+                              f"{os.path.normpath(self.dir)} in its output folder; name another folder")
         if self.tracker != "none" and not self.project:
             raise ConfigError("train.track.project: the tracker's project name, got ''")
+
+
+#: What a training run writes in its output folder besides the event files: ``train.track.dir`` naming one
+#: put event files among the resume states (or where a file is) and a fresh start's sweep among them.
+RUN_OUTPUTS = frozenset({"state", "select", "wandb", "metrics.jsonl", "checkpoint.json", "draft.safetensors",
+                         "report.json", "report.png", "provenance.json"})
 
 
 #: ``train.family`` values: the draft trained from the features table.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.errors import StoreError
+from eaglenest.errors import ConfigError, StoreError
 from eaglenest.train.config import TrackConfig
 from eaglenest.train.track import Tracking
 
@@ -81,3 +81,13 @@ def test_wandb_run_of_a_resume_is_its_own_run_in_the_first_ones_group(tmp_path, 
     finally:
         tracking.close()
         wandb.teardown()
+
+
+@pytest.mark.parametrize("name", ["state", "state/", "./select", "metrics.jsonl", "wandb"])
+def test_track_dir_naming_the_runs_own_outputs_is_refused(name):
+    """``train.track.dir=state`` put the event files among the resume states, where a fresh start's sweep
+    of event files and the state pruning both reach them; refused in one line naming another folder."""
+    with pytest.raises(ConfigError, match=r"train\.track\.dir: .* is where the run keeps its own .*; name another"):
+        TrackConfig(dir=name)
+    TrackConfig(dir=name, tensorboard=False)  # no event files: nothing lands there
+    TrackConfig(dir=f"{name.strip('./')}-curves")

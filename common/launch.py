@@ -254,3 +254,19 @@ def execute(prog: str, cmd, args: argparse.Namespace) -> int:
                 signal.signal(sig, signal.SIG_DFL)
         if sigint and signal.getsignal(signal.SIGINT) is _raise_keyboard_interrupt:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def import_torch_quietly() -> None:
+    """Import torch with torch's C++ log at FATAL: a TCPStore client that cannot reach its store (a
+    rendezvous endpoint, a stream store at ``--addr`` that is another service) logged each retry with its
+    C++ stack before the one line the command prints. c10 reads ``TORCH_CPP_LOG_LEVEL`` when torch is
+    imported, so the variable is unset again at once: processes started later with this environment (the
+    ranks, the capture engine's) log as usual. A level the user set is kept (``TORCH_CPP_LOG_LEVEL=WARNING``
+    shows the C++ log). Used by torchrun's own process (``train launch``) and ``featurestore stream-serve``."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import os
 
+from eaglenest import launch
 from eaglenest.errors import ConfigError, EaglenestError, StoreError
 from eaglenest.featurestore import schema
 from eaglenest.featurestore.capture import build, policy
@@ -217,20 +217,6 @@ def _attachments(items: list[str]) -> dict[str, str]:
 
 
 def cmd_stream_serve(recipe, args) -> int:
-    _import_torch_quietly()
+    launch.import_torch_quietly()  # a foreign service at --addr: one line, not its C++ retries
     return xhost.serve(args.addr, args.engine_rank, target=args.target, timeout_s=args.timeout_s)
 
-
-def _import_torch_quietly() -> None:
-    """Import torch in stream-serve's process with torch's C++ log at FATAL, as ``train launch`` does for
-    torchrun (``eaglenest.pipeline.train_cli``): a TCPStore client whose peer at ``--addr`` is another
-    service (it accepts and hangs up) logged every retry with its C++ stack, ~50 lines before the one error
-    line. c10 reads ``TORCH_CPP_LOG_LEVEL`` when torch is imported, so it is unset again at once: the
-    capture engine's processes log as usual. A level the user set is kept."""
-    if "TORCH_CPP_LOG_LEVEL" in os.environ:
-        return
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-    try:
-        import torch  # noqa: F401
-    finally:
-        del os.environ["TORCH_CPP_LOG_LEVEL"]

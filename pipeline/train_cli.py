@@ -28,6 +28,7 @@ import sys
 
 from eaglenest.cli import Command, run
 from eaglenest.errors import ConfigError
+from eaglenest.launch import import_torch_quietly
 
 log = logging.getLogger(__name__)
 
@@ -171,21 +172,6 @@ def check_world(train, world: int) -> None:
 
 #: The torchrun process: torchrun itself (``python -m torch.distributed.run``) but for its exit (:func:`torchrun`).
 _TORCHRUN = "import sys; from eaglenest.pipeline.train_cli import torchrun; sys.exit(torchrun(sys.argv[1:]))"
-
-
-def import_torch_quietly() -> None:
-    """Import torch in torchrun's own process with torch's C++ log at FATAL: a rendezvous store it cannot
-    reach logged each try's error with its C++ stack, before the one line :func:`torchrun` prints. c10
-    reads ``TORCH_CPP_LOG_LEVEL`` when torch is imported, so the variable is unset again at once: the
-    ranks (started with this process's environment) log as usual. A level the user set is kept (set
-    ``TORCH_CPP_LOG_LEVEL=WARNING`` to see torchrun's C++ log)."""
-    if "TORCH_CPP_LOG_LEVEL" in os.environ:
-        return
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-    try:
-        import torch  # noqa: F401
-    finally:
-        del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 def torchrun(argv: list[str]) -> int:

@@ -103,6 +103,36 @@ def edited_target(tmp_path_factory) -> Path:
     return dst
 
 
+@pytest.fixture
+def config_target(tmp_path):
+    """A factory: ``config_target(**changes)`` is a copy of the tiny target whose config.json has
+    ``changes`` (its weights untouched), in a folder named with a space and a non-ASCII letter;
+    ``folder=`` names another folder (a second copy in one test)."""
+    import json
+    import shutil
+
+    def make(folder: str = "edited tärget", **changes) -> Path:
+        dst = tmp_path / folder
+        shutil.copytree(TINY_TARGET, dst)
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(changes)
+        (dst / "config.json").write_text(json.dumps(cfg))
+        return dst
+
+    return make
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    """``make_llm`` as far as importing vLLM: reaching it fails the test (the refusal must come first)."""
+    import eaglenest.engine
+
+    def reached(*args, **kwargs):
+        raise AssertionError("vLLM was reached")
+
+    monkeypatch.setattr(eaglenest.engine, "require", reached)
+
+
 @pytest.fixture(scope="session")
 def toy_checkpoint(tmp_path_factory, tiny_target) -> Path:
     """A draft checkpoint folder (``checkpoint.json`` + ``draft.safetensors``) for the tiny target:

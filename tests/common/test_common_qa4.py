@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 
 import pytest
@@ -19,23 +18,13 @@ from eaglenest.hf import load_config, load_tokenizer
 from eaglenest.provenance import write_json_atomic
 
 
-def edited_target(tmp_path, tiny_target, **changes):
-    """A copy of the tiny target whose config.json has ``changes`` (its weights untouched)."""
-    dst = tmp_path / "edited target"
-    shutil.copytree(tiny_target, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize(("changes", "says"), [
     ({"num_attention_heads": 0}, "ZeroDivisionError"),
     ({"hidden_size": "wide"}, "hidden_size"),
     ({"rope_parameters": "linear"}, "rope_parameters"),
 ])
-def test_a_config_transformers_refuses_is_one_config_error_naming_the_target(tmp_path, tiny_target, changes, says):
-    target = edited_target(tmp_path, tiny_target, **changes)
+def test_a_config_transformers_refuses_is_one_config_error_naming_the_target(changes, says, config_target):
+    target = config_target(**changes)
     with pytest.raises(ConfigError) as info:
         load_config(target, trust_remote_code=False)
     message = str(info.value)
@@ -53,11 +42,11 @@ def test_a_target_transformers_loads_is_returned_as_transformers_loads_it(tiny_t
         str(tiny_target)).get_vocab()
 
 
-def test_weights_of_another_shape_than_config_json_are_one_line_naming_the_target(tmp_path, tiny_target):
+def test_weights_of_another_shape_than_config_json_are_one_line_naming_the_target(config_target):
     """``intermediate_size`` edited past the checkpoint's: vLLM's loader failed with a RuntimeError
     traceback (exit 1); now one ConfigError naming run.target and the tensor, before the engine starts
     (``eaglenest.shapes``; vLLM's own failure is recognised below)."""
-    target = edited_target(tmp_path, tiny_target, intermediate_size=512)
+    target = config_target(intermediate_size=512)
     with pytest.raises(ConfigError) as info:
         make_llm(str(target), EngineConfig(max_model_len=128, memory_fraction=0.05, in_process=True))
     message = str(info.value)
@@ -133,10 +122,10 @@ def test_two_threads_writing_one_json_file_never_rename_each_others_temporary(tm
     ({"num_hidden_layers": None}, "num_hidden_layers is missing (a size every engine and estimate needs)"),
     ({"intermediate_size": -384}, "intermediate_size must be a whole number >= 1, got -384"),
 ])
-def test_the_memory_estimate_names_a_config_size_it_cannot_read(tmp_path, tiny_target, changes, says):
+def test_the_memory_estimate_names_a_config_size_it_cannot_read(changes, says, config_target):
     """``evaluate al`` estimates its longest bucket from config.json before transformers reads it:
     ``int(cfg["hidden_size"])`` raised ValueError / KeyError / TypeError tracebacks there."""
-    target = edited_target(tmp_path, tiny_target, **changes)
+    target = config_target(**changes)
     with pytest.raises(ConfigError) as info:
         memfit.check_engine(str(target), tokens=64, engine_dtype="auto", key="evaluate.context_buckets", what="x")
     assert str(info.value) == f"run.target: {target}/config.json: {says}"

@@ -4,7 +4,6 @@ and served another model)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -15,25 +14,6 @@ from eaglenest.errors import ConfigError
 from eaglenest.shapes import check_weight_shapes, mismatches
 
 
-def edited_target(tmp_path, tiny_target, **changes):
-    """A copy of the tiny target whose config.json has ``changes`` (its weights untouched)."""
-    dst = tmp_path / "edited tärget"
-    shutil.copytree(tiny_target, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
-@pytest.fixture
-def no_vllm(monkeypatch):
-    """make_llm as far as importing vLLM: reaching it is a failure here (the refusal comes first)."""
-    def reached(*args, **kwargs):
-        raise AssertionError("vLLM was reached")
-
-    monkeypatch.setattr(eaglenest.engine, "require", reached)
-
-
 @pytest.mark.parametrize(("changes", "says"), [
     # Both started an engine that served the checkpoint cut to config.json's shapes (no error at all).
     ({"intermediate_size": 256}, "model.layers.0.mlp.down_proj.weight is [128, 384] in model.safetensors, "
@@ -42,9 +22,8 @@ def no_vllm(monkeypatch):
                                  "config.json makes it [64, 128]; and 15 more tensors"),
     ({"vocab_size": 1024}, "lm_head.weight is [2048, 128] in model.safetensors, config.json makes it [1024, 128]"),
 ])
-def test_a_checkpoint_larger_than_config_json_is_refused_before_the_engine(tmp_path, tiny_target, no_vllm,
-                                                                          changes, says):
-    target = edited_target(tmp_path, tiny_target, **changes)
+def test_a_checkpoint_larger_than_config_json_is_refused_before_the_engine(no_vllm, changes, says, config_target):
+    target = config_target(**changes)
     with pytest.raises(ConfigError) as info:
         make_llm(str(target), EngineConfig(max_model_len=128, memory_fraction=0.05, in_process=True))
     message = str(info.value)
@@ -56,16 +35,16 @@ def test_the_checkpoint_as_released_passes(tiny_target):
     check_weight_shapes(tiny_target)  # raises on any mismatch
 
 
-def test_a_hub_id_or_a_folder_without_safetensors_is_left_to_the_engine(tmp_path, tiny_target):
+def test_a_hub_id_or_a_folder_without_safetensors_is_left_to_the_engine(config_target):
     check_weight_shapes("org/not-here")  # no local folder: nothing to compare
-    bin_only = edited_target(tmp_path, tiny_target, intermediate_size=256)
+    bin_only = config_target(intermediate_size=256)
     (bin_only / "model.safetensors").rename(bin_only / "pytorch_model.bin")  # no header to read
     check_weight_shapes(bin_only)
 
 
-def test_a_quantised_checkpoint_is_not_compared(tmp_path, tiny_target):
+def test_a_quantised_checkpoint_is_not_compared(config_target):
     """Packed quantised tensors keep their names with other shapes: never taken for an edit."""
-    target = edited_target(tmp_path, tiny_target, intermediate_size=256,
+    target = config_target(intermediate_size=256,
                            quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
     check_weight_shapes(target)
 
@@ -77,11 +56,11 @@ def test_only_tensors_of_both_with_another_element_count_are_named():
     assert mismatches(have, want) == ["c is [3] in y.safetensors, config.json makes it [5]"]
 
 
-def test_vllms_own_shape_failure_still_names_the_target(tmp_path, tiny_target, monkeypatch):
+def test_vllms_own_shape_failure_still_names_the_target(monkeypatch, config_target):
     """Where the comparison cannot run (no transformers class for it), vLLM's loader failure is still one
     line naming run.target (``engine_errors``): the pre-check turned off here to reach it. Starts an engine."""
     monkeypatch.setattr(eaglenest.precheck, "check_weight_shapes", lambda target, **kwargs: None)
-    target = edited_target(tmp_path, tiny_target, intermediate_size=512)
+    target = config_target(intermediate_size=512)
     with pytest.raises(ConfigError) as info:
         make_llm(str(target), EngineConfig(max_model_len=128, memory_fraction=0.05, in_process=True))
     message = str(info.value)

@@ -7,32 +7,13 @@ run.target. No engine starts here: reaching vLLM fails the test."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-import eaglenest.engine
 from eaglenest.engine import EngineConfig, make_llm
 from eaglenest.errors import ConfigError
 from eaglenest.ingest.commands import check_target_loads
 from eaglenest.shapes import config_shapes
-
-
-def _edited(tmp_path, tiny_target, **changes):
-    dst = tmp_path / "my target"
-    shutil.copytree(tiny_target, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
-@pytest.fixture
-def no_vllm(monkeypatch):
-    def reached(*args, **kwargs):
-        raise AssertionError("vLLM was reached")
-
-    monkeypatch.setattr(eaglenest.engine, "require", reached)
 
 
 @pytest.mark.parametrize(("changes", "says"), [
@@ -40,9 +21,8 @@ def no_vllm(monkeypatch):
     ({"num_key_value_heads": 0}, "ZeroDivisionError"),
     ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "nosuch"}}, "KeyError: 'nosuch'"),
 ])
-def test_a_config_no_model_can_be_built_from_is_refused_before_any_engine(tmp_path, tiny_target, no_vllm,
-                                                                          changes, says):
-    target = _edited(tmp_path, tiny_target, **changes)
+def test_a_config_no_model_can_be_built_from_is_refused_before_any_engine(no_vllm, changes, says, config_target):
+    target = config_target(**changes)
     with pytest.raises(ConfigError) as exc:
         check_target_loads(str(target), trust_remote_code=False, max_model_len=256)
     line = str(exc.value)
@@ -52,12 +32,12 @@ def test_a_config_no_model_can_be_built_from_is_refused_before_any_engine(tmp_pa
         make_llm(str(target), EngineConfig(max_model_len=256), where="featurestore.engine")
 
 
-def test_a_config_transformers_has_no_causal_lm_class_for_is_still_left_to_vllm(tmp_path, tiny_target):
+def test_a_config_transformers_has_no_causal_lm_class_for_is_still_left_to_vllm(config_target):
     """Only a model transformers has a class for and fails to build is refused: a config it has no
     causal-LM class for (a vision-language wrapper, a vLLM-only architecture) is not judged here."""
-    target = _edited(tmp_path, tiny_target, hidden_act="silu")
+    target = config_target(hidden_act="silu")
     assert config_shapes(target) is not None
-    vl = _edited(tmp_path / "vl", tiny_target)
+    vl = config_target("vl")
     cfg = json.loads((vl / "config.json").read_text())
     wrapper = {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
                "text_config": {**cfg, "model_type": "qwen3_vl_text"}}

@@ -101,3 +101,11 @@ class StubCapturer:
                 raise StoreError("the capture engine died (stub)")
             self.num_forward_passes += 1
             yield np.zeros((len(s), self.layers, 128), np.float32), np.zeros((len(s), 128), np.float32)
+
+
+def rows_of(tokens: int, n: int = 2) -> list[dict]:
+    """:func:`prompt_rows` (seed 3) whose conversations hold ``tokens`` tokens each, prompt and response."""
+    rows = prompt_rows(n, seed=3)
+    for r in rows:
+        r["response_token_ids"] = r["response_token_ids"][: tokens - len(r["prompt_token_ids"])]
+    return rows

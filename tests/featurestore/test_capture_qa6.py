@@ -118,31 +118,14 @@ def test_a_table_name_taken_by_a_table_of_another_schema_names_the_key(tmp_path,
     assert lance.dataset(f"{uri}/mine.lance").version == 1
 
 
-def _short_target(tmp_path, tiny_target, positions: int):
-    """The tiny target with ``positions`` positions (max_position_embeddings): same weights."""
-    target = tmp_path / "short-target"
-    shutil.copytree(tiny_target, target)
-    cfg = json.loads((target / "config.json").read_text())
-    cfg["max_position_embeddings"] = positions
-    (target / "config.json").write_text(json.dumps(cfg))
-    return target
-
-
-def _rows_of(tokens: int, n: int = 2) -> list[dict]:
-    rows = fs_helpers.prompt_rows(n, seed=3)
-    for r in rows:
-        r["response_token_ids"] = r["response_token_ids"][: tokens - len(r["prompt_token_ids"])]
-    return rows
-
-
-def test_a_response_that_filled_every_position_names_how_to_capture_it(tmp_path, tiny_target, monkeypatch):
+def test_a_response_that_filled_every_position_names_how_to_capture_it(tmp_path, monkeypatch, config_target):
     """`ingest build` with ingest.engine.max_model_len at the target's positions generates up to all of
     them; capture needs one more for the token it samples, so it said "raise it", and raising it was
     refused as past the target's positions: no way to capture the store. The line says now that vLLM
     takes it with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (the test below captures so, exactly)."""
     fs_helpers.forbid_capture_engine(monkeypatch)
-    target = _short_target(tmp_path, tiny_target, 20)
-    uri = fs_helpers.prompts_store(tmp_path, _rows_of(20), target)
+    target = config_target("short-target", max_position_embeddings=20)
+    uri = fs_helpers.prompts_store(tmp_path, fs_helpers.rows_of(20), target)
     cfg = FeaturestoreConfig(engine=EngineConfig(max_model_len=20, memory_fraction=0.1))
     with pytest.raises(ConfigError, match=r"^featurestore\.engine\.max_model_len: 20 is too small for prompts row "
                                           r"s-000 \(20 tokens; capture needs 21\): raise it; 21 is past the 20 "
@@ -151,19 +134,19 @@ def test_a_response_that_filled_every_position_names_how_to_capture_it(tmp_path,
         build.capture(target=str(target), store_uri=uri, cfg=cfg)
     # a conversation short of the positions: the plain advice, nothing about the environment
     with pytest.raises(ConfigError, match=r"capture needs 21\): raise it$"):
-        build.check_lengths(_rows_of(20), 20, target=str(_short_target(tmp_path / "long", tiny_target, 64)))
+        build.check_lengths(fs_helpers.rows_of(20), 20, target=str(config_target("long", max_position_embeddings=64)))
     assert not store.exists(uri, store.FEATURES)
 
 
-def test_the_advice_captures_a_conversation_of_every_position_exactly(tmp_path, tiny_target, monkeypatch):
+def test_the_advice_captures_a_conversation_of_every_position_exactly(tmp_path, tiny_target, monkeypatch, config_target):
     """What the refusal above says, with a real vLLM engine: the hidden states of a conversation of all
     the target's positions equal transformers' (one engine start)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    target = _short_target(tmp_path, tiny_target, 20)
-    rows = _rows_of(20, n=1)
+    target = config_target("short-target", max_position_embeddings=20)
+    rows = fs_helpers.rows_of(20, n=1)
     uri = fs_helpers.prompts_store(tmp_path, rows, target)
     cfg = FeaturestoreConfig(engine=EngineConfig(max_model_len=21, max_num_seqs=2, memory_fraction=0.05))
     assert build.capture(target=str(target), store_uri=uri, cfg=cfg)["captured"] == 1

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eaglenest.engine import has_cuda
+from eaglenest.errors import ConfigError
 from eaglenest.evaluate.config import EvaluateConfig
 from eaglenest.evaluate.plan import plan
 from eaglenest.evaluate.run import evaluate_al
@@ -34,6 +35,7 @@ def served_al_scorer(train_cfg, evaluate_cfg=None, *, target_dir: str, store_uri
     ``serve export`` will write it."""
     cfg = selection_config(train_cfg, evaluate_cfg)
     settings = export_settings(serve_cfg)
+    check_exportable(train_cfg, settings)
     # Refused now (a prompt with no room in the engine, every prompt excluded), not at the first snapshot.
     plan(cfg, target=target_dir, store_uri=store_uri, trust_remote_code=trust_remote_code)
 
@@ -61,6 +63,19 @@ def export_settings(serve_cfg) -> dict[str, Any]:
         quantization = "none"
     return {"dtype": serve_cfg.dtype, "format": serve_cfg.format, "quantization": quantization,
             "num_speculative_tokens": serve_cfg.num_speculative_tokens}
+
+
+def check_exportable(train_cfg, settings: dict[str, Any]) -> None:
+    """Refuse now, not at the first snapshot after ``train.select.every_steps`` steps of training, the
+    export settings ``export_draft`` refuses for every draft of ``train.family`` (what the recipe
+    fixes, not what training learns)."""
+    if train_cfg.family == "dflash" and settings.get("quantization", "none") != "none":
+        raise ConfigError("serve.quantization: a DFlash draft (train.family=dflash) exports with "
+                          "serve.quantization=none only for now; train.select exports every snapshot with it")
+    if settings.get("format") == "speculators" and train_cfg.norm_before_fc and train_cfg.fc_norm:
+        raise ConfigError("serve.format: speculators refuses train.norm_before_fc together with train.fc_norm "
+                          "(its Eagle3SpeculatorConfig allows one) and train.select exports every snapshot with it; "
+                          "set serve.format=vllm")
 
 
 def selection_config(train_cfg, evaluate_cfg=None):

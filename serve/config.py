@@ -10,6 +10,10 @@ from eaglenest.config import short
 from eaglenest.engine import MAX_NUM_SPECULATIVE_TOKENS
 from eaglenest.errors import ConfigError
 
+#: Folders of run.workdir that servers write logs to, never a draft folder (``serve push`` would upload them).
+LOG_DIRS = {"serve": "`serve up` and `evaluate throughput` write their server logs",
+            "logs": "engine commands write vLLM's log"}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServeConfig:
@@ -52,6 +56,9 @@ class ServeConfig:
             if posixpath.normpath(value) == ".":
                 raise ConfigError(f"serve.{name}: a folder inside run.workdir, not run.workdir itself, "
                                   f"got {short(value)}")
+        if posixpath.normpath(self.draft_subdir) in LOG_DIRS:
+            raise ConfigError(f"serve.draft_subdir: {short(self.draft_subdir)} is where "
+                              f"{LOG_DIRS[posixpath.normpath(self.draft_subdir)]}; choose another folder")
         draft, ckpt = (posixpath.normpath(v).split("/") for v in (self.draft_subdir, self.checkpoint_subdir))
         if draft[:len(ckpt)] == ckpt or ckpt[:len(draft)] == draft:
             raise ConfigError(f"serve.draft_subdir: {short(self.draft_subdir)} would overwrite the checkpoint "

@@ -246,6 +246,11 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     shown = Path(out_dir)
     # Written where the folder really is: a symlinked --out keeps its link, pointing at the new export.
     out_dir = check_out(out_dir, ckpt_dir, key=key, keep_clear=keep_clear, not_at=not_at)
+    if is_export(ckpt_dir):  # serve export's own output (weights renamed, cast, quantised), no checkpoint.json
+        came = json.loads((Path(ckpt_dir) / "provenance.json").read_text(encoding="utf-8")).get("inputs")
+        came = came.get("checkpoint") if isinstance(came, dict) else None
+        raise ConfigError(f"serve.checkpoint_subdir: {shown_path(ckpt_dir)} holds an exported draft, not a training "
+                          f"checkpoint; export the checkpoint it came from ({short(came, 200)})")
     info = read_info(ckpt_dir)
     _check_info(info, Path(ckpt_dir) / INFO)
     trained_as = checkpoint_family(info["draft_config"])
@@ -327,7 +332,7 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
                                                           "format": format}},
                          argv=argv, inputs=inputs, extra={"format": format, "stage": STAGE})
         card = (dflash_card(cfg, info, inputs, format=format) if dflash
-                else model_card(cfg, info, inputs, format=format, notes=notes))
+                else model_card({**cfg, RECOMMENDED_K: k}, info, inputs, format=format, notes=notes))
         (tmp / "README.md").write_text(card, encoding="utf-8")
         _install(tmp, out_dir, key)
     except OSError as exc:

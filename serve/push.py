@@ -24,6 +24,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from eaglenest.engine import draft_family
 from eaglenest.errors import ConfigError, EaglenestError
 from eaglenest.paths import read_json_object, shown_path
 from eaglenest.serve import formats
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 HUB_LICENCES = frozenset({"apache-2.0", "mit", "cc0-1.0", "cc-by-4.0", "cc-by-sa-4.0", "cc-by-nc-4.0",
                           "cc-by-nc-sa-4.0", "cc-by-3.0", "bsd-2-clause", "bsd-3-clause", "mpl-2.0", "gpl-3.0",
                           "lgpl-3.0", "agpl-3.0", "odc-by", "odbl", "pddl", "unlicense", "llama3.1", "gemma"})
+#: The draft families' names in the commit message (the card's tag is the family itself).
+FAMILY_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +103,13 @@ def plan_push(draft_dir: str | Path, *, repo_id: str, revision: str = "main", vi
     if report is not None and Path(str(report.get("draft", ""))).resolve() != draft.resolve():
         log.info("evaluate report measured %s, not %s: no AL table in the card", report.get("draft"), draft)
         report = None
+    family = draft_family(read_json_object(draft / "config.json", error=EaglenestError,
+                                           then="export the draft again (`serve export`)"))
     files["README.md"] = card(card_in, prov, licences=licences, manifest_name=manifest_name,
-                              report=report).encode("utf-8")
+                              report=report, family=family).encode("utf-8")
     inputs = prov.get("inputs") or {}
-    message = f"eaglenest EAGLE-3 draft ({prov.get('format', 'vllm')} format, step {inputs.get('step')})"
+    message = (f"eaglenest {FAMILY_NAMES[family]} draft ({prov.get('format', 'vllm')} format, "
+               f"step {inputs.get('step')})")
     return PushPlan(repo_id=repo_id, revision=revision, private=visibility == "private", files=files,
                     commit_message=message)
 
@@ -187,8 +193,9 @@ def _create_repo(api, plan: PushPlan) -> None:
 
 
 def card(card_in: str, prov: dict[str, Any], *, licences: dict[str, str], manifest_name: str,
-         report: dict | None) -> str:
-    """The Hub card: metadata, the export's card, lineage, licence and (when measured) AL."""
+         report: dict | None, family: str = "eagle3") -> str:
+    """The Hub card: metadata (``family``, the draft's: eagle3, peagle or dflash, a tag), the export's
+    card, lineage, licence and (when measured) AL."""
     inputs = prov.get("inputs") or {}
     target = str(inputs.get("target", ""))
     distinct = sorted(set(licences.values()))
@@ -197,7 +204,8 @@ def card(card_in: str, prov: dict[str, Any], *, licences: dict[str, str], manife
         meta.append(f"license_name: {_slug('-'.join(distinct) or 'unknown')}")
     if re.fullmatch(r"[\w.-]+/[\w.-]+", target) and not Path(target).exists():  # a Hub id, not a local path
         meta.append(f"base_model: {target}")
-    meta += ["tags:", "- eagle3", "- speculative-decoding", "- eaglenest", f"- {prov.get('format', 'vllm')}", "---", ""]
+    meta += ["tags:", f"- {family}", "- speculative-decoding", "- eaglenest", f"- {prov.get('format', 'vllm')}",
+             "---", ""]
     lineage = ["## Data and lineage", "", "| | |", "|---|---|",
                f"| target | `{target}` |",
                f"| manifest | `{manifest_name}` |" if manifest_name else None,

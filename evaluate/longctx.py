@@ -59,13 +59,23 @@ class LongPrompt:
         return len(self.prompt_token_ids) - self.evidence[1]
 
 
+def rendered(tok, messages: list[dict], chat_template_kwargs: dict | None) -> tuple[str, bool]:
+    """``(text, add_special_tokens)`` of a prompt as vLLM decodes it: the target's chat template with the
+    generation prompt (which writes its own special tokens), or, for a base model without a template, the
+    messages' contents as one plain document, a blank line between them (a single turn: ingest's raw
+    prompt), to which the tokenizer adds its special tokens (BOS) as ``LLM.generate`` does."""
+    if not getattr(tok, "chat_template", None):
+        return "\n\n".join(m["content"] for m in messages) + "\n", True
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                   **(chat_template_kwargs or {})), False
+
+
 class _Encoded:
-    """A rendered chat prompt: its text, token ids and each token's character offsets."""
+    """A rendered prompt (:func:`rendered`): its text, token ids and each token's character offsets."""
 
     def __init__(self, tok, messages: list[dict], chat_template_kwargs: dict | None) -> None:
-        self.text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                            **(chat_template_kwargs or {}))
-        enc = tok(self.text, add_special_tokens=False, return_offsets_mapping=True)
+        self.text, special = rendered(tok, messages, chat_template_kwargs)
+        enc = tok(self.text, add_special_tokens=special, return_offsets_mapping=True)
         self.ids = list(enc["input_ids"])
         # Running max: some tokenizers give special tokens (0, 0) offsets; bisect needs sorted ends.
         self._ends = list(itertools.accumulate((e for _, e in enc["offset_mapping"]), max))

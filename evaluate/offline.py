@@ -41,7 +41,7 @@ from safetensors import SafetensorError
 
 from eaglenest.errors import ConfigError
 from eaglenest.evaluate.al import SpecCounters, per_request_summary
-from eaglenest.evaluate.prompts import render
+from eaglenest.evaluate.prompts import prompt_tokens
 from eaglenest.hf import load_causal_lm, load_tokenizer
 from eaglenest.paths import read_json_object, shown_path
 from eaglenest.serve import formats, fp8
@@ -213,10 +213,9 @@ def load_target(target_dir: str | Path, *, trust_remote_code: bool = False):
 
 
 def prompt_ids(tok, prompt: dict, chat_template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of a prompt: ``prompt_token_ids`` as given, or the chat template (as vLLM's chat)."""
-    if "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
-    return render(tok, prompt["messages"], chat_template_kwargs)
+    """Token ids of a prompt: ``prompt_token_ids`` as given, a raw held-out prompt's text, or the chat
+    template (as vLLM's chat); ``prompts.prompt_tokens``."""
+    return prompt_tokens(tok, prompt, chat_template_kwargs)
 
 
 def _aux(hidden_states, layer_ids) -> torch.Tensor:

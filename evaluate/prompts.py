@@ -11,6 +11,10 @@ decoded: later turns need the target's own answer to earlier ones, which would d
 tie AL to that answer. Prompts whose normalised content (``eaglenest.text.content_key``, the same
 key ingest deduplicates with) matches a training prompt of the store are reported and dropped, so
 AL is never measured on training data.
+
+A held-out prompt ingest stored as ``raw`` (with ``raw_fraction`` 1.0, every single-turn one: a base
+model without a chat template) is decoded as the raw completion ingest would send (``"raw_text"`` in its
+prompt dict: system prompt, blank line, prompt; no chat markup), the others with the target's template.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from pathlib import Path
 
 from eaglenest.config import short
 from eaglenest.errors import ConfigError, StoreError
+from eaglenest.evaluate.longctx import rendered
 from eaglenest.featurestore.table import store
+from eaglenest.ingest.pool import raw_document
 from eaglenest.text import content_key
 
 log = logging.getLogger(__name__)
@@ -33,10 +39,26 @@ Groups = dict[str, list[dict]]
 
 def render(tok, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a chat prompt as vLLM's ``LLM.chat`` renders it: the target's template with the
-    generation prompt and ``evaluate.chat_template_kwargs`` (resolved, see ``evaluate/settings.py``)."""
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                   **(chat_template_kwargs or {}))
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+    generation prompt and ``evaluate.chat_template_kwargs`` (resolved, see ``evaluate/settings.py``); for a
+    base model without a template (context buckets), the messages as a plain document (``longctx.rendered``)."""
+    text, special = rendered(tok, messages, chat_template_kwargs)
+    return list(tok(text, add_special_tokens=special)["input_ids"])
+
+
+def prompt_tokens(tok, prompt: dict, chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of an evaluation prompt as vLLM takes it: ``prompt_token_ids`` as given, a raw prompt's
+    ``raw_text`` as ``LLM.generate`` tokenizes a text (the tokenizer's special tokens added, as ingest's raw
+    requests were), else :func:`render`. A chat prompt for a target without a chat template is a ConfigError."""
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "raw_text" in prompt:
+        return list(tok(prompt["raw_text"])["input_ids"])
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(f"run.target: {tok.name_or_path} has no chat template, and evaluation prompt "
+                          f"{prompt.get('sample_id')} is chat "
+                          "(a published prompt set, or a held-out prompt stored as chat: ingest it again with "
+                          "raw_fraction 1.0 into a new run.store)")
+    return render(tok, prompt["messages"], chat_template_kwargs)
 
 
 def _keys(messages: list[dict]) -> set[str]:
@@ -49,14 +71,18 @@ def _keys(messages: list[dict]) -> set[str]:
 def heldout(store_uri: str, split: str) -> Groups:
     if not store.exists(store_uri, store.PROMPTS):
         raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
-    rows = store.read(store_uri, store.PROMPTS, columns=["sample_id", "domain", "messages_json"],
+    rows = store.read(store_uri, store.PROMPTS, columns=["sample_id", "domain", "mode", "messages_json"],
                       filter=f"split = {store.sql_text(split)}").to_pylist()
     if not rows:
         raise StoreError(f"no '{split}' prompts in {store_uri}")
     groups: Groups = collections.defaultdict(list)
     for r in sorted(rows, key=lambda r: r["sample_id"]):
         msgs = first_turn(json.loads(r["messages_json"]))
-        groups[r["domain"]].append({"sample_id": r["sample_id"], "messages": msgs})
+        p = {"sample_id": r["sample_id"], "messages": msgs}
+        if r["mode"] == "raw":  # decoded as ingest sends a raw prompt, never through the chat template
+            p["raw_text"] = raw_document("".join(m["content"] for m in msgs if m["role"] == "system"),
+                                         msgs[-1]["content"])
+        groups[r["domain"]].append(p)
     return dict(groups)
 
 
@@ -196,7 +222,7 @@ def check_prompt_lengths(tok, prompts: list[dict], chat_template_kwargs, *, max_
     """Refuse a chat prompt that leaves the engine (``max_len`` positions) no room for ``output_tokens``
     (vLLM refuses it mid-run, after the prompts before it were decoded)."""
     for p in prompts:
-        n = len(render(tok, p["messages"], chat_template_kwargs))
+        n = len(prompt_tokens(tok, p, chat_template_kwargs))
         if n + output_tokens > max_positions:
             raise ConfigError(f"evaluate: prompt {p['sample_id']} has {n} tokens, no room for {output_tokens} output "
                               f"token(s) within the target's {max_positions} positions: leave it out of the prompt set")
@@ -207,14 +233,20 @@ def check_prompt_lengths(tok, prompts: list[dict], chat_template_kwargs, *, max_
 
 
 def training_keys(store_uri: str, heldout_split: str = "heldout") -> set[str]:
-    """Content keys of every non-held-out prompt of the store (the training pool)."""
+    """Content keys of every non-held-out prompt of the store (the training pool). A raw prompt's document
+    gives its whole text's key (system and prompt) and that of what follows its first blank line (the prompt
+    after a system prompt; for a prompt of paragraphs without one, a key that can only exclude more)."""
     if not store.exists(store_uri, store.PROMPTS):
         return set()
     rows = store.read(store_uri, store.PROMPTS, columns=["messages_json"],
                       filter=f"split != {store.sql_text(heldout_split)}").to_pylist()
     keys: set[str] = set()
     for r in rows:
-        keys |= _keys([m for m in json.loads(r["messages_json"]) if m["role"] != "assistant"])
+        msgs = [m for m in json.loads(r["messages_json"]) if m["role"] != "assistant"]
+        keys |= _keys(msgs)
+        for m in msgs:  # a raw prompt: one "document" (``ingest.pool.raw_document``: system, blank line, prompt)
+            if m["role"] == "document":
+                keys |= {content_key(m["content"]), content_key(m["content"].split("\n\n", 1)[-1])}
     return keys
 
 
@@ -261,7 +293,8 @@ def load_prompt_set(cfg, store_uri: str) -> tuple[Groups, dict]:
             "overlap_check": "normalised-content hash against the store's training prompts"
                              if cfg.exclude_overlap else "off",
             "max_prompts_per_domain": cfg.max_prompts_per_domain, "over_cap": kept - evaluated,
-            "evaluated": evaluated, "empty_first_turn": len(empty), "empty_first_turn_ids": empty[:50],
+            "evaluated": evaluated, "decoded_raw": sum("raw_text" in p for ps in groups.values() for p in ps),
+            "empty_first_turn": len(empty), "empty_first_turn_ids": empty[:50],
             "domains_not_evaluated": missing}
     if not groups:
         raise ConfigError("evaluate: every prompt was excluded as overlapping the training pool")

@@ -122,6 +122,9 @@ def _prompts_line(p: dict) -> str:
         line += f"; beyond evaluate.max_prompts_per_domain={p.get('max_prompts_per_domain')}: {p['over_cap']}"
     if "evaluated" in p:
         line += f"; evaluated: {p['evaluated']}"
+    if p.get("decoded_raw"):
+        line += (f"; decoded as raw completions, without the chat template (stored raw by ingest, raw_fraction "
+                 f"1.0: a base model): {p['decoded_raw']}")
     missing = p.get("domains_not_evaluated") or {}
     if missing:
         line += "; not evaluated: " + ", ".join(f"{md_cell(g)} ({why})" for g, why in missing.items())

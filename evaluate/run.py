@@ -54,17 +54,24 @@ def _params(cfg, max_tokens: int, logprobs: int | None = None):
 
 
 def _decode(llm, prompts: list[dict], cfg, *, max_tokens: int | None = None, logprobs: int | None = None) -> list:
-    """Decode chat prompts or token-id prompts; returns vLLM RequestOutputs in prompt order."""
+    """Decode chat, raw (``raw_text``, tokenized by vLLM as ingest's raw requests were) or token-id
+    prompts, mixed; returns vLLM RequestOutputs in prompt order."""
     from vllm.inputs import TokensPrompt
 
     sp = _params(cfg, max_tokens or cfg.max_tokens, logprobs)
-    if prompts and "prompt_token_ids" in prompts[0]:
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p["prompt_token_ids"]) for p in prompts], sp,
-                            use_tqdm=False)
-    else:  # rendered by vLLM with the target's template and evaluate.chat_template_kwargs
-        outs = llm.chat([p["messages"] for p in prompts], sp, use_tqdm=False,
-                        chat_template_kwargs=cfg.chat_template_kwargs or None)
-    return list(outs)
+    plain = [i for i, p in enumerate(prompts) if "prompt_token_ids" in p or "raw_text" in p]
+    chat = sorted(set(range(len(prompts))) - set(plain))
+    outs: dict[int, object] = {}
+    if plain:
+        got = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]["prompt_token_ids"])
+                            if "prompt_token_ids" in prompts[i] else prompts[i]["raw_text"] for i in plain], sp,
+                           use_tqdm=False)
+        outs.update(zip(plain, got))
+    if chat:  # rendered by vLLM with the target's template and evaluate.chat_template_kwargs
+        got = llm.chat([prompts[i]["messages"] for i in chat], sp, use_tqdm=False,
+                       chat_template_kwargs=cfg.chat_template_kwargs or None)
+        outs.update(zip(chat, got))
+    return [outs[i] for i in range(len(prompts))]
 
 
 def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = None, per_request: dict | None = None

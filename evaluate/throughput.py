@@ -38,21 +38,26 @@ from eaglenest.serve.server import Server
 log = logging.getLogger(__name__)
 
 
-async def _one(client, url: str, messages: list[dict], max_tokens: int, seed: int,
+async def _one(client, url: str, prompt: dict, max_tokens: int, seed: int,
                chat_template_kwargs: dict | None = None) -> dict:
-    body = {"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+    """One streamed request: a chat completion, or a plain completion of a raw held-out prompt's
+    ``raw_text`` (a base model has no chat template to render it with)."""
+    body = {"model": "target", "max_tokens": max_tokens, "temperature": 0.0,
             "seed": seed, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    if chat_template_kwargs:
+    raw = "raw_text" in prompt
+    body.update({"prompt": prompt["raw_text"]} if raw else {"messages": prompt["messages"]})
+    if chat_template_kwargs and not raw:
         body["chat_template_kwargs"] = chat_template_kwargs
     t0 = time.perf_counter()
     ttft, tokens, text = None, 0, []
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+    async with client.stream("POST", f"{url}/v1/{'completions' if raw else 'chat/completions'}", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            content = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
+            choice = chunk["choices"][0] if chunk.get("choices") else {}
+            content = choice.get("text") if raw else (choice.get("delta") or {}).get("content")
             if content:
                 ttft = time.perf_counter() - t0 if ttft is None else ttft
                 text.append(content)
@@ -72,7 +77,7 @@ async def _point(url: str, prompts: list[dict], *, concurrency: int, max_tokens:
 
     async def run(i):
         async with sem:
-            return i, await _one(client, url, prompts[i]["messages"], max_tokens, seed, chat_template_kwargs)
+            return i, await _one(client, url, prompts[i], max_tokens, seed, chat_template_kwargs)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         t0 = time.perf_counter()

@@ -323,7 +323,11 @@ def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
         for key in chosen:
             turns, system, source = cands[key]
             heldout = key in held
-            raw = not heldout and len(turns) == 1 and _unit(key, "raw") < manifest.raw(domain)
+            # Held-out prompts are decoded as chat (docs/manifest.md), except where every training prompt is
+            # raw (raw_fraction 1.0: a base model, no chat template to render them with): `evaluate` decodes a
+            # raw one, from its first turn, as the raw completion ingest sends.
+            raw = (manifest.raw(domain) >= 1.0 if heldout
+                   else len(turns) == 1 and _unit(key, "raw") < manifest.raw(domain))
             pool.append(PoolEntry(sample_id=f"{domain}-{key[:16]}", domain=domain, source=source,
                                   split="heldout" if heldout else "train",
                                   mode="raw" if raw else "chat", system=system, prompt=turns[0],
@@ -376,4 +380,9 @@ def load_pool(manifest: Manifest, *, base_dir: str | Path | None = None,
 
 def raw_text(entry: PoolEntry) -> str:
     """What a raw-completion request sends: the prompt as a plain document, no chat markup."""
-    return (entry.system + "\n\n" if entry.system else "") + entry.prompt + "\n"
+    return raw_document(entry.system, entry.prompt)
+
+
+def raw_document(system: str, prompt: str) -> str:
+    """:func:`raw_text` of a system prompt and a user turn (``evaluate`` decodes raw held-out prompts so)."""
+    return (system + "\n\n" if system else "") + prompt + "\n"

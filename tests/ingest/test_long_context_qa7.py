@@ -101,7 +101,7 @@ def test_a_base_model_is_ingested_with_every_prompt_raw(tmp_path, base_model):
     path.write_text(text.format(r=1.0))
     m = load_manifest(path)
     pool = load_pool(m, target=str(base_model))
-    assert {(e.split, e.mode) for e in pool} == {("train", "raw"), ("heldout", "chat")}
+    assert {(e.split, e.mode) for e in pool} == {("train", "raw"), ("heldout", "raw")}  # held out: decoded raw
     tok = load_tokenizer(str(base_model), trust_remote_code=False)
     stats = build(m, pool, target=str(base_model), store_uri=str(tmp_path / "s"), cfg=IngestConfig(),
                   backend=Scripted(tok))

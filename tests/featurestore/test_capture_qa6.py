@@ -38,7 +38,8 @@ def _chat_rows(n: int) -> list[dict]:
     return rows
 
 
-def test_capture_refuses_a_chat_template_edited_since_ingest_in_one_line(tmp_path, tiny_target, edited_target, monkeypatch, capsys):
+def test_capture_refuses_a_chat_template_edited_since_ingest_in_one_line(tmp_path, tiny_target, edited_target,
+        monkeypatch, capsys):
     """The user edited tokenizer_config.json's chat_template after `ingest build`: capture went on and
     stored features of token ids the target would no longer produce for those prompts. Exit 2, one
     line naming the template and run.off_policy; no engine, no features table."""
@@ -77,7 +78,8 @@ def test_capture_refuses_another_tokenizer_with_the_same_weights(tmp_path, tiny_
     assert not store.exists(uri, store.FEATURES)
 
 
-def test_off_policy_capture_of_an_edited_template_warns_and_captures(tmp_path, tiny_target, edited_target, monkeypatch, caplog):
+def test_off_policy_capture_of_an_edited_template_warns_and_captures(tmp_path, tiny_target, edited_target, monkeypatch,
+        caplog):
     monkeypatch.setattr(build, "Capturer", _StubCapturer)
     uri = fs_helpers.prompts_store(tmp_path, _chat_rows(2), tiny_target)
     target = edited_target
@@ -138,7 +140,8 @@ def test_a_response_that_filled_every_position_names_how_to_capture_it(tmp_path,
     assert not store.exists(uri, store.FEATURES)
 
 
-def test_the_advice_captures_a_conversation_of_every_position_exactly(tmp_path, tiny_target, monkeypatch, config_target):
+def test_the_advice_captures_a_conversation_of_every_position_exactly(tmp_path, tiny_target, monkeypatch,
+        config_target):
     """What the refusal above says, with a real vLLM engine: the hidden states of a conversation of all
     the target's positions equal transformers' (one engine start)."""
     import torch

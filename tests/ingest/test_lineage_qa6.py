@@ -64,7 +64,8 @@ def test_ingest_records_the_tokenizer_and_chat_template_it_generated_with(tmp_pa
     assert lineage["tokenizer_sha256"] == policy.tokenization_record(str(tiny_target))["tokenizer_sha256"]
 
 
-def test_an_edited_template_keeps_the_tokenizer_hash_and_changes_the_template_hash(tmp_path, tiny_target, edited_target):
+def test_an_edited_template_keeps_the_tokenizer_hash_and_changes_the_template_hash(tmp_path, tiny_target,
+        edited_target):
     """The tokenizer hash leaves the template out, so a refusal can say which of the two changed; a
     tokenizer_config.json only re-indented is the same tokenizer and the same template."""
     mine = policy.tokenization_record(str(tiny_target))
@@ -93,7 +94,8 @@ def test_ingest_adding_responses_after_the_template_changed_is_refused(tmp_path,
     assert store.latest_version(uri, store.PROMPTS) == before
 
 
-def test_off_policy_lets_ingest_add_them_and_capture_still_names_the_change(tmp_path, tiny_target, edited_target, caplog):
+def test_off_policy_lets_ingest_add_them_and_capture_still_names_the_change(tmp_path, tiny_target, edited_target,
+        caplog):
     uri = str(tmp_path / "store")
     _ingest(tiny_target, uri, _entries(0, 2))
     edited = edited_target
@@ -188,7 +190,8 @@ def test_the_rendering_kwargs_of_versions_gc_removed_are_still_read(tmp_path, ti
     assert policy.rendered_kwargs(uri) == [{"enable_thinking": True}, {}]
 
 
-def test_ingest_build_refuses_an_edited_template_in_one_line_before_reading_the_pool(tmp_path, tiny_target, edited_target, capsys):
+def test_ingest_build_refuses_an_edited_template_in_one_line_before_reading_the_pool(tmp_path, tiny_target,
+        edited_target, capsys):
     """Through the CLI: exit 2 and one line naming the template and run.off_policy, before the manifest's
     pool is read (the recipe's manifest is not even there) or anything is written."""
     from eaglenest.ingest.cli import main

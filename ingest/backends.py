@@ -227,11 +227,11 @@ class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def _reason(exc: urllib.error.HTTPError, limit: int = 300) -> str:
+def _reason(exc: urllib.error.HTTPError, key: str = "", limit: int = 300) -> str:
     """``": <why>"``: the message of an OpenAI-style error body (vLLM's ``{"error": {"message": ...}}``,
     older ``{"message": ...}``), one line of at most ``limit`` characters ("" if the body holds none: a
     proxy's HTML page). vLLM says there why it refused a request (a prompt past its context length),
-    which ``HTTP 400`` alone did not."""
+    which ``HTTP 400`` alone did not. An API ``key`` a server echoes is redacted too."""
     try:
         body = json.loads(exc.read(64 << 10) or b"null")
     except (OSError, ValueError, RecursionError, http.client.HTTPException):
@@ -239,7 +239,8 @@ def _reason(exc: urllib.error.HTTPError, limit: int = 300) -> str:
     err = body.get("error", body) if isinstance(body, dict) else None
     message = err.get("message") if isinstance(err, dict) else err
     text = " ".join(message.split()) if isinstance(message, str) else ""
-    return f": {redact(text)[:limit]}" if text else ""
+    text = redact(text).replace(key, "<redacted>") if key else redact(text)
+    return f": {text[:limit]}" if text else ""
 
 
 def _choice(answer, where: str) -> dict:
@@ -303,7 +304,7 @@ class EndpointBackend:
             with self._opener.open(req, timeout=self.timeout_s) as resp:
                 data = resp.read()
         except urllib.error.HTTPError as exc:  # the message never contains our headers
-            why = _reason(exc).replace(self._key, "<redacted>") if self._key else _reason(exc)  # an echoed key
+            why = _reason(exc, self._key)
             raise EaglenestError(f"{base}{path}: HTTP {exc.code}{why}") from None
         except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:
             # HTTPException: a port that does not speak HTTP (BadStatusLine), a body cut off (IncompleteRead)
@@ -322,7 +323,7 @@ class EndpointBackend:
                 with self._opener.open(req, timeout=self.timeout_s) as resp:
                     self._models[base] = json.loads(resp.read())["data"][0]["id"]
             except urllib.error.HTTPError as exc:
-                why = _reason(exc).replace(self._key, "<redacted>") if self._key else _reason(exc)
+                why = _reason(exc, self._key)
                 raise EaglenestError(f"{base}/v1/models: HTTP {exc.code}{why}") from None
             except (urllib.error.URLError, OSError, http.client.HTTPException, KeyError, IndexError,
                     TypeError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply

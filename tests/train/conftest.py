@@ -18,6 +18,12 @@ def load_helper(name: str):
 
 
 @pytest.fixture(scope="session")
+def wandb_log():
+    """wandb_log.records(run_file): the records of a W&B offline run file."""
+    return load_helper("wandb_log")
+
+
+@pytest.fixture(scope="session")
 def synth():
     return load_helper("synth")
 

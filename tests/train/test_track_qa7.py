@@ -5,8 +5,6 @@ the first run's group."""
 from __future__ import annotations
 
 import contextlib
-import struct
-from pathlib import Path
 
 import pytest
 
@@ -15,33 +13,13 @@ from eaglenest.train.config import TrackConfig
 from eaglenest.train.track import Tracking
 
 
-def _exit_codes(run_file: Path) -> list[int]:
-    """The ``exit`` records' exit codes of a wandb offline run file (LevelDB-log records of
-    ``wandb_internal_pb2.Record``, as tests/train/test_trackers.py reads its history)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, block = run_file.read_bytes(), 32768
-    assert data[:4] == b":W&B"
-    pos, parts, out = 7, b"", []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:
-            pos += block - pos % block
-            continue
-        length, kind = struct.unpack_from("<HB", data, pos + 4)
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind == 0:
-            continue
-        parts = chunk if kind in (1, 2) else parts + chunk
-        if kind not in (1, 4):
-            continue
-        record = pb.Record.FromString(parts)
-        if record.WhichOneof("record_type") == "exit":
-            out.append(record.exit.exit_code)
-    return out
+def _exit_codes(records) -> list[int]:
+    """The ``exit`` records' exit codes among a W&B offline run file's ``records`` (``wandb_log.records``)."""
+    return [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"]
 
 
 @pytest.mark.parametrize("failure", [None, StoreError, KeyboardInterrupt])
-def test_wandb_run_of_a_failed_training_is_not_marked_finished(tmp_path, monkeypatch, failure):
+def test_wandb_run_of_a_failed_training_is_not_marked_finished(tmp_path, monkeypatch, failure, wandb_log):
     """``train run`` closes its trackers from an exit stack: a run stopped by an error (a non-finite loss)
     or Ctrl-C was finished with exit code 0, shown in W&B as a run that completed."""
     import wandb
@@ -59,7 +37,7 @@ def test_wandb_run_of_a_failed_training_is_not_marked_finished(tmp_path, monkeyp
             raise failure("stopped at step 2")
     wandb.teardown()
     [run_file] = list((outdir / "wandb").glob("offline-run-*/run-*.wandb"))
-    codes = _exit_codes(run_file)
+    codes = _exit_codes(wandb_log.records(run_file))
     assert len(codes) == 1 and (codes[0] == 0) == (failure is None), codes
 
 

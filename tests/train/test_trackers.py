@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sqlite3
-import struct
 import sys
 from pathlib import Path
 
@@ -91,28 +90,10 @@ def test_resumed_run_logs_each_step_once(tmp_path, feature_store, tiny_target):
     assert [e.value for e in loss] == pytest.approx([m["loss"] for m in metrics(tmp_path / "train")], rel=1e-6)
 
 
-def wandb_history(run_file: Path) -> dict[str, dict[int, float]]:
-    """key -> {step: value} of a W&B offline run file, read with wandb's own record schema.
-
-    The file is ``:W&B`` + magic + version (7 bytes), then LevelDB-log records in 32 KiB blocks
-    (crc32c 4, length 2, type 1: full / first / middle / last) holding ``wandb_internal_pb2.Record``s."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, block = run_file.read_bytes(), 32768
-    assert data[:4] == b":W&B"
-    pos, parts, out = 7, b"", {}
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        length, kind = struct.unpack_from("<HB", data, pos + 4)
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind == 0:
-            continue
-        parts = chunk if kind in (1, 2) else parts + chunk
-        if kind not in (1, 4):
-            continue
-        record = pb.Record.FromString(parts)
+def wandb_history(records) -> dict[str, dict[int, float]]:
+    """key -> {step: value} of the history ``records`` of a W&B offline run file (``wandb_log.records``)."""
+    out = {}
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             items = {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in record.history.item}
             step = record.history.step.num if record.history.HasField("step") else items.get("_step")
@@ -121,7 +102,7 @@ def wandb_history(run_file: Path) -> dict[str, dict[int, float]]:
     return out
 
 
-def test_wandb_offline_receives_the_loss_series(tmp_path, feature_store, tiny_target, monkeypatch):
+def test_wandb_offline_receives_the_loss_series(tmp_path, feature_store, tiny_target, monkeypatch, wandb_log):
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing in the user's home
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
     assert train_main(argv(tmp_path, feature_store, tiny_target, "train.track.tracker=wandb",
@@ -133,7 +114,7 @@ def test_wandb_offline_receives_the_loss_series(tmp_path, feature_store, tiny_ta
     wandb.teardown()
     out = tmp_path / "train"
     [run_file] = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
-    history = wandb_history(run_file)
+    history = wandb_history(wandb_log.records(run_file))
     assert "train/loss" in history, (run_file.stat().st_size, sorted(history))
     assert {m["step"]: pytest.approx(m["loss"]) for m in metrics(out)} == history["train/loss"]
     assert set(history) >= TAGS

@@ -134,6 +134,54 @@ def no_vllm(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def openai_server():
+    """A context manager: ``with openai_server(model, log_path, *extra_args) as url`` runs vLLM's
+    OpenAI-compatible server for ``model`` on a free local port (float32, 512 positions, eager), waits
+    up to 240 s for ``/v1/models``, and stops its process group on the way out."""
+    import contextlib
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    @contextlib.contextmanager
+    def start(model, log_path, *extra: str):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        log = open(log_path, "w")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.15",
+             "--enforce-eager", "--disable-log-stats", *extra],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 240
+            while True:
+                assert proc.poll() is None, open(log_path).read()[-3000:]
+                assert time.time() < deadline, "vLLM server did not start in 240 s"
+                try:
+                    urllib.request.urlopen(url + "/v1/models", timeout=2).read()
+                    break
+                except OSError:
+                    time.sleep(0.5)
+            yield url
+        finally:
+            os.killpg(proc.pid, 15)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+            log.close()
+
+    return start
+
+
+@pytest.fixture(scope="session")
 def toy_checkpoint(tmp_path_factory, tiny_target) -> Path:
     """A draft checkpoint folder (``checkpoint.json`` + ``draft.safetensors``) for the tiny target:
     untrained (seeded), draft vocab 1024, aux layers (2, 4, 5). Copy it before damaging it."""

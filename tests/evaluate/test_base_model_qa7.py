@@ -11,13 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
@@ -168,41 +162,15 @@ def test_evaluate_al_on_a_base_model(base, root, tmp_path, toy_export, capsys):
     assert "decoded as raw completions" in (work / "eval" / "report.md").read_text()
 
 
-def test_throughput_requests_of_a_base_model_are_plain_completions(base, tmp_path):
+def test_throughput_requests_of_a_base_model_are_plain_completions(base, tmp_path, openai_server):
     """`evaluate throughput` sent every prompt to /v1/chat/completions: a base model's server answers 400 (no
     chat template). Raw held-out prompts go to /v1/completions; each request yields its output tokens."""
     target, uri, _ = base
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
-                             "--served-model-name", "target", "--host", "127.0.0.1", "--port", str(port),
-                             "--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.15",
-                             "--max-num-seqs", "4", "--enforce-eager", "--disable-log-stats"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while True:
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(url + "/v1/models", timeout=2).read()
-                break
-            except OSError:
-                time.sleep(0.5)
+    with openai_server(target, tmp_path / "server.log", "--served-model-name", "target", "--max-num-seqs", "4") as url:
         groups, _ = load_prompt_set(EvaluateConfig(), uri)
         prompts = [p for ps in groups.values() for p in ps]
         point = asyncio.run(_point(url, prompts, concurrency=2, max_tokens=6, seed=0))
         assert point["output_tokens"] == 6 * len(prompts) == 18  # ignore_eos: every request runs to max_tokens
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
 
 
 def test_raw_training_prompts_are_kept_out_of_a_published_prompt_set(base, tmp_path):

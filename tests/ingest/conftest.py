@@ -6,14 +6,10 @@ Session scoped: the endpoint and Dask tests share one server (one engine start).
 from __future__ import annotations
 
 import http.server
-import os
 import socket
-import subprocess
 import sys
 import textwrap
 import threading
-import time
-import urllib.request
 
 import pytest
 
@@ -53,36 +49,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tiny_target, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_target),
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
-         "--gpu-memory-utilization", "0.15", "--max-num-seqs", "16", "--enforce-eager",
-         "--disable-log-stats"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            assert proc.poll() is None, open(log.name).read()[-3000:]
-            try:
-                urllib.request.urlopen(url + "/v1/models", timeout=2).read()
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            raise AssertionError("vLLM server did not start in 240 s")
+def vllm_server(tiny_target, tmp_path_factory, openai_server):
+    with openai_server(tiny_target, tmp_path_factory.mktemp("server") / "server.log", "--max-num-seqs", "16") as url:
         yield url
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
 
 
 class _Fail(http.server.BaseHTTPRequestHandler):

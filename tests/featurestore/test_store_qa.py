@@ -235,7 +235,8 @@ print(json.dumps({"growth_mib": (kib("VmHWM:") - before) / 1024, "lines": len(ou
 
 def test_a_printed_query_with_tensors_does_not_hold_the_table(tmp_path):
     """2048 rows, ~160 MiB of tensors, printed 4 rows: ~105 MiB growth (DuckDB and Lance buffers);
-    ~380 MiB when the whole result was fetched to print 4 rows of it."""
+    ~380 MiB when the whole result was fetched to print 4 rows of it. The bound, 200 MiB, leaves a
+    loaded machine's noise room (+-30 MiB seen) and still fails the old fetch by far."""
     warm, big = str(tmp_path / "warm"), str(tmp_path / "big")
     m = H.meta(hidden=1024)
     store.append(warm, store.FEATURES, H.table(["w"], m), meta=m)
@@ -246,7 +247,7 @@ def test_a_printed_query_with_tensors_does_not_hold_the_table(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["lines"] == 6, out  # the header, 2 rows, '...', 2 rows
-    assert out["growth_mib"] < 150, out
+    assert out["growth_mib"] < 200, out
 
 
 # -- second pass ---------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,35 +29,10 @@ from eaglenest.hf import load_tokenizer
 from eaglenest.ingest.build import build
 from eaglenest.ingest.config import IngestConfig
 from eaglenest.ingest.manifest import load_manifest
-from eaglenest.ingest.backends import Completion
 from eaglenest.ingest.pool import load_pool, raw_text
 
-
-class Scripted:
-    """Answers every ingest request at once with "fine." (the ``submit``/``poll`` protocol of
-    ingest/backends.py, as tests/ingest/ingest_helpers.py): the store's bookkeeping, no engine."""
-
-    chat_template_kwargs: dict = {}
-    max_in_flight = 8
-    retries = 0
-
-    def __init__(self, tok):
-        self.tok, self.ready = tok, []
-
-    def submit(self, key, kind, payload, gen):
-        assert kind == "raw", kind  # a base model is sent raw prompts only
-        self.ready.append((key, Completion(self.tok(payload)["input_ids"], self.tok("fine.")["input_ids"], "fine.",
-                                           "stop")))
-
-    def poll(self):
-        out, self.ready = self.ready, []
-        return out
-
-    def cancel(self):
-        self.ready.clear()
-
-    def close(self):
-        pass
+sys.path.insert(0, str(Path(__file__).parents[1] / "ingest"))
+from ingest_helpers import Scripted  # noqa: E402  (the ingest tests' scripted backend: no engine)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +53,9 @@ def base(tmp_path_factory, tiny_target):
     m = load_manifest(tmp / "m.yaml")
     pool = load_pool(m, target=str(target))
     uri = str(tmp / "store")
-    build(m, pool, target=str(target), store_uri=uri, cfg=IngestConfig(),
-          backend=Scripted(load_tokenizer(str(target), trust_remote_code=False)))
+    backend = Scripted(load_tokenizer(str(target), trust_remote_code=False))
+    build(m, pool, target=str(target), store_uri=uri, cfg=IngestConfig(), backend=backend)
+    assert backend.kinds and set(backend.kinds) == {"raw"}, backend.kinds  # a base model is sent raw prompts only
     return target, uri, pool
 
 

@@ -15,10 +15,11 @@ class Scripted:
     retries = 0
 
     def __init__(self, tok):
-        self.tok, self.ready, self.requests = tok, [], []
+        self.tok, self.ready, self.requests, self.kinds = tok, [], [], []
 
     def submit(self, key, kind, payload, gen):
         self.requests.append(key)
+        self.kinds.append(kind)
         text = payload if kind == "raw" else payload[-1]["content"]
         answer = "<think> still going" if "think" in text else "fine."
         self.ready.append((key, Completion(self.tok(text)["input_ids"], self.tok(answer)["input_ids"], answer,

@@ -109,3 +109,24 @@ def rows_of(tokens: int, n: int = 2) -> list[dict]:
     for r in rows:
         r["response_token_ids"] = r["response_token_ids"][: tokens - len(r["prompt_token_ids"])]
     return rows
+
+
+#: The child: peak RSS growth of one `featurestore query --with-tensors --out` after a warm-up query.
+PEAK_CHILD = r"""
+import json, sys
+from eaglenest.featurestore import cli
+
+def kib(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1])
+
+warm, big, out, *extra = sys.argv[1:]  # extra: more arguments of both commands
+q = ["query", "--with-tensors", "--sql", "SELECT * FROM features", "--out"]
+assert cli.main(q + [out, f"run.store={warm}", *extra]) == 0  # libraries loaded, runtimes started
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM to the current RSS (Linux)
+before = kib("VmRSS:")
+assert cli.main(q + [out, f"run.store={big}", *extra]) == 0
+print(json.dumps({"growth_mib": (kib("VmHWM:") - before) / 1024}))
+"""

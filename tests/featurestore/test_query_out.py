@@ -84,25 +84,7 @@ def test_query_out_name_as_long_as_allowed_is_written(small, tmp_path):
     assert not list(tmp_path.glob(".*tmp*"))
 
 
-#: The child: peak RSS growth of one `featurestore query --with-tensors --out` after a warm-up query.
-CHILD = r"""
-import json, sys
-from eaglenest.featurestore import cli
-
-def kib(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1])
-
-warm, big, out = sys.argv[1:4]
-q = ["query", "--with-tensors", "--sql", "SELECT * FROM features", "--out"]
-assert cli.main(q + [out, f"run.store={warm}"]) == 0  # libraries loaded, runtimes started
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets VmHWM to the current RSS (Linux)
-before = kib("VmRSS:")
-assert cli.main(q + [out, f"run.store={big}"]) == 0
-print(json.dumps({"growth_mib": (kib("VmHWM:") - before) / 1024}))
-"""
+CHILD = H.PEAK_CHILD
 
 
 def test_query_out_with_tensors_peak_memory_is_bounded_by_the_batch(small, tmp_path):

@@ -82,26 +82,7 @@ def test_checkout_version_minus_one_says_it_is_no_version(small, capsys):
     assert code == 2 and len(err) == 1 and "no tag" not in err[0] and "version number" in err[0], err
 
 
-#: The child: peak RSS growth of one `featurestore query --with-tensors --out` after a warm-up query.
-CHILD = r"""
-import json, sys
-from eaglenest.featurestore import cli
-from eaglenest.featurestore import schema as S
-
-def kib(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1])
-
-warm, big, out = sys.argv[1:4]
-q = ["query", "--with-tensors", "--sql", "SELECT * FROM features", "--out"]
-assert cli.main(q + [out, f"run.store={warm}", "--recipe", sys.argv[4]]) == 0  # libraries loaded
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets VmHWM to the current RSS (Linux)
-before = kib("VmRSS:")
-assert cli.main(q + [out, f"run.store={big}", "--recipe", sys.argv[4]]) == 0
-print(json.dumps({"growth_mib": (kib("VmHWM:") - before) / 1024}))
-"""
+CHILD = H.PEAK_CHILD
 
 
 def _rows_of(m, sizes: list[int]) -> pa.Table:
@@ -128,7 +109,7 @@ def test_query_out_memory_is_bounded_when_the_first_row_is_short(small, tmp_path
     tokens = 4 * 2**20 // (4 * m.hidden_size * 4)  # 4 MiB of fp32 tensors a row
     store.append(big, store.FEATURES, _rows_of(m, [2] + [tokens] * 63), meta=m)
     out = tmp_path / "big.parquet"
-    proc = subprocess.run([sys.executable, "-c", CHILD, small, big, str(out), RECIPE], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", CHILD, small, big, str(out), "--recipe", RECIPE], capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     growth = json.loads(proc.stdout.strip().splitlines()[-1])["growth_mib"]

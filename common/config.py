@@ -145,10 +145,22 @@ def parse_yaml(text: str) -> Any:
         return yaml.load(text, Loader=loader)  # noqa: S506 - a SafeLoader
     except _Refused:
         raise
+    except yaml.MarkedYAMLError as exc:
+        raise InvalidYAML(_yaml_problem(exc)) from None
     except yaml.YAMLError as exc:
         raise InvalidYAML(str(exc)) from None
     except (ValueError, RecursionError) as exc:  # e.g. an integer past Python's digit limit
         raise InvalidYAML(short_text(str(exc))) from None
+
+
+def _yaml_problem(exc) -> str:
+    """PyYAML's error as one line: where the problem is and what it is. Its text starts with the
+    context ("while scanning for the next token") and gives the line and the problem only after it."""
+    mark = exc.problem_mark or exc.context_mark
+    what = ", ".join(filter(None, (exc.context, exc.problem))) or type(exc).__name__
+    if "'\\t'" in what:  # PyYAML's words for a tab where indentation or a token starts
+        what += " (a tab: indent with spaces)"
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark else what
 
 
 def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError, allow_empty: bool = True) -> dict[str, Any]:
@@ -176,7 +188,7 @@ def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError, allow
     except _Refused as exc:
         raise error(f"{name}: {exc}") from None
     except InvalidYAML as exc:
-        raise error(f"{name}: not valid YAML ({short_text(str(exc).splitlines()[0])})") from None
+        raise error(f"{name}: not valid YAML ({short_text(str(exc).splitlines()[0], 160)})") from None
     if data is None and not allow_empty:
         raise error(f"{name}: empty (no YAML document); write {{}} to use every default")
     if data is None:
@@ -278,7 +290,7 @@ def _name(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
 
-def _unknown_key(tp: Any, where: str, key: str) -> str:
+def unknown_key(tp: Any, where: str, key: str) -> str:
     """The line for a key dataclass ``tp`` does not have. A key the section moved names its new
     place (the class's ``RENAMED_KEYS``, old name -> dotted new name; e.g. ``TrainConfig``); a misspelt
     one, the section's key it is closest to."""
@@ -300,7 +312,7 @@ def _collect(tp: Any, value: Any, where: str, error: type[ConfigError], problems
             value = {} if value is None else value
             fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
             hints = typing.get_type_hints(tp)
-            problems += [_unknown_key(tp, where, k) for k in sorted(map(str, set(value) - set(fields)))]
+            problems += [unknown_key(tp, where, k) for k in sorted(map(str, set(value) - set(fields)))]
             kwargs = {}
             for name, f in fields.items():
                 if name in value:
@@ -346,7 +358,7 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError], texts: M
         fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
         unknown = sorted(map(str, set(value) - set(fields)))
         if unknown:
-            raise error(_unknown_key(tp, where, unknown[0]))
+            raise error(unknown_key(tp, where, unknown[0]))
         kwargs = {}
         for name, f in fields.items():
             if name in value:
@@ -406,7 +418,9 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError], texts: M
         return typed
     if tp in (int, float, str, bool):
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            raise error(f"{where}: expected {tp.__name__}, got {short(value)}")
+            # YAML reads `0601`, `12:30` or `yes` as a number or a boolean, and shows it as such (385)
+            hint = "; quote the value for text" if tp is str and isinstance(value, (bool, int, float)) else ""
+            raise error(f"{where}: expected {tp.__name__}, got {short(value)}{hint}")
         return value
     return value
 

@@ -18,6 +18,7 @@ so this module imports no stage.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -92,7 +93,8 @@ def target_dims(cfg: dict, *, engine_dtype: str = "auto", target: str = "") -> d
             "kv_heads": size("num_key_value_heads", heads),
             "intermediate": size("intermediate_size", 4 * hidden),
             "vocab": size("vocab_size", 32000),
-            "dtype_bytes": dtype_bytes(dtype if engine_dtype == "auto" else engine_dtype)}
+            "dtype_bytes": dtype_bytes(dtype if engine_dtype == "auto" else engine_dtype),
+            "checkpoint_dtype_bytes": dtype_bytes(dtype)}
 
 
 def _size(cfg: dict, key: str, default: int | None, *, where: str) -> int:
@@ -106,13 +108,30 @@ def _size(cfg: dict, key: str, default: int | None, *, where: str) -> int:
 
 
 def weights_bytes(target: str, dims: dict[str, int]) -> int:
-    """A local target's safetensors bytes, else a dense estimate from ``dims`` (a lower bound for MoE)."""
+    """A local target's safetensors bytes, else a dense estimate from ``dims`` (a lower bound for MoE).
+    With a ``model.safetensors.index.json``, only the files its weight map names count: vLLM loads
+    those alone, and a folder may also hold the same weights as ``consolidated.safetensors``."""
     files = list(Path(target).glob("*.safetensors")) if Path(target).is_dir() else []
+    loaded = _indexed_files(Path(target) / "model.safetensors.index.json") if files else set()
+    if loaded:
+        files = [f for f in files if f.name in loaded]
     if files:
-        return sum(f.stat().st_size for f in files)
+        # An engine dtype narrower than the checkpoint's (float32 served in bfloat16) holds that share of
+        # the files; a wider one is not counted (the files' size stays a lower bound).
+        on_disk, loaded_as = dims.get("checkpoint_dtype_bytes", dims["dtype_bytes"]), dims["dtype_bytes"]
+        return sum(f.stat().st_size for f in files) * min(loaded_as, on_disk) // on_disk
     h, d = dims["hidden"], dims["head_dim"]
     per_layer = h * d * (2 * dims["heads"] + 2 * dims["kv_heads"]) + 3 * h * dims["intermediate"]
     return (dims["layers"] * per_layer + 2 * dims["vocab"] * h) * dims["dtype_bytes"]
+
+
+def _indexed_files(index: Path) -> set[str]:
+    """The file names a safetensors index's weight map points to (empty without a readable index)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return {str(name) for name in weight_map.values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
 
 
 def engine_parts(dims: dict[str, int], *, tokens: int, weights: int, capture_layers: int = 0,

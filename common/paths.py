@@ -204,6 +204,8 @@ def check_output_dir(out: str | Path, key: str, *, replaces: Callable[[Path], bo
     """What :func:`staged_dir` refuses, checked before long work (nothing is left behind): ``out`` a
     file, a folder of other files, or a place that cannot be written. Returns ``out`` as a Path."""
     out = user_path(out, key, error=error, resolve=False)
+    if out.is_symlink():  # an output kept elsewhere (another disk): replaced there, the link stays
+        out = user_path(out, key, error=error)
     if out.name in ("", ".", ".."):  # the current, a parent or the root folder: never replaced whole
         raise error(f"{key}: {shown_path(out)} names no folder of its own; give a new folder, e.g. out/model")
     if out.exists() and not out.is_dir():

@@ -151,9 +151,12 @@ def command_line(argv: list[str] | None = None) -> list[str]:
     module file's absolute path), and a program under the working directory relative to it, so a
     provenance file names no machine's paths for the project's own commands."""
     if argv is None:
+        # The interpreter's own options come first (``-u``, ``-X dev``): the module is the word just before
+        # the program's arguments (sys.argv[1:], the tail of orig_argv), with "-m" before it.
         orig = list(getattr(sys, "orig_argv", None) or [])
-        at = orig.index("-m") if "-m" in orig[1:3] else -1
-        argv = ["python", "-m", orig[at + 1], *sys.argv[1:]] if 0 < at < len(orig) - 1 else list(sys.argv)
+        head = orig[:len(orig) - (len(sys.argv) - 1)]
+        module = len(head) >= 3 and head[-2] == "-m"
+        argv = ["python", "-m", head[-1], *sys.argv[1:]] if module else list(sys.argv)
     argv = list(argv)
     if argv and Path(argv[0]).is_absolute():
         try:

@@ -12,7 +12,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from eaglenest.config import apply_overrides, build, load_yaml, short_text, to_dict
+from eaglenest.config import apply_overrides, build, load_yaml, short_text, to_dict, unknown_key
 from eaglenest.errors import ConfigError
 
 DEFAULT_RECIPE = "recipes/toy.yaml"
@@ -51,11 +51,27 @@ class Recipe:
         return {k: to_dict(v) for k, v in self.sections.items()}
 
 
-def _section_hint(key: str) -> str:
-    """'; did you mean train.lr?' for a section-less key (``lr=1e-4``) that some section has."""
+def _section_hint(key: str, *, besides: str = "") -> str:
+    """'; did you mean train.lr?' for a section-less key (``lr=1e-4``) that some section has, or for a
+    key of section ``besides`` that another section has (``train.workdir``: ``run.workdir``)."""
     owners = [f"{name}.{key}" for name in SECTIONS
-              if key in {f.name for f in dataclasses.fields(_section_class(name))}]
+              if name != besides and key in {f.name for f in dataclasses.fields(_section_class(name))}]
     return f"; did you mean {' or '.join(owners)}?" if owners else ""
+
+
+def _misplaced_key(name: str, section: Any) -> str | None:
+    """The line for a key section ``name`` does not have but another section does, typed under the
+    wrong section (``train.workdir=...``); None when there is none, or when the section's own message
+    helps more (a renamed key, a close match among its own keys): :func:`build` reports those."""
+    if not isinstance(section, dict):
+        return None
+    cls = _section_class(name)
+    own = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in sorted(map(str, set(section) - own)):
+        line = unknown_key(cls, name, key)
+        if line.endswith(": unknown key") and (hint := _section_hint(key, besides=name)):
+            return line + hint
+    return None
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
@@ -73,5 +89,8 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     if unknown:
         raise ConfigError(f"{short_text(unknown[0])}: unknown recipe section (known: {', '.join(SECTIONS)})"
                           f"{_section_hint(unknown[0])}")
+    for name in SECTIONS:
+        if line := _misplaced_key(name, data.get(name)):
+            raise ConfigError(line)
     sections = {name: build(_section_class(name), data.get(name), where=name, texts=texts) for name in SECTIONS}
     return Recipe(path=path, sections=sections)

@@ -74,7 +74,9 @@ def write_prompt_files(outdir: str | Path, *, seed: int = PROMPT_SEED,
         paths.append(path)
         log.info("wrote %d prompts to %s", len(lines), path)
     path = outdir / "dialogue.jsonl"
-    lines = [json.dumps(r, sort_keys=True, ensure_ascii=False) for r in dialogue_records()]
+    # drawn from the prompt seed too (the default one gives DIALOGUE_SEED): another seed, other dialogues
+    lines = [json.dumps(r, sort_keys=True, ensure_ascii=False)
+             for r in dialogue_records(seed=seed + DIALOGUE_SEED - PROMPT_SEED)]
     write_text_atomic(path, "\n".join(lines) + "\n")
     paths.append(path)
     log.info("wrote %d dialogues to %s", len(lines), path)

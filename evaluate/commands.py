@@ -4,6 +4,7 @@ subcommand runs: it pulls in the feature store, vLLM's prompt plumbing and, for 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -253,14 +254,17 @@ def cmd_offline(recipe, args) -> int:
     report = offline_al(target=recipe.run.target, draft=draft, groups=groups,
                         num_speculative_tokens=cfg.num_speculative_tokens, max_tokens=cfg.max_tokens,
                         trust_remote_code=recipe.run.trust_remote_code, chat_template_kwargs=cfg.chat_template_kwargs,
-                        draft_key="--draft" if args.draft else "evaluate.draft")
+                        draft_key="--draft" if args.draft else "evaluate.draft",
+                        target_keys=dataclasses.asdict(recipe.run.target_keys))
     # what `evaluate compare` checks two reports were measured alike with, as `evaluate al` records it
     report.update(prompts=info, split=cfg.split, chat_template_kwargs=cfg.chat_template_kwargs or {})
     _clear_result(out, "offline_report.json", "--out" if args.out else "run.workdir")
     write_provenance(out, config=recipe.to_dict(), argv=sys.argv, inputs=_inputs(recipe, draft))
     write_json_atomic(out / "offline_report.json", report)
     print("| group | prompts | AL (pooled) | AL per-request |\n|---|---|---|---|")
-    for name, row in [*report["domains"].items(), ("overall", report["overall"])]:
+    modes = report.get("modes") or {}  # held-out prompts stored both chat and raw
+    for name, row in [*report["domains"].items(), *((f"mode {m}", r) for m, r in modes.items() if len(modes) > 1),
+                      ("overall", report["overall"])]:
         print(f"| {name} | {row['prompts']} | {row['acceptance_length']} | {row['acceptance_length_per_request']} |")
     return 0
 

@@ -41,7 +41,7 @@ from safetensors import SafetensorError
 
 from eaglenest.errors import ConfigError
 from eaglenest.evaluate.al import SpecCounters, per_request_summary
-from eaglenest.evaluate.prompts import prompt_tokens
+from eaglenest.evaluate.prompts import mode_of, prompt_tokens
 from eaglenest.hf import load_causal_lm, load_tokenizer
 from eaglenest.paths import read_json_object, shown_path
 from eaglenest.serve import formats, fp8
@@ -63,15 +63,18 @@ class RequestAL:
     histogram: list[int]  # histogram[j] = rounds in which exactly j draft tokens were accepted
 
 
-def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluate.draft"):
+def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluate.draft",
+               target_keys: dict[str, str] | None = None):
     """An :class:`Eagle3Draft` (or a DFlash draft) from an exported draft dir (vLLM's format, or
     speculators' Eagle-3 / P-EAGLE / DFlash layout) or a ``train`` checkpoint dir (any family); errors name ``key`` (where the caller
-    got ``draft`` from: a recipe key or a flag), and a target the draft does not fit names run.target."""
+    got ``draft`` from: a recipe key or a flag), and a target the draft does not fit names run.target.
+    The target's embeddings are read where the checkpoint records training found them, or for an export
+    (which records none) where ``target_keys`` (``run.target_keys``; None or empty names: the rule) says."""
     path = Path(draft)
     if (path / INFO).is_file():
         model, info = _checkpoint_draft(path, key)
         _check_mask_token(model, path / INFO, key, "the checkpoint is damaged: train again (`train run`)")
-        return _with_embeddings(model, target_dir, target_keys=info.get("target_keys")).eval()
+        return _with_embeddings(model, target_dir, target_keys=info.get("target_keys") or target_keys).eval()
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise ConfigError(f"{key}: {draft} is neither an exported draft (config.json + "
                           f"model.safetensors) nor a draft checkpoint ({INFO})")
@@ -84,7 +87,7 @@ def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluat
     dflash_export = isinstance(raw.get("dflash_config"), dict) or speculators == "dflash"
     if dflash_export:  # its own model (train/dflash.py), whose weight names the export kept
         return _load_export(path, _dflash_draft_config(raw, path, key, redo), target_dir, key, redo,
-                            speculators=False)
+                            speculators=False, target_keys=target_keys)
     raw = formats.flat_config(raw)  # serve.format=speculators: its layer config, P-EAGLE's parallel_drafting
     # vLLM's ids: top level (exports since serve/formats.py; eagle_config's are SGLang's, id - 1),
     # else eagle_config's (older exports wrote vLLM's ids there).
@@ -93,7 +96,7 @@ def load_draft(draft: str | Path, target_dir: str | Path, *, key: str = "evaluat
     if not ids:
         raise ConfigError(f"{key}: {path / 'config.json'} has no eagle_aux_hidden_state_layer_ids")
     return _load_export(path, {**raw, "eagle_aux_layer_ids": [int(i) for i in ids]}, target_dir, key, redo,
-                        speculators=bool(speculators))
+                        speculators=bool(speculators), target_keys=target_keys)
 
 
 def _dflash_draft_config(raw: dict[str, Any], path: Path, key: str, redo: str) -> dict[str, Any]:
@@ -117,7 +120,8 @@ def _dflash_draft_config(raw: dict[str, Any], path: Path, key: str, redo: str) -
     return cfg
 
 
-def _load_export(path: Path, raw: dict[str, Any], target_dir, key: str, redo: str, *, speculators: bool):
+def _load_export(path: Path, raw: dict[str, Any], target_dir, key: str, redo: str, *, speculators: bool,
+                 target_keys: dict[str, str] | None = None):
     """The draft of the exported folder ``path`` (``raw``: its config as the draft's model reads it)."""
     from safetensors.torch import load_file
     from transformers import LlamaConfig
@@ -144,7 +148,7 @@ def _load_export(path: Path, raw: dict[str, Any], target_dir, key: str, redo: st
         raise ConfigError(f"{key}: {path} weights do not match its config "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     _check_mask_token(model, path / "config.json", key, redo)
-    return _with_embeddings(model, target_dir).eval()
+    return _with_embeddings(model, target_dir, target_keys=target_keys).eval()
 
 
 def _check_mask_token(model, where: Path, key: str, redo: str) -> None:
@@ -326,21 +330,23 @@ def summarise(results: list[RequestAL]) -> dict:
 def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[dict]],
                num_speculative_tokens: int, max_tokens: int, ignore_eos: bool = False,
                num_threads: int = 1, trust_remote_code: bool = False, draft_key: str = "evaluate.draft",
-               chat_template_kwargs: dict | None = None) -> dict:
+               chat_template_kwargs: dict | None = None, target_keys: dict[str, str] | None = None) -> dict:
     """Offline AL per group and overall; ``groups`` as ``evaluate.prompts`` returns them.
 
-    Returns ``{"overall": row, "domains": {group: row}, "outputs": {sample_id: token ids}}``,
+    Returns ``{"overall": row, "domains": {group: row}, "modes": {chat/raw: row}, "outputs": {sample_id: ids}}``,
     rows shaped like ``evaluate_al``'s. ``num_threads``: torch intra-op threads while decoding
     (1 by default: the tensors are small and extra threads spin on a busy machine; measured 18x
     slower with 2 threads beside another job on 2 cores). ``trust_remote_code``: ``run.trust_remote_code``;
     ``chat_template_kwargs``: as ``evaluate.chat_template_kwargs`` resolves; ``draft_key``: where ``draft``
-    came from, named by its errors.
+    came from, named by its errors; ``target_keys``: ``run.target_keys``, where an exported draft finds the
+    target's embeddings (a train checkpoint records where its training found them).
     """
     if num_speculative_tokens < 1:
         raise ConfigError(f"evaluate.num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
     if max_tokens < 1:
         raise ConfigError(f"evaluate.max_tokens: must be >= 1, got {max_tokens}")
-    dmodel = load_draft(draft, target, key=draft_key)  # first: a damaged draft is refused before the target is loaded
+    # first: a damaged draft is refused before the target is loaded
+    dmodel = load_draft(draft, target, key=draft_key, target_keys=target_keys)
     depth = trained_depth(dmodel)
     if depth is not None and num_speculative_tokens > depth:  # as serving it warns (eaglenest.engine)
         log.warning("evaluate.num_speculative_tokens %d is past the %d tokens a round the draft %s was trained to "
@@ -352,7 +358,7 @@ def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[
         raise ConfigError(f"{draft_key}: vocab {dmodel.config.vocab_size} differs from the target's "
                           f"{model.config.vocab_size}")
     stops = set() if ignore_eos else stops
-    domains, outputs, everything = {}, {}, []
+    domains, outputs, everything, modes = {}, {}, [], {}
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -362,13 +368,16 @@ def offline_al(*, target: str | Path, draft: str | Path, groups: dict[str, list[
             domains[name] = summarise(res)
             outputs.update({r.sample_id: r.token_ids for r in res})
             everything += res
+            for p, r in zip(prompts, res):  # chat or raw, as each prompt was decoded
+                modes.setdefault(mode_of(p), []).append(r)
             log.info("%s: offline AL %.3f over %d prompts", name, domains[name]["acceptance_length"] or 0,
                      len(res))
     finally:
         torch.set_num_threads(threads)
     return {"target": str(target), "draft": str(draft), "num_speculative_tokens": num_speculative_tokens,
             "max_tokens": max_tokens, "temperature": 0.0, "method": "offline (HF target, greedy)",
-            "overall": summarise(everything), "domains": domains, "outputs": outputs}
+            "overall": summarise(everything), "domains": domains,
+            "modes": {mode: summarise(rs) for mode, rs in sorted(modes.items())}, "outputs": outputs}
 
 
 def _decode_group(model, dmodel, tok, name, prompts, *, k, max_tokens, stops,

@@ -61,6 +61,12 @@ def prompt_tokens(tok, prompt: dict, chat_template_kwargs: dict | None = None) -
     return render(tok, prompt["messages"], chat_template_kwargs)
 
 
+def mode_of(prompt: dict) -> str:
+    """How a prompt is decoded: ``raw`` (a completion of its ``raw_text``, as ingest stored it) or ``chat``
+    (through the target's chat template); the report gives AL per mode as well as per group."""
+    return "raw" if "raw_text" in prompt else "chat"
+
+
 def _keys(messages: list[dict]) -> set[str]:
     """Content keys of a conversation's prompt: the user text alone and with the system prompt."""
     system = "".join(m["content"] for m in messages if m["role"] == "system")

@@ -123,8 +123,8 @@ def _prompts_line(p: dict) -> str:
     if "evaluated" in p:
         line += f"; evaluated: {p['evaluated']}"
     if p.get("decoded_raw"):
-        line += (f"; decoded as raw completions, without the chat template (stored raw by ingest, raw_fraction "
-                 f"1.0: a base model): {p['decoded_raw']}")
+        line += (f"; decoded as raw completions, without the chat template (stored raw by ingest: raw_fraction "
+                 f"1.0, a base model's or a domain's): {p['decoded_raw']}")
     missing = p.get("domains_not_evaluated") or {}
     if missing:
         line += "; not evaluated: " + ", ".join(f"{md_cell(g)} ({why})" for g, why in missing.items())
@@ -166,6 +166,11 @@ def markdown(report: dict) -> str:
                   "for a drafter)."]
     elif pred.get("ngram_skipped"):
         lines += [f"- ngram_al not measured: {pred['ngram_skipped']}."]
+    modes = report.get("modes") or {}
+    if len(modes) > 1:  # held-out prompts stored both ways: chat through the template, raw as completions
+        lines += ["", "## By prompt mode (chat: through the target's chat template; raw: a completion, as "
+                      "ingest stored it)", ""]
+        lines += _table(list(modes.items()), k, "mode")
     if report.get("context_buckets"):
         lines += ["", f"## By context length ({report.get('bucket_max_tokens')} output tokens per prompt)", ""]
         lines += _bucket_section(report, k, conf)

@@ -8,6 +8,10 @@ speculation decodes the same prompts so the report can state whether speculation
 (token-for-token identical greedy output); it also scores the bucket prompts with their far part
 removed (``farctx``). Buckets get 95% intervals over their prompts (``intervals``). Both engines
 share one ``max_model_len`` that fits the longest bucket; at most one engine is alive at a time.
+
+Held-out prompts are decoded in the mode ingest stored them in (chat through the template, raw as
+completions); a group holding both decodes each mode on its own, so the report gives AL per mode
+(``modes``, pooled over the groups) as well as per group: one more ``generate`` call per such group.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from eaglenest.evaluate.al import SpecCounters, per_request_summary, read_counte
 from eaglenest.evaluate.buckets import bucket_lengths, bucket_rows, build_bucket_prompts, merged_buckets
 from eaglenest.evaluate.intervals import add_intervals, per_prompt, spec_counts
 from eaglenest.evaluate.plan import plan
-from eaglenest.evaluate.prompts import heldout
+from eaglenest.evaluate.prompts import heldout, mode_of
 from eaglenest.evaluate.settings import with_draft_k
 from eaglenest.featurestore.table import store
 from eaglenest.hf import check_remote_code, load_tokenizer
@@ -74,8 +78,10 @@ def _decode(llm, prompts: list[dict], cfg, *, max_tokens: int | None = None, log
     return [outs[i] for i in range(len(prompts))]
 
 
-def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = None, per_request: dict | None = None
-             ) -> tuple[dict, list[list[int]], SpecCounters]:
+def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = None, per_request: dict | None = None,
+             metrics: list | None = None) -> tuple[dict, list[list[int]], SpecCounters]:
+    """One group's row (counter deltas, per-request averages), its outputs' token ids and its counter
+    delta; ``metrics``, when given, gets each request's spec-decode metrics."""
     before = read_counters(llm)
     reqs = _decode(llm, prompts, cfg, max_tokens=max_tokens)
     delta = read_counters(llm) - before
@@ -86,9 +92,48 @@ def _measure(llm, prompts, cfg, *, max_tokens=None, prompt_ids: dict | None = No
     if per_request is not None:  # per prompt, what the row pools: draft rounds, accepted tokens, output tokens
         per_request.update({p["sample_id"]: {**spec_counts(getattr(o, "spec_decode_metrics", None)),
                                              "output_tokens": len(t)} for p, o, t in zip(prompts, outs, toks)})
+    got = [getattr(o, "spec_decode_metrics", None) for o in outs]
+    if metrics is not None:
+        metrics += got
     row = {"prompts": len(prompts), "output_tokens": sum(map(len, toks)), **delta.summary(),
-           **per_request_summary([getattr(o, "spec_decode_metrics", None) for o in outs])}
+           **per_request_summary(got)}
     return row, toks, delta
+
+
+class _Mode:
+    """What one decoding mode pooled over the groups: prompts, output tokens, counter delta, request metrics."""
+
+    def __init__(self) -> None:
+        self.prompts, self.output_tokens, self.delta, self.metrics = 0, 0, SpecCounters(0, 0, 0, ()), []
+
+    def row(self) -> dict:
+        return {"prompts": self.prompts, "output_tokens": self.output_tokens, **self.delta.summary(),
+                **per_request_summary(self.metrics)}
+
+
+def _measure_modes(llm, prompts, cfg, *, prompt_ids: dict, modes: dict[str, _Mode]
+                   ) -> tuple[dict, list[list[int]], SpecCounters]:
+    """:func:`_measure` of a group whose prompts are decoded in one mode or in both (chat through the
+    template, raw as completions: as ingest stored each): each mode is measured on its own and pooled into
+    ``modes``; the group's row pools both, with a row per mode under its ``modes`` when it holds both."""
+    parts: dict[str, list[dict]] = {}
+    for p in prompts:
+        parts.setdefault(mode_of(p), []).append(p)
+    rows, outs, total, metrics = {}, {}, SpecCounters(0, 0, 0, ()), []
+    for mode, ps in sorted(parts.items()):
+        got: list = []
+        rows[mode], toks, delta = _measure(llm, ps, cfg, prompt_ids=prompt_ids, metrics=got)
+        m = modes.setdefault(mode, _Mode())
+        m.prompts, m.output_tokens = m.prompts + len(ps), m.output_tokens + rows[mode]["output_tokens"]
+        m.delta, m.metrics = m.delta + delta, m.metrics + got
+        outs.update({p["sample_id"]: t for p, t in zip(ps, toks)})
+        total, metrics = total + delta, metrics + got
+    toks = [outs[p["sample_id"]] for p in prompts]
+    if len(rows) == 1:
+        return next(iter(rows.values())), toks, total
+    row = {"prompts": len(prompts), "output_tokens": sum(map(len, toks)), **total.summary(),
+           **per_request_summary(metrics), "modes": rows}
+    return row, toks, total
 
 
 def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table: str = "features",
@@ -110,9 +155,10 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
     domains, buckets, outputs, total = {}, {}, {}, SpecCounters(0, 0, 0, ())
     bucket_prompts: dict[int, list[dict]] = {}
     prompt_ids: dict[str, list[int]] = {}
+    modes: dict[str, _Mode] = {}
     try:
         for name, prompts in groups.items():
-            row, toks, delta = _measure(llm, prompts, cfg, prompt_ids=prompt_ids)
+            row, toks, delta = _measure_modes(llm, prompts, cfg, prompt_ids=prompt_ids, modes=modes)
             total = total + delta
             outputs.update({p["sample_id"]: t for p, t in zip(prompts, toks)})
             domains[name] = row
@@ -140,7 +186,8 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
         "al_average": AVERAGES["acceptance_length"], "averages": AVERAGES,
         "overall": {"prompts": len(overall_prompts), **total.summary(),
                     **_merge_per_request([domains[g] for g in domains])},
-        "domains": domains, "context_buckets": buckets, "seconds_speculative": round(time.time() - t0, 2),
+        "domains": domains, "modes": {mode: m.row() for mode, m in sorted(modes.items())}, "context_buckets": buckets,
+        "seconds_speculative": round(time.time() - t0, 2),
     }
     if buckets:  # buckets shortened to one length on a short-context target: decoded once, under the first
         report["context_buckets_merged"] = merged_into(cfg, max_pos)

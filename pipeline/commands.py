@@ -140,7 +140,7 @@ def cmd_run(recipe, args) -> int:
         check_select_split(r.store_uri, recipe.train.select.split)
         score = served_al_scorer(recipe.train, selection_evaluate_config(recipe), target_dir=r.target,
                                  store_uri=r.store_uri, trust_remote_code=r.trust_remote_code,
-                                 serve_cfg=recipe.serve)
+                                 serve_cfg=recipe.serve, off_policy=r.off_policy)
     summary = train(recipe.train, store_uri=r.store_uri, workdir=r.workdir, target_dir=r.target,
                     # argv None: the provenance writer names a `python -m` run's module (torchrun's ranks),
                     # where sys.argv holds its file's absolute path

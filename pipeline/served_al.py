@@ -26,13 +26,15 @@ log = logging.getLogger(__name__)
 
 
 def served_al_scorer(train_cfg, evaluate_cfg=None, *, target_dir: str, store_uri: str,
-                     trust_remote_code: bool = False, serve_cfg=None) -> Callable[[Path], dict[str, Any]]:
+                     trust_remote_code: bool = False, serve_cfg=None,
+                     off_policy: bool = False) -> Callable[[Path], dict[str, Any]]:
     """A function ``snapshot_dir -> {"served_al", "prompts"}`` for :func:`eaglenest.train.loop.train`.
 
     ``evaluate_cfg``: the recipe's EvaluateConfig (engine settings, max_tokens, template kwargs);
     the rest is set for selection (:func:`selection_config`). ``serve_cfg``: the recipe's ServeConfig,
     whose export settings (:func:`export_settings`) each snapshot is exported with, so it is scored as
-    ``serve export`` will write it."""
+    ``serve export`` will write it. ``off_policy``: ``run.off_policy`` (a target whose weights, tokenizer or
+    chat template differ from the features' is exported with a warning, as ``serve export`` does)."""
     cfg = selection_config(train_cfg, evaluate_cfg)
     settings = export_settings(serve_cfg)
     check_exportable(train_cfg, settings)
@@ -41,7 +43,7 @@ def served_al_scorer(train_cfg, evaluate_cfg=None, *, target_dir: str, store_uri
 
     def score(snapshot: Path) -> dict[str, Any]:
         exported = export_draft(snapshot, Path(snapshot).parent / "draft", target_dir=target_dir,
-                                argv=["train-select"], **settings)
+                                argv=["train-select"], off_policy=off_policy, **settings)
         report = evaluate_al(target=target_dir, draft=str(exported), store_uri=store_uri, cfg=cfg,
                              trust_remote_code=trust_remote_code)
         return {"served_al": report["overall"].get("acceptance_length"),

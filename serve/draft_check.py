@@ -68,12 +68,19 @@ def _generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+#: vLLM's spec-decode counters the check reads (one series per engine: DP ranks, several engine cores).
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+
+
 def spec_metrics(llm) -> dict[str, float]:
+    """Drafts, draft tokens and accepted tokens summed over every engine's series (labelled by engine),
+    and the AL they give: 1 + accepted / drafts (1.0 when nothing was drafted)."""
     vals: dict[str, float] = {}
     for m in llm.get_metrics():
-        if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                      "vllm:spec_decode_num_accepted_tokens"):
-            vals[m.name.split(":")[1]] = float(getattr(m, "value", 0.0))
+        if m.name in SPEC_COUNTERS:
+            key = m.name.split(":")[1]
+            vals[key] = vals.get(key, 0.0) + float(getattr(m, "value", 0.0))
     drafts = vals.get("spec_decode_num_drafts", 0.0)
     vals["acceptance_length"] = 1 + vals.get("spec_decode_num_accepted_tokens", 0.0) / drafts if drafts else 1.0
     return vals

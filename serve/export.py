@@ -61,12 +61,13 @@ from transformers import LlamaConfig
 from eaglenest.config import short
 from eaglenest.engine import RECOMMENDED_K, TRAINED_K
 from eaglenest.errors import ConfigError, StoreError
-from eaglenest.featurestore.capture.identity import weights_hash
 from eaglenest.paths import install_dir, make_dir, orphans, pid_prefix, shown_path, umask, user_path
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.serve import formats, fp8
 from eaglenest.serve.cards import dflash_card, model_card
 from eaglenest.serve.draft_files import vocab_map_error
+from eaglenest.serve.run_check import check_finished
+from eaglenest.serve.target_check import check_target_weights, check_tokenization
 from eaglenest.train.checkpoint import INFO, WEIGHTS, read_info
 from eaglenest.train.dflash import DFlashDraft, is_dflash
 from eaglenest.train.model import Eagle3Draft
@@ -237,8 +238,8 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     checkpoint ``ckpt_dir``; returns out_dir. ``num_speculative_tokens`` (None: the family's measured
     best, :func:`recommended_num_speculative_tokens`) is recorded as the draft's default K.
     ``family`` (the recipe's ``train.family``; None: not checked) must be the checkpoint's draft's.
-    ``target_dir`` must hold the weights the draft was trained with (``off_policy``: ``run.off_policy``,
-    a warning instead).
+    ``target_dir`` must hold the weights, tokenizer and chat template the draft was trained with
+    (``serve/target_check.py``; ``off_policy``: ``run.off_policy``, a warning instead).
     ``out_dir`` must be new, empty or an earlier export (:func:`check_out`, ``key`` names it in the
     error); the new export is written beside it and renamed into place, the old one removed last."""
     from safetensors.torch import save_file
@@ -251,6 +252,7 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
         came = came.get("checkpoint") if isinstance(came, dict) else None
         raise ConfigError(f"serve.checkpoint_subdir: {shown_path(ckpt_dir)} holds an exported draft, not a training "
                           f"checkpoint; export the checkpoint it came from ({short(came, 200)})")
+    check_finished(ckpt_dir)  # a run killed (or still running) there: its checkpoint.json is none, or an earlier run's
     info = read_info(ckpt_dir)
     _check_info(info, Path(ckpt_dir) / INFO)
     trained_as = checkpoint_family(info["draft_config"])
@@ -260,7 +262,8 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
                           f"with train.family={family})")
     target_cfg = target_config(target_dir)
     _check_target(info, target_cfg, target=Path(target_dir), ckpt=Path(ckpt_dir) / INFO)
-    _check_target_weights(info, str(target_dir), ckpt=Path(ckpt_dir) / INFO, off_policy=off_policy)
+    check_target_weights(info, str(target_dir), ckpt=Path(ckpt_dir) / INFO, off_policy=off_policy)
+    check_tokenization(info, str(target_dir), ckpt=Path(ckpt_dir) / INFO, off_policy=off_policy)
     if dtype == "auto":
         dtype = torch_dtype_name(target_cfg)
     if dtype not in DTYPES:
@@ -489,24 +492,6 @@ def _check_target(info: dict[str, Any], target_cfg: dict[str, Any], *, target: P
     if bad:
         raise ConfigError(f"run.target: {where} has {layers} layers, the draft in {shown_path(ckpt)} reads aux "
                           f"layers {bad} (vLLM ids 0..{layers - 1}); export it with the target it was trained for")
-
-
-def _check_target_weights(info: dict[str, Any], target: str, *, ckpt: Path, off_policy: bool) -> None:
-    """``target`` holds the weights the draft was trained with (checkpoint.json's ``target_weights_sha256``;
-    a checkpoint saved before it, or a target named by hub id on either side, is not checked): a target
-    of the same shape but other weights is refused, or with ``off_policy`` exported with a warning."""
-    want = info.get("target_weights_sha256")
-    if not isinstance(want, str) or not want:
-        return
-    have = weights_hash(target)
-    if have == want or "hub:" in (have[:4], want[:4]):  # a hub id names no weights to compare
-        return
-    message = (f"run.target: {target} (weights {have[:12]}) is not the target the draft in {shown_path(ckpt)} "
-               f"was trained with ({info.get('target')}, weights {want[:12]})")
-    if off_policy:
-        log.warning("%s; exporting anyway because run.off_policy=true", message)
-        return
-    raise ConfigError(f"{message}: export it with that target, or set run.off_policy=true if intended")
 
 
 def _check_values(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], *, dtype: str,

@@ -1,0 +1,90 @@
+"""``serve export``'s check that ``run.target`` is the target the draft was trained with.
+
+The draft learnt the hidden states of one set of weights over the token ids one tokenizer and one
+chat template produced; vLLM serves it with the target it is exported for, tokenizing prompts with
+that target's tokenizer and rendering chats with its template. A target of the same shape but other
+weights, another tokenizer or an edited template would serve the draft on inputs it never saw: a
+valid config.json and a quietly low acceptance length. So export compares what the checkpoint
+records (``target_weights_sha256``; its features' identity ``tokenizer_sha256`` and
+``chat_template_sha256``, featurestore/capture/identity.py) with the target's files, and refuses a
+difference in one line naming both sides, or with ``run.off_policy=true`` exports with a warning.
+
+Trade-off: a checkpoint without the record (saved before it, or trained from imported features that
+carry no identity) or a target named by hub id on either side (no files here to hash) is not
+checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from eaglenest.errors import ConfigError
+from eaglenest.featurestore.capture.identity import tokenizer_hashes, weights_hash
+from eaglenest.paths import shown_path
+
+log = logging.getLogger(__name__)
+
+#: Feature identity key -> what it hashes (named in the refusal).
+TOKENIZATION = {"tokenizer_sha256": "tokenizer files", "chat_template_sha256": "chat template"}
+#: ``chat_template_sha256`` of a target without a chat template: its features hold no chat, so a template
+#: added since changes nothing the draft learnt (a base model's draft, ingested raw).
+NO_TEMPLATE = hashlib.sha256(b"").hexdigest()
+
+
+def check_target_weights(info: dict[str, Any], target: str, *, ckpt: Path, off_policy: bool) -> None:
+    """``target`` holds the weights the draft was trained with (checkpoint.json's ``target_weights_sha256``;
+    a checkpoint saved before it, or a target named by hub id on either side, is not checked): a target
+    of the same shape but other weights is refused, or with ``off_policy`` exported with a warning."""
+    want = info.get("target_weights_sha256")
+    if not isinstance(want, str) or not want:
+        return
+    have = weights_hash(target)
+    if have == want or "hub:" in (have[:4], want[:4]):  # a hub id names no weights to compare
+        return
+    message = (f"run.target: {target} (weights {have[:12]}) is not the target the draft in {shown_path(ckpt)} "
+               f"was trained with ({info.get('target')}, weights {want[:12]})")
+    if off_policy:
+        log.warning("%s; exporting anyway because run.off_policy=true", message)
+        return
+    raise ConfigError(f"{message}: export it with that target, or set run.off_policy=true if intended")
+
+
+def check_tokenization(info: dict[str, Any], target: str, *, ckpt: Path, off_policy: bool) -> None:
+    """``target``'s tokenizer files and chat template are the ones the draft's features were captured
+    with (``feature_meta.identity`` in checkpoint.json): another tokenizer or template is refused naming
+    both hashes and where each comes from, or with ``off_policy`` exported with a warning."""
+    meta = info.get("feature_meta")
+    comps = _identity(meta.get("identity") if isinstance(meta, dict) else None)
+    trained_on = str(comps.get("target") or info.get("target") or "?")
+    if not Path(target).is_dir() or str(comps.get("weights_sha256", "")).startswith("hub:"):
+        return  # a hub id on either side: no files to compare
+    have = dict(zip(TOKENIZATION, tokenizer_hashes(target)))
+    changed = [f"{what} (sha256 {comps[key][:12]} in the feature identity of {shown_path(ckpt)}, "
+               f"{have[key][:12]} in {target})"
+               for key, what in TOKENIZATION.items() if isinstance(comps.get(key), str) and comps[key] != have[key]
+               and not (key == "chat_template_sha256" and comps[key] == NO_TEMPLATE)]
+    if not changed:
+        return
+    message = (f"run.target: the {' and the '.join(changed)} differ from those of {trained_on}, which the draft "
+               "was trained on: vLLM would serve it on token ids it never saw")
+    if off_policy:
+        log.warning("%s; exporting anyway because run.off_policy=true", message)
+        return
+    raise ConfigError(f"{message}; export it with the target's tokenizer and template it was trained with, or set "
+                      "run.off_policy=true if intended")
+
+
+def _identity(text: Any) -> dict[str, Any]:
+    """The feature identity's components (a JSON object in ``feature_meta.identity``); {} when absent or
+    not an object (a table imported from a peer's dump records none)."""
+    if not isinstance(text, str) or not text:
+        return {}
+    try:
+        comps = json.loads(text)
+    except ValueError:
+        return {}
+    return comps if isinstance(comps, dict) else {}

@@ -98,7 +98,8 @@ def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta, pool_ids=()) ->
     """The table's meta when ``table`` already holds this feature set (None: no table yet); refuses
     a different one, naming the keys. A table of an older, still readable schema version whose
     identity differs only in ``schema_version`` holds the same tensors: it is reused as is (read
-    only: adding rows to it is refused by ``fragments.check_identity``)."""
+    only: adding rows to it is refused by ``fragments.check_identity``). So is a table captured before
+    a component of :data:`identity.ADDED` existed, same otherwise (its rows are added to)."""
     if not store.exists(store_uri, table):
         return None
     try:
@@ -109,7 +110,15 @@ def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta, pool_ids=()) ->
                          "set featurestore.table to another name") from None
     if have.feature_set_id == meta.feature_set_id:
         return have
-    diff = identity.differences(have.identity_components, meta.identity_components) or ["feature_set_id"]
+    have_comps = have.identity_components
+    # A component added since the table was captured (identity.ADDED) is no difference: it was not recorded.
+    want = {k: v for k, v in meta.identity_components.items() if k in have_comps or k not in identity.ADDED} \
+        if have_comps else meta.identity_components
+    if have_comps and identity.identity_hash(want) == have.feature_set_id:
+        log.info("table '%s' was captured before %s joined the feature set's identity: reused", table,
+                 ", ".join(k for k in identity.ADDED if k not in have_comps))
+        return have
+    diff = identity.differences(have_comps, want) or ["feature_set_id"]
     diff = [_pool_change(store_uri, table, pool_ids) if d.startswith("prompt_pool") else d for d in diff]
     if [d for d in diff if not d.startswith("schema_version")] == [] and \
             S.schema_version(ds.schema) in S.READABLE_VERSIONS:
@@ -321,6 +330,18 @@ def _messages(conv: dict) -> list[dict]:
     return msgs
 
 
+def stop_ids(target: str) -> list[int]:
+    """The token ids a local target's generation_config.json stops at (``eos_token_id``: an id or a
+    list), which vLLM stops at too; none for a hub id or a file without them (ingest checked the file)."""
+    path = Path(target) / "generation_config.json"
+    try:
+        ids = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    except (ValueError, OSError, AttributeError):
+        return []
+    ids = ids if isinstance(ids, list) else [ids]
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+
+
 def _turn_spans(target: str, convs: list[dict], rendered: list[dict], *, trust_remote_code: bool = False):
     """A function conv -> loss spans of its earlier assistant turns (the tokenizer is loaded only
     when some conversation has more than one assistant turn). The template is rendered with the
@@ -336,6 +357,7 @@ def _turn_spans(target: str, convs: list[dict], rendered: list[dict], *, trust_r
     if not multi_turn:
         return lambda conv: ()
     tok = load_tokenizer(target, trust_remote_code=trust_remote_code)
+    end_ids = stop_ids(target)
     if not tok.chat_template:  # off-policy, a base model: transformers' ValueError on each render, mid-capture
         log.warning("run.target %s has no chat template to locate earlier answers with: %d multi-turn "
                     "conversation(s) are trained on their last answer only", target, len(multi_turn))
@@ -346,7 +368,8 @@ def _turn_spans(target: str, convs: list[dict], rendered: list[dict], *, trust_r
         if msgs is None:
             return ()
         prompt = list(conv["prompt_token_ids"])
-        found = next((f for kw in options if (f := turns.assistant_spans(tok, msgs, prompt, kw)) is not None), None)
+        found = next((f for kw in options
+                      if (f := turns.assistant_spans(tok, msgs, prompt, kw, end_ids=end_ids)) is not None), None)
         if found is None:
             log.warning("%s: the chat template does not reproduce the prompt; training on the last "
                         "answer only", conv["sample_id"])

@@ -48,12 +48,13 @@ SPOOL_STALE_S = 600.0
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """vLLM's default EAGLE-3 aux layers, (2, L//2, L-3), in vLLM's convention."""
+    """vLLM's default EAGLE-3 aux layers, (2, L//2, L-3), in vLLM's convention, ascending (as vLLM
+    hands them over: a 3-layer target's (2, 1, 0) is (0, 1, 2))."""
     ids = (2, num_layers // 2, num_layers - 3)
-    if len(set(ids)) != 3:
+    if len(set(ids)) != 3 or not all(0 <= i < num_layers for i in ids):
         raise ConfigError(f"featurestore.layer_ids: the default rule gives {ids} for a {num_layers}-layer "
-                          "target; set three distinct ids explicitly")
-    return ids
+                          f"target; set three distinct ids in 0..{num_layers - 1} explicitly")
+    return tuple(sorted(ids))
 
 
 def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...], num_layers: int) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """Feature-set identity: a content hash of everything that determines the stored hidden states.
 
 Two captures with the same identity produce the same tensors, so the second one is pure waste:
-``featurestore capture`` (and ``ingest build``, through :func:`find`) reuse the stored table and run
+``featurestore capture`` reuses the stored table and runs
 zero target forward passes. The identity covers:
 
 * ``target`` (model id or path) and ``weights_sha256``: a hash of the weight files' contents
@@ -9,6 +9,10 @@ zero target forward passes. The identity covers:
   ``FULL_HASH_BYTES`` in total are hashed by size plus their first and last 16 MiB, so a 140 GB
   target is identified in seconds; a hub revision pins the rest. This is the trade-off: a
   same-size in-place edit of the middle of a huge weight file would go unnoticed.
+* ``config_sha256``: a hash of the target's ``config.json`` (norm epsilon, rotary settings, activation,
+  attention layout: what turns the weights into hidden states), its keys that change no hidden state
+  of given token ids left out (:data:`CONFIG_IGNORED`). A table captured before this component
+  existed lacks it and is reused as is (:data:`ADDED`);
 * ``layer_ids`` (vLLM convention), ``last_layer_id`` and ``capture_point`` (where the tensors are
   taken: vLLM ``extract_hidden_states``, residual stream before the final norm);
 * ``tokenizer_sha256`` and ``chat_template_sha256``;
@@ -29,7 +33,6 @@ from pathlib import Path
 
 from eaglenest.errors import ConfigError
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.table import store
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +46,17 @@ KEYS = {
     "chat_template_sha256": "run.target", "layer_ids": "featurestore.layer_ids",
     "last_layer_id": "run.target", "capture_point": "(code version)", "prompt_pool": "ingest.manifest",
     "gen_params_ids": "ingest.manifest (generation)", "dtype": "featurestore.engine.dtype",
-    "storage": "featurestore.storage", "schema_version": "(code version)",
+    "storage": "featurestore.storage", "schema_version": "(code version)", "config_sha256": "run.target",
 }
+
+#: Components added after tables were first captured: a stored identity that lacks one (and holds the
+#: others) was captured before it existed, and is not told apart by it (``build.check_reuse``).
+ADDED = ("config_sha256",)
+
+#: Keys of config.json that change no hidden state of given token ids: the engine's dtype is a
+#: component of its own, special token ids only steer generation, the rest is bookkeeping.
+CONFIG_IGNORED = frozenset({"transformers_version", "_name_or_path", "use_cache", "dtype", "torch_dtype",
+                            "bos_token_id", "eos_token_id", "pad_token_id"})
 
 
 def _sha_file(path: Path, *, full: bool) -> str:
@@ -129,6 +141,22 @@ def vocab_hash(target: str) -> str:
     return h.hexdigest()
 
 
+def config_hash(target: str) -> str:
+    """sha256 of the target's config.json, :data:`CONFIG_IGNORED` keys left out at any depth (a
+    multimodal wrapper's text config too); empty where there is no local config.json (a hub id: its
+    revision pins it, as for the weights)."""
+    path = Path(target) / "config.json"
+    if not path.is_file():
+        return ""
+
+    def kept(value):
+        if isinstance(value, dict):
+            return {k: kept(v) for k, v in value.items() if k not in CONFIG_IGNORED}
+        return [kept(v) for v in value] if isinstance(value, list) else value
+
+    return hashlib.sha256(json.dumps(kept(_json_object(path)), sort_keys=True).encode()).hexdigest()
+
+
 def _json_object(path: Path) -> dict:
     """A target file holding a JSON object; one :class:`ConfigError` line naming it otherwise."""
     try:
@@ -145,7 +173,8 @@ def components(*, target: str, layer_ids, last_layer_id: int, dtype: str, storag
     tok, template = tokenizer_hashes(target)
     pool = hashlib.sha256("\n".join(sorted(sample_ids)).encode()).hexdigest()
     return {
-        "target": str(target), "weights_sha256": weights_hash(target), "tokenizer_sha256": tok,
+        "target": str(target), "weights_sha256": weights_hash(target), "config_sha256": config_hash(target),
+        "tokenizer_sha256": tok,
         "chat_template_sha256": template, "layer_ids": list(layer_ids), "last_layer_id": int(last_layer_id),
         "capture_point": CAPTURE_POINT, "prompt_pool": pool, "gen_params_ids": sorted(set(gen_params_ids)),
         "dtype": dtype, "storage": storage, "schema_version": S.SCHEMA_VERSION,
@@ -165,15 +194,3 @@ def differences(have: dict, want: dict) -> list[str]:
         if k != "target" and have.get(k) != want.get(k):
             out.append(f"{k} (key {KEYS.get(k, '?')})")
     return out
-
-
-def find(store_uri: str, feature_set_id: str, *, tables: list[str] | None = None) -> tuple[str, int] | None:
-    """(table, latest version) of the table in the store that holds ``feature_set_id``, else None."""
-    names = tables if tables is not None else store.table_names(store_uri)
-    for name in names:
-        if name == store.PROMPTS or not store.exists(store_uri, name):
-            continue
-        ds = store.dataset(store_uri, name)
-        if S.feature_meta(ds.schema).feature_set_id == feature_set_id:
-            return name, int(ds.version)
-    return None

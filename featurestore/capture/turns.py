@@ -21,16 +21,19 @@ def _ids(tokenizer, messages: list[dict], *, open_turn: bool, kwargs: dict) -> l
 
 
 def assistant_spans(tokenizer, messages: list[dict], prompt_ids: list[int],
-                    chat_template_kwargs: dict | None = None) -> list[tuple[int, int]] | None:
+                    chat_template_kwargs: dict | None = None, *, end_ids=()) -> list[tuple[int, int]] | None:
     """``[(start, end), ...]`` token spans of the assistant turns before the last message, or None
     when the template, rendered with ``chat_template_kwargs`` (those ingest rendered the prompt
     with, e.g. a reasoning mode), does not reproduce ``prompt_ids`` as a prefix or refuses the
     conversation (a role it does not take: a template changed since ingest); the caller then trains
-    on the last answer only."""
+    on the last answer only. End-of-turn tokens: the tokenizer's eos, ``<|end|>`` and ``end_ids``
+    (the ids generation stops at: generation_config.json's ``eos_token_id``, e.g. Gemma's
+    ``<end_of_turn>`` beside its ``<eos>``)."""
     kw = dict(chat_template_kwargs or {})
     if sum(m.get("role") == "assistant" for m in messages) < 2:
         return []
-    eos = {t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|end|>")) if isinstance(t, int)}
+    eos = {t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|end|>"), *end_ids)
+           if isinstance(t, int)}
     spans = []
     for i, m in enumerate(messages[:-1]):
         if m.get("role") != "assistant":

@@ -129,19 +129,21 @@ def rotary_fraction(target_cfg: dict[str, Any]) -> float:
 
 
 def draft_rope(target_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The draft's ``rope_parameters``: the target's theta and scaling (legacy ``rope_theta`` /
-    ``rope_scaling`` folded in), with ``partial_rotary_factor`` written out when the target rotates
-    only part of each head. vLLM's Llama reads exactly this dict (``get_rope``: rotary_dim =
-    head_dim x partial_rotary_factor, neox style), and :class:`DraftAttention` applies the same."""
+    """The draft's ``rope_parameters``: the target's theta and scaling as transformers resolves them (a
+    legacy ``rope_scaling`` in place of ``rope_parameters``, a legacy ``rope_theta`` folded in), with
+    ``partial_rotary_factor`` written out when the target rotates only part of each head. vLLM's Llama
+    reads exactly this dict (``get_rope``: rotary_dim = head_dim x partial_rotary_factor, neox style),
+    and :class:`DraftAttention` applies the same."""
     rope = target_cfg.get("rope_parameters")
+    legacy = target_cfg.get("rope_scaling")
+    if isinstance(legacy, dict) and legacy:
+        # transformers (and vLLM, which loads config.json through it) run a legacy rope_scaling in place of
+        # rope_parameters when a config has both: its type and factor, theta from the top level or 10000.
+        rope = {"rope_type" if k == "type" else k: v for k, v in legacy.items()}
     if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
         # Per-layer-type parameters (gpt-oss style sliding/full): the draft is one full-attention layer.
         rope = rope.get("full_attention") or next(iter(rope.values()))
     out = dict(rope) if isinstance(rope, dict) else {}
-    legacy = target_cfg.get("rope_scaling")
-    if isinstance(legacy, dict):
-        for k, v in legacy.items():
-            out.setdefault("rope_type" if k == "type" else k, v)
     if "rope_theta" not in out:
         out["rope_theta"] = float(target_cfg.get("rope_theta") or 10000.0)
     out.setdefault("rope_type", "default")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import textwrap
 import unicodedata
 
 
@@ -24,8 +25,14 @@ def normalise(text: str) -> str:
 def tidy(text: str) -> str:
     """The text a prompt is sent and stored as: canonical composition (NFC), unified newlines, trimmed
     lines. Not NFKC, which only the identity (:func:`content_key`) folds: it rewrites what a prompt says
-    ("x² + y²" to "x2 + y2", "½" to "1⁄2", "①" to "1"), and the target would answer another question."""
-    return _trimmed(unicodedata.normalize("NFC", text))
+    ("x² + y²" to "x2 + y2", "½" to "1⁄2", "①" to "1"), and the target would answer another question.
+    Blank lines around the text and the indentation all its lines share go; the first line's own goes
+    too unless a later line is indented: an indented snippet (code) keeps its lines' relative indentation."""
+    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
+    lines = textwrap.dedent("\n".join(line.rstrip() for line in text.split("\n"))).strip("\n").split("\n")
+    if not any(line[:1].isspace() for line in lines[1:]):  # no structure to keep: a stray leading space
+        lines[0] = lines[0].lstrip()
+    return "\n".join(lines)
 
 
 def _trimmed(text: str) -> str:

@@ -89,13 +89,17 @@ def empty_pool(path, pool_report: dict, contaminated: int) -> str:
 
 
 def all_held_out(manifest, pool_report: dict) -> list[str]:
-    """Warnings for domains whose ``held_out_count`` takes every prompt kept (none is trained on)."""
+    """Warnings for domains whose held-out share takes every prompt kept (none is trained on): a
+    ``held_out_count`` as large as the domain, or a ``held_out_fraction`` whose hash draw took a small
+    domain whole (3 prompts at 0.2: once in 125 domains)."""
     lines = []
     for domain, counts in pool_report.get("domains", {}).items():
         kind, value = manifest.held_out(domain)
-        if kind == "count" and counts["kept"] and counts["held_out"] == counts["kept"]:
-            lines.append(f"ingest: warning: domain {domain}: held_out_count {value} takes all {counts['kept']} of its "
-                         "prompts: none of them is trained on (lower held_out_count, or add prompts)")
+        if counts["kept"] and counts["held_out"] == counts["kept"]:
+            key = f"held_out_{kind}"
+            how = "" if kind == "count" else " (each prompt's hash decides)"
+            lines.append(f"ingest: warning: domain {domain}: {key} {value:g} takes all {counts['kept']} of its "
+                         f"prompts{how}: none of them is trained on (lower {key}, or add prompts)")
     return lines
 
 

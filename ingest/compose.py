@@ -48,6 +48,9 @@ _THINGS = (("my locker code", lambda r: str(r.randint(1000, 9999))),
            ("my train number", lambda r: f"{r.choice('ABCDEFGH')}{r.randint(10, 99)}"))
 
 COLUMNS = ("prompt", "system", "later_turns", "source")
+#: The ``source`` of a long_chat conversation is ``compose:long_chat:<length>``; its first user turn is
+#: the fact preamble, a blank line, then a prompt.
+LONG_CHAT = "compose:long_chat"
 
 
 def schema():
@@ -117,6 +120,15 @@ def compose(batch, *, domain: str, rule: str, target_tokens: list[int], per_leng
     return pa.RecordBatch.from_pydict(out, schema=schema())
 
 
+def prompts_of(source: str, turns: list[str]) -> list[str]:
+    """The user ``turns`` of a pool entry from ``source``, and for a ``long_chat`` conversation the prompt
+    its first turn holds after the fact preamble as well: the contamination check compares each with the
+    evaluation and held-out prompts (the whole first turn never equals one)."""
+    if source.startswith(f"{LONG_CHAT}:") and turns and "\n\n" in turns[0]:
+        return [*turns, turns[0].split("\n\n", 1)[1]]
+    return turns
+
+
 def _units(rows: list[dict]) -> list[tuple[list[str], str]]:
     """``(user turns, system prompt)`` of each row, in content-hash order (not file order). Rows with
     a blank turn are left out: the pool drops a conversation holding one as empty, whole."""
@@ -162,7 +174,8 @@ def apply(manifest, loaded: dict[str, list[dict]], *, count_tokens: Callable[[st
           held_out: set[str] = frozenset()) -> dict[str, list[dict]]:
     """``loaded`` (rows per domain) with every composed domain's rows replaced by its conversations.
     Rows with a user turn whose ``content_key`` is in ``held_out`` (prompts another domain keeps
-    for evaluation) are left out, so no held-out prompt is trained on inside a long chat."""
+    for evaluation, and those of the evaluation sets) are left out, so no held-out or evaluation prompt is
+    trained on inside a long chat."""
     out = dict(loaded)
     for name, d in manifest.domains.items():
         c = d.compose

@@ -18,44 +18,15 @@ from __future__ import annotations
 
 import collections
 import logging
-from pathlib import Path
 
 from eaglenest.errors import ManifestError
-from eaglenest.ingest.manifest import Manifest, input_file
+from eaglenest.ingest import compose
+from eaglenest.ingest.manifest import Manifest
 from eaglenest.ingest.neardup import jaccard, shingles
-from eaglenest.ingest.pool import PoolEntry, json_kind, json_lines, read_text, text_value
-from eaglenest.paths import shown_path
+from eaglenest.ingest.pool import PoolEntry, evaluation_prompts, load_eval_prompts  # noqa: F401 - re-exported
 from eaglenest.text import content_key
 
 log = logging.getLogger(__name__)
-
-
-def load_eval_prompts(path: str | Path, *, where: str) -> list[str]:
-    """The prompts of one evaluation file (JSONL; see the module docstring). Prompts must be strings
-    of valid Unicode, as in a source; anything else is a ManifestError naming ``where``, file and line."""
-    out = []
-    for n, row in json_lines(read_text(Path(path), str(path), where), str(path), where):
-        at = f"{where}: line {n} of {shown_path(path)}"
-        if not isinstance(row, dict):
-            raise ManifestError(f"{at} is {json_kind(row)}, not an object")
-        for col, what in (("turns", "prompts"), ("messages", "messages")):  # not skipped for a 'prompt' beside
-            if row.get(col) is not None and not isinstance(row[col], list):  # null: a column this row leaves out
-                raise ManifestError(f"{at}: '{col}' is {json_kind(row[col])}, not a list of {what}")
-        if isinstance(row.get("turns"), list):
-            out += [text_value(t, f"turn {j}", at) for j, t in enumerate(row["turns"])]
-        elif isinstance(row.get("messages"), list):
-            if not all(isinstance(m, dict) for m in row["messages"]):
-                raise ManifestError(f"{at}: 'messages' is not a list of messages")
-            out += [text_value(m.get("content"), f"message {j} (user) content", at)
-                    for j, m in enumerate(row["messages"]) if m.get("role") == "user"]
-        elif "prompt" in row:
-            out.append(text_value(row["prompt"], "column 'prompt'", at))
-        else:
-            raise ManifestError(f"{at} has no 'turns', 'messages' or 'prompt'")
-    if not out:  # an empty or failed download: the check would pass, having compared against nothing
-        raise ManifestError(f"{where}: {shown_path(path)} holds no evaluation prompt (an empty or truncated file?); "
-                            "give the evaluation set's file, or leave it out of contamination")
-    return out
 
 
 class NearIndex:
@@ -85,11 +56,7 @@ def check(pool: list[PoolEntry], manifest: Manifest, *, base_dir=None, stored_sp
     stored_split, stored_heldout = stored_split or {}, stored_heldout or {}
     split = {e.sample_id: stored_split.get(e.sample_id, e.split) for e in pool}
     c = manifest.contamination
-    evals: list[str] = []
-    for kind in ("mt_bench", "speed_bench"):
-        for i, path in enumerate(getattr(c, kind)):
-            key = f"contamination.{kind}[{i}]"
-            evals += load_eval_prompts(input_file(path, base_dir, key=key), where=key)
+    evals = evaluation_prompts(manifest, base_dir=base_dir)
     eval_keys = {content_key(t) for t in evals}
     threshold = c.near_duplicate_threshold
     near_eval = NearIndex(evals) if threshold else None
@@ -102,7 +69,7 @@ def check(pool: list[PoolEntry], manifest: Manifest, *, base_dir=None, stored_sp
     for e in pool:
         if split[e.sample_id] != "train":
             continue
-        for t in e.user_turns():
+        for t in compose.prompts_of(e.source, e.user_turns()):  # a long chat's first prompt too
             key = content_key(t)
             if key in eval_keys:
                 hits[e.sample_id] = "exact:eval"

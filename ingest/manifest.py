@@ -85,6 +85,11 @@ class Compose:
 #: larger one raised out of the engine's step, a traceback; its OpenAI server refuses it).
 MAX_GENERATION_SEED = 2**63 - 1
 
+#: Largest ``generation.max_tokens``: vLLM hands sampling parameters to its engine core as msgpack, whose
+#: integers stop at 64 bits (a larger one failed every request, OverflowError, after the engine started); an
+#: engine stops at its max_model_len anyway.
+MAX_GENERATION_TOKENS = 2**63 - 1
+
 #: Longest composed conversation accepted (tokens); an engine's positions are checked at build time.
 MAX_COMPOSE_TOKENS = 1 << 20
 
@@ -229,6 +234,9 @@ def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
     g = m.generation
     if g.max_tokens < 1:
         p.append("generation.max_tokens: must be at least 1")
+    elif g.max_tokens > MAX_GENERATION_TOKENS:
+        p.append(f"generation.max_tokens: {g.max_tokens} is more than {MAX_GENERATION_TOKENS} (an engine stops at "
+                 "its max_model_len anyway)")
     if not 0 <= g.seed <= MAX_GENERATION_SEED:  # -1 is vLLM's "no seed": responses would not repeat
         p.append(f"generation.seed: {g.seed} is not in [0, {MAX_GENERATION_SEED}]")
     if not 0.0 <= g.temperature <= MAX_TEMPERATURE:  # vLLM's SamplingParams bounds (NaN fails too)

@@ -192,6 +192,45 @@ def text_value(value, what: str, where: str, *, null_ok: bool = False) -> str:
     raise ManifestError(f"{where}: {what} is {json_kind(value)}, not a string")
 
 
+def load_eval_prompts(path: str | Path, *, where: str) -> list[str]:
+    """The prompts of one evaluation file (JSONL, a row's ``turns``, user ``messages`` or ``prompt``;
+    ``contamination.py``). Prompts must be strings of valid Unicode, as in a source; anything else is a
+    ManifestError naming ``where``, file and line."""
+    out = []
+    for n, row in json_lines(read_text(Path(path), str(path), where), str(path), where):
+        at = f"{where}: line {n} of {shown_path(path)}"
+        if not isinstance(row, dict):
+            raise ManifestError(f"{at} is {json_kind(row)}, not an object")
+        for col, what in (("turns", "prompts"), ("messages", "messages")):  # not skipped for a 'prompt' beside
+            if row.get(col) is not None and not isinstance(row[col], list):  # null: a column this row leaves out
+                raise ManifestError(f"{at}: '{col}' is {json_kind(row[col])}, not a list of {what}")
+        if isinstance(row.get("turns"), list):
+            out += [text_value(t, f"turn {j}", at) for j, t in enumerate(row["turns"])]
+        elif isinstance(row.get("messages"), list):
+            if not all(isinstance(m, dict) for m in row["messages"]):
+                raise ManifestError(f"{at}: 'messages' is not a list of messages")
+            out += [text_value(m.get("content"), f"message {j} (user) content", at)
+                    for j, m in enumerate(row["messages"]) if m.get("role") == "user"]
+        elif "prompt" in row:
+            out.append(text_value(row["prompt"], "column 'prompt'", at))
+        else:
+            raise ManifestError(f"{at} has no 'turns', 'messages' or 'prompt'")
+    if not out:  # an empty or failed download: the check would pass, having compared against nothing
+        raise ManifestError(f"{where}: {shown_path(path)} holds no evaluation prompt (an empty or truncated file?); "
+                            "give the evaluation set's file, or leave it out of contamination")
+    return out
+
+
+def evaluation_prompts(manifest: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
+    """Every prompt of the manifest's evaluation files (``contamination.mt_bench`` and ``.speed_bench``)."""
+    evals: list[str] = []
+    for kind in ("mt_bench", "speed_bench"):
+        for i, path in enumerate(getattr(manifest.contamination, kind)):
+            key = f"contamination.{kind}[{i}]"
+            evals += load_eval_prompts(input_file(path, base_dir, key=key), where=key)
+    return evals
+
+
 def load_source(src: Source, *, where: str, base_dir: str | Path | None = None) -> list[dict]:
     """Rows of one source as dicts with ``prompt``, ``system``, ``later_turns`` (I/O edge).
 
@@ -368,6 +407,8 @@ def load_pool(manifest: Manifest, *, base_dir: str | Path | None = None,
         plain = dataclasses.replace(manifest, domains={n: d for n, d in manifest.domains.items() if d.compose is None})
         held = {content_key(t) for e in build_pool(plain, loaded, count_tokens=counter)
                 if e.split == "heldout" for t in e.user_turns()}
+        # evaluation prompts too: one composed in would make each long chat holding it contaminated, dropped whole
+        held |= {content_key(t) for t in evaluation_prompts(manifest, base_dir=base_dir)}
         loaded = compose.apply(manifest, loaded, count_tokens=counter, held_out=held)
     report = {} if report is None else report
     pool = build_pool(manifest, loaded, count_tokens=counter, report=report)

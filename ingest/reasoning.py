@@ -51,7 +51,9 @@ def resolve_tags(configured: Sequence[str], tokenizer=None) -> tuple[str, str]:
     if configured:
         return configured[0], configured[1]
     if tokenizer is not None:
-        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        template = tokenizer.chat_template or ""
+        if isinstance(template, dict):  # named templates (a list in tokenizer_config.json): look in each
+            template = "\n".join(t for t in template.values() if isinstance(t, str))
         added = set(tokenizer.get_added_vocab())
         for pair in KNOWN_TAGS:
             if all(t in template or t in added for t in pair):

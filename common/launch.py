@@ -18,15 +18,21 @@ command quietly, exit 141.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import faulthandler
+import functools
 import hashlib
 import importlib
 import json
 import logging
 import os
+import secrets
 import select
 import signal
 import sys
+import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -146,10 +152,15 @@ def interactive() -> bool:
 def end_by_signal(prog: str, signum: int) -> int:
     """After the cleanup: end the process by ``signum``'s default action, as if no handler had been set.
     The line saying so is said once per torchrun node and attempt (:func:`first_to_say`): a stop reaches
-    every rank, and each printed it."""
+    every rank, and each printed it; and not again by a launcher whose ranks said it (``train launch``
+    waits for them, and printed the same line under theirs: :data:`STOP_SAID_ENV`)."""
     named = "" if signum == signal.SIGTERM else f" ({signal.Signals(signum).name})"
     said = f"{prog}: interrupted" if signum == signal.SIGINT else f"{prog}: terminated{named}"
-    told = f"{said}\n" if first_to_say(said) else ""
+    below = _stop_said_below()
+    _drop_stop_marker(_stop_marker)  # the process ends here: execute's own cleanup does not run
+    told = f"{said}\n" if not below and first_to_say(said) else ""
+    if told:
+        _mark_stop_said()
     for line, stream in ((told, sys.stderr), ("", sys.stdout), ("", sys.stderr)):
         try:  # after a hangup the terminal is gone: writing to it fails
             stream.write(line)
@@ -159,6 +170,52 @@ def end_by_signal(prog: str, signum: int) -> int:
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     return 128 + signum  # not reached (the signal is delivered before os.kill returns)
+
+
+#: The file whose existence says a process this command started (``train launch``'s torchrun ranks) has
+#: said the stop: the path is in the environment the command's processes inherit (:func:`_own_stop_marker`).
+STOP_SAID_ENV = "EAGLENEST_STOP_SAID"
+#: This command's own marker path (None: none, or an outer command's, inherited, is in the environment).
+_stop_marker: str | None = None
+
+
+def _own_stop_marker() -> str | None:
+    """The outermost command names a marker path for the processes it starts; None for those below it."""
+    global _stop_marker
+    if STOP_SAID_ENV in os.environ:
+        return None
+    _stop_marker = os.path.join(tempfile.gettempdir(), f"eaglenest-stop-said-{os.getpid()}-{secrets.token_hex(4)}")
+    os.environ[STOP_SAID_ENV] = _stop_marker
+    return _stop_marker
+
+
+def _drop_stop_marker(marker: str | None) -> None:
+    global _stop_marker
+    if marker is None:
+        return
+    if os.environ.get(STOP_SAID_ENV) == marker:
+        del os.environ[STOP_SAID_ENV]
+    _stop_marker = None
+    try:
+        os.unlink(marker)
+    except OSError:
+        pass
+
+
+def _stop_said_below() -> bool:
+    """Whether a process this command started said its stop (a stop reaches the launcher and its ranks: the
+    launcher, which waits for them, printed the same line under theirs)."""
+    return _stop_marker is not None and os.path.exists(_stop_marker)
+
+
+def _mark_stop_said() -> None:
+    """Tell the command that started this one (its marker, inherited) that the stop has been said."""
+    marker = os.environ.get(STOP_SAID_ENV)
+    if marker and marker != _stop_marker:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_WRONLY, 0o600))
+        except OSError:
+            pass
 
 
 def stdout_closed() -> bool:
@@ -219,6 +276,7 @@ def execute(prog: str, cmd, args: argparse.Namespace) -> int:
     reaper.guard()  # engines and helpers end with this process, even under SIGKILL (common/reaper.py)
     ours = unwind_on_sigterm()
     sigint = end_by_sigint_after_cleanup()
+    marker = _own_stop_marker()
     try:
         if not cmd.needs_recipe:
             return int(resolve(cmd.fn)(None, args) or 0)
@@ -254,6 +312,7 @@ def execute(prog: str, cmd, args: argparse.Namespace) -> int:
                 signal.signal(sig, signal.SIG_DFL)
         if sigint and signal.getsignal(signal.SIGINT) is _raise_keyboard_interrupt:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        _drop_stop_marker(marker)
 
 
 def import_torch_quietly() -> None:
@@ -270,3 +329,64 @@ def import_torch_quietly() -> None:
         import torch  # noqa: F401
     finally:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
+#: c10's log level (0 INFO .. 3 FATAL), what ``TORCH_CPP_LOG_LEVEL`` sets when torch is imported.
+_FATAL = 3
+_quiet_lock = threading.Lock()
+_quiet_depth = [0, 0]  # blocks inside quiet_cpp_log, the level before the first of them
+
+
+@functools.cache
+def _cpp_log_level():
+    """c10's level flag in torch's loaded ``libc10`` (a ctypes int), or None where this torch has none."""
+    import torch
+
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        return ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def quiet_cpp_log():
+    """torch's C++ log at FATAL while the block runs, in a process that imported torch at its usual level
+    (a trainer rank): a TCPStore client whose address is another service logged each retry with its C++
+    stack before the one line the command prints. Restored after the block; a level the user set with
+    ``TORCH_CPP_LOG_LEVEL`` is kept (see :func:`import_torch_quietly`)."""
+    flag = None if "TORCH_CPP_LOG_LEVEL" in os.environ else _cpp_log_level()
+    if flag is None:
+        yield
+        return
+    with _quiet_lock:
+        if _quiet_depth[0] == 0:
+            _quiet_depth[1] = flag.value
+            flag.value = max(flag.value, _FATAL)
+        _quiet_depth[0] += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth[0] -= 1
+            if _quiet_depth[0] == 0:
+                flag.value = _quiet_depth[1]
+
+
+class QuietCalls:
+    """``target`` whose method calls each run inside :func:`quiet_cpp_log`: a stream's TCPStore, whose client
+    logged a C++ stack for every call once the store had gone (trainer rank 0 killed) before the rank's
+    one line. ``target`` itself is what torch's own functions take (a ``PrefixStore`` over it)."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.target, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            with quiet_cpp_log():
+                return attr(*args, **kwargs)
+        return call

@@ -50,6 +50,7 @@ from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore.stream import hostcheck
 from eaglenest.featurestore.stream.addr import MAX_TIMEOUT_S, parse_addr
 from eaglenest.featurestore.stream.local import MAX_DEPTH, CaptureStream
+from eaglenest.launch import QuietCalls, quiet_cpp_log
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,9 @@ def _tcp_store(host: str, port: int, *, is_master: bool, timeout: datetime.timed
             box["error"] = exc
 
     worker = threading.Thread(target=connect, name="eaglenest-stream-store", daemon=True)
-    worker.start()
-    worker.join(timeout.total_seconds() + 5.0)  # the client's own retries end at the timeout
+    with quiet_cpp_log():  # a rank's torch logs at its usual level: no C++ stack per retry before our line
+        worker.start()
+        worker.join(timeout.total_seconds() + 5.0)  # the client's own retries end at the timeout
     if "error" in box:
         raise box["error"]
     if "store" not in box:
@@ -150,7 +152,7 @@ class Group:
         if not is_master:
             _wait_reachable(host, port, timeout_s, f"capture stream ({who}): cannot reach the stream store at {addr}")
         try:
-            self.store = _tcp_store(host, port, is_master=is_master, timeout=self.timeout)
+            self.store = QuietCalls(_tcp_store(host, port, is_master=is_master, timeout=self.timeout))
         except (RuntimeError, OSError) as exc:
             how = "bind" if is_master else "reach"
             raise StoreError(f"capture stream ({who}): cannot {how} the stream store at {addr}: {exc}") from None
@@ -160,8 +162,9 @@ class Group:
         import torch.distributed as dist
 
         try:
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("eaglenest-stream/pg", self.store),
-                                            group_rank, size, self.timeout)
+            with quiet_cpp_log():  # no engine came: each side's C++ "waitForInput ... timed out" before our line
+                self.pg = dist.ProcessGroupGloo(dist.PrefixStore("eaglenest-stream/pg", self.store.target),
+                                                group_rank, size, self.timeout)
         except RuntimeError as exc:
             raise StoreError(f"capture stream ({self.who}): the group of {size} did not form within "
                              f"{self.timeout_s:.0f} s (train.stream.timeout_s): {exc}") from None
@@ -260,12 +263,14 @@ def _lost(exc: BaseException, group: Group) -> str:
 
 
 def _frame_problem(tokens: int, layers: int, hidden: int, code: int, want_tokens: int,
-                   want_shape: tuple[int, int] | None) -> str | None:
+                   want_shape: tuple[int, int] | None, want_dtype: str | None = None) -> str | None:
     """What is wrong with a frame header's sizes (None: a capture of the sequence sent, of the
-    trainer's ``[layers, hidden]`` when known). An unknown dtype code or a negative size used to
-    surface as 'lost engine' with an IndexError or a torch error."""
+    trainer's ``[layers, hidden]`` and dtype when known). An unknown dtype code or a negative size used
+    to surface as 'lost engine' with an IndexError or a torch error; another dtype was trained on."""
     if not 0 <= code < len(_DTYPES):
         return f"dtype code {code} is not one of 0..{len(_DTYPES) - 1}"
+    if want_dtype and _DTYPES[code] != want_dtype:
+        return f"hidden states of {_DTYPES[code]} where the trainer's features are {want_dtype}"
     if tokens != want_tokens:
         return f"{tokens} tokens for a sequence of {want_tokens}"
     if want_shape is not None and (layers, hidden) != want_shape:
@@ -311,6 +316,7 @@ class RankStream:
         #: [layers, hidden] of every capture, when the spec says (the trainer's target).
         self._shape = (len(spec["layer_ids"]) + 1, int(spec["hidden_size"])) \
             if "layer_ids" in spec and "hidden_size" in spec else None
+        self._dtype = spec.get("dtype")  # the trainer's features' dtype (an engine's frames must be of it)
         self.group = Group(addr, is_master=rank == 0, timeout_s=timeout_s, who=f"rank {rank}")
         self._claim_rank(addr, rank)
         if rank == 0:
@@ -359,7 +365,7 @@ class RankStream:
                 if magic != MAGIC or p != pos:
                     raise StoreError(f"capture stream: bad frame from engine {self._engine(pos)} "
                                      f"(position {p}, expected {pos})")
-                problem = _frame_problem(T, L, H, code, self._lengths[pos], self._shape)
+                problem = _frame_problem(T, L, H, code, self._lengths[pos], self._shape, self._dtype)
                 if problem:  # before anything is allocated: the sizes are the sender's word
                     raise StoreError(f"capture stream: bad frame from engine {self._engine(pos)} at position "
                                      f"{pos}: {problem}")

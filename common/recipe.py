@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 from pathlib import Path
 from typing import Any
 
 from eaglenest.config import apply_overrides, build, load_yaml, short_text, to_dict, unknown_key
 from eaglenest.errors import ConfigError
+from eaglenest.target import max_positions, read_config
+
+log = logging.getLogger(__name__)
 
 DEFAULT_RECIPE = "recipes/toy.yaml"
+#: The engine lengths (section -> key path) fitted to a local target's positions when the recipe leaves
+#: them unset (:func:`_fit_lengths`).
+LENGTHS = {"ingest": ("engine", "max_model_len"), "featurestore": ("engine", "max_model_len"),
+           "evaluate": ("engine", "max_model_len"), "serve": ("max_model_len",)}
 
 SECTIONS = {
     "run": "eaglenest.runconfig:RunConfig",
@@ -93,4 +101,48 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         if line := _misplaced_key(name, data.get(name)):
             raise ConfigError(line)
     sections = {name: build(_section_class(name), data.get(name), where=name, texts=texts) for name in SECTIONS}
-    return Recipe(path=path, sections=sections)
+    return Recipe(path=path, sections=_fit_lengths(sections, data))
+
+
+def _given(data: dict[str, Any], name: str, keys: tuple[str, ...]) -> bool:
+    node: Any = data.get(name)
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def _fit_lengths(sections: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """Each engine length of :data:`LENGTHS` the recipe leaves unset, lowered to the positions of a
+    local ``run.target`` that has fewer than its default (a 2048-position target: TinyLlama, OPT, Pythia;
+    the default is 4096, ``serve``'s 2048), so the documented commands run on it as they stand. A length
+    the recipe or an override gives is kept, and refused by the stage's own check when the target cannot
+    take it; a hub id, or a target whose config.json does not say (``target.max_positions``), is left to
+    those checks too."""
+    target = sections["run"].target
+    if not Path(target).is_dir():
+        return sections
+    try:
+        limit = max_positions(read_config(target))
+    except ConfigError:  # a damaged config.json: the stage that reads it says so
+        return sections
+    if limit is None:
+        return sections
+    positions, how = limit
+    out = dict(sections)
+    for name, keys in LENGTHS.items():
+        if _given(data, name, keys):
+            continue
+        parents = [out[name]]
+        for key in keys[:-1]:
+            parents.append(getattr(parents[-1], key))
+        if getattr(parents[-1], keys[-1]) <= positions:
+            continue
+        log.info("%s.%s: %d positions (%s) for %s, fewer than the default %d", name, ".".join(keys), positions,
+                 how, target, getattr(parents[-1], keys[-1]))
+        value: Any = positions
+        for parent, key in zip(reversed(parents), reversed(keys)):
+            value = dataclasses.replace(parent, **{key: value})
+        out[name] = value
+    return out

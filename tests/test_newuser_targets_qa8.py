@@ -12,7 +12,8 @@ walk through every stage is tests/test_newuser_walk_qa8.py.
   L = 1, 2, 4, 5, 6; a 3-layer target (default ``(2, 1, 0)``, distinct) was refused too, as "not
   ascending", and docs/tiny-target.md said "Only L >= 8 gives three distinct layers".
 * A target of 2048 positions (TinyLlama, OPT, Pythia) under the stages' default engine length of 4096:
-  the way out docs/targets.md gives (set the stage's ``engine.max_model_len``) is the one the refusal names.
+  ``ingest build`` and ``featurestore capture`` refused it; an engine length the recipe leaves unset now
+  fits the target (``recipe._fit_lengths``), one it gives is kept and refused naming the key.
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ from eaglenest.engine import EngineConfig
 from eaglenest.errors import ConfigError
 from eaglenest.featurestore.capture.build import feature_meta
 from eaglenest.ingest.commands import check_target_loads
+from eaglenest.ingest.cli import main as ingest_main
+from eaglenest.recipe import load_recipe
 from eaglenest.target import read_config
 from eaglenest.train.model import draft_rope
 
 ROOT = Path(__file__).resolve().parent.parent
+RECIPE = str(ROOT / "recipes" / "toy.yaml")
 
 ROPES = {
     # transformers-5 rope_parameters plus a legacy rope_scaling added by hand: the legacy one is what runs.
@@ -78,12 +82,34 @@ def test_the_layer_counts_docs_say_need_explicit_aux_layers_are_the_ones_refused
     assert refused == listed == {1, 2, 4, 5, 6}
 
 
-def test_a_target_of_fewer_positions_than_the_default_engine_length_is_refused_naming_the_key(config_target):
-    """docs/targets.md: the stages' default engine.max_model_len (4096) on a 2048-position target is refused
-    before any engine starts, naming the key to set and the target's limit."""
+def test_engine_lengths_left_unset_fit_a_target_of_fewer_positions(config_target, tiny_target, capsys):
+    """A 2048-position target (TinyLlama, OPT, Pythia) under the stages' default engine length of 4096:
+    `ingest build` and `featurestore capture` refused it ("set ingest.engine.max_model_len=2048") while
+    `evaluate al` took the target's own. A length the recipe leaves unset is now the target's everywhere
+    (`--dry-run` shows it); one the recipe gives is kept, and refused before any engine starts."""
     target = config_target(max_position_embeddings=2048)
     assert EngineConfig().max_model_len == 4096
+    recipe = load_recipe(RECIPE, [f"run.target={target}"])
+    assert [recipe.ingest.engine.max_model_len, recipe.featurestore.engine.max_model_len,
+            recipe.evaluate.engine.max_model_len, recipe.serve.max_model_len] == [2048, 2048, 2048, 2048]
+    small = config_target(folder="small", max_position_embeddings=1024)
+    recipe = load_recipe(RECIPE, [f"run.target={small}", "featurestore.engine.max_model_len=512"])
+    assert [recipe.ingest.engine.max_model_len, recipe.featurestore.engine.max_model_len,
+            recipe.evaluate.engine.max_model_len, recipe.serve.max_model_len] == [1024, 512, 1024, 1024]
+    assert load_recipe(RECIPE, [f"run.target={tiny_target}"]).ingest.engine.max_model_len == 4096  # 32768 positions
+    # a linear rotary factor counts, as vLLM counts it
+    scaled = config_target(folder="scaled", max_position_embeddings=1024, rope_scaling={"type": "linear", "factor": 2.0})
+    assert load_recipe(RECIPE, [f"run.target={scaled}"]).featurestore.engine.max_model_len == 2048
+    assert ingest_main(["build", "--recipe", RECIPE, "--dry-run", f"run.target={target}"]) == 0
+    assert json.loads(capsys.readouterr().out)["ingest"]["engine"]["max_model_len"] == 2048
+    # a length given is the user's: refused naming the key and the target's limit
+    given = load_recipe(RECIPE, [f"run.target={target}", "ingest.engine.max_model_len=4096"])
+    assert given.ingest.engine.max_model_len == 4096
     with pytest.raises(ConfigError, match=r"^ingest\.engine\.max_model_len: 4096 is more than .* has positions for "
                                           r"\(max_position_embeddings=2048\); set ingest\.engine\.max_model_len=2048"):
-        check_target_loads(str(target), trust_remote_code=False, max_model_len=EngineConfig().max_model_len)
-    check_target_loads(str(target), trust_remote_code=False, max_model_len=2048)  # the documented way out
+        check_target_loads(str(target), trust_remote_code=False, max_model_len=given.ingest.engine.max_model_len)
+    check_target_loads(str(target), trust_remote_code=False, max_model_len=recipe_len(target))
+
+
+def recipe_len(target: Path) -> int:
+    return load_recipe(RECIPE, [f"run.target={target}"]).ingest.engine.max_model_len

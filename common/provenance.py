@@ -149,8 +149,10 @@ def redact(obj: Any) -> Any:
 def command_line(argv: list[str] | None = None) -> list[str]:
     """The command as a user would retype it: ``python -m <module> ...`` for a module run (not the
     module file's absolute path), and a program under the working directory relative to it, so a
-    provenance file names no machine's paths for the project's own commands."""
-    if argv is None:
+    provenance file names no machine's paths for the project's own commands. ``sys.argv`` itself (what
+    the evaluate commands hand over) is the process's command too: its first word under ``-m`` is the
+    module's file."""
+    if argv is None or list(argv) == sys.argv:
         # The interpreter's own options come first (``-u``, ``-X dev``): the module is the word just before
         # the program's arguments (sys.argv[1:], the tail of orig_argv), with "-m" before it.
         orig = list(getattr(sys, "orig_argv", None) or [])

@@ -148,8 +148,17 @@ def test_every_output_has_provenance(run):
     prompts_v = run["stats"]["ingest"]["prompts_table_version"]
     features_v = run["stats"]["capture"]["features_table_version"]
     assert isinstance(prompts_v, int) and isinstance(features_v, int) and prompts_v >= 1 and features_v >= 1
-    assert prov["featurestore"] == {"target": str(run["common"][1].split("=", 1)[1]), "store": store_uri,
-                                    "prompts_version": prompts_v}
+    assert {k: prov["featurestore"][k] for k in ("target", "store", "prompts_version")} == {
+        "target": str(run["common"][1].split("=", 1)[1]), "store": store_uri, "prompts_version": prompts_v}
+    # what each stage wrote, and from which weights: the same target hashes in both
+    outputs = {sub: json.loads((work / sub / "provenance.json").read_text())["outputs"]
+               for sub in ("ingest", "featurestore")}
+    assert outputs["ingest"] == {"store": store_uri, "table": "prompts", "version": prompts_v}
+    assert {k: outputs["featurestore"][k] for k in ("store", "table", "version")} == \
+        {"store": store_uri, "table": "features", "version": features_v}
+    ingest_in = json.loads((work / "ingest" / "provenance.json").read_text())["inputs"]
+    assert all(ingest_in[k] == prov["featurestore"][k]
+               for k in ("weights_sha256", "tokenizer_sha256", "chat_template_sha256"))
     ckpt = json.loads((work / "train" / "checkpoint.json").read_text())
     assert ckpt["table_version"] == features_v
     assert prov["train"] == {"store_uri": store_uri, "version": features_v, "table": "features",

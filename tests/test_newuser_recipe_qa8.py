@@ -8,6 +8,8 @@ and a validation.
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import yaml
 
@@ -15,6 +17,7 @@ from eaglenest.ingest.cli import main as ingest_main
 from eaglenest.ingest.config import IngestConfig
 from eaglenest.runconfig import RunConfig
 
+ROOT = Path(__file__).resolve().parent.parent
 ROOT_RECIPE = "recipes/toy.yaml"
 
 
@@ -33,6 +36,9 @@ def test_a_recipe_of_ones_own_takes_the_demo_defaults_for_what_it_leaves_out(tmp
     assert ingest_main(["build", "--recipe", "recipe.yaml", "--dry-run"]) == 0
     resolved = json.loads(capsys.readouterr().out)
     assert resolved["run"]["target"] == "my models/target"
-    # The demo's, as README says: a user's recipe must set both.
-    assert resolved["run"]["workdir"] == RunConfig.workdir and RunConfig.workdir.endswith("toy")
-    assert resolved["ingest"]["manifest"] == IngestConfig.manifest and IngestConfig.manifest.endswith("toy.yaml")
+    # The demo's, as README says (the reference: README's own values, not the code's defaults)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    said = re.search(r"for `run\.workdir` \(`([^`]+)`\) and `ingest\.manifest`\s+\(`([^`]+)`\) is the demo's", readme)
+    assert said, "README no longer says the demo's defaults"
+    assert (resolved["run"]["workdir"], resolved["ingest"]["manifest"]) == said.groups() == (
+        RunConfig.workdir, IngestConfig.manifest)

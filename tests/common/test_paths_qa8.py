@@ -43,7 +43,7 @@ def test_a_failed_block_leaves_the_folder_behind_the_link_as_it_was(tmp_path):
     (real / "config.json").write_text("old")
     link = tmp_path / "m"
     link.symlink_to(real, target_is_directory=True)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^killed mid-way$"):  # the block's own error, not another
         with staged_dir(link, "--out", replaces=_is_model, error=ConfigError) as tmp:
             (tmp / "config.json").write_text("half")
             raise RuntimeError("killed mid-way")

@@ -155,10 +155,10 @@ def _synthetic(delay_s: float = 0.0, *, drop_last_token: bool = False):
     return captures
 
 
-def _engine_thread(addr, out, engine_rank=0, **kw):
+def _engine_thread(addr, out, engine_rank=0, timeout_s=30, **kw):
     def run():
         try:
-            out[f"engine {engine_rank}"] = serve(addr, engine_rank, timeout_s=30, captures=_synthetic(**kw))
+            out[f"engine {engine_rank}"] = serve(addr, engine_rank, timeout_s=timeout_s, captures=_synthetic(**kw))
         except BaseException as exc:  # noqa: BLE001 - inspected by the test
             out[f"engine {engine_rank}"] = str(exc)
     t = threading.Thread(target=run, daemon=True)
@@ -182,7 +182,8 @@ def test_a_capture_of_another_length_than_its_sequence_is_refused():
     from eaglenest.featurestore.stream.xhost import RankStream
 
     addr, seqs, out = _free_addr(), [[5 + i] * (6 + i) for i in range(3)], {}
-    t = _engine_thread(addr, out, drop_last_token=True)
+    # timeout_s bounds the engine's send of the refused frame's rest (it waited 30 s for credits that never come)
+    t = _engine_thread(addr, out, drop_last_token=True, timeout_s=5)
     rs = RankStream(addr, rank=0, world_size=1, num_engines=1, spec={}, sequences=seqs, steps=[0, 1, 2], depth=2,
                     timeout_s=30)
     try:
@@ -191,6 +192,7 @@ def test_a_capture_of_another_length_than_its_sequence_is_refused():
     finally:
         rs.close()
     t.join(60)
+    assert not t.is_alive() and str(out["engine 0"]).startswith("capture stream"), out  # the engine was told
 
 
 def test_an_abort_elsewhere_ends_a_rank_whose_captures_are_already_here():

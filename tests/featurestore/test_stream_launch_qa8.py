@@ -157,12 +157,13 @@ def test_the_cpp_log_is_quiet_only_while_the_store_client_connects(monkeypatch, 
     level = launch._cpp_log_level()
     assert level is not None
     before = level.value
+    assert before != 3  # else "back at the level it had" and "never touched" below would hold whatever it does
     with launch.quiet_cpp_log():
         with launch.quiet_cpp_log():
             assert level.value == 3
         assert level.value == 3
     assert level.value == before
-    with pytest.raises(StoreError):
+    with pytest.raises(StoreError, match=f"cannot reach the stream store at {dropping_listener}"):
         Group(dropping_listener, is_master=False, timeout_s=1, who="rank 1")
     assert level.value == before
     monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")

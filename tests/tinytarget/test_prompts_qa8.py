@@ -5,7 +5,7 @@ import json
 from eaglenest.tinytarget import prompts
 
 
-def test_the_prompt_seed_draws_the_dialogues_too_and_the_default_is_unchanged(tmp_path):
+def test_the_prompt_seed_draws_the_dialogues_too_and_the_default_is_unchanged(tmp_path, root):
     """dialogue.jsonl was drawn from a fixed seed whatever ``--prompt-seed`` said: a second prompt set
     (another seed) shared all 40 conversations with the first."""
     a, b, again = tmp_path / "a", tmp_path / "b", tmp_path / "again"
@@ -15,6 +15,9 @@ def test_the_prompt_seed_draws_the_dialogues_too_and_the_default_is_unchanged(tm
     for name in ("arithmetic.jsonl", "dialogue.jsonl"):
         assert (a / name).read_bytes() == (again / name).read_bytes()  # deterministic
         assert (a / name).read_bytes() != (b / name).read_bytes(), name  # another seed, other prompts
-    # the default seed keeps the dialogues of the default dialogue seed (the committed file)
+    # the default seed writes the committed demo files byte for byte (the reference: recipes/data, not the code)
+    committed = root / "recipes" / "data"
+    for name in ("arithmetic.jsonl", "dialogue.jsonl"):
+        assert (a / name).read_bytes() == (committed / name).read_bytes(), name
     written = [json.loads(line) for line in (a / "dialogue.jsonl").read_text().splitlines()]
-    assert written == prompts.dialogue_records(seed=prompts.DIALOGUE_SEED)
+    assert len(written) == prompts.NUM_DIALOGUES and written == prompts.dialogue_records(seed=prompts.DIALOGUE_SEED)

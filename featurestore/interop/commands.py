@@ -20,6 +20,8 @@ from eaglenest.errors import ConfigError
 from eaglenest.featurestore.capture.identity import weights_hash
 from eaglenest.featurestore.interop import hf, source, specforge, speculators
 from eaglenest.featurestore.table.names import version_arg
+from eaglenest.paths import ensure_writable
+from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.target import local_dir
 
 EXPORTS = {"speculators": speculators, "specforge": specforge, "hf": hf}
@@ -87,10 +89,18 @@ def cmd_import(recipe, args) -> int:
     if args.format not in IMPORTS:
         raise ConfigError(f"--format {args.format}: import reads {', '.join(IMPORTS)}")
     kw = {"norm_key": recipe.run.target_keys.norm} if args.format == "specforge" else {}
+    ensure_writable(recipe.run.path("import"), "run.workdir", keep=False)  # its record, before the table is written
     summary = IMPORTS[args.format].import_dump(
         args.src, recipe.run.store_uri, recipe.featurestore.table, target=recipe.run.target,
         layer_ids=recipe.featurestore.layer_ids, domain=args.domain, off_policy=recipe.run.off_policy,
         budget_bytes=int(recipe.featurestore.write_buffer_mb * (1 << 20)),
         trust_remote_code=recipe.run.trust_remote_code, storage=recipe.featurestore.storage, **kw)
+    # what was imported, from where, into which version: <workdir>/import/<table>/ (capture's folder is its own)
+    out = recipe.run.path("import", summary["table"])
+    write_json_atomic(out / "stats.json", summary)
+    write_provenance(out, config=recipe.to_dict(), inputs={"format": args.format, "src": str(args.src),
+                                                           "target": recipe.run.target, "store": recipe.run.store_uri},
+                     extra={"outputs": {"store": recipe.run.store_uri, "table": summary["table"],
+                                        "version": summary["version"], "feature_set_id": summary["feature_set_id"]}})
     print(json.dumps(summary, indent=2))
     return 0

@@ -138,8 +138,15 @@ def test_cli_export_then_import_and_a_refusal(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["table_version"] == 2
     assert cli.main(["import", "--format", "specforge", "--src", str(tmp_path / "sf"),
                      "featurestore.table=back", *keys]) == 0
-    assert json.loads(capsys.readouterr().out)["rows"] == 5
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["rows"] == 5
     I.assert_same_rows(uri, "features", "back")
+    # its record beside the work folder's others: what was read, the version written (docs/formats.md)
+    prov = json.loads((tmp_path / "import" / "back" / "provenance.json").read_text())
+    assert prov["inputs"]["src"] == str(tmp_path / "sf") and prov["inputs"]["format"] == "specforge"
+    assert prov["outputs"] == {"store": uri, "table": "back", "version": store.latest_version(uri, "back"),
+                               "feature_set_id": summary["feature_set_id"]}
+    assert json.loads((tmp_path / "import" / "back" / "stats.json").read_text()) == summary
     # the recipe's storage reaches the import: fp8 would not be bit-exact, so it is refused, not ignored
     assert cli.main(["import", "--format", "specforge", "--src", str(tmp_path / "sf"), "featurestore.table=fp8",
                      "featurestore.storage=fp8_e4m3", *keys]) == 2

@@ -162,7 +162,8 @@ def test_every_output_has_provenance(run):
     ckpt = json.loads((work / "train" / "checkpoint.json").read_text())
     assert ckpt["table_version"] == features_v
     assert prov["train"] == {"store_uri": store_uri, "version": features_v, "table": "features",
-                             "target": prov["featurestore"]["target"]}
+                             "target": prov["featurestore"]["target"],
+                             "weights_sha256": prov["featurestore"]["weights_sha256"]}
     assert {k: prov["draft"][k] for k in ("checkpoint", "step", "store_uri", "table", "version", "target")} == \
         {"checkpoint": str(work / "train"), "step": ckpt["step"], "store_uri": store_uri, "table": "features",
          "version": features_v, "target": prov["featurestore"]["target"]}

@@ -258,7 +258,8 @@ def train(cfg: TrainConfig, *, store_uri: str, workdir: str, target_dir: str, se
             own.callback(trainer.tracking.close)
             trainer.run()
         trainer.finish(recipe=recipe, argv=argv, inputs={"store_uri": store_uri, "version": data.version,
-                                                         "table": data.input_table, "target": target_dir})
+                                                         "table": data.input_table, "target": target_dir,
+                                                         "weights_sha256": base["target_weights_sha256"]})
         return TrainSummary(outdir=trainer.outdir, steps=trainer.step, table_version=data.version,
                             final=trainer.final, stall_fraction=trainer.stall_fraction,
                             tokens_per_second=trainer.tokens_per_second, num_parameters=draft.num_parameters)

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from eaglenest.errors import ConfigError, StoreError
+from eaglenest.featurestore.capture.identity import weights_hash
 from eaglenest.train.checkpoint import load_checkpoint
 from eaglenest.train.config import TrainConfig
 from eaglenest.train.loop import lr_factor, train
@@ -50,8 +51,8 @@ def test_checkpoint_round_trip_and_provenance(tmp_path, feature_store, tiny_targ
     assert info["table_version"] == feature_store[1] and info["layer_ids"] == [2, 4, 5]
     assert (model.draft_to_target(torch.arange(512)) == torch.nonzero(model.t2d).flatten()).all()
     prov = json.loads((s.outdir / "provenance.json").read_text())
-    assert prov["inputs"] == {"store_uri": feature_store[0], "table": "features",
-                              "version": feature_store[1], "target": str(tiny_target)}
+    assert prov["inputs"] == {"store_uri": feature_store[0], "table": "features", "version": feature_store[1],
+                              "target": str(tiny_target), "weights_sha256": weights_hash(str(tiny_target))}
 
 
 def test_pinned_version_and_errors(tmp_path, feature_store, tiny_target):

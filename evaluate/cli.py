@@ -18,7 +18,8 @@ COMMANDS = "eaglenest.evaluate.commands"
 
 
 def main(argv: list[str] | None = None) -> int:
-    out = (("--out",), dict(default=None, help="output directory"))
+    out = (("--out",), dict(default=None,
+                            help="output directory, relative to the current one (default: a folder of run.workdir)"))
     # The same meaning as on `ingest build`: the domain manifest to use instead of ingest.manifest
     # (here: its generation.reasoning decides the chat mode instead of the store's record).
     manifest = (("--manifest",), dict(default=None, help="domain manifest whose chat mode prompts are rendered "

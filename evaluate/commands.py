@@ -211,7 +211,7 @@ def cmd_throughput(recipe, args) -> int:
     _check_target(recipe)
     draft = draft_dir(recipe)
     check_draft_family(recipe, draft)
-    out = _out(recipe.run.path(args.out or "throughput"), args, result="throughput.json",
+    out = _out(args.out or recipe.run.path("throughput"), args, result="throughput.json",
                inputs=_inputs_of(recipe, draft))
     result = run_sweep(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri,
                        cfg=evaluate_config(recipe, manifest=args.manifest), serve_cfg=recipe.serve,
@@ -234,7 +234,7 @@ def cmd_compare(recipe, args) -> int:
     folders = {name: spec if spec.is_dir() else spec.parent for name, spec in specs.items()}
     sides = {f"--{name} draft or report": str(folder) for name, folder in folders.items()
              if (folder / "provenance.json").is_file()}
-    out = _out(recipe.run.path(args.out or "compare"), args, result="compare.json",  # before any draft is evaluated
+    out = _out(args.out or recipe.run.path("compare"), args, result="compare.json",  # before any draft is evaluated
                inputs=_inputs_of(recipe, draft_dir(recipe), **sides))
     print(compare(args.a, args.b, recipe=recipe, outdir=out, key="--out" if args.out else "run.workdir"))
     return 0
@@ -245,7 +245,7 @@ def cmd_offline(recipe, args) -> int:
     draft = args.draft or draft_dir(recipe)
     check_draft_family(recipe, draft)
     cfg = evaluate_config(recipe, manifest=args.manifest, draft=draft)  # the K the given draft records
-    out = _out(recipe.run.path(args.out or "eval_offline"), args, result="offline_report.json",
+    out = _out(args.out or recipe.run.path("eval_offline"), args, result="offline_report.json",
                inputs=_inputs_of(recipe, draft))
     if cfg.temperature != 0.0:
         raise ConfigError(f"evaluate.temperature: offline AL is greedy only (0.0), got {cfg.temperature}")
@@ -292,7 +292,7 @@ def cmd_parity(recipe, args) -> int:
     if not (Path(checkpoint) / INFO).is_file():  # an export would be checked against itself and always pass
         raise ConfigError(f"--checkpoint: {checkpoint} is not a train checkpoint (no {INFO}; an exported draft "
                           "checked against itself proves nothing): name the `train run` folder it was exported from")
-    out = _out(recipe.run.path(args.out or "parity"), args, result="parity.json",
+    out = _out(args.out or recipe.run.path("parity"), args, result="parity.json",
                inputs=_inputs_of(recipe, draft, checkpoint=checkpoint))
     if cfg.temperature != 0.0:
         raise ConfigError(f"evaluate.temperature: the parity check is greedy only (0.0), got {cfg.temperature}")

@@ -142,8 +142,9 @@ def test_offline_reports_record_the_chat_mode_compare_checks(tmp_path, root, tin
     _draft(tmp_path / "w" / "draft")
     base = ["offline", f"--recipe={root / 'recipes' / 'toy.yaml'}", f"run.workdir={tmp_path / 'w'}",
             f"run.target={tiny_target}"]
-    assert evaluate_main([*base, "evaluate.chat_template_kwargs={enable_thinking: true}", "--out", "a"]) == 0
-    assert evaluate_main([*base, "evaluate.chat_template_kwargs={}", "evaluate.split=dev", "--out", "b"]) == 0
+    monkeypatch.chdir(tmp_path)  # --out as given: relative to the current folder, as every --out
+    assert evaluate_main([*base, "evaluate.chat_template_kwargs={enable_thinking: true}", "--out", "w/a"]) == 0
+    assert evaluate_main([*base, "evaluate.chat_template_kwargs={}", "evaluate.split=dev", "--out", "w/b"]) == 0
     a = json.loads((tmp_path / "w" / "a" / "offline_report.json").read_text())
     assert (a["chat_template_kwargs"], a["split"]) == ({"enable_thinking": True}, "heldout")
     capsys.readouterr()

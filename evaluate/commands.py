@@ -141,8 +141,10 @@ def _cache_key(recipe, draft: str, cfg=None) -> str:
 
 
 #: Files of a model folder that change what is measured without being JSON: the tokenizer's own
-#: formats and a chat template kept beside tokenizer_config.json (``chat_template.jinja``).
-_TOKENIZER_FILES = ("tokenizer.model", "vocab.txt", "merges.txt", "*.tiktoken", "*.jinja")
+#: formats (every sentencepiece model: tokenizer.model, spiece.model, sentencepiece.bpe.model, spm.model,
+#: mistral_common's tokenizer.model.v3) and a chat template kept beside tokenizer_config.json
+#: (``chat_template.jinja``).
+_TOKENIZER_FILES = ("*.model", "*.model.v*", "vocab.txt", "merges.txt", "*.tiktoken", "*.jinja")
 
 
 def _identity_files(folder: Path) -> list[Path]:

@@ -19,6 +19,7 @@ from eaglenest.evaluate.buckets import bucket_lengths, check_generated, material
 from eaglenest.evaluate.prompts import check_prompt_lengths, load_prompt_set
 from eaglenest.hf import load_config, load_tokenizer
 from eaglenest.precheck import check_max_model_len
+from eaglenest.serve.target_check import check_served_tokenization
 from eaglenest.target import local_dir, read_config
 from eaglenest.target import max_positions as vllm_positions
 
@@ -46,12 +47,15 @@ class Plan(NamedTuple):
     pool: list[dict]
 
 
-def plan(cfg, *, target: str, store_uri: str, trust_remote_code: bool = False) -> Plan:
+def plan(cfg, *, target: str, store_uri: str, trust_remote_code: bool = False, draft: str | None = None) -> Plan:
     """The prompt set, the engine (``max_model_len`` raised to fit the longest bucket) and the buckets'
     material, refusing (ConfigError, one line) whatever would fail only once an engine runs: a bucket
     without room or too short for its material, chat material without held-out chats, a prompt with
     no room for output. ``evaluate_al`` calls it before its engine starts, the served-AL selection
-    before training starts."""
+    before training starts. ``draft``: the export served, whose features' tokenizer and chat template
+    ``target``'s are compared with (one warning line if they differ: the AL of token ids it never saw)."""
+    if draft:
+        check_served_tokenization(draft, target, off_policy=False, stage="measuring")
     groups, prompt_info = load_prompt_set(cfg, store_uri)
     max_pos = max_positions(target, trust_remote_code=trust_remote_code)
     tok = load_tokenizer(target, trust_remote_code=trust_remote_code)

@@ -145,7 +145,7 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
         raise EaglenestError(f"no exported draft at {draft}: run `serve export` first")
     cfg = with_draft_k(cfg, draft)  # evaluate.num_speculative_tokens null: the draft's recorded default
     groups, prompt_info, tok, max_pos, engine, pool = plan(cfg, target=target, store_uri=store_uri,
-                                                           trust_remote_code=trust_remote_code)
+                                                           trust_remote_code=trust_remote_code, draft=draft)
     check_draft_dir(draft, local_target_config(target))  # what vLLM would fail on, before the engine starts
     t0 = time.time()
     spec = speculative_config(draft, cfg.num_speculative_tokens)  # + parallel_drafting for a P-EAGLE draft

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-from pathlib import Path
 
 from eaglenest import launch
 from eaglenest.errors import ConfigError, EaglenestError, StoreError
@@ -47,23 +46,13 @@ def cmd_capture(recipe, args) -> int:
     write_json_atomic(out / "stats.json", stats)
     # inputs: what it was captured from (the prompts version read before the capture); outputs: what it wrote
     write_provenance(out, config=recipe.to_dict(), inputs={
-        **target_identity(recipe.run.target), "store": recipe.run.store_uri,
+        **identity.target_record(recipe.run.target), "store": recipe.run.store_uri,
         "prompts_version": lineage["prompts_version"], "manifest_hash": lineage["manifest_hash"]},
         extra={"outputs": {"store": recipe.run.store_uri, "table": stats["table"],
                            "version": stats["features_table_version"], "feature_set_id": stats["feature_set_id"],
                            "reused": stats["reused"]}})
     print(json.dumps(stats, indent=2))
     return 0
-
-
-def target_identity(target: str) -> dict:
-    """The target as provenance names it: its path and the hashes of what it is (weights, tokenizer,
-    chat template: components of the feature identity, ``capture/identity.py``). A hub id has no files
-    here: its weights entry is ``hub:<id>`` and there are no tokenizer hashes."""
-    record = {"target": str(target), "weights_sha256": identity.weights_hash(str(target))}  # cached per process
-    if Path(target).is_dir():
-        record["tokenizer_sha256"], record["chat_template_sha256"] = identity.tokenizer_hashes(str(target))
-    return record
 
 
 def _version(uri: str, name: str):

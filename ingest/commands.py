@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 from eaglenest.config import to_dict
 from eaglenest import memfit
@@ -132,16 +131,6 @@ def check_target_loads(target: str, *, trust_remote_code: bool, max_model_len: i
     check_generation_config(target)
 
 
-def target_identity(target: str) -> dict:
-    """The target as provenance names it: its path and the hashes of what it is (weights, tokenizer,
-    chat template; the feature identity's components, ``featurestore/capture/identity.py``). A hub id
-    has no files here: its weights entry is ``hub:<id>`` and there are no tokenizer hashes."""
-    record = {"target": str(target), "weights_sha256": identity.weights_hash(str(target))}  # cached per process
-    if Path(target).is_dir():
-        record["tokenizer_sha256"], record["chat_template_sha256"] = identity.tokenizer_hashes(str(target))
-    return record
-
-
 def cmd_build(recipe, args) -> int:
     """``ingest build``: pool, contamination check, regeneration; stats and provenance in ``<workdir>/ingest``.
     A target transformers refuses, a target other than the one whose responses the store holds and a Dask
@@ -201,7 +190,7 @@ def _cmd_build(recipe, args, client) -> int:
     write_json_atomic(out / "stats.json", stats)
     write_provenance(out, config=recipe.to_dict(), inputs={
         "manifest": args.manifest or recipe.ingest.manifest, "manifest_hash": stats["manifest_hash"],
-        **target_identity(recipe.run.target)}, extra={"manifest": to_dict(manifest), "outputs": {
+        **identity.target_record(recipe.run.target)}, extra={"manifest": to_dict(manifest), "outputs": {
             "store": recipe.run.store_uri, "table": "prompts", "version": stats["prompts_table_version"]}})
     failures = stats["failures"]
     first = " ".join(failures[0]["error"].split())[:300] if failures else ""

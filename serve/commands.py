@@ -14,6 +14,7 @@ from eaglenest.precheck import check_max_model_len
 from eaglenest.serve.draft_files import check_draft_dir, local_target_config
 from eaglenest.serve.push import check_repo_id, plan_push, push_draft, read_report, resolve_token
 from eaglenest.serve.server import Server
+from eaglenest.serve.target_check import check_served_tokenization
 from eaglenest.train.config import recommended_num_speculative_tokens
 
 
@@ -29,6 +30,8 @@ def up_server(recipe, *, no_spec: bool = False):
     r, s = recipe.run, recipe.serve
     draft = None if no_spec else str(r.path(s.draft_subdir))
     check_positions(r.target, s.max_model_len)
+    if draft:  # its features' tokenizer and template, not another's (run.off_policy: a warning)
+        check_served_tokenization(draft, r.target, off_policy=r.off_policy)
     k = s.num_speculative_tokens or recommended_num_speculative_tokens(dataclasses.asdict(recipe.train))
     if draft and not s.num_speculative_tokens:  # null: the draft's recorded default (no draft: none to read)
         check_draft_dir(draft, local_target_config(r.target))  # a damaged config.json: one line, not its K

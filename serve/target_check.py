@@ -9,6 +9,10 @@ records (``target_weights_sha256``; its features' identity ``tokenizer_sha256`` 
 ``chat_template_sha256``, featurestore/capture/identity.py) with the target's files, and refuses a
 difference in one line naming both sides, or with ``run.off_policy=true`` exports with a warning.
 
+``serve up`` and ``evaluate al`` serve an export with ``run.target`` and compare the same way
+(:func:`check_served_tokenization`: the identity the export's provenance.json records, else its
+checkpoint's): ``serve up`` refuses a difference as export does, ``evaluate al`` measures with a warning.
+
 Trade-off: a checkpoint without the record (saved before it, or trained from imported features that
 carry no identity) or a target named by hub id on either side (no files here to hash) is not
 checked.
@@ -20,10 +24,10 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from eaglenest.errors import ConfigError
-from eaglenest.featurestore.capture.identity import tokenizer_hashes, weights_hash
+from eaglenest.featurestore.capture.identity import legacy_tokenization, tokenizer_hashes, weights_hash
 from eaglenest.paths import shown_path
 
 log = logging.getLogger(__name__)
@@ -59,23 +63,70 @@ def check_tokenization(info: dict[str, Any], target: str, *, ckpt: Path, off_pol
     both hashes and where each comes from, or with ``off_policy`` exported with a warning."""
     meta = info.get("feature_meta")
     comps = _identity(meta.get("identity") if isinstance(meta, dict) else None)
-    trained_on = str(comps.get("target") or info.get("target") or "?")
-    if not Path(target).is_dir() or str(comps.get("weights_sha256", "")).startswith("hub:"):
-        return  # a hub id on either side: no files to compare
-    have = dict(zip(TOKENIZATION, tokenizer_hashes(target)))
-    changed = [f"{what} (sha256 {comps[key][:12]} in the feature identity of {shown_path(ckpt)}, "
-               f"{have[key][:12]} in {target})"
-               for key, what in TOKENIZATION.items() if isinstance(comps.get(key), str) and comps[key] != have[key]
-               and not (key == "chat_template_sha256" and comps[key] == NO_TEMPLATE)]
-    if not changed:
+    message = _tokenization_changes(comps, target, trained_on=str(comps.get("target") or info.get("target") or "?"),
+                                    recorded=f"the feature identity of {shown_path(ckpt)}")
+    if not message:
         return
-    message = (f"run.target: the {' and the '.join(changed)} differ from those of {trained_on}, which the draft "
-               "was trained on: vLLM would serve it on token ids it never saw")
     if off_policy:
         log.warning("%s; exporting anyway because run.off_policy=true", message)
         return
     raise ConfigError(f"{message}; export it with the target's tokenizer and template it was trained with, or set "
                       "run.off_policy=true if intended")
+
+
+def check_served_tokenization(draft: str | Path, target: str, *, off_policy: bool,
+                              stage: Literal["serving", "measuring"] = "serving") -> None:
+    """``serve up`` / ``evaluate al``: ``target``'s tokenizer files and chat template are the ones the
+    exported ``draft``'s features were captured with (its provenance.json's ``inputs.feature_identity``,
+    else the identity in the checkpoint.json it was exported from). Serving, another one is refused in
+    one line unless ``off_policy`` (a warning then); measuring (``evaluate al``), it is a warning. An
+    export that records no identity (another tool's draft, or one exported before the record) is not
+    checked."""
+    prov = _json_file(Path(draft) / "provenance.json")
+    inputs = prov.get("inputs") if isinstance(prov.get("inputs"), dict) else {}
+    comps = _identity(inputs.get("feature_identity"))
+    recorded = f"the feature identity in {shown_path(Path(draft) / 'provenance.json')}"
+    if not comps and isinstance(inputs.get("checkpoint"), str) and inputs["checkpoint"]:
+        ckpt = Path(inputs["checkpoint"]) / "checkpoint.json"
+        meta = _json_file(ckpt).get("feature_meta")
+        comps = _identity(meta.get("identity") if isinstance(meta, dict) else None)
+        recorded = f"the feature identity of {shown_path(ckpt)}"
+    trained_on = str(comps.get("target") or inputs.get("target") or "?")
+    message = _tokenization_changes(comps, target, trained_on=trained_on, recorded=recorded)
+    if not message:
+        return
+    if stage == "measuring" or off_policy:
+        log.warning("%s; %s it anyway%s", message, stage, " because run.off_policy=true" if off_policy else "")
+        return
+    raise ConfigError(f"{message}; serve it with the target's tokenizer and template it was trained with, or set "
+                      "run.off_policy=true if intended")
+
+
+def _tokenization_changes(comps: dict[str, Any], target: str, *, trained_on: str, recorded: str) -> str:
+    """The line naming the tokenizer files or chat template of ``target`` that differ from the feature
+    identity ``comps`` (``recorded``: where it was read); empty when none does, when the identity records
+    none, or when either side is a hub id (no files to compare)."""
+    if not comps or not Path(target).is_dir() or str(comps.get("weights_sha256", "")).startswith("hub:"):
+        return ""
+    have = dict(zip(TOKENIZATION, tokenizer_hashes(target)))
+    old = legacy_tokenization(target)  # an identity from before the files counted since: the same tokenization
+    changed = [f"{what} (sha256 {comps[key][:12]} in {recorded}, {have[key][:12]} in {target})"
+               for key, what in TOKENIZATION.items() if isinstance(comps.get(key), str)
+               and comps[key] not in (have[key], old[key])
+               and not (key == "chat_template_sha256" and comps[key] == NO_TEMPLATE)]
+    if not changed:
+        return ""
+    return (f"run.target: the {' and the '.join(changed)} differ from those of {trained_on}, which the draft "
+            "was trained on: vLLM would serve it on token ids it never saw")
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    """A JSON object file's contents; {} when absent, unreadable or not an object (nothing recorded)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _identity(text: Any) -> dict[str, Any]:

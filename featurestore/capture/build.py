@@ -114,9 +114,12 @@ def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta, pool_ids=()) ->
     # A component added since the table was captured (identity.ADDED) is no difference: it was not recorded.
     want = {k: v for k, v in meta.identity_components.items() if k in have_comps or k not in identity.ADDED} \
         if have_comps else meta.identity_components
+    if have_comps:  # hashed before added_tokens.json, chat_template.json, ... counted: the same tokenization
+        old = identity.legacy_tokenization(str(meta.identity_components.get("target", "")))
+        want.update({k: old[k] for k in ("tokenizer_sha256", "chat_template_sha256") if have_comps.get(k) == old[k]})
     if have_comps and identity.identity_hash(want) == have.feature_set_id:
         log.info("table '%s' was captured before %s joined the feature set's identity: reused", table,
-                 ", ".join(k for k in identity.ADDED if k not in have_comps))
+                 ", ".join(k for k in identity.ADDED if k not in have_comps) or "more tokenizer files")
         return have
     diff = identity.differences(have_comps, want) or ["feature_set_id"]
     diff = [_pool_change(store_uri, table, pool_ids) if d.startswith("prompt_pool") else d for d in diff]

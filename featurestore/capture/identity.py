@@ -15,7 +15,9 @@ zero target forward passes. The identity covers:
   existed lacks it and is reused as is (:data:`ADDED`);
 * ``layer_ids`` (vLLM convention), ``last_layer_id`` and ``capture_point`` (where the tensors are
   taken: vLLM ``extract_hidden_states``, residual stream before the final norm);
-* ``tokenizer_sha256`` and ``chat_template_sha256``;
+* ``tokenizer_sha256`` and ``chat_template_sha256``: every file transformers builds the tokenizer from
+  (:func:`_tokenizer_files`) and every template file it (or AutoProcessor) renders chats with
+  (:func:`template_hash`);
 * ``prompt_pool``: a hash of the sorted sample ids of the training conversations (ids are content
   hashes, so this is the pool's content) and ``gen_params_ids`` (how the responses were generated);
 * ``dtype``, ``storage`` (raw or fp8) and the schema version.
@@ -95,43 +97,92 @@ def weights_hash(target: str) -> str:
 _HASHED: dict[tuple, str] = {}
 
 
-def _tokenizer_files(root: Path) -> list[Path]:
-    # (Mistral's tekken.json, BERT-style vocab.txt and tiktoken files too; a file absent adds nothing,
-    # so the identities of stores captured before stay the same)
-    names = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt", "merges.txt",
-             "tokenizer_config.json", "special_tokens_map.json", *sorted(p.name for p in root.glob("*.tiktoken")))
+def _tokenizer_files(root: Path, *, legacy: bool = False) -> list[Path]:
+    # (Mistral's tekken.json, BERT-style vocab.txt and tiktoken files too; then the legacy added_tokens.json
+    # transformers still reads and the other sentencepiece models: spiece.model (T5, Pegasus),
+    # sentencepiece.bpe.model, spm.model, mistral_common's tokenizer.model.v3. A file absent adds nothing,
+    # and those added since come after the first ones, so the identities of stores captured before stay the same.
+    # ``legacy``: the files hashed before the later ones counted, for :func:`legacy_tokenization`)
+    names = ["tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt", "merges.txt",
+             "tokenizer_config.json", "special_tokens_map.json", *sorted(p.name for p in root.glob("*.tiktoken"))]
+    later = ("added_tokens.json", *sorted(p.name for p in (*root.glob("*.model"), *root.glob("*.model.v*"))))
+    names += [] if legacy else [name for name in later if name not in names]
     return [root / name for name in names if (root / name).is_file()]
 
 
 def tokenizer_hashes(target: str) -> tuple[str, str]:
-    """(sha256 of the tokenizer files, sha256 of the chat template)."""
+    """(sha256 of the tokenizer files, sha256 of the chat template: :func:`template_hash`)."""
     root = Path(target)
     tok = hashlib.sha256()
     for p in _tokenizer_files(root):
         tok.update(p.name.encode() + p.read_bytes())
-    return tok.hexdigest(), hashlib.sha256(chat_template_text(root).encode()).hexdigest()
+    return tok.hexdigest(), template_hash(root)
+
+
+#: transformers' template files beside tokenizer_config.json: the default template, the folder of named
+#: ones (both read by AutoTokenizer and AutoProcessor) and the processor's legacy file (AutoProcessor only,
+#: which vLLM asks first for a multimodal target, over the .jinja files).
+TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_DIR = "additional_chat_templates"
+PROCESSOR_TEMPLATE_FILE = "chat_template.json"
+
+
+def template_hash(root: Path) -> str:
+    """sha256 of the chat template: :func:`chat_template_text`, and the processor's ``chat_template.json``
+    when there is one (its bytes: what vLLM renders a multimodal target's chats with). Without that file
+    it is the text's sha256 alone, as for stores captured before it counted."""
+    h = hashlib.sha256(chat_template_text(root).encode())
+    legacy = Path(root) / PROCESSOR_TEMPLATE_FILE
+    if legacy.is_file():
+        h.update(b"\0" + PROCESSOR_TEMPLATE_FILE.encode() + b"\0" + legacy.read_bytes())
+    return h.hexdigest()
 
 
 def chat_template_text(root: Path) -> str:
-    """The target's chat template as the tokenizer loads it (``chat_template.jinja`` over
-    ``tokenizer_config.json``'s; a list of named templates as sorted JSON; none: empty)."""
+    """The target's chat template as AutoTokenizer loads it: ``tokenizer_config.json``'s, replaced as a
+    whole by template files when there are any (``chat_template.jinja``, the default, and
+    ``additional_chat_templates/<name>.jinja``, named ones); none: empty. Several templates (a list of
+    named ones in tokenizer_config.json, or several files) as sorted JSON."""
     template = ""
     cfg = root / "tokenizer_config.json"
     if cfg.is_file():
         template = _json_object(cfg).get("chat_template") or ""
-    jinja = root / "chat_template.jinja"
-    if jinja.is_file():
-        template = jinja.read_text()
+    files = {"default": root / TEMPLATE_FILE} if (root / TEMPLATE_FILE).is_file() else {}
+    files.update({p.name.removesuffix(".jinja"): p for p in sorted((root / TEMPLATE_DIR).glob("*.jinja"))
+                  if p.is_file()})  # (after the default, as AutoTokenizer reads them: a named "default" wins)
+    if files:
+        texts = {name: _template_file(p) for name, p in files.items()}
+        template = texts["default"] if list(texts) == ["default"] else texts
     if not isinstance(template, str):
         template = json.dumps(template, sort_keys=True)
     return template
 
 
-def vocab_hash(target: str) -> str:
+def legacy_tokenization(target: str) -> dict[str, str]:
+    """What ``tokenizer_hashes`` (``tokenizer_sha256``, ``chat_template_sha256``) and ``vocab_hash``
+    (``vocab_sha256``) gave before ``added_tokens.json``, the other sentencepiece models and the template
+    files other than chat_template.jinja counted: a record written then equal to these is the same
+    tokenization (those files were not recorded, so an edit of them since is not seen). Equal to the
+    current hashes for a target without those files."""
+    root = Path(target)
+    tok = hashlib.sha256()
+    for p in _tokenizer_files(root, legacy=True):
+        tok.update(p.name.encode() + p.read_bytes())
+    template = ""
+    if (root / "tokenizer_config.json").is_file():
+        template = _json_object(root / "tokenizer_config.json").get("chat_template") or ""
+    if (root / TEMPLATE_FILE).is_file():
+        template = _template_file(root / TEMPLATE_FILE)
+    template = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    return {"tokenizer_sha256": tok.hexdigest(), "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+            "vocab_sha256": vocab_hash(target, legacy=True)}
+
+
+def vocab_hash(target: str, *, legacy: bool = False) -> str:
     """sha256 of the tokenizer files with the chat template left out of ``tokenizer_config.json``:
     what turns text into token ids, so an edited template is told apart from another tokenizer."""
     h = hashlib.sha256()
-    for p in _tokenizer_files(Path(target)):
+    for p in _tokenizer_files(Path(target), legacy=legacy):
         if p.name == "tokenizer_config.json":
             cfg = {k: v for k, v in _json_object(p).items() if k != "chat_template"}
             data = json.dumps(cfg, sort_keys=True).encode()
@@ -155,6 +206,15 @@ def config_hash(target: str) -> str:
         return [kept(v) for v in value] if isinstance(value, list) else value
 
     return hashlib.sha256(json.dumps(kept(_json_object(path)), sort_keys=True).encode()).hexdigest()
+
+
+def _template_file(path: Path) -> str:
+    """A chat template file's text (UTF-8, as transformers reads it); one :class:`ConfigError` line naming it
+    otherwise."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (ValueError, OSError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ConfigError(f"run.target: {path} is not a readable UTF-8 chat template ({str(exc)[:200]})") from None
 
 
 def _json_object(path: Path) -> dict:
@@ -194,3 +254,13 @@ def differences(have: dict, want: dict) -> list[str]:
         if k != "target" and have.get(k) != want.get(k):
             out.append(f"{k} (key {KEYS.get(k, '?')})")
     return out
+
+
+def target_record(target: str) -> dict:
+    """The target as provenance names it: its path and the hashes of what it is (weights, tokenizer,
+    chat template: components of the feature identity). A hub id has no files here: its weights entry
+    is ``hub:<id>`` and there are no tokenizer hashes."""
+    record = {"target": str(target), "weights_sha256": weights_hash(str(target))}  # cached per process
+    if Path(target).is_dir():
+        record["tokenizer_sha256"], record["chat_template_sha256"] = tokenizer_hashes(str(target))
+    return record

@@ -14,18 +14,19 @@ revision of the same model) tokenize the conversations differently: the stored i
 on-policy either. Each commit's lineage also records ``tokenizer_sha256`` (the tokenizer files, the
 chat template left out) and ``chat_template_sha256``; the same commands refuse a change in either
 the same way (the template only when chat responses are stored). Commits from before that record
-are not compared.
+are not compared; a record hashed before ``added_tokens.json``, the other sentencepiece models and the
+template files besides ``chat_template.jinja`` counted is compared with the target's files hashed that
+way (``identity.legacy_tokenization``: an edit of those files since is not seen for it).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from pathlib import Path
 
 from eaglenest.errors import ConfigError
-from eaglenest.featurestore.capture.identity import chat_template_text, vocab_hash, weights_hash
+from eaglenest.featurestore.capture.identity import legacy_tokenization, template_hash, vocab_hash, weights_hash
 from eaglenest.featurestore.table import fragments, store, versions
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,7 @@ def tokenization_record(target: str) -> dict[str, str]:
     template left out) and of its chat template. Empty for a hub id (no files here to hash)."""
     if not Path(target).is_dir():
         return {}
-    template = chat_template_text(Path(target))
-    return {"tokenizer_sha256": vocab_hash(target),
-            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()}
+    return {"tokenizer_sha256": vocab_hash(target), "chat_template_sha256": template_hash(Path(target))}
 
 
 def rendered_kwargs(store_uri: str) -> list[dict]:
@@ -145,9 +144,11 @@ def check_tokenization(store_uri: str, target: str, *, off_policy: bool, stage: 
         return
     if lineages is None:
         lineages = response_lineages(store_uri) or []
+    old = legacy_tokenization(str(target))  # a record from before the files counted since: the same tokenization
+    old = {"tokenizer_sha256": old["vocab_sha256"], "chat_template_sha256": old["chat_template_sha256"]}
     changed = []
     for key, what in TOKENIZATION.items():
-        then = sorted({lin[key] for lin in lineages if lin.get(key)} - {mine[key]})
+        then = sorted({lin[key] for lin in lineages if lin.get(key)} - {mine[key], old[key]})
         if then and (key != "chat_template_sha256" or _has_chat_responses(store_uri)):
             changed.append(f"{what} (sha256 {', '.join(t[:12] for t in then[:3])} then, {mine[key][:12]} now)")
     if not changed:

@@ -1,7 +1,9 @@
 """Feature-store test fixtures: the helper modules on sys.path (also for subprocesses), and the
-captured store the streaming tests share."""
+captured store the streaming tests share, a listener that drops every connection (another service)."""
 
+import socket
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -42,3 +44,29 @@ def short_tmp(monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(path))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def dropping_listener():
+    """host:port of a listener that accepts every connection and closes it at once (another service)."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    srv.settimeout(0.2)
+    done = threading.Event()
+
+    def loop():
+        while not done.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            conn.close()
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    yield f"127.0.0.1:{srv.getsockname()[1]}"
+    done.set()
+    t.join(5)
+    srv.close()

@@ -89,32 +89,6 @@ def test_a_stream_serve_stopped_mid_stream_ends_by_its_signal_and_tells_the_rank
                               "terminated) after 1 capture", str(info.value)
 
 
-@pytest.fixture
-def dropping_listener():
-    """host:port of a listener that accepts every connection and closes it at once (another service)."""
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(64)
-    srv.settimeout(0.2)
-    done = threading.Event()
-
-    def loop():
-        while not done.is_set():
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                continue
-            conn.close()
-
-    t = threading.Thread(target=loop, daemon=True)
-    t.start()
-    yield f"127.0.0.1:{srv.getsockname()[1]}"
-    done.set()
-    t.join(5)
-    srv.close()
-
-
 def test_stream_serve_at_a_port_of_another_service_is_one_line(dropping_listener):
     """`stream-serve --addr` at a port where something else listens (it accepts and hangs up): the
     TCPStore client logged each retry's C++ stack (about 50 lines of 'frame #N') before the one

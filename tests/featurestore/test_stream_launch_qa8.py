@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -92,32 +91,6 @@ def test_a_stopped_command_without_a_launcher_still_says_it_every_time(tmp_path)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == -signal.SIGTERM and err.splitlines() == ["train: terminated"], err
-
-
-@pytest.fixture
-def dropping_listener():
-    """host:port of a listener that accepts every connection and closes it at once (another service)."""
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(64)
-    srv.settimeout(0.2)
-    done = threading.Event()
-
-    def loop():
-        while not done.is_set():
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                continue
-            conn.close()
-
-    t = threading.Thread(target=loop, daemon=True)
-    t.start()
-    yield f"127.0.0.1:{srv.getsockname()[1]}"
-    done.set()
-    t.join(5)
-    srv.close()
 
 
 #: A trainer rank's stream (torch imported as a trainer does, its C++ log at the default level).

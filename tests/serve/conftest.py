@@ -1,8 +1,10 @@
-"""Serve tests reuse the train test helpers (loaded by path: tests are not packages)."""
+"""Serve tests reuse the train test helpers (loaded by path: tests are not packages), and stamp a
+checkpoint with the feature identity of a target (the export's tokenizer checks)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -15,3 +17,20 @@ def synth():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="session")
+def stamp_identity():
+    """``stamp(ckpt_dir, target)``: checkpoint.json in ``ckpt_dir`` records features captured from ``target``
+    (the tiny target's shapes: aux layers 2, 4, 5, hidden 64, fp32), as ``train run`` records them."""
+    from eaglenest.featurestore.capture.identity import components
+
+    def stamp(ckpt_dir: Path, target: Path) -> None:
+        info = json.loads((ckpt_dir / "checkpoint.json").read_text())
+        comps = components(target=str(target), layer_ids=[2, 4, 5], last_layer_id=8, dtype="float32",
+                           storage="raw", sample_ids=["a"], gen_params_ids=["g"])
+        info["feature_meta"] = {"target": str(target), "layer_ids": [2, 4, 5], "last_layer_id": 8,
+                                "hidden_size": 64, "dtype": "float32", "identity": json.dumps(comps)}
+        (ckpt_dir / "checkpoint.json").write_text(json.dumps(info))
+
+    return stamp

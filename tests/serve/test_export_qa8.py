@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.featurestore.capture.identity import components, tokenizer_hashes
+from eaglenest.featurestore.capture.identity import tokenizer_hashes
 from eaglenest.serve.cli import main as serve_main
 from eaglenest.serve.export import is_export
 
@@ -24,23 +24,18 @@ def _one_line(capsys) -> str:
     return lines[0]
 
 
-def _workdir(w: Path, toy_checkpoint, captured) -> Path:
+def _workdir(w: Path, toy_checkpoint, captured, stamp) -> Path:
     """``w`` holding a checkpoint of the tiny target whose features' identity is ``captured``'s."""
     (w / "train").mkdir(parents=True)
     for name in ("checkpoint.json", "draft.safetensors"):
         shutil.copy(toy_checkpoint / name, w / "train" / name)
-    info = json.loads((w / "train" / "checkpoint.json").read_text())
-    comps = components(target=str(captured), layer_ids=[2, 4, 5], last_layer_id=8, dtype="float32",
-                       storage="raw", sample_ids=["a"], gen_params_ids=["g"])
-    info["feature_meta"] = {"target": str(captured), "layer_ids": [2, 4, 5], "last_layer_id": 8,
-                            "hidden_size": 64, "dtype": "float32", "identity": json.dumps(comps)}
-    (w / "train" / "checkpoint.json").write_text(json.dumps(info))
+    stamp(w / "train", captured)
     return w
 
 
 @pytest.fixture
-def work(tmp_path, toy_checkpoint, tiny_target) -> Path:
-    return _workdir(tmp_path / "work dir ü", toy_checkpoint, tiny_target)
+def work(tmp_path, toy_checkpoint, tiny_target, stamp_identity) -> Path:
+    return _workdir(tmp_path / "work dir ü", toy_checkpoint, tiny_target, stamp_identity)
 
 
 def _export(root, target, work, *extra) -> int:
@@ -82,7 +77,8 @@ def test_off_policy_exports_with_a_warning_and_the_same_target_exports(caplog, c
     assert _export(root, tiny_target, work) == 0 and is_export(work / "draft")  # its own target: no refusal
 
 
-def test_a_template_given_to_a_base_model_since_is_not_refused(capsys, tmp_path, root, toy_checkpoint, tiny_target):
+def test_a_template_given_to_a_base_model_since_is_not_refused(capsys, tmp_path, root, toy_checkpoint, tiny_target,
+                                                                stamp_identity):
     """A base model's draft (no chat template when its features were captured: no chat in them) exports for
     the same target with a template added since; another tokenizer is still refused."""
     base = tmp_path / "base"
@@ -90,7 +86,7 @@ def test_a_template_given_to_a_base_model_since_is_not_refused(capsys, tmp_path,
     cfg = json.loads((base / "tokenizer_config.json").read_text())
     template = cfg.pop("chat_template")
     (base / "tokenizer_config.json").write_text(json.dumps(cfg))
-    work = _workdir(tmp_path / "w", toy_checkpoint, base)
+    work = _workdir(tmp_path / "w", toy_checkpoint, base, stamp_identity)
     (base / "chat_template.jinja").write_text(template)  # the template given since, beside the tokenizer
     assert _export(root, base, work) == 0 and is_export(work / "draft")
     (base / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_max_length": 7}))

@@ -19,7 +19,7 @@ from eaglenest.errors import ConfigError
 from eaglenest.evaluate.config import EvaluateConfig
 from eaglenest.evaluate.plan import plan
 from eaglenest.featurestore import schema as S
-from eaglenest.featurestore.capture.identity import components, tokenizer_hashes
+from eaglenest.featurestore.capture.identity import tokenizer_hashes
 from eaglenest.featurestore.table import store
 from eaglenest.recipe import load_recipe
 from eaglenest.serve.cli import main as serve_main
@@ -28,17 +28,12 @@ from eaglenest.serve.export import export_draft
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, toy_checkpoint, tiny_target) -> Path:
+def trained(tmp_path_factory, toy_checkpoint, tiny_target, stamp_identity) -> Path:
     """A checkpoint whose features' identity is the tiny target's, exported as ``serve export`` does:
     ``<folder>/train`` and ``<folder>/draft``."""
     folder = tmp_path_factory.mktemp("tokid") / "work dir ü"
     shutil.copytree(toy_checkpoint, folder / "train")
-    info = json.loads((folder / "train" / "checkpoint.json").read_text())
-    comps = components(target=str(tiny_target), layer_ids=[2, 4, 5], last_layer_id=8, dtype="float32",
-                       storage="raw", sample_ids=["a"], gen_params_ids=["g"])
-    info["feature_meta"] = {"target": str(tiny_target), "layer_ids": [2, 4, 5], "last_layer_id": 8,
-                            "hidden_size": 64, "dtype": "float32", "identity": json.dumps(comps)}
-    (folder / "train" / "checkpoint.json").write_text(json.dumps(info))
+    stamp_identity(folder / "train", tiny_target)
     export_draft(folder / "train", folder / "draft", target_dir=tiny_target)
     return folder
 

@@ -113,10 +113,14 @@ def _tokenizer_files(root: Path, *, legacy: bool = False) -> list[Path]:
 def tokenizer_hashes(target: str) -> tuple[str, str]:
     """(sha256 of the tokenizer files, sha256 of the chat template: :func:`template_hash`)."""
     root = Path(target)
-    tok = hashlib.sha256()
-    for p in _tokenizer_files(root):
-        tok.update(p.name.encode() + p.read_bytes())
-    return tok.hexdigest(), template_hash(root)
+    return _files_hash(_tokenizer_files(root)), template_hash(root)
+
+
+def _files_hash(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
 
 
 #: transformers' template files beside tokenizer_config.json: the default template, the folder of named
@@ -138,18 +142,20 @@ def template_hash(root: Path) -> str:
     return h.hexdigest()
 
 
-def chat_template_text(root: Path) -> str:
+def chat_template_text(root: Path, *, legacy: bool = False) -> str:
     """The target's chat template as AutoTokenizer loads it: ``tokenizer_config.json``'s, replaced as a
     whole by template files when there are any (``chat_template.jinja``, the default, and
     ``additional_chat_templates/<name>.jinja``, named ones); none: empty. Several templates (a list of
-    named ones in tokenizer_config.json, or several files) as sorted JSON."""
+    named ones in tokenizer_config.json, or several files) as sorted JSON. ``legacy``: as read before the
+    named files counted (chat_template.jinja alone), for :func:`legacy_tokenization`."""
     template = ""
     cfg = root / "tokenizer_config.json"
     if cfg.is_file():
         template = _json_object(cfg).get("chat_template") or ""
     files = {"default": root / TEMPLATE_FILE} if (root / TEMPLATE_FILE).is_file() else {}
-    files.update({p.name.removesuffix(".jinja"): p for p in sorted((root / TEMPLATE_DIR).glob("*.jinja"))
-                  if p.is_file()})  # (after the default, as AutoTokenizer reads them: a named "default" wins)
+    if not legacy:  # (after the default, as AutoTokenizer reads them: a named "default" wins)
+        files.update({p.name.removesuffix(".jinja"): p for p in sorted((root / TEMPLATE_DIR).glob("*.jinja"))
+                      if p.is_file()})
     if files:
         texts = {name: _template_file(p) for name, p in files.items()}
         template = texts["default"] if list(texts) == ["default"] else texts
@@ -165,16 +171,8 @@ def legacy_tokenization(target: str) -> dict[str, str]:
     tokenization (those files were not recorded, so an edit of them since is not seen). Equal to the
     current hashes for a target without those files."""
     root = Path(target)
-    tok = hashlib.sha256()
-    for p in _tokenizer_files(root, legacy=True):
-        tok.update(p.name.encode() + p.read_bytes())
-    template = ""
-    if (root / "tokenizer_config.json").is_file():
-        template = _json_object(root / "tokenizer_config.json").get("chat_template") or ""
-    if (root / TEMPLATE_FILE).is_file():
-        template = _template_file(root / TEMPLATE_FILE)
-    template = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
-    return {"tokenizer_sha256": tok.hexdigest(), "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+    return {"tokenizer_sha256": _files_hash(_tokenizer_files(root, legacy=True)),
+            "chat_template_sha256": hashlib.sha256(chat_template_text(root, legacy=True).encode()).hexdigest(),
             "vocab_sha256": vocab_hash(target, legacy=True)}
 
 

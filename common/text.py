@@ -28,16 +28,20 @@ def tidy(text: str) -> str:
     ("x² + y²" to "x2 + y2", "½" to "1⁄2", "①" to "1"), and the target would answer another question.
     Blank lines around the text and the indentation all its lines share go; the first line's own goes
     too unless a later line is indented: an indented snippet (code) keeps its lines' relative indentation."""
-    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
-    lines = textwrap.dedent("\n".join(line.rstrip() for line in text.split("\n"))).strip("\n").split("\n")
+    lines = textwrap.dedent(_rstripped(unicodedata.normalize("NFC", text))).strip("\n").split("\n")
     if not any(line[:1].isspace() for line in lines[1:]):  # no structure to keep: a stray leading space
         lines[0] = lines[0].lstrip()
     return "\n".join(lines)
 
 
 def _trimmed(text: str) -> str:
+    return _rstripped(text).strip()
+
+
+def _rstripped(text: str) -> str:
+    """``text`` with one newline convention and no whitespace at the end of any line."""
     text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return "\n".join(line.rstrip() for line in text.strip().split("\n"))
+    return "\n".join(line.rstrip() for line in text.split("\n"))
 
 
 def is_blank(text: str) -> bool:

@@ -29,6 +29,7 @@ from eaglenest.config import short
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.evaluate.longctx import rendered
 from eaglenest.featurestore.table import store
+from eaglenest.ingest.compose import prompts_of
 from eaglenest.ingest.pool import raw_document
 from eaglenest.text import content_key
 
@@ -239,17 +240,20 @@ def check_prompt_lengths(tok, prompts: list[dict], chat_template_kwargs, *, max_
 
 
 def training_keys(store_uri: str, heldout_split: str = "heldout") -> set[str]:
-    """Content keys of every non-held-out prompt of the store (the training pool). A raw prompt's document
+    """Content keys of every non-held-out prompt of the store (the training pool), and of each user turn of
+    a multi-turn one on its own (a long chat's first prompt after its fact preamble too: the turns ingest's
+    contamination check compares; the row trains on the answer to its last). A raw prompt's document
     gives its whole text's key (system and prompt) and that of what follows its first blank line (the prompt
     after a system prompt; for a prompt of paragraphs without one, a key that can only exclude more)."""
     if not store.exists(store_uri, store.PROMPTS):
         return set()
-    rows = store.read(store_uri, store.PROMPTS, columns=["messages_json"],
+    rows = store.read(store_uri, store.PROMPTS, columns=["source", "messages_json"],
                       filter=f"split != {store.sql_text(heldout_split)}").to_pylist()
     keys: set[str] = set()
     for r in rows:
         msgs = [m for m in json.loads(r["messages_json"]) if m["role"] != "assistant"]
         keys |= _keys(msgs)
+        keys |= {content_key(t) for t in prompts_of(r["source"], [m["content"] for m in msgs if m["role"] == "user"])}
         for m in msgs:  # a raw prompt: one "document" (``ingest.pool.raw_document``: system, blank line, prompt)
             if m["role"] == "document":
                 keys |= {content_key(m["content"]), content_key(m["content"].split("\n\n", 1)[-1])}

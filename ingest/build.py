@@ -35,7 +35,7 @@ from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore import schema
 from eaglenest.featurestore.capture import policy
 from eaglenest.featurestore.table import lease, store
-from eaglenest.featurestore.table.fragments import commit_fragments, lineage_of
+from eaglenest.featurestore.table.fragments import commit_fragments, lineage_of, removed_lineage
 from eaglenest.hf import load_tokenizer
 from eaglenest.ingest import dask_executor
 from eaglenest.ingest.backends import chat_kwargs
@@ -46,6 +46,7 @@ from eaglenest.ingest.reasoning import ThinkCheck, resolve_tags
 from eaglenest.ingest.regen import Dropped, gen_params_id, heldout_row, stream
 from eaglenest.ingest.shard import guarded, make_backend, shard_result, write_rows
 from eaglenest.provenance import write_json_atomic
+from eaglenest.text import SAMPLE_ID_SCHEME, SAMPLE_ID_SCHEMES
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def commit(store_uri: str, fragments: list, lineage: dict) -> int:
 
 def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, cfg: IngestConfig,
           backend=None, client=None, off_policy: bool = False, trust_remote_code: bool = False,
-          dropped_path: str | Path | None = None) -> dict:
+          dropped_path: str | Path | None = None, id_scheme: int = SAMPLE_ID_SCHEME) -> dict:
     """Regenerate what is missing from the prompts table; return the run's stats.
 
     ``backend`` (in-process executor) or ``client`` (a ``distributed.Client``, Dask executor) reuse a
@@ -70,7 +71,9 @@ def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: 
     append the same prompts; the second is refused, naming the first. Each commit records the
     generating target (``featurestore/capture/policy.py``); responses from a different target than those
     already stored are refused unless ``off_policy``. ``dropped_path``: the JSON file of
-    conversations dropped for truncated thinking (read to skip them, then updated).
+    conversations dropped for truncated thinking (read to skip them, then updated). ``id_scheme``: the
+    sample-id scheme the pool was built with (``pool.build_pool``), recorded in every commit's lineage;
+    a table whose rows were written under another is refused (its prompts would be stored twice).
     """
     own = None
     if cfg.executor == "dask" and client is None and cfg.dask_scheduler:
@@ -79,7 +82,7 @@ def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: 
         with lease.hold(store_uri, store.PROMPTS, purpose="ingest build", wait_s=5):
             return _build(manifest, pool, target=target, store_uri=store_uri, cfg=cfg, backend=backend,
                           client=client, off_policy=off_policy, trust_remote_code=trust_remote_code,
-                          dropped_path=dropped_path)
+                          dropped_path=dropped_path, id_scheme=id_scheme)
     finally:
         if own is not None:
             own.close()
@@ -87,8 +90,13 @@ def build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: 
 
 def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri: str, cfg: IngestConfig,
            backend=None, client=None, off_policy: bool = False, trust_remote_code: bool = False,
-           dropped_path=None) -> dict:
+           dropped_path=None, id_scheme: int = SAMPLE_ID_SCHEME) -> dict:
     t0 = time.time()
+    have = stored_id_scheme(store_uri)
+    if have != id_scheme:
+        raise ConfigError(f"run.store: the prompts table in {store_uri} holds sample ids of scheme {have}, and this "
+                          f"pool's are of scheme {id_scheme}: its prompts would be stored twice; build the pool "
+                          "with the table's scheme (ingest build does), or ingest into a new run.store")
     rendered = chat_kwargs(manifest.generation, cfg.chat_template_kwargs) or {}  # a contradiction: refused here
     if backend is not None and getattr(backend, "chat_template_kwargs", {}) != dict(cfg.chat_template_kwargs):
         raise ConfigError("ingest.chat_template_kwargs: the backend given renders with other kwargs "
@@ -115,7 +123,7 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
     # its prompts the same way unless told otherwise (evaluate/settings.py).
     lineage = {"stage": "ingest", "manifest": manifest.name, "manifest_hash": manifest.content_hash(),
                "gen_params_id": gen_id, "reasoning": manifest.generation.reasoning,
-               "chat_template_kwargs": rendered, **policy.lineage_record(target)}
+               "chat_template_kwargs": rendered, "sample_id_scheme": id_scheme, **policy.lineage_record(target)}
     if heldout:
         guarded(lambda: commit(store_uri, write_rows(store_uri, [heldout_row(e, gen_id) for e in heldout]),
                                {**lineage, "shard": "heldout"}), store_uri)
@@ -155,7 +163,7 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
                 if f]
     return {
         "manifest": manifest.name, "manifest_hash": manifest.content_hash(), "gen_params_id": gen_id,
-        "chat_template_kwargs": rendered,
+        "chat_template_kwargs": rendered, "sample_id_scheme": id_scheme,
         "backend": cfg.backend, "executor": cfg.executor, "shards": len(shards),
         "pool_size": len(pool), "skipped_existing": len(pool) - len(todo),
         "regenerated": totals["rows"], "heldout_written": len(heldout), "generated_tokens": totals["tokens"],
@@ -186,14 +194,38 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
 
 def stored_manifests(store_uri: str) -> list[str]:
     """The names of the manifests whose ``ingest build`` committed to the prompts table, in commit
-    order: more than one means their pools (caps, held-out splits, evaluation files) are mixed."""
-    ds = store.dataset(store_uri, store.PROMPTS)
+    order: more than one means their pools (caps, held-out splits, evaluation files) are mixed. Those of
+    versions ``gc`` removed count too: their rows stay."""
     names: list[str] = []
-    for v in store.version_list(ds, store_uri, store.PROMPTS):
-        name = (lineage_of(ds, int(v["version"])) or {}).get("manifest")
+    for lin in _lineages(store_uri):
+        name = lin.get("manifest")
         if isinstance(name, str) and name not in names:
             names.append(name)
     return names
+
+
+def _lineages(store_uri: str) -> list[dict]:
+    """The lineage of every version of the prompts table, in version order, those ``gc`` removed included."""
+    ds = store.dataset(store_uri, store.PROMPTS)
+    lineages = removed_lineage(store_uri, store.PROMPTS)
+    lineages.update({int(v["version"]): lineage_of(ds, int(v["version"])) or {}
+                     for v in store.version_list(ds, store_uri, store.PROMPTS)})
+    return [lin for _, lin in sorted(lineages.items())]
+
+
+def stored_id_scheme(store_uri: str) -> int:
+    """The sample-id scheme (``text.conversation_key``) of the prompts table's rows: the one its first
+    commit recording one names (gc's kept lineage included), 1 for rows no commit records one for (written
+    before the record), and this eaglenest's own for a table with no row (or none at all). A re-run keys its
+    pool with it, so a stored prompt keeps its id and split. A store path the system refuses raises OSError."""
+    if not store.exists(store_uri, store.PROMPTS) or not store.dataset(store_uri, store.PROMPTS).count_rows():
+        return SAMPLE_ID_SCHEME
+    found = next((lin["sample_id_scheme"] for lin in _lineages(store_uri) if "sample_id_scheme" in lin), 1)
+    if found not in SAMPLE_ID_SCHEMES or isinstance(found, bool):
+        raise StoreError(f"run.store: the prompts table in {store_uri} records sample-id scheme {found!r}, which "
+                         f"this eaglenest does not know ({', '.join(map(str, SAMPLE_ID_SCHEMES))}): a newer "
+                         "eaglenest wrote it")
+    return found
 
 
 def stored_splits(store_uri: str) -> dict[str, str]:

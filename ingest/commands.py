@@ -14,13 +14,14 @@ from eaglenest.featurestore.capture import identity, policy
 from eaglenest.hf import check_generation_config, check_remote_code, load_config, load_tokenizer
 from eaglenest.ingest import compose, contamination, dask_executor
 from eaglenest.ingest.backends import chat_kwargs
-from eaglenest.ingest.build import build, check_chat_template, stored_heldout, stored_splits
+from eaglenest.ingest.build import build, check_chat_template, stored_heldout, stored_id_scheme, stored_splits
 from eaglenest.ingest.manifest import Dedup, input_file, load_manifest, read_manifest
-from eaglenest.ingest.pool import build_pool, load_pool, load_source
+from eaglenest.ingest.pool import build_pool, evaluation_prompts, load_pool, load_source
 from eaglenest.paths import ensure_writable
 from eaglenest.precheck import check_max_model_len
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.shapes import check_weight_shapes
+from eaglenest.text import SAMPLE_ID_SCHEME
 
 #: ``ingest validate`` prints at most this many problems (a hostile manifest can have millions).
 MAX_PROBLEMS = 50
@@ -163,8 +164,14 @@ def _cmd_build(recipe, args, client) -> int:
     chat_kwargs(manifest.generation, recipe.ingest.chat_template_kwargs)  # refuses a contradiction
     check_long(manifest, recipe)  # composed lengths (the manifest's alone): before composing them, or any engine
     pool_report: dict = {}
+    evals = evaluation_prompts(manifest)  # read once: composing and the contamination check both use them
+    # A table written before keeps its sample-id scheme: its prompts keep their ids and splits (no row twice).
+    try:
+        id_scheme = stored_id_scheme(recipe.run.store_uri)
+    except OSError:  # a store path the system refuses (a name too long): named by ensure_writable below
+        id_scheme = SAMPLE_ID_SCHEME
     pool = load_pool(manifest, target=recipe.run.target, report=pool_report,  # all before anything is written
-                     trust_remote_code=recipe.run.trust_remote_code)
+                     trust_remote_code=recipe.run.trust_remote_code, id_scheme=id_scheme, evals=evals)
     for line in all_held_out(manifest, pool_report):  # before any engine starts: a mistake is stopped cheaply
         print(line, file=sys.stderr)
     out = recipe.run.path("ingest")
@@ -173,7 +180,7 @@ def _cmd_build(recipe, args, client) -> int:
     ensure_writable(out, "run.workdir", keep=False)
     stored = stored_splits(recipe.run.store_uri)
     pool, report = contamination.check(pool, manifest, stored_split=stored,
-                                       stored_heldout=stored_heldout(recipe.run.store_uri))
+                                       stored_heldout=stored_heldout(recipe.run.store_uri), evals=evals)
     if not pool:
         raise ManifestError(empty_pool(args.manifest or recipe.ingest.manifest, pool_report, report["contaminated"]))
     # A target without a chat template for chat prompts still to generate: refused before the store is made
@@ -184,7 +191,7 @@ def _cmd_build(recipe, args, client) -> int:
     ensure_writable(recipe.run.store_uri, "run.store" if recipe.run.store else "run.workdir")
     stats = build(manifest, pool, target=recipe.run.target, store_uri=recipe.run.store_uri, cfg=recipe.ingest,
                   client=client, off_policy=recipe.run.off_policy, trust_remote_code=recipe.run.trust_remote_code,
-                  dropped_path=out / "thinking_truncated.json")
+                  dropped_path=out / "thinking_truncated.json", id_scheme=id_scheme)
     stats["contamination"] = report
     stats["pool"] = pool_report
     write_json_atomic(out / "stats.json", stats)

@@ -35,7 +35,7 @@ from typing import Callable
 
 from eaglenest.errors import ManifestError
 from eaglenest.material import DOCUMENT_KINDS, document
-from eaglenest.text import content_key, is_blank, normalise
+from eaglenest.text import content_key, conversation_key, is_blank, normalise
 
 #: Template tokens one user turn plus its answer add beyond their text (role markers, end marks);
 #: an estimate, checked on the tiny target's template (8 there).
@@ -134,7 +134,8 @@ def _units(rows: list[dict]) -> list[tuple[list[str], str]]:
     a blank turn are left out: the pool drops a conversation holding one as empty, whole."""
     units = [([r["prompt"], *(r.get("later_turns") or [])], r.get("system") or "") for r in rows]
     units = [u for u in units if not any(is_blank(normalise(t)) for t in u[0])]
-    return sorted(units, key=lambda u: content_key("\n".join([u[1], *u[0]])))
+    # scheme 1's key, as ever: another order would compose other conversations, stored again under new ids
+    return sorted(units, key=lambda u: conversation_key(u[1], u[0], scheme=1))
 
 
 def _documents(*, domain: str, kinds: list[str], target_tokens: list[int], per_length: int, answer_tokens: int,

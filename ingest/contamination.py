@@ -46,17 +46,19 @@ class NearIndex:
 
 
 def check(pool: list[PoolEntry], manifest: Manifest, *, base_dir=None, stored_split: dict[str, str] | None = None,
-          stored_heldout: dict[str, list[str]] | None = None) -> tuple[list[PoolEntry], dict]:
+          stored_heldout: dict[str, list[str]] | None = None,
+          evals: list[str] | None = None) -> tuple[list[PoolEntry], dict]:
     """``(pool without contaminated training entries, report)``; raises if ``action: error``.
 
     ``stored_split`` (``{sample_id: split}``) and ``stored_heldout`` (``{sample_id: user turns}`` of
     the held-out ones) describe the prompts table of earlier runs, perhaps under another manifest. A
     stored prompt keeps its stored split (a re-run skips it), so that split is the one checked here;
-    a stored training prompt found contaminated cannot be dropped any more: refused, whatever the action."""
+    a stored training prompt found contaminated cannot be dropped any more: refused, whatever the action.
+    ``evals``: the prompts of the manifest's evaluation files when the caller has read them (read here if not)."""
     stored_split, stored_heldout = stored_split or {}, stored_heldout or {}
     split = {e.sample_id: stored_split.get(e.sample_id, e.split) for e in pool}
     c = manifest.contamination
-    evals = evaluation_prompts(manifest, base_dir=base_dir)
+    evals = evaluation_prompts(manifest, base_dir=base_dir) if evals is None else evals
     eval_keys = {content_key(t) for t in evals}
     threshold = c.near_duplicate_threshold
     near_eval = NearIndex(evals) if threshold else None

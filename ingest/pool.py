@@ -4,7 +4,8 @@ Loading is the only I/O; everything after it is a pure function of the loaded re
 manifest and sources always give the same pool. Order, the held-out split and the chat/raw choice
 are all derived from a hash of the normalised content (never from file order or a random state),
 so adding a source does not reshuffle the prompts already chosen. A conversation (several user
-turns) is one pool entry; its identity is the hash of its system prompt and every user turn.
+turns) is one pool entry; its identity is the hash of its system prompt and every user turn, each
+apart (``eaglenest.text.conversation_key``; a table written before keeps the scheme it was written with).
 Optional near-duplicate removal (``dedup.near_duplicate_threshold``) walks each domain in that same
 hash order and drops a prompt whose user turns are near ones already kept (this domain's, or those
 earlier domains chose); system prompts are left out of the comparison, since a shared system
@@ -24,7 +25,7 @@ from typing import Callable
 
 from eaglenest.errors import ManifestError, require
 from eaglenest.hf import load_tokenizer
-from eaglenest.text import content_key, is_blank, normalise, tidy
+from eaglenest.text import SAMPLE_ID_SCHEME, content_key, conversation_key, is_blank, normalise, tidy
 from eaglenest.ingest import compose
 from eaglenest.ingest.manifest import Manifest, Source, input_file, source_format
 from eaglenest.ingest.neardup import NearDupIndex
@@ -300,12 +301,14 @@ def _check_roles(msgs: list[dict], at: str) -> None:
 
 
 def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
-               count_tokens: Callable[[str], int] | None = None, report: dict | None = None) -> list[PoolEntry]:
+               count_tokens: Callable[[str], int] | None = None, report: dict | None = None,
+               id_scheme: int = SAMPLE_ID_SCHEME) -> list[PoolEntry]:
     """Pure: the pool from the rows loaded per domain (``loaded[domain]``).
 
     ``count_tokens`` (text -> number of target tokens) is needed only by domains with ``cap_tokens``.
     ``report``, if given, receives per-domain counts: rows, empty, exact and near duplicates, kept, and of
-    the kept ones held out.
+    the kept ones held out. ``id_scheme``: how a conversation's key is taken (``text.conversation_key``):
+    the scheme of the prompts table the pool goes into (``build.stored_id_scheme``).
     """
     pool: list[PoolEntry] = []
     seen: set[str] = set()
@@ -320,7 +323,9 @@ def build_pool(manifest: Manifest, loaded: dict[str, list[dict]], *,
                 counts["empty"] += 1
                 continue
             system = tidy(row["system"])
-            key = content_key("\n".join([system, *turns]))  # normalises (NFKC) itself: ids as before
+            if id_scheme > 1 and is_blank(system):  # shows nothing: no system prompt (scheme 1 sent and keyed it)
+                system = ""
+            key = conversation_key(system, turns, scheme=id_scheme)  # normalises (NFKC) itself
             if key in seen or key in cands:
                 counts["exact_duplicates"] += 1
                 continue  # exact duplicate (also across domains: the first domain listed owns it)
@@ -394,8 +399,10 @@ def token_counter(target: str, *, trust_remote_code: bool = False) -> Callable[[
 
 
 def load_pool(manifest: Manifest, *, base_dir: str | Path | None = None,
-              target: str | None = None, report: dict | None = None,
-              trust_remote_code: bool = False) -> list[PoolEntry]:
+              target: str | None = None, report: dict | None = None, trust_remote_code: bool = False,
+              id_scheme: int = SAMPLE_ID_SCHEME, evals: list[str] | None = None) -> list[PoolEntry]:
+    """The pool of ``manifest`` (its sources read here). ``evals``: the prompts of its evaluation files,
+    when the caller has read them (:func:`evaluation_prompts`; composing leaves them out of long chats)."""
     loaded = {
         name: [r for i, s in enumerate(d.sources)
                for r in load_source(s, where=f"domains.{name}.sources[{i}]", base_dir=base_dir)]
@@ -405,13 +412,14 @@ def load_pool(manifest: Manifest, *, base_dir: str | Path | None = None,
     counter = token_counter(target, trust_remote_code=trust_remote_code) if needs_tokens and target else None
     if any(d.compose is not None for d in manifest.domains.values()):  # long conversations (compose.py)
         plain = dataclasses.replace(manifest, domains={n: d for n, d in manifest.domains.items() if d.compose is None})
-        held = {content_key(t) for e in build_pool(plain, loaded, count_tokens=counter)
+        held = {content_key(t) for e in build_pool(plain, loaded, count_tokens=counter, id_scheme=id_scheme)
                 if e.split == "heldout" for t in e.user_turns()}
         # evaluation prompts too: one composed in would make each long chat holding it contaminated, dropped whole
-        held |= {content_key(t) for t in evaluation_prompts(manifest, base_dir=base_dir)}
+        evals = evaluation_prompts(manifest, base_dir=base_dir) if evals is None else evals
+        held |= {content_key(t) for t in evals}
         loaded = compose.apply(manifest, loaded, count_tokens=counter, held_out=held)
     report = {} if report is None else report
-    pool = build_pool(manifest, loaded, count_tokens=counter, report=report)
+    pool = build_pool(manifest, loaded, count_tokens=counter, report=report, id_scheme=id_scheme)
     for name, c in report.get("domains", {}).items():
         if not c["kept"] and pool:  # an empty pool as a whole is the caller's error
             log.warning("domains.%s: no prompt kept (%d rows, %d empty, %d duplicates)", name, c["rows"],

@@ -2,7 +2,8 @@
 
 vLLM counts, per engine, the number of draft rounds (``spec_decode_num_drafts``), the draft tokens
 proposed and accepted, and accepted tokens per position. We decode one domain at a time and take
-counter deltas, so every figure comes from the engine itself, not from our own re-computation.
+counter deltas, so every figure comes from the engine itself, not from our own re-computation
+(``eaglenest.specdecode`` reads the counters, for ``serve``'s load check too).
 
 Two averages are reported, both from vLLM:
 
@@ -20,59 +21,13 @@ the report carries both so a mismatch is visible.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
+from eaglenest.specdecode import PREFIX, SpecCounters, read_counters
+
+__all__ = ["PREFIX", "SpecCounters", "per_request_summary", "read_counters"]
+
 log = logging.getLogger(__name__)
-
-PREFIX = "vllm:spec_decode_"
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecCounters:
-    drafts: int
-    draft_tokens: int
-    accepted: int
-    accepted_per_pos: tuple[int, ...]
-
-    def __sub__(self, other: "SpecCounters") -> "SpecCounters":
-        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        a = list(self.accepted_per_pos) + [0] * (n - len(self.accepted_per_pos))
-        b = list(other.accepted_per_pos) + [0] * (n - len(other.accepted_per_pos))
-        return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
-                            self.accepted - other.accepted, tuple(x - y for x, y in zip(a, b)))
-
-    def __add__(self, other: "SpecCounters") -> "SpecCounters":
-        return self - SpecCounters(-other.drafts, -other.draft_tokens, -other.accepted,
-                                   tuple(-x for x in other.accepted_per_pos))
-
-    def summary(self) -> dict:
-        drafts = max(self.drafts, 1)
-        return {
-            "acceptance_length": round(1.0 + self.accepted / drafts, 4) if self.drafts else None,
-            "draft_rounds": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted,
-            "acceptance_rate": round(self.accepted / self.draft_tokens, 4) if self.draft_tokens else None,
-            # Share of rounds whose k-th draft token was accepted (k = 1..num_speculative_tokens); none
-            # without rounds (every output ended at its prefill token), as for acceptance_length.
-            "acceptance_by_position": [round(x / drafts, 4) for x in self.accepted_per_pos] if self.drafts else [],
-        }
-
-
-def read_counters(llm) -> SpecCounters:
-    """Current totals of vLLM's spec-decode counters (summed over engines/labels)."""
-    totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
-    per_pos: list[int] = []
-    for m in llm.get_metrics():
-        if not m.name.startswith(PREFIX):
-            continue
-        key = m.name[len(PREFIX):]
-        if key in totals:
-            totals[key] += int(m.value)
-        elif key == "num_accepted_tokens_per_pos":
-            vals = list(m.values)
-            per_pos = [a + b for a, b in zip(per_pos, vals)] if per_pos else vals
-    return SpecCounters(totals["num_drafts"], totals["num_draft_tokens"], totals["num_accepted_tokens"],
-                        tuple(per_pos))
 
 
 def _hist_al(hist) -> tuple[int, int]:

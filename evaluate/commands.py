@@ -31,6 +31,7 @@ from eaglenest.featurestore.table import store
 from eaglenest.hf import check_remote_code, load_tokenizer
 from eaglenest.paths import ensure_writable, make_dir
 from eaglenest.provenance import package_versions, write_json_atomic, write_provenance, write_text_atomic
+from eaglenest.serve.target_check import check_served_tokenization
 from eaglenest.target import local_dir
 from eaglenest.target import max_positions as vllm_positions
 from eaglenest.train.checkpoint import INFO
@@ -249,6 +250,7 @@ def cmd_offline(recipe, args) -> int:
     cfg = evaluate_config(recipe, manifest=args.manifest, draft=draft)  # the K the given draft records
     out = _out(args.out or recipe.run.path("eval_offline"), args, result="offline_report.json",
                inputs=_inputs_of(recipe, draft))
+    check_served_tokenization(draft, recipe.run.target, off_policy=False, stage="measuring")  # as `evaluate al`
     if cfg.temperature != 0.0:
         raise ConfigError(f"evaluate.temperature: offline AL is greedy only (0.0), got {cfg.temperature}")
     groups, info = load_prompt_set(cfg, recipe.run.store_uri)
@@ -296,6 +298,8 @@ def cmd_parity(recipe, args) -> int:
                           "checked against itself proves nothing): name the `train run` folder it was exported from")
     out = _out(args.out or recipe.run.path("parity"), args, result="parity.json",
                inputs=_inputs_of(recipe, draft, checkpoint=checkpoint))
+    # The served draft on another tokenizer or template than its features': a warning, as `evaluate al` gives.
+    check_served_tokenization(draft, recipe.run.target, off_policy=False, stage="measuring")
     if cfg.temperature != 0.0:
         raise ConfigError(f"evaluate.temperature: the parity check is greedy only (0.0), got {cfg.temperature}")
     groups, info = load_prompt_set(cfg, recipe.run.store_uri)

@@ -10,7 +10,8 @@ and the token span of its evidence:
   near the start by its docstring and asks for a call to it, so the answer must reuse its name.
 - ``recall``: a long multi-turn chat whose first turn states a fact and whose last question asks
   for it back. The turns between are held-out chats with the target's own answers when there are
-  any (``buckets`` passes them), else generated ones.
+  any (``buckets`` passes them), else generated ones (also where a held-out turn does not fit the prompt's
+  length: the plan checked the buckets with generated turns, before the answers were decoded).
 
 (``chat``, the fourth kind, is ``buckets``' held-out chats concatenated: no long-range dependence.)
 
@@ -30,12 +31,15 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import logging
 import random
 
 from eaglenest.errors import ConfigError
 from eaglenest.material import KINDS, SPECS, evidence_at, unit_text
 
 __all__ = ["KINDS", "LongPrompt", "generate"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +122,12 @@ def generate(kind: str, tok, length: int, *, seed: int, material=(),
     while len(enc.ids) > length and len(units) > max(at, 1):
         units.pop()
         enc = _Encoded(tok, spec.messages(units, at), chat_template_kwargs)
+    if (len(enc.ids) > length or len(units) < max(at, 1)) and getattr(spec, "material", None):
+        # A held-out turn longer than the room left (a short bucket, long answers): generated turns, as
+        # ``buckets.check_generated`` checked this prompt with before the engine started (same question).
+        log.warning("evaluate.context_buckets: %d tokens leave no room for a held-out turn in a %s prompt (seed %d): "
+                    "generated turns instead", length, kind, seed)
+        return generate(kind, tok, length, seed=seed, chat_template_kwargs=chat_template_kwargs)
     if len(enc.ids) > length or len(units) < max(at, 1):
         raise ConfigError(f"evaluate.context_buckets: {length} tokens is too short for "
                           f"evaluate.bucket_material kind {kind!r} (its question and evidence alone take {base})")

@@ -34,6 +34,7 @@ from eaglenest.evaluate.plan import max_positions
 from eaglenest.evaluate.settings import with_draft_k
 from eaglenest.hf import load_tokenizer
 from eaglenest.serve.server import Server
+from eaglenest.serve.target_check import check_served_tokenization
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +194,8 @@ def check_arms(points: dict[str, dict[int, list[dict]]], counters: dict[str, dic
 
 def run_sweep(*, target: str, draft: str, store_uri: str, cfg, serve_cfg, log_dir,
               trust_remote_code: bool = False) -> dict:
+    # Another tokenizer or template than the draft's features were captured with: a warning, as `evaluate al`.
+    check_served_tokenization(draft, target, off_policy=False, stage="measuring")
     cfg = with_draft_k(cfg, draft)  # evaluate.num_speculative_tokens null: the draft's recorded default
     groups, info = load_prompt_set(cfg, store_uri)
     # The prompts the sweep sends (each point cycles over them): a prompt it never sends is not checked.

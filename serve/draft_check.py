@@ -23,6 +23,7 @@ from eaglenest.engine_errors import one_line
 from eaglenest.errors import ConfigError, EaglenestError, StoreError
 from eaglenest.featurestore.table import store
 from eaglenest.serve.draft_files import check_draft_dir, local_target_config
+from eaglenest.specdecode import read_counters
 from eaglenest.target import max_positions, read_config
 
 #: Draft tokens a round for a draft whose config.json records none (an export made before the key).
@@ -68,27 +69,19 @@ def _generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-#: vLLM's spec-decode counters the check reads (one series per engine: DP ranks, several engine cores).
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens")
-
-
 def spec_metrics(llm) -> dict[str, float]:
-    """Drafts, draft tokens and accepted tokens summed over every engine's series (labelled by engine),
-    and the AL they give: 1 + accepted / drafts (1.0 when nothing was drafted)."""
-    vals: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name in SPEC_COUNTERS:
-            key = m.name.split(":")[1]
-            vals[key] = vals.get(key, 0.0) + float(getattr(m, "value", 0.0))
-    drafts = vals.get("spec_decode_num_drafts", 0.0)
-    vals["acceptance_length"] = 1 + vals.get("spec_decode_num_accepted_tokens", 0.0) / drafts if drafts else 1.0
-    return vals
+    """Drafts, draft tokens and accepted tokens summed over every engine's series (labelled by engine;
+    ``eaglenest.specdecode``, the reader ``evaluate`` uses), and the AL they give: 1 + accepted / drafts
+    (1.0 when nothing was drafted)."""
+    c = read_counters(llm)
+    return {"spec_decode_num_drafts": float(c.drafts), "spec_decode_num_draft_tokens": float(c.draft_tokens),
+            "spec_decode_num_accepted_tokens": float(c.accepted), "acceptance_length": c.acceptance_length or 1.0}
 
 
 def check(target: str, draft: str, prompts: list[list[int]], *, max_tokens: int = 64, num_spec: int = 3,
           mem: float = 0.15, max_len: int = 2048, trust_remote_code: bool = False) -> dict:
-    kw = dict(num_spec=num_spec, mem=mem, max_len=fitted_max_len(target, max_len), trust_remote_code=trust_remote_code)
+    kw = dict(num_spec=num_spec, mem=mem, max_len=engine_len(target, prompts, max_tokens, max_len),
+              trust_remote_code=trust_remote_code)
     base, _ = _run(target, prompts, max_tokens, draft=None, **kw)
     spec, metrics = _run(target, prompts, max_tokens, draft=draft, **kw)
     same = sum(a == b for a, b in zip(base, spec))
@@ -100,6 +93,20 @@ def fitted_max_len(target: str, max_len: int) -> int:
     setting for it, so a target of fewer than its default positions could not be checked at all."""
     found = max_positions(read_config(target)) if (Path(target) / "config.json").is_file() else None
     return min(max_len, found[0]) if found else max_len
+
+
+def engine_len(target: str, prompts: list[list[int]], max_tokens: int, max_len: int) -> int:
+    """The engines' ``max_model_len``: ``max_len``, raised to fit the longest prompt and its ``max_tokens``
+    (greedy with ``ignore_eos``: every output is that long), within a local target's positions
+    (:func:`fitted_max_len`). A prompt that cannot fit is refused (ConfigError) before an engine starts:
+    vLLM refuses it only in ``generate``, after the target alone was loaded (a long-context store's rows)."""
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]), default=None)
+    need = len(prompts[longest]) + max_tokens if longest is not None else 0
+    fitted = fitted_max_len(target, max(max_len, need))
+    if need > fitted:
+        raise ConfigError(f"--prompts-from: prompt {longest} has {len(prompts[longest])} tokens, no room for "
+                          f"--max-tokens {max_tokens} within the target's {fitted} positions: lower --max-tokens")
+    return fitted
 
 
 def prompts_from_store(uri: str, *, n: int, split: str = "heldout") -> list[list[int]]:

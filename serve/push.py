@@ -19,12 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import re
 import typing
 from pathlib import Path
 from typing import Any
 
-from eaglenest.engine import draft_family
+from eaglenest.engine import MAX_NUM_SPECULATIVE_TOKENS, draft_family
 from eaglenest.errors import ConfigError, EaglenestError
 from eaglenest.paths import read_json_object, shown_path
 from eaglenest.serve import formats
@@ -136,7 +137,8 @@ def read_report(path: str | Path) -> dict | None:
         if pos is not None and not (isinstance(pos, list) and all(x is None or _number(x) for x in pos)):
             raise EaglenestError(f"{shown_path(path)}: {key}.acceptance_by_position: not a list of numbers; {then}")
     k = report.get("num_speculative_tokens")
-    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 64):
+    # as many as evaluate.num_speculative_tokens allows (vLLM verifies at most MAX_NUM_SPECULATIVE_TOKENS a round)
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_NUM_SPECULATIVE_TOKENS):
         raise EaglenestError(f"{shown_path(path)}: num_speculative_tokens: not a count of draft tokens; {then}")
     if not isinstance(report.get("lossless", {}), dict):
         raise EaglenestError(f"{shown_path(path)}: lossless: not an object; {then}")
@@ -144,7 +146,8 @@ def read_report(path: str | Path) -> dict | None:
 
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite number: json reads NaN and Infinity, which the card would publish as a measurement."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and (isinstance(x, int) or math.isfinite(x))
 
 
 def push_draft(plan: PushPlan, *, token: str, endpoint: str | None = None) -> str:

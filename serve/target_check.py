@@ -9,9 +9,9 @@ records (``target_weights_sha256``; its features' identity ``tokenizer_sha256`` 
 ``chat_template_sha256``, featurestore/capture/identity.py) with the target's files, and refuses a
 difference in one line naming both sides, or with ``run.off_policy=true`` exports with a warning.
 
-``serve up`` and ``evaluate al`` serve an export with ``run.target`` and compare the same way
-(:func:`check_served_tokenization`: the identity the export's provenance.json records, else its
-checkpoint's): ``serve up`` refuses a difference as export does, ``evaluate al`` measures with a warning.
+``serve up`` and ``evaluate al`` / ``throughput`` / ``parity`` serve an export with ``run.target`` and compare
+the same way (:func:`check_served_tokenization`: the identity the export's provenance.json records, else its
+checkpoint's): ``serve up`` refuses a difference as export does, ``evaluate`` measures with a warning.
 
 Trade-off: a checkpoint without the record (saved before it, or trained from imported features that
 carry no identity) or a target named by hub id on either side (no files here to hash) is not

@@ -186,7 +186,7 @@ def cmd_query(recipe, args) -> int:
         raise ConfigError(f"--out {args.out}: inside the feature store ({uri}); write the result outside it")
     with _pin_read(uri, pinned):  # a compact and gc meanwhile must not delete the files being read
         if args.out:  # streamed into the file batch by batch (bounded memory, whatever the table's size)
-            rows = query.write_query(uri, args.sql, args.out, **kw)
+            rows = query.write_query(uri, args.sql, args.out, config=recipe.to_dict(), **kw)
             print(f"{rows} rows -> {args.out}")
             return 0
         # max_rows 0: every row printed; else only what the printout shows is kept (bounded memory)

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -44,6 +45,7 @@ from eaglenest.errors import ConfigError, StoreError, require
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.table import integrity, objects, store
 from eaglenest.paths import pid_alive, shown_path, user_path
+from eaglenest.provenance import write_provenance
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +113,9 @@ def connect(uri: str, *, versions: dict[str, int | str] | None = None, with_tens
 
 
 def _connect(uri: str, *, versions: dict[str, int | str] | None = None, with_tensors: bool = False,
-             attach: dict[str, str] | None = None, only: set[str] | None = None):
-    """:func:`connect`, and how many rows of the tensor tables make a batch (None: no tensors)."""
+             attach: dict[str, str] | None = None, only: set[str] | None = None, opened: dict | None = None):
+    """:func:`connect`, and how many rows of the tensor tables make a batch (None: no tensors);
+    ``opened`` (when given) gets each registered table's version number."""
     import duckdb
 
     names = tables_in(uri)
@@ -137,6 +140,8 @@ def _connect(uri: str, *, versions: dict[str, int | str] | None = None, with_ten
                     rows = _rows_per_batch(ds, [c for c in ds.schema.names if c in S.TENSOR_COLUMNS])
                     batch_rows = min(batch_rows or rows, rows)
                 con.register(name, view)
+            if opened is not None:
+                opened[name] = int(ds.version)
         for name, path in (attach or {}).items():
             try:
                 _attach_file(con, name, path)
@@ -319,19 +324,25 @@ def _failed(exc: BaseException, uri: str, with_tensors: bool) -> StoreError:
     return StoreError(f"query failed: {short_text(text, ERROR_CHARS)}{hint}")
 
 
-def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
+def write_query(uri: str, sql: str, out: str | Path, *, config: dict | None = None, **kw) -> int:
     """Run one read-only statement and stream its result into ``out`` (``.parquet`` or ``.csv``)
     batch by batch; returns the number of rows. The file appears whole or not at all: it is
     written beside ``out`` under a temporary name and renamed into place; a refused or failed
     query leaves nothing, and the temporary file of a run that was killed (SIGKILL, the OOM killer)
-    is removed by the next write of the same ``out``."""
+    is removed by the next write of the same ``out``.
+
+    ``config`` (the command's resolved recipe): ``out``'s provenance is written beside it, in
+    :func:`provenance_path` (the statement, the store, the version of each table it read, attached
+    files), once the result is in place. A sidecar of its own, not the folder's ``provenance.json``:
+    two results in one folder would otherwise share one record, the last query's."""
     out = Path(out)
     if out.suffix not in (".parquet", ".csv"):
         raise ConfigError(f"--out {out}: use a .csv or .parquet file name")
     if not out.parent.is_dir():
         raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
     check_read_only(sql)
-    con, batch_rows = _connect(uri, only=named_tables(sql), **kw)
+    opened: dict[str, int] = {}  # the version of each table the statement reads (for the provenance)
+    con, batch_rows = _connect(uri, only=named_tables(sql), opened=opened, **kw)
     if batch_rows is not None:
         con.execute("SET threads = 2")  # each DuckDB thread holds a batch in flight
     tmp = temp_path(out)
@@ -347,6 +358,10 @@ def write_query(uri: str, sql: str, out: str | Path, **kw) -> int:
                     write(batch)
                     rows += batch.num_rows
             os.replace(tmp, out)
+            if config is not None:
+                _write_provenance(out, config=config, inputs={
+                    "store": uri, "tables": opened, "attach": dict(kw.get("attach") or {}),
+                    "with_tensors": bool(kw.get("with_tensors"))}, sql=sql, rows=rows)
         except OSError as exc:
             raise StoreError(f"--out {out}: cannot write ({exc.strerror or str(exc).splitlines()[0]})") from None
         except ConfigError:
@@ -368,6 +383,22 @@ def temp_path(out: str | Path, pid: int | None = None) -> Path:
     out = Path(out)
     head = os.fsencode(out.name)[:200].decode("utf-8", "ignore")
     return out.with_name(f".{head}.tmp{os.getpid() if pid is None else pid}")
+
+
+def provenance_path(out: str | Path) -> Path:
+    """Where ``featurestore query --out`` records how ``out`` was made: ``<out name>.provenance.json``
+    beside it (the name's first 230 bytes, within NAME_MAX, never half a character)."""
+    out = Path(out)
+    head = os.fsencode(out.name)[:230].decode("utf-8", "ignore")
+    return out.with_name(f"{head}.provenance.json")
+
+
+def _write_provenance(out: Path, *, config: dict, inputs: dict, sql: str, rows: int) -> None:
+    """``out``'s provenance (:func:`eaglenest.provenance.write_provenance`'s record) in :func:`provenance_path`."""
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".query-provenance-") as tmp:
+        made = write_provenance(tmp, config=config, inputs=inputs,
+                                extra={"query": sql, "outputs": {"file": out.name, "rows": rows}})
+        os.replace(made, provenance_path(out))
 
 
 def _remove_stale_temps(out: Path) -> None:

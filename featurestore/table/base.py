@@ -157,9 +157,11 @@ def dataset(uri: str, name: str, version: int | str | None = None, *, allow_roll
     """
     if not exists(uri, name):
         raise StoreError(f"no table '{name}' in store {uri}")
+    # RuntimeError: a damaged manifest ("Encountered corrupt file <path>"); OverflowError: a version number
+    # Lance's unsigned 64-bit versions cannot hold (-1, 2**64), from a caller that did not check it.
     try:
         ds = objects.dataset(table_uri(uri, name), version)
-    except LANCE_ERRORS as exc:  # RuntimeError: a damaged manifest ("Encountered corrupt file <path>")
+    except (*LANCE_ERRORS, OverflowError) as exc:
         raise StoreError(_missing_version(uri, name, version) or _cannot_open(uri, name, version, exc)) from None
     base = S.PROMPTS_SCHEMA if name == PROMPTS else S.FEATURES_SCHEMA
     # A version number past the latest, or an unknown tag, is a user error, not a traceback.

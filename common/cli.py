@@ -13,7 +13,9 @@ parsed command (logging, the process guard, the recipe, the one-line errors) is
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -42,6 +44,34 @@ def path_arg(text: str) -> Path:
 path_arg.__name__ = "path"
 
 
+def path_text(text: str) -> str:
+    """:func:`path_arg` for an option whose body takes the text typed (``--out``, ``--draft``): an empty one
+    is refused, not read as the option's default (``args.out or <default>``)."""
+    path_arg(text)
+    return text
+
+
+path_text.__name__ = "path"
+
+
+def did_you_mean(typed: str, known) -> str:
+    """``"; did you mean X?"`` naming the closest of ``known`` to ``typed`` (an option's ``=value`` left out),
+    or ``""`` when none is close."""
+    close = difflib.get_close_matches(typed.split("=", 1)[0], list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that refuses bad input in one line (README: exit 2, one line naming the problem), not its
+    usage block, and names the closest command to a mistyped one; ``--help`` prints the usage as before."""
+
+    def error(self, message: str):
+        typed = re.search(r"argument COMMAND: invalid choice: (['\"])(.*?)\1 \(choose", message)
+        commands = [c for a in self._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices]
+        hint = did_you_mean(typed.group(2), commands) if typed else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
+
+
 @dataclass(frozen=True)
 class Command:
     #: ``fn(recipe, args) -> int``, or ``"module:function"`` naming it (imported when the command runs).
@@ -54,14 +84,15 @@ class Command:
 
 
 def run(prog: str, description: str, commands: dict[str, Command], argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = Parser(prog=prog, description=description)
     # -v before the command's name too (``ingest -v build``): its own name, as the command's default
     # (0) would overwrite a count stored under ``verbose``; the two are added below.
     parser.add_argument("-v", "--verbose", action="count", default=0, dest="verbose_before",
                         help="more logging (also after COMMAND)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = {}
     for name, cmd in commands.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        p = subparsers[name] = sub.add_parser(name, help=cmd.help, description=cmd.help)
         if cmd.needs_recipe:
             p.add_argument("--recipe", default=None, help="recipe YAML (default: recipes/toy.yaml)")
             p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and stop")
@@ -75,7 +106,9 @@ def run(prog: str, description: str, commands: dict[str, Command], argv: list[st
     args, extra = parser.parse_known_args(argv)
     if extra:
         if getattr(args, "overrides", None) is None or any(x.startswith("-") or "=" not in x for x in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            flag = next((x for x in extra if x.startswith("--")), "")  # the first mistyped option: its closest
+            parser.error(f"unrecognized arguments: {' '.join(extra)}"
+                         + (did_you_mean(flag, subparsers[args.command]._option_string_actions) if flag else ""))
         args.overrides = [*args.overrides, *extra]
     args.verbose += args.verbose_before
     # Everything past parsing lives in eaglenest.launch (the recipe, the engine plumbing, the process

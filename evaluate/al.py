@@ -38,9 +38,11 @@ def _hist_al(hist) -> tuple[int, int]:
 def per_request_summary(metrics: list) -> dict:
     """Both averages from vLLM ``RequestSpecDecodeMetrics`` objects (None entries are skipped)."""
     hists = [list(m.histogram) for m in metrics if m is not None and sum(m.histogram) > 0]
-    if not hists:
+    if not hists:  # no draft round (every output ended at its prefill token): the same keys, no figures
         return {"requests_with_drafts": 0, "acceptance_length_per_request": None,
-                "acceptance_by_position_per_request": [], "acceptance_length_from_histograms": None}
+                "acceptance_length_per_request_median": None, "acceptance_length_per_request_min": None,
+                "acceptance_length_per_request_max": None, "acceptance_by_position_per_request": [],
+                "acceptance_length_from_histograms": None, "acceptance_histogram": []}
     k = max(len(h) for h in hists) - 1
     hists = [h + [0] * (k + 1 - len(h)) for h in hists]
     als, pos_req = [], []

@@ -12,18 +12,21 @@ torch); ``--help`` imports neither.
 
 from __future__ import annotations
 
-from eaglenest.cli import Command, run
+from eaglenest.cli import Command, path_text, run
 
 COMMANDS = "eaglenest.evaluate.commands"
 
 
 def main(argv: list[str] | None = None) -> int:
-    out = (("--out",), dict(default=None,
+    # Paths are refused when empty (`--out "$DIR"` with DIR unset), not read as their default.
+    out = (("--out",), dict(default=None, type=path_text,
                             help="output directory, relative to the current one (default: a folder of run.workdir)"))
     # The same meaning as on `ingest build`: the domain manifest to use instead of ingest.manifest
     # (here: its generation.reasoning decides the chat mode instead of the store's record).
-    manifest = (("--manifest",), dict(default=None, help="domain manifest whose chat mode prompts are rendered "
-                                                        "in (default: as the store's prompts were)"))
+    manifest = (("--manifest",), dict(default=None, type=path_text,
+                                      help="domain manifest whose chat mode prompts are rendered "
+                                           "in (default: as the store's prompts were)"))
+    side = dict(required=True, type=path_text, help="draft directory or report.json")
     return run("evaluate", "Measure a draft under vLLM speculative decoding.", {
         "al": Command(f"{COMMANDS}:cmd_al", "AL per domain and context bucket, from vLLM's spec-decode metrics",
                       args=[out, manifest, (("--force",), dict(action="store_true",
@@ -31,17 +34,18 @@ def main(argv: list[str] | None = None) -> int:
         "throughput": Command(f"{COMMANDS}:cmd_throughput", "throughput and latency against concurrency, "
                                                              "with and without speculation", args=[out, manifest]),
         "compare": Command(f"{COMMANDS}:cmd_compare", "two drafts or two report.json files side by side",
-                           args=[(("--a",), dict(required=True, help="draft directory or report.json")),
-                                 (("--b",), dict(required=True, help="draft directory or report.json")), out]),
+                           args=[(("--a",), side), (("--b",), side), out]),
         "offline": Command(f"{COMMANDS}:cmd_offline",
                            "AL without vLLM (HF target + PyTorch draft, greedy verification)",
-                           args=[(("--draft",), dict(default=None, help="exported draft dir or train checkpoint "
-                                                                        "dir (default: evaluate.draft)")), out,
+                           args=[(("--draft",), dict(default=None, type=path_text,
+                                                     help="exported draft dir or train checkpoint "
+                                                          "dir (default: evaluate.draft)")), out,
                                  manifest]),
         "parity": Command(f"{COMMANDS}:cmd_parity",
                           "train/serve parity: vLLM's draft tokens per round against the trained checkpoint's",
-                          args=[(("--checkpoint",), dict(default=None, help="train checkpoint dir (default: "
-                                                                            "<workdir>/<serve.checkpoint_subdir>)")),
+                          args=[(("--checkpoint",), dict(default=None, type=path_text,
+                                                         help="train checkpoint dir (default: "
+                                                              "<workdir>/<serve.checkpoint_subdir>)")),
                                 out, manifest]),
     }, argv)
 

@@ -111,6 +111,17 @@ class _Mode:
                 **per_request_summary(self.metrics)}
 
 
+def _pooled(modes) -> dict:
+    """The ``overall`` row: every group's requests pooled (the modes hold them all), shaped like a group's
+    row (output tokens, the pooled histogram, per-request median / min / max), from the requests themselves,
+    not from the groups' rounded means."""
+    every = _Mode()
+    for m in modes:
+        every.prompts, every.output_tokens = every.prompts + m.prompts, every.output_tokens + m.output_tokens
+        every.delta, every.metrics = every.delta + m.delta, every.metrics + m.metrics
+    return every.row()
+
+
 def _measure_modes(llm, prompts, cfg, *, prompt_ids: dict, modes: dict[str, _Mode]
                    ) -> tuple[dict, list[list[int]], SpecCounters]:
     """:func:`_measure` of a group whose prompts are decoded in one mode or in both (chat through the
@@ -152,14 +163,13 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
     llm = make_llm(target, engine, trust_remote_code=trust_remote_code, where="evaluate.engine",
                    speculative_config=spec, disable_log_stats=False,
                    per_request_spec_decode_metrics="summary")
-    domains, buckets, outputs, total = {}, {}, {}, SpecCounters(0, 0, 0, ())
+    domains, buckets, outputs = {}, {}, {}
     bucket_prompts: dict[int, list[dict]] = {}
     prompt_ids: dict[str, list[int]] = {}
     modes: dict[str, _Mode] = {}
     try:
         for name, prompts in groups.items():
-            row, toks, delta = _measure_modes(llm, prompts, cfg, prompt_ids=prompt_ids, modes=modes)
-            total = total + delta
+            row, toks, _ = _measure_modes(llm, prompts, cfg, prompt_ids=prompt_ids, modes=modes)
             outputs.update({p["sample_id"]: t for p, t in zip(prompts, toks)})
             domains[name] = row
             log.info("%s: AL %.3f over %d prompts", name, row["acceptance_length"] or 0, len(prompts))
@@ -177,15 +187,13 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
                 log.info("context %d: AL %.3f", b, row["acceptance_length"] or 0)
     finally:
         close_llm(llm)
-    overall_prompts = [p for ps in groups.values() for p in ps]
     report = {
         "target": target, "draft": draft, "split": cfg.split, "prompts": prompt_info,
         "num_speculative_tokens": cfg.num_speculative_tokens, "temperature": cfg.temperature,
         "chat_template_kwargs": cfg.chat_template_kwargs or {},
         "max_tokens": cfg.max_tokens, "bucket_max_tokens": cfg.bucket_max_tokens,
         "al_average": AVERAGES["acceptance_length"], "averages": AVERAGES,
-        "overall": {"prompts": len(overall_prompts), **total.summary(),
-                    **_merge_per_request([domains[g] for g in domains])},
+        "overall": _pooled(modes.values()),
         "domains": domains, "modes": {mode: m.row() for mode, m in sorted(modes.items())}, "context_buckets": buckets,
         "seconds_speculative": round(time.time() - t0, 2),
     }
@@ -235,6 +243,8 @@ def predictability(report: dict, groups: dict, bucket_prompts: dict, probs: dict
 
     for name, prompts in groups.items():
         report["domains"][name]["target_confidence"] = mean(p["sample_id"] for p in prompts)
+    for row, prompts in _mode_rows(report, groups):
+        row["target_confidence"] = mean(p["sample_id"] for p in prompts)
     # over every group's tokens, as ngram_al is pooled overall (the buckets are not in "overall")
     report["overall"]["target_confidence"] = mean(p["sample_id"] for ps in groups.values() for p in ps)
     for b, prompts in bucket_prompts.items():
@@ -244,6 +254,23 @@ def predictability(report: dict, groups: dict, bucket_prompts: dict, probs: dict
             per_prompt(report, b, p["sample_id"]).update(confidence_sum=round(sum(vals), 6),
                                                          confidence_tokens=len(vals))
     return {"measure": CONFIDENCE, "spearman_al_vs_confidence": _rank_vs_al(report, "target_confidence")}
+
+
+def _mode_rows(report: dict, groups: dict) -> list[tuple[dict, list[dict]]]:
+    """(row, its prompts) of every per-mode row, rows like a group's: ``report["modes"]`` (pooled over the
+    groups) and the own ``modes`` of a group holding both, so a measure put on the groups is put on them too."""
+    def by_mode(prompts) -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = {}
+        for p in prompts:
+            out.setdefault(mode_of(p), []).append(p)
+        return out
+
+    rows = [(report["modes"][m], ps) for m, ps in by_mode(p for ps in groups.values() for p in ps).items()
+            if m in (report.get("modes") or {})]
+    for name, prompts in groups.items():
+        own = report["domains"][name].get("modes") or {}
+        rows += [(own[m], ps) for m, ps in by_mode(prompts).items() if m in own]
+    return rows
 
 
 def _rank_vs_al(report: dict, key: str) -> float | None:
@@ -278,6 +305,8 @@ def ngram_predictability(report: dict, groups: dict, bucket_prompts: dict, outpu
     per_group = {name: replay(prompts) for name, prompts in groups.items()}
     for name, r in per_group.items():
         report["domains"][name].update(fields(r))
+    for row, prompts in _mode_rows(report, groups):
+        row.update(fields(replay(prompts)))
     for b, prompts in bucket_prompts.items():
         per = {p["sample_id"]: replay([p]) for p in prompts}
         report["context_buckets"][str(b)].update(fields(sum(per.values(), ngram.Replay(by_position=[0] * k))))
@@ -311,19 +340,6 @@ def spearman(xs, ys) -> float | None:
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
     vx, vy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
     return round(cov / (vx * vy) ** 0.5, 4) if vx and vy else None
-
-
-def _merge_per_request(rows: list[dict]) -> dict:
-    """Per-request mean over all groups (weighting each group by its requests)."""
-    n = sum(r.get("requests_with_drafts", 0) for r in rows)
-    if not n:
-        return {"acceptance_length_per_request": None}
-    mean = sum(r["acceptance_length_per_request"] * r["requests_with_drafts"] for r in rows if r["requests_with_drafts"]) / n
-    k = max(len(r["acceptance_by_position_per_request"]) for r in rows)
-    pos = [sum(r["acceptance_by_position_per_request"][i] * r["requests_with_drafts"] for r in rows
-               if len(r["acceptance_by_position_per_request"]) > i) / n for i in range(k)]
-    return {"requests_with_drafts": n, "acceptance_length_per_request": round(mean, 4),
-            "acceptance_by_position_per_request": [round(x, 4) for x in pos]}
 
 
 def _bucket_prompts(llm, tok, pool: list[dict], outputs: dict, cfg, max_pos: int) -> dict[int, list[dict]]:

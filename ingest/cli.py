@@ -9,9 +9,10 @@ pyarrow); ``--help`` imports nothing but the CLI plumbing.
 
 from __future__ import annotations
 
-from eaglenest.cli import Command, run
+from eaglenest.cli import Command, path_text, run
 
-MANIFEST_ARG = (("--manifest",), {"default": None, "help": "domain manifest YAML (default: ingest.manifest)"})
+MANIFEST_ARG = (("--manifest",), {"default": None, "type": path_text,  # empty: refused, not ingest.manifest
+                                   "help": "domain manifest YAML (default: ingest.manifest)"})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,14 +12,14 @@ do not need); each is imported when its subcommand runs, so ``--help`` imports n
 
 from __future__ import annotations
 
-from eaglenest.cli import Command, run
+from eaglenest.cli import Command, path_text, run
 
 
 COMMANDS = {
     "export": Command("eaglenest.serve.export_command:cmd_export",
                       "export the trained draft for vLLM (LlamaForCausalLMEagle3; "
                       "serve.format=speculators: speculators' checkpoint format)",
-                      args=[(("--out",), dict(default=None, help="output directory "
+                      args=[(("--out",), dict(default=None, type=path_text, help="output directory "
                                                                    "(default: <workdir>/<serve.draft_subdir>)"))]),
     "push": Command("eaglenest.serve.commands:cmd_push",
                     "upload the exported draft and its model card to the Hugging Face Hub "

@@ -33,6 +33,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -40,6 +41,7 @@ from eaglenest import reaper
 from eaglenest.config import printable
 from eaglenest.engine import defer_quiet_vllm
 from eaglenest.errors import EaglenestError
+from eaglenest.paths import pid_alive, pid_prefix
 from eaglenest.recipe import load_recipe
 
 
@@ -179,14 +181,50 @@ STOP_SAID_ENV = "EAGLENEST_STOP_SAID"
 _stop_marker: str | None = None
 
 
+#: The markers' name: :data:`STOP_MARKER_PREFIX` ``<pid of the command that named it>-<random>``.
+STOP_MARKER_PREFIX = "eaglenest-stop-said-"
+#: A marker lives from a rank's stop line to its launcher's end (torchrun stops within TORCHRUN_STOP_S):
+#: one older than this is a leftover even where its pid is in use again.
+STALE_MARKER_S = 600.0
+
+
 def _own_stop_marker() -> str | None:
-    """The outermost command names a marker path for the processes it starts; None for those below it."""
+    """The outermost command names a marker path for the processes it starts; None for those below it. A
+    marker inherited from a command that is gone (an environment copied from a rank's) is no outer command:
+    taken for one, this command's ranks marked a file no one removes and the stop was said twice."""
     global _stop_marker
-    if STOP_SAID_ENV in os.environ:
+    inherited = os.environ.get(STOP_SAID_ENV)
+    if inherited and _marker_owner_alive(os.path.basename(inherited)):
         return None
-    _stop_marker = os.path.join(tempfile.gettempdir(), f"eaglenest-stop-said-{os.getpid()}-{secrets.token_hex(4)}")
+    _remove_leftover_markers()
+    _stop_marker = os.path.join(tempfile.gettempdir(),
+                                f"{pid_prefix(STOP_MARKER_PREFIX)}{secrets.token_hex(4)}")
     os.environ[STOP_SAID_ENV] = _stop_marker
     return _stop_marker
+
+
+def _marker_owner_alive(name: str) -> bool:
+    """Whether the command whose pid names marker ``name`` still runs (a name of another form: assumed so)."""
+    pid = name.removeprefix(STOP_MARKER_PREFIX).split("-", 1)[0]
+    return not (name.startswith(STOP_MARKER_PREFIX) and pid.isdigit()) or pid_alive(int(pid))
+
+
+def _remove_leftover_markers() -> None:
+    """The markers in the temp folder that their command could not remove (SIGKILLed after its ranks said the
+    stop: one file more per killed launch): its pid is gone, or the file is older than any stop lasts."""
+    folder = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(STOP_MARKER_PREFIX)]
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if not _marker_owner_alive(name) or now - os.lstat(path).st_mtime > STALE_MARKER_S:
+                os.unlink(path)
+        except OSError:  # gone already, or another user's (a shared /tmp)
+            pass
 
 
 def _drop_stop_marker(marker: str | None) -> None:

@@ -152,7 +152,7 @@ FS_MODULES = {
     "table": ["names", "objects", "base", "lease", "integrity", "fragments", "versions", "maintenance", "store"],
     "read": ["profile", "window", "pread", "sample", "reader", "query"],
     "capture": ["turns", "identity", "policy", "writer", "publish", "connector", "engine", "build"],
-    "stream": ["addr", "producer", "local", "hostcheck", "xhost"],
+    "stream": ["addr", "producer", "local", "hostcheck", "group", "xhost"],
 }
 PRODUCT = {folder: ("eaglenest" if folder == "common" else f"eaglenest.{folder}") for folder in PACKAGES}
 

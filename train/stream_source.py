@@ -33,6 +33,8 @@ import torch
 
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore.capture import build, policy, turns
+from eaglenest.featurestore.stream.addr import parse_addr
+from eaglenest.featurestore.stream.group import is_local
 from eaglenest.featurestore.stream.local import CaptureStream
 from eaglenest.featurestore.stream.xhost import RankStream
 from eaglenest.featurestore.table import store
@@ -50,6 +52,8 @@ class StreamShards:
                  timeout_s: float = 1800.0):
         if featurestore is None:
             raise ConfigError("train.source=stream needs the recipe's featurestore section (engine, layer_ids)")
+        if transport == "gloo" and int(os.environ.get("RANK", 0)) == 0:  # the rank that hosts the stream's store
+            is_local(parse_addr(addr)[0], addr, "train.stream.addr")  # resolves: before the data and the target load
         if not store.exists(store_uri, store.PROMPTS):
             raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
         ds = store.dataset(store_uri, store.PROMPTS)

@@ -58,21 +58,54 @@ def read_config(target: str | Path, *, key: str = "run.target") -> dict[str, Any
 
 def language_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The language model's settings: ``cfg`` itself, or its nested text config with the
-    wrapper's dtype and embedding tying filled in where the nested one does not say."""
+    wrapper's dtype and embedding tying filled in where the nested one does not say, then every
+    other key it leaves out from transformers' class for it (:func:`_nested_defaults`)."""
     for key in NESTED:
         inner = cfg.get(key)
-        if isinstance(inner, dict) and "hidden_size" in inner:
-            out = dict(inner)
-            for k in _INHERITED:
-                if out.get(k) is None and cfg.get(k) is not None:
-                    out[k] = cfg[k]
+        if not isinstance(inner, dict):
+            continue
+        out = dict(inner)
+        for k in _INHERITED:
+            if out.get(k) is None and cfg.get(k) is not None:
+                out[k] = cfg[k]
+        out = {**_nested_defaults(cfg, key), **out}
+        if "hidden_size" in out:
             return out
     return cfg
 
 
 def nested_key(cfg: dict[str, Any]) -> str | None:
     """The key holding the language config of a wrapper (None for a plain causal LM)."""
-    return next((k for k in NESTED if isinstance(cfg.get(k), dict) and "hidden_size" in cfg[k]), None)
+    return next((k for k in NESTED if isinstance(cfg.get(k), dict)
+                 and "hidden_size" in {**_nested_defaults(cfg, k), **cfg[k]}), None)
+
+
+#: Keys of a nested text config the stages read (sizes; the rotary's, any of ``_ROPE``) which a config
+#: written by transformers 4 leaves out when they equal its class's defaults.
+_READ = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+         "vocab_size", "max_position_embeddings")
+_ROPE = ("rope_parameters", "rope_scaling", "rope_theta")
+
+
+def _nested_defaults(cfg: dict[str, Any], key: str) -> dict[str, Any]:
+    """transformers' config for the nested ``cfg[key]`` as a dict (None values left out; {} where
+    transformers has no class for it or refuses it). Configs written by transformers 4 keep in a
+    nested text config only the keys that differ from its class's defaults: LLaVA-1.5's says nothing
+    of its 4096 hidden size or 32 layers, which transformers and vLLM take from ``LlamaConfig``."""
+    inner = cfg[key]
+    if all(k in inner for k in _READ) and any(k in inner for k in _ROPE):
+        return {}  # written whole (transformers 5 does): nothing the stages read is left to a class
+    try:
+        from transformers import CONFIG_MAPPING
+
+        if isinstance(inner.get("model_type"), str) and inner["model_type"] in CONFIG_MAPPING:
+            built = CONFIG_MAPPING[inner["model_type"]](**inner)
+        else:  # the wrapper's class picks its text model (LLaVA: Llama)
+            built = getattr(CONFIG_MAPPING[cfg["model_type"]](**{key: inner}), key, None)
+        built = built.to_dict()
+    except Exception:  # noqa: BLE001 - no class, custom code, a value it refuses: the nested dict as written
+        return {}
+    return {k: v for k, v in built.items() if v is not None} if isinstance(built, dict) else {}
 
 
 #: Rotary types whose ``max_position_embeddings`` is already the scaled length (vLLM applies no factor).
@@ -83,15 +116,20 @@ def max_positions(cfg: dict[str, Any]) -> tuple[int, str] | None:
     """The longest ``max_model_len`` vLLM accepts for a target whose config.json is ``cfg``, as its
     ``_get_and_verify_max_len`` derives it: the language config's ``max_position_embeddings``, times
     the rotary ``factor`` of a scaling that does not already count it (``linear``, ``dynamic``; not
-    YaRN, Llama-3 or LongRoPE, nor any Gemma-3). None where vLLM may allow more than that tells
-    (a ``model_max_length`` key, no or no whole ``max_position_embeddings``, a factor that is no
-    number): the engine judges those. The other limits vLLM applies (the tokenizer's, a sliding
-    window) only lower it, so a length past this one is certainly refused. Returns the length and
-    where it comes from (``max_position_embeddings=4096 x rotary factor 2.0``)."""
+    YaRN, Llama-3 or LongRoPE, nor any Gemma-3). A config.json without ``max_position_embeddings``
+    (nor another length key vLLM reads) has its transformers class's default, as vLLM reads it (2048
+    for ``llama``). None where vLLM may allow more than that tells (a ``model_max_length`` key, no
+    whole ``max_position_embeddings``, a factor that is no number): the engine judges those. The other
+    limits vLLM applies (the tokenizer's, a sliding window) only lower it, so a length past this one is
+    certainly refused. Returns the length and where it comes from (``max_position_embeddings=4096 x
+    rotary factor 2.0``)."""
     text = language_config(cfg)
     positions = text.get("max_position_embeddings")
     if "model_max_length" in cfg or "model_max_length" in text:
         return None
+    default = ""
+    if positions is None and not any(k in text for k in _OTHER_LENGTHS):
+        positions, default = _class_positions(text.get("model_type"))
     if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
         return None
     factor = 1.0
@@ -104,8 +142,27 @@ def max_positions(cfg: dict[str, Any]) -> tuple[int, str] | None:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 return None
             factor = max(factor, float(value))
-    how = f"max_position_embeddings={positions}" + (f" x rotary factor {factor:g}" if factor != 1 else "")
+    how = f"{default}max_position_embeddings={positions}" + (f" x rotary factor {factor:g}" if factor != 1 else "")
     return int(positions * factor), how
+
+
+#: The other keys vLLM takes a target's length from (the smallest of those set; ``derive_max_model_len_and_key``).
+_OTHER_LENGTHS = ("n_positions", "max_seq_len", "seq_length", "max_target_positions", "max_sequence_length",
+                  "max_seq_length", "seq_len")
+
+
+def _class_positions(model_type: Any) -> tuple[int | None, str]:
+    """``max_position_embeddings`` of transformers' config class for ``model_type``, the value vLLM runs a
+    config.json without one at, and how to name it (``LlamaConfig's default ``); (None, "") if it has none."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[model_type]
+        value = cls().max_position_embeddings
+    except Exception:  # noqa: BLE001 - no class (custom code), or one without the key: the engine judges
+        return None, ""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return (value, f"config.json has none: {cls.__name__}'s default ") if ok else (None, "")
 
 
 def _rope_parameters(text: dict[str, Any]) -> list[dict[str, Any]]:

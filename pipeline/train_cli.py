@@ -28,6 +28,8 @@ import sys
 
 from eaglenest.cli import Command, run
 from eaglenest.errors import ConfigError
+from eaglenest.featurestore.stream.addr import parse_addr
+from eaglenest.featurestore.stream.group import is_local
 from eaglenest.launch import import_torch_quietly
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,7 @@ def _launch(recipe, args) -> int:
                          rdzv_id=args.rdzv_id or rdzv_id(recipe.run.workdir), rdzv_timeout_s=args.rdzv_timeout)
     check_resolves(args.rdzv_endpoint)
     check_world(recipe.train, args.nnodes * args.nproc_per_node)
+    check_stream_addr(recipe.train, hosts_rank_0=args.nnodes == 1 or args.node_rank == 0)
     check_cpus(args.nproc_per_node)
     rest = ["-m", "eaglenest.pipeline.train_cli", "run"]
     if args.recipe:
@@ -168,6 +171,15 @@ def check_world(train, world: int) -> None:
     if world > 1 and train.source == "stream" and train.stream.transport == "unix":
         raise ConfigError(f"train.stream.transport=unix: its one capture engine feeds one rank, --nnodes x --nproc "
                           f"gives {world}: run `train run`, or set train.stream.transport=gloo (docs/featurestore.md)")
+
+
+def check_stream_addr(train, *, hosts_rank_0: bool) -> None:
+    """train.stream.addr of a gloo stream, on the node whose rank 0 hosts its store: a host name that does not
+    resolve is refused here, before torchrun starts a rank (rank 0 refuses it too, and an address of another
+    host within seconds: featurestore.stream.group.Group)."""
+    if hosts_rank_0 and train.source == "stream" and train.stream.transport == "gloo":
+        host, _ = parse_addr(train.stream.addr)
+        is_local(host, train.stream.addr, "train.stream.addr")  # a name that does not resolve: one line
 
 
 #: The torchrun process: torchrun itself (``python -m torch.distributed.run``) but for its exit (:func:`torchrun`).

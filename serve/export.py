@@ -68,6 +68,7 @@ from eaglenest.serve.cards import dflash_card, model_card
 from eaglenest.serve.draft_files import vocab_map_error
 from eaglenest.serve.run_check import check_finished
 from eaglenest.serve.target_check import check_target_weights, check_tokenization
+from eaglenest.target import read_config
 from eaglenest.train.checkpoint import INFO, WEIGHTS, read_info
 from eaglenest.train.dflash import DFlashDraft, is_dflash
 from eaglenest.train.model import Eagle3Draft
@@ -78,11 +79,13 @@ log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
-#: Keys copied verbatim from the target's (language) config.json. The rotary settings are not
-#: among them: they come from the draft's own config, so vLLM serves the rotary the draft was
-#: trained with (a partial rotary included; train/model.py ``draft_rope``).
-FROM_TARGET = ("hidden_act", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+#: Keys copied verbatim from the target's (language) config.json. The rotary settings and the MLP's
+#: activation are not among them: they come from the draft's own config, so vLLM serves the rotary
+#: and activation the draft was trained with (a partial rotary included; train/model.py ``draft_rope``).
+FROM_TARGET = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
                "attention_bias", "mlp_bias")
+#: The one MLP activation vLLM's draft layers run (its Llama and Qwen3 MLPs refuse any other at engine start).
+ACTIVATION = "silu"
 FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: What an export writes, and all it writes: a folder holding only these (config.json and
@@ -157,6 +160,7 @@ def draft_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype: 
         "draft_vocab_size": d["draft_vocab_size"],
         "target_hidden_size": d["target_hidden_size"],
         "rms_norm_eps": d["rms_norm_eps"],
+        "hidden_act": d.get("hidden_act") or ACTIVATION,
         "tie_word_embeddings": False,
         **formats.aux_layer_keys(list(info["layer_ids"])),
         "torch_dtype": dtype,
@@ -202,7 +206,7 @@ def dflash_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype:
         "draft_vocab_size": d["draft_vocab_size"],
         "target_hidden_size": d["target_hidden_size"],
         "rms_norm_eps": d["rms_norm_eps"],
-        "hidden_act": d.get("hidden_act") or "silu",
+        "hidden_act": d.get("hidden_act") or ACTIVATION,
         "attention_bias": bool(d.get("attention_bias", False)),
         "tie_word_embeddings": False,
         "block_size": int(d["dflash_block_size"]),
@@ -292,7 +296,8 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     written = cfg
     if format == "speculators":
         written = formats.speculators_config(cfg, verifier=str(target_dir),
-                                             verifier_architectures=target_cfg.get("architectures") or [],
+                                             # the model vLLM serves: a multimodal wrapper's, not its text config's
+                                             verifier_architectures=read_config(target_dir).get("architectures") or [],
                                              num_speculative_tokens=k)
     written[TRAINED_K] = trained  # engine.speculative_config warns when a K past it is served
     notes = [] if dflash else formats.reader_notes(cfg, format, target_layers=int(target_cfg["num_hidden_layers"]))
@@ -367,6 +372,11 @@ def _check_info(info: dict[str, Any], path: Path) -> None:
     _check_layers(info, path)
     _check_record(info, path)  # first: train_config an object, which _check_family reads
     _check_family(info, path)
+    act = d.get("hidden_act") or ACTIVATION
+    if act != ACTIVATION:  # a draft trained with its target's activation (Apertus: xielu)
+        raise ConfigError(f"{shown_path(path)}: draft_config.hidden_act is {short(act)}, the target's activation; "
+                          f"vLLM's draft layers run {ACTIVATION} MLPs only and refuse this draft at engine start: "
+                          f"train the draft again with a {ACTIVATION} MLP")
 
 
 def _check_layers(info: dict[str, Any], path: Path) -> None:

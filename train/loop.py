@@ -495,13 +495,23 @@ class _Trainer:
 
     def _save_state(self, *, finished: bool) -> None:
         if self.positions_trained == 0:  # every rank sees the same sums: all stop here, nothing saved
-            raise StoreError(f"steps 1-{self.step}: no position to train on: the loss tokens of their samples lie "
-                             f"past train.pack_tokens={self.cfg.pack_tokens}, where rows are cut"
-                             f"{' (or train.oov_positions=drop left none)' if self.cfg.oov_positions == 'drop' else ''}"
-                             "; nothing saved: raise train.pack_tokens")
+            raise StoreError(self._nothing_trained())
         S.save_state(self.state_dir, step=self.step, objective=self.draft.objective, opt=self.opt, sched=self.sched,
                      dist=self.dist, fp=self.fp, extra={"window": self.window, "finished": finished},
                      keep=self.cfg.state.keep)
+
+    def _nothing_trained(self) -> str:
+        """Why the steps so far had no position to train on, and the key that changes it."""
+        cfg = self.cfg
+        drop = " (or train.oov_positions=drop left none)" if cfg.oov_positions == "drop" else ""
+        if any(int(n) > cfg.pack_tokens for n in self.data.lengths):
+            return (f"steps 1-{self.step}: no position to train on: the loss tokens of their samples lie past "
+                    f"train.pack_tokens={cfg.pack_tokens}, where rows are cut{drop}; nothing saved: "
+                    "raise train.pack_tokens")
+        # Every sample is whole in its row: its loss tokens are only where nothing predicts them.
+        return (f"steps 1-{self.step}: no position to train on: no sample of train.split={cfg.split!r} has a loss "
+                "token at its third position or later (the first prediction at position t is token t+2; samples "
+                f"of at most 2 tokens train nothing){drop}; nothing saved: train on longer samples")
 
     def snapshot(self) -> Eagle3Draft | None:
         """The current weights as a plain draft on rank 0 (a collective under FSDP2)."""

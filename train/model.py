@@ -44,8 +44,9 @@ from eaglenest.errors import ConfigError
 from eaglenest.train.spec import DraftFlags, DraftShape
 
 #: Keys copied from the target's (language) config into the draft's. Attention and MLP sizes are
-#: not among them: :func:`draft_shape` sets those, and the rotary settings come from :func:`draft_rope`.
-TARGET_KEYS = ("hidden_size", "rms_norm_eps", "hidden_act", "max_position_embeddings", "vocab_size",
+#: not among them: :func:`draft_shape` sets those, and the rotary settings come from :func:`draft_rope`;
+#: nor the MLP's activation: the draft's is silu (LlamaConfig's), the one vLLM's draft layers run.
+TARGET_KEYS = ("hidden_size", "rms_norm_eps", "max_position_embeddings", "vocab_size",
                "attention_bias", "mlp_bias", "bos_token_id", "eos_token_id", "pad_token_id")
 #: Config keys that make a target a mixture of experts (any of them > 1).
 MOE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
@@ -147,6 +148,9 @@ def draft_rope(target_cfg: dict[str, Any]) -> dict[str, Any]:
     if "rope_theta" not in out:
         out["rope_theta"] = float(target_cfg.get("rope_theta") or 10000.0)
     out.setdefault("rope_type", "default")
+    if out["rope_type"] in ("llama3", "yarn", "longrope") and target_cfg.get("original_max_position_embeddings"):
+        # A top-level pretraining length (Phi-3 / Phi-4-mini) has priority in transformers, and in vLLM through it.
+        out["original_max_position_embeddings"] = int(target_cfg["original_max_position_embeddings"])
     if out["rope_type"] in ("mrope", "default") and "mrope_section" in out:
         out.pop("mrope_section")  # multimodal 3-D positions: text tokens use the 1-D rotary
         out.pop("mrope_interleaved", None)

@@ -45,8 +45,11 @@ LATEST = "latest.json"
 PREVIOUS_SUFFIX = ".previous"
 #: Inside the set-aside folder: the run's books (metrics.jsonl, ...) set aside with its state (:func:`settle`).
 BOOKS = "books"
-#: Train keys (dotted, below ``train``) that do not change the loss trajectory (a resume may change them).
+#: Train keys (dotted, below ``train``) that do not change the loss trajectory (a resume may change them). The
+#: chunk sizes bound memory and change only the order of fp32 sums, as ``num_threads`` does: lowering them is
+#: the way to resume a run killed for memory.
 FREE_KEYS = frozenset({"output_subdir", "log_every_steps", "num_threads", "prefetch_batches", "table_version",
+                       "attn_chunk_tokens", "target_chunk_tokens",
                        "state.resume", "state.every_steps", "state.keep", "select.every_steps",
                        "select.prompts_per_domain", "select.split", "stream.depth", "stream.devices",
                        "track.tensorboard", "track.dir", "track.tracker", "track.project", "track.run_name",

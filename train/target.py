@@ -35,6 +35,9 @@ LM_HEAD = "lm_head.weight"
 _TOWERS = re.compile(r"(^|\.)(vision|visual|vision_tower|vision_model|audio|audio_tower|multi_modal_projector|"
                      r"mm_projector|image_newline|mtp)(\.|_|$)")
 _EMBED_SUFFIXES = ("embed_tokens.weight", "tok_embeddings.weight", "word_embeddings.weight")
+#: Model types whose RMSNorm scales by (1 + weight) (zero-centred weights: Qwen3-Next, Qwen3.5). The trainer's
+#: target head and the draft's norm are plain RMSNorms (x_hat * weight), so they take 1 + the stored weight.
+ZERO_CENTRED_NORM = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def target_config(target_dir: str | Path) -> dict[str, Any]:
@@ -111,6 +114,8 @@ def load_target_tensors(target_dir: str | Path, *, keys: dict[str, str] | None =
     if "norm" in out and tuple(out["norm"].shape) != (int(cfg["hidden_size"]),):
         raise ConfigError(f"run.target: tensor '{names['norm']}' has shape {tuple(out['norm'].shape)}, expected "
                           f"[{cfg['hidden_size']}] (check run.target_keys.norm)")
+    if "norm" in out and str(cfg.get("model_type")) in ZERO_CENTRED_NORM:
+        out["norm"] = out["norm"] + 1.0
     out["rms_norm_eps"] = float(cfg.get("rms_norm_eps", 1e-6))
     out["config"] = cfg
     out["keys"] = names

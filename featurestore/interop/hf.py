@@ -13,7 +13,8 @@ a new shard past ``max_shard_size``; then the two small files ``load_from_disk``
 (``dataset_info.json``, from datasets' ``DatasetInfo``, and ``state.json``, the shard list). Memory
 stays at a few rows whatever the table's size, and the export is written once. (The obvious route,
 ``Dataset.from_generator`` then ``save_to_disk``, holds ~100 MB batches in memory while it copies
-its cache into the shards, and needs the table twice on disk: measured, and refused.)
+its cache into the shards, and needs the table twice on disk: measured, and refused.) A row too long
+for an ``Array3D`` value (int32 offsets: :data:`MAX_ARRAY_VALUES`) is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -22,18 +23,26 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
+from eaglenest.errors import StoreError
 from eaglenest.featurestore.interop.source import (
     STRING_COLUMNS,
+    TOKEN_BATCH_ROWS,
     Source,
     export_record,
     finish_export,
     iter_samples,
     staged_export,
 )
+from eaglenest.featurestore.table import store
 
 FORMAT = "hf"
+#: Arrow list arrays address their values with int32 offsets, and datasets builds an ``Array3D`` value's
+#: offsets as int32 (``numpy_to_pyarrow_listarray``): one row's ``aux_hidden`` (T x n_aux x H values, a
+#: record batch of its own) holds at most this many, or the writer fails on that row, mid-export.
+MAX_ARRAY_VALUES = (1 << 31) - 1
 
 
 def _tensor_dtype(src: Source) -> str:
@@ -64,6 +73,21 @@ def _rows(src: Source, with_tensors: bool):
             out["aux_hidden"] = row["aux"].to(dt).numpy()
             out["last_hidden"] = row["last"].to(dt).numpy()
         yield out
+
+
+def check_row_sizes(src: Source) -> None:
+    """Refuse, before anything is written, a version whose longest row's ``aux_hidden`` would not fit an
+    ``Array3D`` value (:data:`MAX_ARRAY_VALUES`), naming the row (token counts only are read)."""
+    width = len(src.meta.layer_ids) * src.meta.hidden_size
+    for batch in store.iter_batches(src.uri, src.name, version=src.version, columns=["sample_id", "num_tokens"],
+                                    batch_size=TOKEN_BATCH_ROWS):
+        tokens = batch.column("num_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+        over = np.flatnonzero(tokens * width > MAX_ARRAY_VALUES)
+        if over.size:
+            i = int(over[0])
+            raise StoreError(f"sample {batch.column('sample_id')[i].as_py()}: {tokens[i]} tokens x {width} aux values "
+                             f"= {tokens[i] * width}, over the {MAX_ARRAY_VALUES} a datasets Array3D row holds (int32 "
+                             "offsets); export it without --with-tensors, or as speculators (one file a sample)")
 
 
 def _shard_bytes(max_shard_size: str | int) -> int:
@@ -117,6 +141,8 @@ def write_dataset_dir(rows, feats, out: Path, *, max_shard_size: str | int, writ
 def export(src: Source, out: str | Path, *, with_tensors: bool = False, max_shard_size: str = "500MB",
            config: dict | None = None) -> dict:
     """Write ``src`` as a ``datasets`` directory at ``out``; returns the export record."""
+    if with_tensors:
+        check_row_sizes(src)
     with staged_export(src, out, purpose="featurestore export") as tmp:
         key = f"eaglenest-{src.meta.feature_set_id}-{src.version}-{int(with_tensors)}"
         write_dataset_dir(_rows(src, with_tensors), features(src, with_tensors=with_tensors), tmp,

@@ -35,7 +35,12 @@ from eaglenest.errors import ConfigError, SchemaError, StoreError
 from eaglenest.featurestore import schema as S
 from eaglenest.featurestore.capture.build import target_facts
 from eaglenest.featurestore.capture.engine import resolve_layer_ids
-from eaglenest.featurestore.capture.identity import identity_hash, weights_hash
+from eaglenest.featurestore.capture.identity import (
+    identity_hash,
+    legacy_tokenization,
+    tokenizer_hashes,
+    weights_hash,
+)
 from eaglenest.featurestore.capture.writer import FeatureWriter
 from eaglenest.featurestore.interop.source import EXPORT_RECORD, SAMPLES, STRING_COLUMNS
 from eaglenest.featurestore.table import lease, objects, store
@@ -264,36 +269,77 @@ def check_ids(ids: list[tuple[str, str]], existing: set[str], name: str) -> None
 
 
 def check_target(record: dict | None, target: str, *, off_policy: bool) -> None:
-    """A dump that records its target's weights hash must match ``run.target`` (when local)."""
+    """A dump that records its target's weights hash must match ``run.target`` (when local), and its
+    tokenizer files and chat template too (:func:`check_tokenization`)."""
     comps = {} if record is None else record_meta(record, EXPORT_RECORD).identity_components
     have = comps.get("weights_sha256")
-    if not have or not Path(target).is_dir():
+    if have and Path(target).is_dir():
+        want = weights_hash(target)
+        if have != want:
+            msg = (f"the dump was captured from target {comps.get('target')} (weights sha256 {have[:12]}), not "
+                   f"run.target {target} ({want[:12]})")
+            if not off_policy:
+                raise StoreError(msg + "; set run.target to that target, or run.off_policy=true")
+            log.warning("%s; importing anyway (run.off_policy=true)", msg)
+    check_tokenization(comps, target, off_policy=off_policy)
+
+
+#: Identity component -> what it hashes (featurestore/capture/identity.py; serve/target_check.py compares
+#: the same two at export). ``NO_TEMPLATE``: the template hash of a target without one (its features hold no chat).
+TOKENIZATION = {"tokenizer_sha256": "tokenizer files", "chat_template_sha256": "chat template"}
+NO_TEMPLATE = hashlib.sha256(b"").hexdigest()
+
+
+def check_tokenization(comps: dict, target: str, *, off_policy: bool) -> None:
+    """The dump's token ids were made by the tokenizer files and chat template its identity records: another
+    ``run.target`` tokenizer or template is refused (a warning with ``run.off_policy=true``), as serve export
+    refuses one. A dump that records neither (a peer's dump, an export of imported features) or a hub id on
+    either side (no files here to hash) cannot be checked: one warning says so."""
+    recorded = {k: comps[k] for k in TOKENIZATION if isinstance(comps.get(k), str) and comps[k]}
+    no_files = str(comps.get("weights_sha256", "")).startswith("hub:") or not Path(target).is_dir()
+    if not recorded or no_files:
+        why = "run.target is not a local directory" if not Path(target).is_dir() else (
+            "the dump's target was a hub id" if recorded else "the dump records no tokenizer or chat template hash")
+        log.warning("the dump's tokenizer and chat template are not checked against run.target %s (%s), only its "
+                    "token ids' range; make sure the dump was tokenized with that target's tokenizer and template",
+                    target, why)
         return
-    want = weights_hash(target)
-    if have != want:
-        msg = (f"the dump was captured from target {comps.get('target')} (weights sha256 {have[:12]}), not "
-               f"run.target {target} ({want[:12]})")
-        if not off_policy:
-            raise StoreError(msg + "; set run.target to that target, or run.off_policy=true")
-        log.warning("%s; importing anyway (run.off_policy=true)", msg)
+    have = dict(zip(TOKENIZATION, tokenizer_hashes(target)))
+    old = legacy_tokenization(target)  # an identity from before the files counted since: the same tokenization
+    changed = [f"{TOKENIZATION[k]} (sha256 {v[:12]} in the dump's {EXPORT_RECORD}, {have[k][:12]} in {target})"
+               for k, v in recorded.items() if v not in (have[k], old[k])
+               and not (k == "chat_template_sha256" and v == NO_TEMPLATE)]
+    if not changed:
+        return
+    msg = (f"run.target: the {' and the '.join(changed)} differ from those of {comps.get('target')}, which the dump "
+           "was captured with: its token ids are not what run.target makes")
+    if not off_policy:
+        raise ConfigError(msg + "; set run.target to that target, or run.off_policy=true; nothing was imported")
+    log.warning("%s; importing anyway (run.off_policy=true)", msg)
 
 
 def check_width(record: dict | None, target: str, *, trust_remote_code: bool = False) -> None:
-    """An eaglenest export's hidden size against ``run.target``'s (a foreign dump's: :func:`import_meta`).
-    Neither the weights hash (it leaves config.json out) nor ``run.off_policy=true`` (another model's
-    states, let in on purpose) holds the width: states of another hidden size would be committed and
-    fail only in the trainer, which applies run.target's final norm and lm_head to them. A target whose
-    config does not read is not checked (:func:`target_vocab` warns)."""
+    """An eaglenest export's hidden size and layer count against ``run.target``'s (a foreign dump's:
+    :func:`import_meta`). Neither the weights hash (it leaves config.json out) nor ``run.off_policy=true``
+    (another model's states, let in on purpose) holds the width: states of another hidden size would be committed and
+    fail only in the trainer, which applies run.target's final norm and lm_head to them. Nor the layer
+    count. A target whose config does not read is not checked (:func:`target_vocab` warns)."""
     if record is None:
         return
-    hidden = record_meta(record, EXPORT_RECORD).hidden_size
+    meta = record_meta(record, EXPORT_RECORD)
     try:
-        have = target_facts(target, trust_remote_code=trust_remote_code)["hidden_size"]
+        facts = target_facts(target, trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001 - an unreadable config: target_vocab says so
         return
-    if hidden != have:
-        raise SchemaError(f"the dump's hidden size is {hidden} ({EXPORT_RECORD}), run.target {target} has {have}: "
-                          "set run.target to the dump's target; nothing was imported")
+    if meta.hidden_size != facts["hidden_size"]:
+        raise SchemaError(f"the dump's hidden size is {meta.hidden_size} ({EXPORT_RECORD}), run.target {target} has "
+                          f"{facts['hidden_size']}: set run.target to the dump's target; nothing was imported")
+    # The layer count too: the aux layer ids name layers of the dump's target, which the draft's config
+    # hands vLLM to capture from run.target (ids past its depth, or other depths' layers).
+    if meta.last_layer_id != facts["num_layers"]:
+        raise SchemaError(f"the dump's target has {meta.last_layer_id} layers (aux layers {list(meta.layer_ids)}, "
+                          f"{EXPORT_RECORD}), run.target {target} has {facts['num_layers']}: set run.target to the "
+                          "dump's target; nothing was imported")
 
 
 def import_meta(*, fmt: str, target: str, layer_ids, n_aux: int, hidden: int, dtype: str, ids: list[str],

@@ -103,7 +103,7 @@ APERTUS = dict(model_type="apertus", hidden_act="xielu", hidden_size=128, interm
 
 def test_the_export_writes_the_activation_the_draft_was_trained_with():
     draft = draft_config(APERTUS, draft_vocab_size=64, layer_ids=(2, 4, 5), flags=DraftFlags()).to_dict()
-    draft["hidden_act"] = "silu"  # the draft's own MLP, whatever the target's
+    assert draft["hidden_act"] == "silu"  # the draft's own MLP, whatever the target's
     exported = draft_hf_config({"draft_config": draft, "layer_ids": [2, 4, 5]}, APERTUS, dtype="float32")
     assert exported["hidden_act"] == "silu"
 

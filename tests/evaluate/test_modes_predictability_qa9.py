@@ -61,6 +61,15 @@ def test_ngram_al_is_on_every_mode_row(tmp_path):
     assert report["modes"]["chat"]["ngram_al"] == pytest.approx(al("c0", "c1"))
     assert report["modes"]["raw"]["ngram_al"] == pytest.approx(al("r0"))
     assert report["modes"]["chat"]["ngram_al"] > report["modes"]["raw"]["ngram_al"]  # the table knows 5 6 7
+    # By hand, the table of 1 5 6 7 5 6 7 5 6 7 8 (order 2; after 6 7 and after 7 it guesses 5, seen twice):
+    # c0 (prompt 1, output 5 6 7 5 6): round 1 guesses 6 7, both accepted, 5 emitted; round 2 guesses 6 7, 6
+    # accepted and the output ends: 2 rounds, 3 accepted. c1 (prompt 1 5, output 6 7 5): one round, 7 5
+    # accepted. r0 (output 9 9 9): nothing follows 9, 2 rounds without a guess.
+    assert report["modes"]["chat"]["ngram_al"] == pytest.approx(1 + (3 + 2) / (2 + 1), abs=1e-4)
+    assert report["modes"]["raw"]["ngram_al"] == pytest.approx(1.0)
+    assert report["domains"]["mixed"]["modes"]["chat"]["ngram_al"] == pytest.approx(1 + 3 / 2, abs=1e-4)
+    assert report["domains"]["mixed"]["ngram_al"] == pytest.approx(1 + 3 / (2 + 2), abs=1e-4)  # c0 and r0 pooled
+    assert report["domains"]["chat only"]["ngram_al"] == pytest.approx(1 + 2 / 1, abs=1e-4)
     own = report["domains"]["mixed"]["modes"]
     assert own["chat"]["ngram_al"] == pytest.approx(al("c0")) and own["raw"]["ngram_al"] == pytest.approx(al("r0"))
     assert len(own["chat"]["ngram_acceptance_by_position"]) == 2

@@ -391,5 +391,7 @@ def test_a_reader_sees_its_version_exactly_while_a_writer_appends(tmp_path):
         assert r.num_rows == 2 and store.dataset(uri, store.FEATURES).count_rows() == 5
         for k, s in enumerate(r.iter_samples([1, 0])):
             assert np.array_equal(s.aux_stored().numpy(), ref[1 - k][0])
+            assert np.array_equal(s.last_stored().numpy(), ref[1 - k][1])
+            s.release()
         with pytest.raises(StoreError, match=r"row 2 is out of range \(the version has 2 rows"):
             r.take(2)

@@ -3,7 +3,10 @@ case, domains sharing a source, the smallest caps (docs/manifest.md "How the poo
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+import unicodedata
 
 import pytest
 
@@ -26,6 +29,13 @@ def _row(prompt: str, system: str = "") -> dict:
     return {"prompt": prompt, "system": system, "source": "s"}
 
 
+def _documented_id(domain: str, text: str) -> str:
+    """docs/manifest.md: ``<domain>-`` and 16 hex digits of the sha256 of the text NFKC-normalised, lower-cased,
+    whitespace squashed (for a text with no invisible character: nothing else to drop)."""
+    key = re.sub(r"\s+", " ", unicodedata.normalize("NFKC", text).strip().lower())
+    return f"{domain}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
 #: The same visible text: zero-width space (inside, at either end), BOM, soft hyphen, word joiner, a
 #: left-to-right mark; NFD against NFC; case; a no-break space.
 SAME = ["Hello world, café?", "Hello\u200b world, café?", "\ufeffHello world, café?", "Hello world, café?\u200b",
@@ -37,7 +47,7 @@ def test_prompts_that_look_the_same_are_one_sample():
     report: dict = {}
     pool = build_pool(_manifest(), {"d": [_row(p) for p in SAME]}, report=report)
     assert len(pool) == 1 and report["domains"]["d"]["exact_duplicates"] == len(SAME) - 1
-    assert pool[0].sample_id == f"d-{content_key(SAME[0])[:16]}"
+    assert pool[0].sample_id == f"d-{content_key(SAME[0])[:16]}" == _documented_id("d", SAME[0])
 
 
 def test_a_table_written_before_keeps_counting_invisible_characters():
@@ -62,7 +72,7 @@ def test_a_system_prompt_that_shows_nothing_is_no_system_prompt():
     pool = build_pool(_manifest(), {"d": [_row("Name a colour.", "\u200b"), _row("Name a colour.", " \ufeff ")]})
     assert len(pool) == 1 and pool[0].system == "" and pool[0].messages() == [{"role": "user",
                                                                               "content": "Name a colour."}]
-    assert pool[0].sample_id == f"d-{content_key('Name a colour.')[:16]}"
+    assert pool[0].sample_id == f"d-{content_key('Name a colour.')[:16]}" == _documented_id("d", "Name a colour.")
 
 
 def test_an_evaluation_prompt_with_a_zero_width_space_is_still_caught(tmp_path):
@@ -97,7 +107,7 @@ def test_a_cap_of_one_keeps_the_lowest_hash_and_a_cap_of_zero_is_refused(tmp_pat
     rows = [_row(f"Question {i}?") for i in range(5)]
     pool = build_pool(_manifest({"d": 1}, held_out_count=1), {"d": rows})
     assert len(pool) == 1 and pool[0].split == "heldout"
-    assert pool[0].sample_id == min(f"d-{content_key(r['prompt'])[:16]}" for r in rows)
+    assert pool[0].sample_id == min(_documented_id("d", r["prompt"]) for r in rows)
     src = tmp_path / "rows.jsonl"
     src.write_text(json.dumps({"prompt": "q"}) + "\n")
     m = tmp_path / "m.yaml"

@@ -19,7 +19,9 @@ from eaglenest.serve.draft_check import check, engine_len
 def test_engine_length_fits_the_longest_prompt_and_its_output(tiny_target):
     assert engine_len(str(tiny_target), [[1] * 10, [1] * 3000, [1] * 5], 64, 2048) == 3064
     assert engine_len(str(tiny_target), [[1] * 10], 64, 2048) == 2048  # short prompts keep the default
-    assert engine_len(str(tiny_target), [[1] * 32767], 1, 2048) == 32768  # exactly the target's positions
+    positions = json.loads((tiny_target / "config.json").read_text())["max_position_embeddings"]
+    assert positions > 3064  # the fixture leaves room for the cases above
+    assert engine_len(str(tiny_target), [[1] * (positions - 1)], 1, 2048) == positions  # exactly the target's
 
 
 def test_a_target_of_fewer_positions_lowers_the_default(tmp_path, tiny_target):
@@ -34,5 +36,7 @@ def test_a_target_of_fewer_positions_lowers_the_default(tmp_path, tiny_target):
 
 
 def test_a_prompt_past_the_positions_is_refused_before_an_engine(tiny_target, toy_export):
-    with pytest.raises(ConfigError, match=r"^--prompts-from: prompt 0 has 32768 tokens, no room for --max-tokens 1 "):
-        check(str(tiny_target), str(toy_export), [[1] * 32768], max_tokens=1)
+    positions = json.loads((tiny_target / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(ConfigError, match=rf"^--prompts-from: prompt 0 has {positions} tokens, no room for "
+                                          rf"--max-tokens 1 within the target's {positions} positions"):
+        check(str(tiny_target), str(toy_export), [[1] * positions], max_tokens=1)

@@ -13,32 +13,9 @@ import time
 
 import pytest
 
+from launch_helpers import LAUNCHER as _LAUNCHER, RANK as _RANK  # on sys.path via conftest
+
 pytestmark = pytest.mark.timeout(240)
-
-#: A rank: an eaglenest command that says it started and waits to be stopped.
-_RANK = """
-import sys, time
-from eaglenest.cli import Command, run
-
-def body(recipe, args):
-    print("started", flush=True)
-    time.sleep(120)
-
-sys.exit(run("train", "a rank", {"go": Command(body, "go", needs_recipe=False)}, ["go"]))
-"""
-
-#: `train launch` but for what torchrun runs: the launcher's own wait_torchrun and torchrun wrapper.
-_LAUNCHER = """
-import sys
-from eaglenest.cli import Command, run
-from eaglenest.pipeline.train_cli import _TORCHRUN, wait_torchrun
-
-def body(recipe, args):
-    return wait_torchrun([sys.executable, "-c", _TORCHRUN, "--standalone", "--nproc-per-node=2",
-                          "--max-restarts=0", sys.argv[1]])
-
-sys.exit(run("train", "a launcher", {"launch": Command(body, "launch", needs_recipe=False)}, ["launch"]))
-"""
 
 _MARKER = "eaglenest-stop-said-"
 

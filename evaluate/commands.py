@@ -21,7 +21,7 @@ from eaglenest.evaluate.plots import throughput_plot
 from eaglenest.evaluate.plan import max_positions
 from eaglenest.evaluate.prompts import check_prompt_lengths, load_prompt_set
 from eaglenest.evaluate.report import markdown as report_markdown
-from eaglenest.evaluate.report import unmark, write_report
+from eaglenest.evaluate.report import restore_report, unmark, write_report
 from eaglenest.evaluate.run import evaluate_al
 from eaglenest.evaluate.settings import check_draft_family, draft_dir, evaluate_config
 from eaglenest.evaluate.throughput import markdown as throughput_markdown
@@ -84,9 +84,12 @@ def cmd_al(recipe, args) -> int:
     key = _cache_key(recipe, draft, cfg)
     cached = None if args.force else _cached_report(out, key)
     if cached is not None:
+        report, restored = cached
         print(f"evaluate: {out}/report.json already measures this draft with these settings "
               "(--force to measure again)", file=sys.stderr)
-        print(report_markdown(cached))
+        for path in restored:
+            print(f"evaluate: {path} was missing: written again from report.json", file=sys.stderr)
+        print(report_markdown(report))
         return 0
     check_fit(recipe.run.target, cfg)  # the longest context bucket, before the engine starts
     report = evaluate_al(target=recipe.run.target, draft=draft, store_uri=recipe.run.store_uri, cfg=cfg,
@@ -174,9 +177,11 @@ def _prompt_files_hash(prompt_path: str) -> str | None:
     return h.hexdigest()
 
 
-def _cached_report(out: str, key: str) -> dict | None:
-    """``out``'s report.json when it measured ``key``; None (measure again) when it is missing, of another
-    key, or cannot be shown: a report.json edited by hand, or of an older layout, under the same key."""
+def _cached_report(out: str, key: str) -> tuple[dict, list[Path]] | None:
+    """``out``'s report.json when it measured ``key``, and the files of its run written again from it because
+    they were missing (report.md, a plot: ``report.restore_report``); None (measure again) when it is
+    missing, of another key, or cannot be shown: a report.json edited by hand, or of an older layout, under
+    the same key."""
     path = Path(out) / "report.json"
     try:
         report = json.loads(path.read_text())
@@ -186,11 +191,12 @@ def _cached_report(out: str, key: str) -> dict | None:
         return None
     try:
         report_markdown(report)
+        restored = restore_report(out, report)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # a key missing or mistyped
         log.warning("evaluate: %s matches these settings but cannot be shown (%s %s): measuring again", path,
                     type(exc).__name__, str(exc)[:80])
         return None
-    return report
+    return report, restored
 
 
 def _inputs(recipe, draft: str) -> dict:

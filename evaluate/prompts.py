@@ -25,13 +25,13 @@ import json
 import logging
 from pathlib import Path
 
-from eaglenest.config import short
+from eaglenest.config import short, short_text
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.evaluate.longctx import rendered
 from eaglenest.featurestore.table import store
 from eaglenest.ingest.compose import prompts_of
 from eaglenest.ingest.pool import raw_document
-from eaglenest.text import content_key
+from eaglenest.text import INVISIBLE, content_key
 
 log = logging.getLogger(__name__)
 
@@ -176,12 +176,17 @@ def _first_line(exc: BaseException) -> str:
 
 def published(path: str, *, name: str, config: str | None = None, split: str = "test") -> Groups:
     """MT-Bench / SPEED-Bench rows (``question_id``, ``category``, ``turns``) grouped by category."""
-    return published_with_skipped(path, name=name, config=config, split=split)[0]
+    groups = published_with_skipped(path, name=name, config=config, split=split)[0]
+    if not groups:
+        raise ConfigError(f"evaluate.prompt_path: no questions in {path}")
+    return groups
 
 
 def published_with_skipped(path: str, *, name: str, config: str | None = None,
                            split: str = "test") -> tuple[Groups, list[str]]:
-    """:func:`published`'s groups and the question ids skipped for an empty first turn (as text)."""
+    """:func:`published`'s groups and the question ids skipped for an empty first turn (as text). A first
+    turn is empty when it holds no visible character (whitespace, zero-width spaces, byte-order marks:
+    :data:`eaglenest.text.INVISIBLE`). No group when every question was skipped (the caller names why)."""
     rows = _load_records(path, config=config, split=split)
     groups: Groups = collections.defaultdict(list)
     seen: set[str] = set()
@@ -197,7 +202,7 @@ def published_with_skipped(path: str, *, name: str, config: str | None = None,
             continue
         sample_id = f"{name}-{r['question_id']}"
         _check_turns(r["turns"], where)
-        if not r["turns"][0].strip():  # an empty prompt measures nothing but the template
+        if not INVISIBLE.sub("", r["turns"][0]).strip():  # an empty prompt measures nothing but the template
             empty.append(r["question_id"])
             continue
         if r["category"] is None or not str(r["category"]).strip():  # not a group named "None"
@@ -211,7 +216,7 @@ def published_with_skipped(path: str, *, name: str, config: str | None = None,
     if empty:
         log.warning("evaluate.prompt_path: %d question(s) of %s have an empty first turn and are skipped "
                     "(question_id %s)", len(empty), path, ", ".join(short(q) for q in empty[:10]))
-    if not groups:
+    if not groups and not empty:
         raise ConfigError(f"evaluate.prompt_path: no questions in {path}")
     return dict(groups), [str(q) for q in empty]
 
@@ -307,5 +312,19 @@ def load_prompt_set(cfg, store_uri: str) -> tuple[Groups, dict]:
             "empty_first_turn": len(empty), "empty_first_turn_ids": empty[:50],
             "domains_not_evaluated": missing}
     if not groups:
-        raise ConfigError("evaluate: every prompt was excluded as overlapping the training pool")
+        raise ConfigError(nothing_to_decode(cfg, empty, dropped))
     return dict(sorted(groups.items())), info
+
+
+def nothing_to_decode(cfg, empty: list[str], dropped: list[str]) -> str:
+    """Why a prompt set left no prompt to decode: its questions' empty first turns, the overlap with the
+    training pool, or both (each with its count)."""
+    ids = ", ".join(short_text(q, 40) for q in empty[:10]) + (", ..." if len(empty) > 10 else "")
+    if not empty:
+        return "evaluate: every prompt was excluded as overlapping the training pool"
+    if not dropped:
+        return (f"evaluate.prompt_path: all {len(empty)} questions of {cfg.prompt_path} have an empty first turn "
+                f"(question_id {ids}): nothing to decode")
+    return (f"evaluate: no prompt left to decode of {len(empty) + len(dropped)} questions in {cfg.prompt_path}: "
+            f"{len(empty)} skipped for an empty first turn (question_id {ids}), {len(dropped)} excluded as "
+            "overlapping the training pool (evaluate.exclude_overlap=false keeps those)")

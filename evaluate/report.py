@@ -170,7 +170,7 @@ def markdown(report: dict) -> str:
     if len(modes) > 1:  # held-out prompts stored both ways: chat through the template, raw as completions
         lines += ["", "## By prompt mode (chat: through the target's chat template; raw: a completion, as "
                       "ingest stored it)", ""]
-        lines += _table(list(modes.items()), k, "mode")
+        lines += _table(list(modes.items()), k, "mode", extra=conf)  # the measures report.json has per mode
     if report.get("context_buckets"):
         lines += ["", f"## By context length ({report.get('bucket_max_tokens')} output tokens per prompt)", ""]
         lines += _bucket_section(report, k, conf)
@@ -186,6 +186,28 @@ def unmark(outdir: str | Path) -> None:
     written there: a new run killed half-way must not leave an earlier report.json (and its cache key)
     beside the new run's report.md, plots or provenance.json."""
     (Path(outdir) / "report.json").unlink(missing_ok=True)
+
+
+def plot_names(report: dict) -> list[str]:
+    """The plots :func:`write_report` draws for ``report`` (``al_by_context.png`` only with context buckets)."""
+    return [n for n in AL_PLOTS if n != "al_by_context.png" or buckets_in_order(report)]
+
+
+def restore_report(outdir: str | Path, report: dict) -> list[Path]:
+    """Rewrite from ``report`` (the folder's report.json, a finished run's) the files of that run the folder
+    lacks: report.md, a plot (removed by hand, or a copy of report.json alone); returns them. Nothing is
+    measured; report.json and what is there are left as they are (a missing plot redraws the plots: about a
+    second)."""
+    outdir = Path(outdir)
+    written = []
+    if not (outdir / "report.md").is_file():
+        write_text_atomic(outdir / "report.md", markdown(report))
+        written.append(outdir / "report.md")
+    missing = [outdir / n for n in plot_names(report) if not (outdir / n).is_file()]
+    if missing:
+        al_plots(report, outdir)
+        written += missing
+    return written
 
 
 def write_report(outdir: str | Path, report: dict, *, plots: bool = True) -> list[Path]:

@@ -12,6 +12,14 @@ the language model (``model.language_model.embed_tokens.weight``,
 outside vision/audio towers, the final norm sits beside it (``<prefix>norm.weight``), and lm_head
 is the ``*lm_head.weight`` outside the towers, or the embedding when the config ties them.
 ``run.target_keys.{embed,norm,lm_head}`` name them explicitly when the rule cannot tell.
+
+Some heads scale their logits after lm_head (:data:`LOGIT_SCALES`: Granite divides them by
+``logits_scaling``, Cohere2-MoE multiplies them by ``logit_scale``, MiniCPM divides the normed hidden
+states by ``hidden_size / dim_model_base``), as transformers' ``*ForCausalLM`` and vLLM's logits
+processor do. A scalar on the logits is a scalar on lm_head's rows, so the lm_head returned here carries
+it: the trainer's target distribution then has the target's own temperature. A scale or a cap this
+module does not model (a soft cap, a LayerNorm final norm, such a key on another model type) is
+refused in one line rather than trained against the wrong distribution.
 """
 
 from __future__ import annotations
@@ -38,6 +46,24 @@ _EMBED_SUFFIXES = ("embed_tokens.weight", "tok_embeddings.weight", "word_embeddi
 #: Model types whose RMSNorm scales by (1 + weight) (zero-centred weights: Qwen3-Next, Qwen3.5). The trainer's
 #: target head and the draft's norm are plain RMSNorms (x_hat * weight), so they take 1 + the stored weight.
 ZERO_CENTRED_NORM = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+#: Model types whose logits are lm_head(norm(h)) times a scalar from their config: (the config key, its value
+#: when config.json has none (the transformers config class's default), "multiply" or "divide" the logits by it).
+LOGIT_SCALES = {
+    **{t: ("logits_scaling", 1.0, "divide") for t in ("granite", "granite_swa", "granitemoe", "granitemoe_swa",
+                                                      "granitemoeshared", "granitemoehybrid")},
+    "cohere2_moe": ("logit_scale", 0.0625, "multiply"),
+    "hyperclovax": ("logits_scaling", 1.0, "multiply"),  # muP: multiplied, whatever Granite's same key does
+    "falcon_h1": ("lm_head_multiplier", 1.0, "multiply"),
+}
+#: MiniCPM divides the normed hidden states by hidden_size / dim_model_base (vLLM's ``scale_width``); MiniCPM3's
+#: config class defaults dim_model_base to 256, MiniCPM's own (remote code) config is read as it stands.
+MINICPM = {"minicpm": None, "minicpm3": 256}
+#: Config keys that scale or cap logits in some model type: on a model type this module does not know to apply
+#: them (a Llama with logit_scale: vLLM multiplies by it, transformers does not) they are refused.
+SCALE_KEYS = ("logits_scaling", "logit_scale", "lm_head_multiplier", "dim_model_base", "output_multiplier",
+              "output_mult", "logits_mup_width_multiplier", "final_logit_softcapping")
+#: Model types whose final norm is a LayerNorm (mean-centred), which the trainer's RMSNorm head does not model.
+LAYER_NORM_HEAD = ("cohere", "cohere2")
 
 
 def target_config(target_dir: str | Path) -> dict[str, Any]:
@@ -96,6 +122,7 @@ def load_target_tensors(target_dir: str | Path, *, keys: dict[str, str] | None =
         raise ConfigError(f"run.target: {target_dir} is a Gemma model ({cfg['model_type']}); its final norm "
                           "scales by (1 + weight) and its logits are soft-capped, which the trainer's target head "
                           "does not model yet (docs/targets.md)")
+    scale = logit_scale(cfg, target_dir) if "lm_head" in only else 1.0
     check_config(cfg, target_dir)
     files = weight_files(target_dir)
     names = find_keys(files, cfg, target_dir=target_dir, overrides=keys)
@@ -111,6 +138,9 @@ def load_target_tensors(target_dir: str | Path, *, keys: dict[str, str] | None =
                               f"[>= vocab_size {vocab}, hidden_size {cfg['hidden_size']}] (check run.target_keys.{kind})")
         if kind in out:
             out[kind] = out[kind][:vocab]  # some checkpoints pad the vocabulary rows
+    if "lm_head" in out and scale != 1.0:  # a new tensor: a tied embedding read beside it keeps its values
+        out["lm_head"] = out["lm_head"] * scale
+        log.info("target logits scaled by %g (model type %s)", scale, cfg.get("model_type"))
     if "norm" in out and tuple(out["norm"].shape) != (int(cfg["hidden_size"]),):
         raise ConfigError(f"run.target: tensor '{names['norm']}' has shape {tuple(out['norm'].shape)}, expected "
                           f"[{cfg['hidden_size']}] (check run.target_keys.norm)")
@@ -135,10 +165,45 @@ def check_config(cfg: dict[str, Any], target_dir: str | Path) -> None:
         raise ConfigError(f"run.target: {where}: rms_norm_eps: a number in (0, 1), got {short(eps)}")
 
 
+def logit_scale(cfg: dict[str, Any], target_dir: str | Path) -> float:
+    """The scalar the target multiplies lm_head(norm(h)) by (see :data:`LOGIT_SCALES`); 1.0 for a plain head.
+    A head this module does not model is refused in one line naming the model type and the key."""
+    kind, where = str(cfg.get("model_type", "")), Path(target_dir) / "config.json"
+
+    def number(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ConfigError(f"run.target: {where}: {key}: a number > 0, got {short(value)}")
+        return float(value)
+
+    if kind in LAYER_NORM_HEAD or kind == "cohere2_moe" and cfg.get("rms_norm_eps") is None:
+        raise ConfigError(f"run.target: {target_dir} is a {kind} model whose final norm is a LayerNorm (mean-centred) "
+                          "and whose logits are scaled by logit_scale, which the trainer's target head does not "
+                          "model (nor does vLLM serve it as an EAGLE-3 target; docs/targets.md)")
+    if cfg.get("final_logit_softcapping") is not None:
+        raise ConfigError(f"run.target: {target_dir} ({kind or 'no model_type'}) soft-caps its logits "
+                          f"(final_logit_softcapping={short(cfg['final_logit_softcapping'])}), which the trainer's "
+                          "target head does not model (docs/targets.md)")
+    if kind in MINICPM:
+        base = cfg.get("dim_model_base", MINICPM[kind])
+        return 1.0 if base is None else number("dim_model_base", base) / number("hidden_size", cfg.get("hidden_size"))
+    if kind in LOGIT_SCALES:
+        key, default, how = LOGIT_SCALES[kind]
+        value = number(key, cfg.get(key, default))
+        return value if how == "multiply" else 1.0 / value
+    for key in SCALE_KEYS:
+        value = cfg.get(key)
+        neutral = (None, 1, cfg.get("hidden_size")) if key == "dim_model_base" else (None, 1)
+        if value not in neutral or isinstance(value, bool):
+            raise ConfigError(f"run.target: {target_dir} ({kind or 'no model_type'}) sets {key}={short(value)}, a "
+                              "scale of its logits the trainer's target head does not apply for this model type "
+                              "(docs/targets.md)")
+    return 1.0
+
+
 def torch_dtype_name(cfg: dict[str, Any]) -> str:
     """The target's dtype as a string ("float32", "bfloat16", ...)."""
     d = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
     return str(d).replace("torch.", "")
 
 
-__all__ = ["find_keys", "load_target_tensors", "target_config", "torch_dtype_name"]
+__all__ = ["find_keys", "load_target_tensors", "logit_scale", "target_config", "torch_dtype_name"]

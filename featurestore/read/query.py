@@ -453,17 +453,30 @@ def sql_name(name: str) -> str:
 
 
 def loss_token_counts(uri: str, name: str, *, version: int | str | None, split: str, vocab_size: int):
-    """int64 [vocab_size]: occurrences of each token id where loss_mask = 1, by a SQL aggregate."""
+    """int64 [vocab_size]: occurrences of each token id where loss_mask = 1, by a SQL aggregate over the
+    rows the trainer reads (``split``, a loss token). Every input token of them is checked against the
+    vocab, prompt positions included: the draft embeds each one, so an id outside it (features imported
+    from another tokenizer with ``run.off_policy=true``) would crash training mid-run. The ids out of
+    range fall into one group (at most ``vocab_size + 1`` groups whatever the table holds), which keeps
+    the smallest and largest of them; only then is a sample holding one looked up."""
     import numpy as np
 
-    sql = (f"SELECT id, count(*) AS n FROM (SELECT unnest(input_ids) AS id, unnest(loss_mask) AS m "
-           f"FROM {sql_name(name)} WHERE split = {store.sql_text(split)}) WHERE m = 1 GROUP BY id")
+    rows = f"FROM {sql_name(name)} WHERE split = {store.sql_text(split)} AND num_loss_tokens > 0"
+    sql = (f"SELECT CASE WHEN id >= 0 AND id < {int(vocab_size)} THEN id ELSE -1 END AS k, "
+           "count(*) FILTER (WHERE m = 1) AS n, min(id) AS lo, max(id) AS hi "
+           f"FROM (SELECT unnest(input_ids) AS id, unnest(loss_mask) AS m {rows}) GROUP BY k")
     t = run_query(uri, sql, versions={name: version})
+    keys = t.column("k").to_numpy()
+    if (keys < 0).any():
+        out = int(np.nonzero(keys < 0)[0][0])
+        lo, hi = t.column("lo")[out].as_py(), t.column("hi")[out].as_py()
+        bad = lo if lo < 0 else hi
+        found = run_query(uri, f"SELECT sample_id {rows} AND list_contains(input_ids, {int(bad)}) LIMIT 1",
+                          versions={name: version})
+        sample = short_text(found.column("sample_id")[0].as_py(), 80) if found.num_rows else "?"
+        raise ConfigError(f"features table '{short_text(name, 80)}', sample '{sample}': token id {bad} is outside "
+                          f"the target vocab [0, {vocab_size}): the features were captured with another target or "
+                          "tokenizer (the draft embeds every input token)")
     counts = np.zeros(vocab_size, dtype=np.int64)
-    ids = t.column("id").to_numpy()
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-        raise ConfigError(f"features: token id {bad} is outside the target vocab [0, {vocab_size}): the "
-                          "features were captured with another target or tokenizer")
-    counts[ids] = t.column("n").to_numpy()
+    counts[keys] = t.column("n").to_numpy()
     return counts

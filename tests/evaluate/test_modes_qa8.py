@@ -75,7 +75,21 @@ def test_a_domain_holding_both_modes_has_a_row_per_mode(report, tmp_path):
     assert "modes" not in report["domains"]["raw only"]  # one mode: its row is that mode's
     text = markdown(report)
     assert "## By prompt mode" in text and f"\n| {MIXED} | " in text
-    assert "| raw | 3 |" in text and "| chat | 3 |" in text
+    # The mode table has each mode's target_confidence (report.json's since QA9), derived here from the groups'
+    # rows: a mode's tokens are those of the groups' rows of that mode, so its confidence is their token-weighted
+    # mean (the lossless pass's outputs are the speculative ones, so its tokens are the rows' output tokens).
+    def pooled(*rows):
+        return sum(r["target_confidence"] * r["output_tokens"] for r in rows) / sum(r["output_tokens"] for r in rows)
+
+    domains = report["domains"]
+    want = {"chat": pooled(mixed["modes"]["chat"], domains["one"]),
+            "raw": pooled(mixed["modes"]["raw"], domains["raw only"])}
+    assert report["predictability"]["measure"] and "ngram_al" not in report["modes"]["chat"]  # ngram_order=0
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip().strip("|").split("|")]
+                                          for line in text.splitlines() if line.startswith(("| raw |", "| chat |")))}
+    assert set(rows) == {"chat", "raw"}
+    for mode, cells in rows.items():
+        assert float(cells[1]) == pytest.approx(want[mode], abs=6e-4) and cells[2] == "3", (mode, cells)
     write_report(tmp_path, report)  # report.json, report.md and the plots of a report with modes
     assert json.loads((tmp_path / "report.json").read_text())["modes"] == report["modes"]
 

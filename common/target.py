@@ -23,6 +23,10 @@ from eaglenest.paths import read_json_object
 #: Where wrappers keep the language model's config, in the order they are tried.
 NESTED = ("text_config", "llm_config", "language_config")
 _INHERITED = ("torch_dtype", "dtype", "tie_word_embeddings")
+#: Model types whose final RMSNorm scales by (1 + weight) (zero-centred weights: Qwen3-Next, Qwen3.5). The
+#: trainer's target head, the draft's norm and the SpecForge conversion are plain RMSNorms (x_hat * weight),
+#: so they take 1 + the stored weight.
+ZERO_CENTRED_NORM = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def local_dir(target: str | Path) -> Path:

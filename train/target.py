@@ -31,7 +31,8 @@ from typing import Any
 
 from eaglenest.config import short
 from eaglenest.errors import ConfigError
-from eaglenest.target import language_config, local_dir, open_weights, read_config, weight_files
+from eaglenest.target import (ZERO_CENTRED_NORM, language_config, local_dir, open_weights, read_config,
+                              weight_files)
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,6 @@ LM_HEAD = "lm_head.weight"
 _TOWERS = re.compile(r"(^|\.)(vision|visual|vision_tower|vision_model|audio|audio_tower|multi_modal_projector|"
                      r"mm_projector|image_newline|mtp)(\.|_|$)")
 _EMBED_SUFFIXES = ("embed_tokens.weight", "tok_embeddings.weight", "word_embeddings.weight")
-#: Model types whose RMSNorm scales by (1 + weight) (zero-centred weights: Qwen3-Next, Qwen3.5). The trainer's
-#: target head and the draft's norm are plain RMSNorms (x_hat * weight), so they take 1 + the stored weight.
-ZERO_CENTRED_NORM = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 #: Model types whose logits are lm_head(norm(h)) times a scalar from their config: (the config key, its value
 #: when config.json has none (the transformers config class's default), "multiply" or "divide" the logits by it).
 LOGIT_SCALES = {

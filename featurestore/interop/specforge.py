@@ -53,7 +53,8 @@ from eaglenest.featurestore.interop.source import (
     vocab_mapping,
 )
 from eaglenest.featurestore.table import store
-from eaglenest.target import language_config, local_dir, open_weights, read_config, weight_files
+from eaglenest.target import (ZERO_CENTRED_NORM, language_config, local_dir, open_weights, read_config,
+                              weight_files)
 
 FORMAT = "specforge"
 GROUP = 2000  # files per rows_<g>-<g+GROUP> folder, as prepare_hidden_states.py
@@ -68,7 +69,8 @@ def _rel(i: int) -> str:
 
 
 def final_norm(target: str, key: str = ""):
-    """(weight float32 [H], eps) of the target's final RMSNorm, read from its safetensors."""
+    """(weight float32 [H], eps) of the target's final RMSNorm, read from its safetensors (1 + the stored
+    weight for a zero-centred norm: ``target.ZERO_CENTRED_NORM``)."""
     root = local_dir(target)
     cfg = language_config(read_config(root))
     if str(cfg.get("model_type", "")).startswith("gemma"):
@@ -82,6 +84,8 @@ def final_norm(target: str, key: str = ""):
                           "name it with run.target_keys.norm")
     with open_weights(files[name]) as f:
         weight = f.get_tensor(name).float()
+    if str(cfg.get("model_type")) in ZERO_CENTRED_NORM:  # its norm scales by (1 + weight)
+        weight = weight + 1.0
     eps = cfg.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ConfigError(f"run.target: {target}'s config has rms_norm_eps {eps!r}, expected a positive number")

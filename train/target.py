@@ -124,6 +124,10 @@ def load_target_tensors(target_dir: str | Path, *, keys: dict[str, str] | None =
     check_config(cfg, target_dir)
     files = weight_files(target_dir)
     names = find_keys(files, cfg, target_dir=target_dir, overrides=keys)
+    bias = names["norm"].removesuffix(".weight") + ".bias"
+    if "norm" in only and bias != names["norm"] and bias in files:  # StableLM, OPT, Pythia, Phi-2, Falcon
+        raise ConfigError(f"run.target: {target_dir}'s final norm '{names['norm']}' has a bias ('{bias}'): a LayerNorm "
+                          "(mean-centred), which the trainer's RMSNorm target head does not model (docs/targets.md)")
     out: dict[str, Any] = {}
     for kind in only:
         with open_weights(files[names[kind]]) as f:

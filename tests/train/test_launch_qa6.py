@@ -115,13 +115,16 @@ def test_two_ranks_refusing_the_same_table_print_one_line(tmp_path, feature_stor
 
 
 _BARRIER_HELD = """
+import sys
+
 from eaglenest.train import dist as D
 d = D.DistState.from_env()
 d.barrier()
 d.close()
 held = D._last_barrier
 assert len(held) == 1 and held[0].is_completed(), held
-print("held", d.rank)
+sys.stdout.write(f"held {d.rank}\\n")  # one write: the two ranks share the pipe (print writes in pieces)
+sys.stdout.flush()
 """
 
 

@@ -7,7 +7,8 @@ import sys, time
 from eaglenest.cli import Command, run
 
 def body(recipe, args):
-    print("started", flush=True)
+    sys.stdout.write("started\\n")  # one write: the ranks share the pipe (print writes its end apart)
+    sys.stdout.flush()
     time.sleep(120)
 
 sys.exit(run("train", "a rank", {"go": Command(body, "go", needs_recipe=False)}, ["go"]))

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import logging
 
-from eaglenest.specdecode import PREFIX, SpecCounters, read_counters
+from eaglenest.specdecode import SpecCounters, read_counters  # the readers' home; kept here for callers of before
 
-__all__ = ["PREFIX", "SpecCounters", "per_request_summary", "read_counters"]
+__all__ = ["SpecCounters", "per_request_summary", "read_counters"]
 
 log = logging.getLogger(__name__)
 

@@ -40,11 +40,12 @@ import torch
 from safetensors import SafetensorError
 
 from eaglenest.errors import ConfigError
-from eaglenest.evaluate.al import SpecCounters, per_request_summary
+from eaglenest.evaluate.al import per_request_summary
 from eaglenest.evaluate.prompts import mode_of, prompt_tokens
 from eaglenest.hf import load_causal_lm, load_tokenizer
 from eaglenest.paths import read_json_object, shown_path
 from eaglenest.serve import formats, fp8
+from eaglenest.specdecode import SpecCounters
 from eaglenest.train import dflash, peagle
 from eaglenest.train.checkpoint import INFO, WEIGHTS, load_checkpoint
 from eaglenest.train.model import Eagle3Draft, chunk_doc_mask

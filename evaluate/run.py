@@ -24,7 +24,7 @@ from pathlib import Path
 from eaglenest.engine import close_llm, make_llm, speculative_config
 from eaglenest.errors import EaglenestError
 from eaglenest.evaluate import farctx, ngram
-from eaglenest.evaluate.al import SpecCounters, per_request_summary, read_counters
+from eaglenest.evaluate.al import per_request_summary
 from eaglenest.evaluate.buckets import bucket_lengths, bucket_rows, build_bucket_prompts, merged_buckets
 from eaglenest.evaluate.intervals import add_intervals, per_prompt, spec_counts
 from eaglenest.evaluate.plan import plan
@@ -33,6 +33,7 @@ from eaglenest.evaluate.settings import with_draft_k
 from eaglenest.featurestore.table import store
 from eaglenest.hf import check_remote_code, load_tokenizer
 from eaglenest.serve.draft_files import check_draft_dir, local_target_config
+from eaglenest.specdecode import SpecCounters, read_counters
 
 log = logging.getLogger(__name__)
 

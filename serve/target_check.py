@@ -13,9 +13,18 @@ difference in one line naming both sides, or with ``run.off_policy=true`` export
 the same way (:func:`check_served_tokenization`: the identity the export's provenance.json records, else its
 checkpoint's): ``serve up`` refuses a difference as export does, ``evaluate`` measures with a warning.
 
+They also compare the weights (a warning, serving or measuring): those the draft was trained with
+(checkpoint.json's ``target_weights_sha256``, else the feature identity's ``weights_sha256``) with the local
+target folder's, hashed once per process (``identity.weights_hash`` caches each content by its files' stat).
+
+A target named by hub id has no files here: its weights are ``hub:<id>``, and what pins them is the revision
+its local cache resolves to (``identity.hub_revision``), which the feature identity records as
+``target_revision``: export refuses another revision of the same id as it refuses other weights, ``serve up``
+and ``evaluate`` warn. An identity recorded before revisions were (a ``hub:<id>`` alone) is an unknown
+revision: a warning, never a refusal.
+
 Trade-off: a checkpoint without the record (saved before it, or trained from imported features that
-carry no identity) or a target named by hub id on either side (no files here to hash) is not
-checked.
+carry no identity), or a hub id on one side and a local folder on the other, is not checked.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eaglenest.errors import ConfigError
-from eaglenest.featurestore.capture.identity import legacy_tokenization, tokenizer_hashes, weights_hash
+from eaglenest.featurestore.capture.identity import hub_revision, legacy_tokenization, tokenizer_hashes, weights_hash
 from eaglenest.paths import shown_path
 
 log = logging.getLogger(__name__)
@@ -47,10 +56,17 @@ def check_target_weights(info: dict[str, Any], target: str, *, ckpt: Path, off_p
     if not isinstance(want, str) or not want:
         return
     have = weights_hash(target)
-    if have == want or "hub:" in (have[:4], want[:4]):  # a hub id names no weights to compare
+    if have == want and want.startswith("hub:"):  # the same hub id: the same weights if the same revision
+        meta = info.get("feature_meta")
+        message = _revision_change(_identity(meta.get("identity") if isinstance(meta, dict) else None), target,
+                                   recorded=f"the feature identity of {shown_path(ckpt)}")
+        if not message:
+            return
+    elif have == want or "hub:" in (have[:4], want[:4]):  # a hub id beside a folder: no weights to compare
         return
-    message = (f"run.target: {target} (weights {have[:12]}) is not the target the draft in {shown_path(ckpt)} "
-               f"was trained with ({info.get('target')}, weights {want[:12]})")
+    else:
+        message = (f"run.target: {target} (weights {have[:12]}) is not the target the draft in {shown_path(ckpt)} "
+                   f"was trained with ({info.get('target')}, weights {want[:12]})")
     if off_policy:
         log.warning("%s; exporting anyway because run.off_policy=true", message)
         return
@@ -86,12 +102,17 @@ def check_served_tokenization(draft: str | Path, target: str, *, off_policy: boo
     inputs = prov.get("inputs") if isinstance(prov.get("inputs"), dict) else {}
     comps = _identity(inputs.get("feature_identity"))
     recorded = f"the feature identity in {shown_path(Path(draft) / 'provenance.json')}"
-    if not comps and isinstance(inputs.get("checkpoint"), str) and inputs["checkpoint"]:
-        ckpt = Path(inputs["checkpoint"]) / "checkpoint.json"
-        meta = _json_file(ckpt).get("feature_meta")
+    ckpt = Path(inputs["checkpoint"]) / "checkpoint.json" if isinstance(inputs.get("checkpoint"), str) \
+        and inputs["checkpoint"] else None
+    info = _json_file(ckpt) if ckpt else {}
+    if not comps and ckpt:
+        meta = info.get("feature_meta")
         comps = _identity(meta.get("identity") if isinstance(meta, dict) else None)
         recorded = f"the feature identity of {shown_path(ckpt)}"
     trained_on = str(comps.get("target") or inputs.get("target") or "?")
+    weights = _served_weights(comps, info, target, trained_on=trained_on, recorded=recorded, ckpt=ckpt)
+    if weights:  # a warning, serving or measuring: the draft still drafts, at a lower acceptance length
+        log.warning("%s; %s it anyway", weights, stage)
     message = _tokenization_changes(comps, target, trained_on=trained_on, recorded=recorded)
     if not message:
         return
@@ -100,6 +121,48 @@ def check_served_tokenization(draft: str | Path, target: str, *, off_policy: boo
         return
     raise ConfigError(f"{message}; serve it with the target's tokenizer and template it was trained with, or set "
                       "run.off_policy=true if intended")
+
+
+def _served_weights(comps: dict[str, Any], info: dict[str, Any], target: str, *, trained_on: str, recorded: str,
+                    ckpt: Path | None) -> str:
+    """The line naming ``target``'s weights when they are not those the draft was trained with (``info``:
+    its checkpoint.json's ``target_weights_sha256``, else the feature identity ``comps``' ``weights_sha256``),
+    both local folders; for a hub id, its revision (:func:`_revision_change`). Empty when they agree, or
+    when nothing (or a hub id beside a folder) can be compared."""
+    want, where = info.get("target_weights_sha256"), shown_path(ckpt) if ckpt else ""
+    if not isinstance(want, str) or not want:
+        want, where = comps.get("weights_sha256"), recorded
+    if not isinstance(want, str) or not want:
+        return ""
+    if want.startswith("hub:"):
+        return _revision_change(comps, target, recorded=recorded) if want == f"hub:{target}" else ""
+    if not Path(target).is_dir():
+        return ""
+    have = weights_hash(target)  # cached per process by the files' stat: not hashed again by a later check
+    if have == want:
+        return ""
+    return (f"run.target: {target} (weights {have[:12]}) is not the target the draft was trained with "
+            f"({trained_on}, weights {want[:12]} in {where}): its drafts are verified by other weights")
+
+
+def _revision_change(comps: dict[str, Any], target: str, *, recorded: str) -> str:
+    """For a ``target`` named by hub id that the feature identity ``comps`` (read from ``recorded``) names
+    too: the line naming the revision its local cache resolves to when it is not the one the features were
+    captured at. Empty when they agree, when the id is not cached or not the identity's, and when the
+    identity records no revision (captured before revisions were recorded: unknown, a warning)."""
+    now = hub_revision(target)
+    if not now or comps.get("weights_sha256") != f"hub:{target}":
+        return ""
+    was = comps.get("target_revision")
+    if not isinstance(was, str) or not was:
+        log.warning("run.target: %s is at revision %s in the local Hugging Face cache; %s records no revision "
+                    "(captured before revisions were recorded), so whether the draft was trained on that "
+                    "revision is unknown", target, now[:12], recorded)
+        return ""
+    if was == now:
+        return ""
+    return (f"run.target: {target} is at revision {now[:12]} in the local Hugging Face cache, not at {was[:12]}, "
+            f"the revision the draft's features were captured at ({recorded}): other weights")
 
 
 def _tokenization_changes(comps: dict[str, Any], target: str, *, trained_on: str, recorded: str) -> str:

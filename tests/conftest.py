@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from eaglenest import reaper
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_TARGET = ROOT / "assets" / "tiny-target"
 
@@ -29,6 +31,15 @@ HEAVY_FIRST = (
     "tests/train/test_select.py",            # ~65
     "tests/evaluate/test_vllm.py",           # ~65
 )
+
+
+def pytest_sessionstart(session):
+    """Every process the tests start ends with this one, however it ends (common/reaper.py's guard, as a CLI
+    arms it): a vLLM server that ``openai_server`` or a `serve up` test starts leads a session of its own, so
+    a test that fails before stopping it, or a session pytest-timeout ends at once (no fixture cleanup runs),
+    left it running, holding its memory (once until the machine ran out). Under pytest-xdist each worker and
+    the controller guard their own children."""
+    reaper.guard()
 
 
 def _heavy_rank(item) -> int:

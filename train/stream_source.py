@@ -102,10 +102,18 @@ class StreamShards:
                             seed=self.seed, epoch=epoch, row_tokens=self.row_tokens)
 
     def loss_token_counts(self, vocab_size: int) -> np.ndarray:
-        """Per-target-id counts of loss tokens: what the table path counts by SQL."""
-        ids = np.concatenate([np.asarray(r["prompt_token_ids"] + r["response_token_ids"], dtype=np.int64)[m]
-                              for r, m in zip(self.convs, self.masks)])
-        return np.bincount(ids, minlength=vocab_size)[:vocab_size]
+        """Per-target-id counts of loss tokens: what the table path counts by SQL. As there, every input
+        token is checked against the vocab (the draft embeds each one): an id outside ``[0, vocab_size)``
+        is one :class:`ConfigError` line naming the sample and the id (np.bincount failed on a negative
+        one, and one past the vocab was dropped without a word)."""
+        seqs = [np.asarray(r["prompt_token_ids"] + r["response_token_ids"], dtype=np.int64) for r in self.convs]
+        for r, ids in zip(self.convs, seqs):
+            if ids.size and not 0 <= ids.min() <= ids.max() < vocab_size:
+                bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+                raise ConfigError(f"prompts v{self.version}, sample '{r['sample_id']}': token id {bad} is outside "
+                                  f"the target vocab [0, {vocab_size}): the conversation was tokenized for another "
+                                  "target or tokenizer (the draft embeds every input token)")
+        return np.bincount(np.concatenate([ids[m] for ids, m in zip(seqs, self.masks)]), minlength=vocab_size)
 
     def start(self, schedule: list[tuple[int, list[list[int]]]], *, world_size: int = 1,
               rank: int | None = None) -> None:

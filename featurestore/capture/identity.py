@@ -8,7 +8,11 @@ zero target forward passes. The identity covers:
   (``*.safetensors``/``*.bin``; the sha256 of each file, keyed by name). Files larger than
   ``FULL_HASH_BYTES`` in total are hashed by size plus their first and last 16 MiB, so a 140 GB
   target is identified in seconds; a hub revision pins the rest. This is the trade-off: a
-  same-size in-place edit of the middle of a huge weight file would go unnoticed.
+  same-size in-place edit of the middle of a huge weight file would go unnoticed. A target named by
+  hub id has no files here: its ``weights_sha256`` is ``hub:<id>``, and ``target_revision`` records the
+  commit its local cache resolves the id to (:func:`hub_revision`: the snapshot every loader reads, as no
+  recipe key names a revision), so two revisions of one id are two feature sets. A local folder records
+  no ``target_revision``; nor does a table captured before it counted (:data:`ADDED`: revision unknown);
 * ``config_sha256``: a hash of the target's ``config.json`` (norm epsilon, rotary settings, activation,
   attention layout: what turns the weights into hidden states), its keys that change no hidden state
   of given token ids left out (:data:`CONFIG_IGNORED`). A table captured before this component
@@ -35,6 +39,7 @@ from pathlib import Path
 
 from eaglenest.errors import ConfigError
 from eaglenest.featurestore import schema as S
+from eaglenest.target import local_dir
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +54,12 @@ KEYS = {
     "last_layer_id": "run.target", "capture_point": "(code version)", "prompt_pool": "ingest.manifest",
     "gen_params_ids": "ingest.manifest (generation)", "dtype": "featurestore.engine.dtype",
     "storage": "featurestore.storage", "schema_version": "(code version)", "config_sha256": "run.target",
+    "target_revision": "run.target (the hub cache's revision)",
 }
 
 #: Components added after tables were first captured: a stored identity that lacks one (and holds the
 #: others) was captured before it existed, and is not told apart by it (``build.check_reuse``).
-ADDED = ("config_sha256",)
+ADDED = ("config_sha256", "target_revision")
 
 #: Keys of config.json that change no hidden state of given token ids: the engine's dtype is a
 #: component of its own, special token ids only steer generation, the rest is bookkeeping.
@@ -74,6 +80,15 @@ def _sha_file(path: Path, *, full: bool) -> str:
             f.seek(max(0, size - _EDGE))
             h.update(f.read(_EDGE))
     return h.hexdigest()
+
+
+def hub_revision(target: str) -> str:
+    """The commit a target named by hub id resolves to in the local Hugging Face cache (the snapshot folder
+    its files are read from, ``refs/main`` by default); empty for a local folder, or a hub id not cached."""
+    if Path(target).is_dir():
+        return ""
+    files = local_dir(target)
+    return files.name if files != Path(target) and files.parent.name == "snapshots" else ""
 
 
 def weights_hash(target: str) -> str:
@@ -230,12 +245,14 @@ def components(*, target: str, layer_ids, last_layer_id: int, dtype: str, storag
                sample_ids, gen_params_ids) -> dict:
     tok, template = tokenizer_hashes(target)
     pool = hashlib.sha256("\n".join(sorted(sample_ids)).encode()).hexdigest()
+    revision = hub_revision(str(target))  # only a hub id has one: a local folder's identity is as before
     return {
         "target": str(target), "weights_sha256": weights_hash(target), "config_sha256": config_hash(target),
         "tokenizer_sha256": tok,
         "chat_template_sha256": template, "layer_ids": list(layer_ids), "last_layer_id": int(last_layer_id),
         "capture_point": CAPTURE_POINT, "prompt_pool": pool, "gen_params_ids": sorted(set(gen_params_ids)),
         "dtype": dtype, "storage": storage, "schema_version": S.SCHEMA_VERSION,
+        **({"target_revision": revision} if revision else {}),
     }
 
 
@@ -257,8 +274,11 @@ def differences(have: dict, want: dict) -> list[str]:
 def target_record(target: str) -> dict:
     """The target as provenance names it: its path and the hashes of what it is (weights, tokenizer,
     chat template: components of the feature identity). A hub id has no files here: its weights entry
-    is ``hub:<id>`` and there are no tokenizer hashes."""
+    is ``hub:<id>``, its revision the cached one (:func:`hub_revision`, when cached), and there are no
+    tokenizer hashes."""
     record = {"target": str(target), "weights_sha256": weights_hash(str(target))}  # cached per process
+    if revision := hub_revision(str(target)):
+        record["target_revision"] = revision
     if Path(target).is_dir():
         record["tokenizer_sha256"], record["chat_template_sha256"] = tokenizer_hashes(str(target))
     return record

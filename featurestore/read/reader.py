@@ -65,6 +65,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import operator
 import os
 import resource
 from pathlib import Path
@@ -226,10 +227,21 @@ class SampleReader:
 
     def take(self, index: int) -> Sample:
         """One sample by dataset offset (synchronous)."""
-        index = int(index)
+        index = self._row(index)
         if self.layout == "inline":
             return self._take_inline(index)
         return self._from_row(self._group([index]), 0, index)
+
+    def _row(self, index) -> int:
+        """A row number as an int (numpy integers too); a float (``1.5``), a bool or anything else is one
+        :class:`StoreError` line, not truncated to another row."""
+        if not isinstance(index, (bool, np.bool_)):
+            try:
+                return operator.index(index)
+            except TypeError:
+                pass
+        raise StoreError(f"table v{self.ds.version}: row {index!r} is not a row number (an integer; "
+                         f"the version has {self.num_rows} rows: 0..{self.num_rows - 1})")
 
     def _take_inline(self, index: int, into: Into | None = None) -> Sample:
         with section(self.profile, "take (version-1 row)"):
@@ -261,7 +273,7 @@ class SampleReader:
         try:
             return self.ds.take(indices, columns=columns)
         except (OSError, pa.ArrowException) as exc:
-            raise self._collected() or read_error(self.ds, indices, exc) from None
+            raise self._collected() or read_error(self.ds, indices, exc, columns=columns) from None
 
     def _collected(self) -> StoreError | None:
         """The error for a version removed by ``featurestore gc`` since this reader opened it (its
@@ -447,7 +459,7 @@ class SampleReader:
             return s
 
         try:
-            while part := [int(i) for i in itertools.islice(todo, step)]:
+            while part := [self._row(i) for i in itertools.islice(todo, step)]:
                 if self.layout == "blob":
                     grp = self._group(part)
                     jobs = [(self._from_row, grp, k, i) for k, i in enumerate(part)]

@@ -16,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import operator
 import re
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pyarrow as pa
 
 from eaglenest.errors import SchemaError, StoreError, require
@@ -70,6 +72,19 @@ def expected_schema(name: str, meta: S.FeatureMeta | None = None) -> pa.Schema:
     if meta is None:
         raise SchemaError(f"writing features table '{name}' needs its FeatureMeta")
     return S.features_schema(meta)
+
+
+def _version_arg(uri: str, name: str, version) -> int | str | None:
+    """``version`` as Lance takes it: None, a tag, or a version number (a numpy integer as an int). A bool
+    (``True == 1``) or a float (``1.5``) is refused in one line rather than opened as another version
+    (Lance reads ``True`` as version 1, and reports a numpy integer as a damaged manifest)."""
+    if version is None or isinstance(version, str):
+        return version
+    if not isinstance(version, (bool, np.bool_)):
+        with contextlib.suppress(TypeError):
+            return operator.index(version)
+    raise StoreError(f"table '{name}' in {uri}: version {version!r} is not a version number or a tag "
+                     f"({type(version).__name__}; `featurestore versions` lists them)")
 
 
 def _missing_version(uri: str, name: str, version: int | str | None) -> str | None:
@@ -157,6 +172,7 @@ def dataset(uri: str, name: str, version: int | str | None = None, *, allow_roll
     """
     if not exists(uri, name):
         raise StoreError(f"no table '{name}' in store {uri}")
+    version = _version_arg(uri, name, version)
     # RuntimeError: a damaged manifest ("Encountered corrupt file <path>"); OverflowError: a version number
     # Lance's unsigned 64-bit versions cannot hold (-1, 2**64), from a caller that did not check it.
     try:

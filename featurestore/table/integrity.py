@@ -302,12 +302,34 @@ def fragment_files(ds, fragment_id: int) -> list[str]:
 
 def fragments_of_offsets(ds, offsets) -> list[int]:
     """The fragment ids holding dataset offsets ``offsets`` (``take`` indices), for error messages."""
+    return sorted(_offsets_by_fragment(ds, offsets))
+
+
+def _offsets_by_fragment(ds, offsets) -> dict[int, list[int]]:
+    """fragment id -> the offsets of ``offsets`` it holds."""
     import numpy as np
 
     frags = ds.get_fragments()
+    offsets = [int(o) for o in offsets]
     ends = np.cumsum([f.count_rows() for f in frags])
-    at = np.searchsorted(ends, np.asarray(list(offsets), dtype=np.int64), side="right")
-    return sorted({frags[int(k)].fragment_id for k in at if k < len(frags)})
+    at = np.searchsorted(ends, np.asarray(offsets, dtype=np.int64), side="right")
+    out: dict[int, list[int]] = {}
+    for k, offset in zip(at, offsets):
+        if k < len(frags):
+            out.setdefault(frags[int(k)].fragment_id, []).append(offset)
+    return out
+
+
+def _failing_takes(ds, offsets, columns) -> list[int]:
+    """Of the fragments holding ``offsets``, those whose rows fail to ``take`` again (``columns``): a take
+    over several fragments fails as a whole, and only the damaged ones are to be named."""
+    bad = []
+    for frag, offs in sorted(_offsets_by_fragment(ds, offsets).items()):
+        try:
+            ds.take(offs, columns=columns)
+        except Exception:  # noqa: BLE001 - whatever Lance raises for a damaged file
+            bad.append(frag)
+    return bad
 
 
 def _failing_fragments(ds) -> list[int]:
@@ -321,11 +343,14 @@ def _failing_fragments(ds) -> list[int]:
     return bad
 
 
-def read_error(ds, offsets, exc: BaseException) -> StoreError:
-    """A Lance/Arrow error while taking rows ``offsets`` (None: while scanning the table) as a
-    one-line :class:`StoreError` that names the fragment(s) and their data files."""
+def read_error(ds, offsets, exc: BaseException, *, columns: list[str] | None = None) -> StoreError:
+    """A Lance/Arrow error while taking rows ``offsets`` of ``columns`` (None: while scanning the table) as
+    a one-line :class:`StoreError` that names the fragment(s) and their data files: of the rows' fragments,
+    those that fail a take of their own rows (the healthy ones of the same take are not named)."""
     try:
         frags = _failing_fragments(ds) if offsets is None else fragments_of_offsets(ds, offsets)
+        if offsets is not None and len(frags) > 1:
+            frags = _failing_takes(ds, offsets, columns) or frags
         named = "; ".join(f"fragment {f}, data file {', '.join(fragment_files(ds, f))}" for f in frags)
     except Exception:  # the manifest itself may be what is broken
         named = ""

@@ -13,7 +13,8 @@ prompt rows carry the reference answer and the evidence's distance). ``chat`` is
 chat of unrelated held-out conversations: earlier turns are held-out prompts with the target's own
 answers (from the held-out decode, so no training text enters), the last turn is a held-out
 question, and the history is cut at the front so the prompt has exactly the bucket's token count
-(the first turn may start mid-text, like a sliding window). When the held-out material is shorter
+(the first turn may start mid-text, like a sliding window; the template's head, BOS and a default system
+turn, stays first). When the held-out material is shorter
 than a bucket it is cycled in a new seeded order each pass; the report states how many passes it
 took, so a bucket made of repeats is visible.
 
@@ -29,13 +30,16 @@ import random
 
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.evaluate import longctx
-from eaglenest.evaluate.prompts import heldout, render
+from eaglenest.evaluate.prompts import heldout
 
 log = logging.getLogger(__name__)
 
 
 def _ids(tok, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
-    return render(tok, messages, chat_template_kwargs)
+    """``prompts.render``'s ids, without transformers' warning of "indexing errors" for a render longer than the
+    tokenizer's ``model_max_length``: the long chats a bucket prompt is cut from are (a 32K bucket's: ~35K)."""
+    text, special = longctx.rendered(tok, messages, chat_template_kwargs)
+    return list(tok(text, add_special_tokens=special, verbose=False)["input_ids"])
 
 
 def material_pool(cfg, store_uri: str, groups: dict) -> list[dict]:
@@ -185,16 +189,37 @@ def _prompt_seed(seed: int, i: int) -> int:
     return (seed * 1_000_003 + SEED_OFFSET) * 1_000_003 + i
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _head_tokens(full: list[int], tail: list[int], other: list[int]) -> int:
+    """The tokens of ``tail`` (the question rendered alone) that are the template's head, not the question's
+    turn: a default system turn a template writes when a conversation has none (Llama 3.1's dated header,
+    Qwen2.5's), which ``full`` (the long chat) has at its front, not before its last turn. At most what ``tail``
+    shares with the front of ``full`` and with ``other`` (another question rendered alone: never the
+    question's text), and no token of the part of ``tail`` that also ends ``full`` (the question's turn)."""
+    ends = _common(full[::-1], tail[::-1])
+    return min(_common(full, tail), _common(other, tail), len(tail) - ends)
+
+
 def _chat_prompt(tok, material, length: int, rng: random.Random, chat_template_kwargs) -> tuple[list[int], int]:
-    """Held-out chats concatenated and cut at the front to ``length`` tokens; (ids, passes). The
-    history grows backwards from the question (each pass's turns go before the earlier ones), so
-    the same ``rng`` gives the same latest turns at every length."""
+    """Held-out chats concatenated and cut at the front to ``length`` tokens, after the template's head
+    (:func:`_head_tokens`); (ids, passes). The history grows backwards from the question (each pass's turns
+    go before the earlier ones), so the same ``rng`` gives the same latest turns at every length."""
     q_msgs, _ = material[rng.randrange(len(material))]
     question = [m for m in q_msgs if m["role"] == "user"][-1:]
     tail = _ids(tok, question, chat_template_kwargs)
     bos = 1 if tok.bos_token_id is not None and tail[:1] == [tok.bos_token_id] else 0
+    other = _ids(tok, [{"role": "user", "content": "1" if question[0]["content"][:1] == "0" else "0"}],
+                 chat_template_kwargs) if question else tail
     history: list[dict] = []
     body: list[int] = []
+    head = bos
     need = length - len(tail)
     passes = 0
     while len(body) < need:
@@ -205,13 +230,14 @@ def _chat_prompt(tok, material, length: int, rng: random.Random, chat_template_k
             history[:0] = [*[m for m in msgs if m["role"] == "user"][-1:], {"role": "assistant", "content": answer}]
         passes += 1
         full = _ids(tok, history + question, chat_template_kwargs)
-        grown, body = body, full[bos:len(full) - (len(tail) - bos)]
+        head = max(bos, _head_tokens(full, tail, other))
+        grown, body = body, full[head:len(full) - (len(tail) - head)]
         if len(body) <= len(grown):  # more turns, no more tokens: the next pass would not grow it either
             raise ConfigError("evaluate.bucket_material: chat: the target's chat template renders no earlier "
                               "turn of a conversation, so no chat prompt is longer than its question; set "
                               "evaluate.bucket_material without chat")
-    if need > 0:
-        ids = tail[:bos] + body[len(body) - need:] + tail[bos:]
+    if need > 0:  # the template's head (BOS, a default system turn) first, the question last
+        ids = tail[:head] + body[len(body) - need:] + tail[head:]
     else:  # the question alone is longer than the bucket: cut it at the front, after its BOS token
         ids = tail[:bos] + tail[len(tail) - (length - bos):]
     assert len(ids) == length, (len(ids), length)

@@ -79,7 +79,7 @@ class _Encoded:
 
     def __init__(self, tok, messages: list[dict], chat_template_kwargs: dict | None) -> None:
         self.text, special = rendered(tok, messages, chat_template_kwargs)
-        enc = tok(self.text, add_special_tokens=special, return_offsets_mapping=True)
+        enc = tok(self.text, add_special_tokens=special, return_offsets_mapping=True, verbose=False)
         self.ids = list(enc["input_ids"])
         # Running max: some tokenizers give special tokens (0, 0) offsets; bisect needs sorted ends.
         self._ends = list(itertools.accumulate((e for _, e in enc["offset_mapping"]), max))
@@ -115,7 +115,7 @@ def generate(kind: str, tok, length: int, *, seed: int, material=(),
     units, total = [], base
     while total < length:
         units.append(spec.filler())
-        total += len(tok(unit_text(units[-1]), add_special_tokens=False)["input_ids"]) + per_unit
+        total += len(tok(unit_text(units[-1]), add_special_tokens=False, verbose=False)["input_ids"]) + per_unit
     # Evidence near the start of the filler: 3-12% of the way in (recall: the first turn, always).
     at = evidence_at(rng, spec, len(units))
     enc = _Encoded(tok, spec.messages(units, at), chat_template_kwargs)
@@ -129,19 +129,32 @@ def generate(kind: str, tok, length: int, *, seed: int, material=(),
                     "generated turns instead", length, kind, seed)
         return generate(kind, tok, length, seed=seed, chat_template_kwargs=chat_template_kwargs)
     if len(enc.ids) > length or len(units) < max(at, 1):
-        raise ConfigError(f"evaluate.context_buckets: {length} tokens is too short for "
-                          f"evaluate.bucket_material kind {kind!r} (its question and evidence alone take {base})")
+        # The prompt with the filler the evidence needs beside it (one unit before it, or after it for recall):
+        # its length, not the question's and evidence's alone, is what the bucket must reach.
+        least = len(enc.ids) if len(units) >= max(at, 1) else \
+            len(_Encoded(tok, spec.messages([spec.filler()], 0 if spec.pad_after_evidence else 1),
+                         chat_template_kwargs).ids)
+        raise ConfigError(f"evaluate.context_buckets: {length} tokens is too short for evaluate.bucket_material "
+                          f"kind {kind!r}: its prompt needs at least {least} tokens (its question and evidence "
+                          f"alone take {base})")
     ev = enc.span(spec.evidence)
+    after = enc.text.find(spec.evidence) + len(spec.evidence)  # where the evidence's text ends
     if kind == "recall":  # the assistant's acknowledgement repeats the fact: evidence too
-        ev = (ev[0], enc.span(spec.turn[1], enc.text.find(spec.evidence))[1])
-    anchor = unit_text(units[0]).split("\n")[0]
-    cut = enc.span(anchor, enc.text.find(spec.evidence) + len(spec.evidence) if spec.pad_after_evidence
-                   else enc.text.find(anchor))[0]
+        ev = (ev[0], enc.span(spec.turn[1], after)[1])
+        after = enc.text.find(spec.turn[1], after) + len(spec.turn[1])
+    # The splice point: where the first filler unit's text begins, found by its first line with text, after the
+    # evidence and its acknowledgement (recall) or anywhere (the units before the evidence). A blank first line
+    # (a held-out turn starting with a newline) was found at once, and one the acknowledgement holds inside it:
+    # both inside the first turn.
+    anchor = next((line.strip() for unit in units for line in unit_text(unit).split("\n") if line.strip()),
+                  spec.question)
+    cut = enc.span(anchor, after if spec.pad_after_evidence else enc.text.find(anchor))[0]
     need = length - len(enc.ids)
     pad: list[int] = []
     while len(pad) < need:  # the tail of further filler units
         unit = spec.filler()
-        pad = list(tok(unit_text(unit) + ("\n" if kind == "recall" else ""), add_special_tokens=False)["input_ids"]) + pad
+        text = unit_text(unit) + ("\n" if kind == "recall" else "")
+        pad = list(tok(text, add_special_tokens=False, verbose=False)["input_ids"]) + pad
     pad = pad[len(pad) - need:] if need else []
     ids = enc.ids[:cut] + pad + enc.ids[cut:]
     if cut <= ev[0]:

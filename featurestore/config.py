@@ -7,7 +7,7 @@ import numbers
 from typing import Literal
 
 from eaglenest.config import short
-from eaglenest.engine import EngineConfig
+from eaglenest.engine import EngineConfig, is_int
 from eaglenest.errors import ConfigError
 from eaglenest.featurestore.table.names import check_name
 
@@ -44,6 +44,12 @@ class FeaturestoreConfig:
             raise ConfigError(f"featurestore.layer_ids: duplicate ids {dup}; give distinct layers (vLLM convention)")
         if any(i < 0 for i in self.layer_ids):
             raise ConfigError("featurestore.layer_ids: ids are >= 0 (vLLM convention: 0 = embeddings output)")
-        if not (0 < self.write_buffer_mb < float("inf")) or self.commit_every < 1 or self.batch_size < 1:
-            raise ConfigError("featurestore.write_buffer_mb: must be > 0; featurestore.commit_every / "
-                              "batch_size: must be >= 1")
+        mb = self.write_buffer_mb
+        if isinstance(mb, bool) or not isinstance(mb, numbers.Real) or not 0 < mb < float("inf"):
+            raise ConfigError(f"featurestore.write_buffer_mb: must be a number of MiB > 0, "
+                              f"got {short(self.write_buffer_mb)}")
+        for key in ("commit_every", "batch_size"):  # each named: a bad one blamed on the other is a wrong fix
+            if not is_int(getattr(self, key)):  # built in code, not from a recipe (whose walker checks types)
+                raise ConfigError(f"featurestore.{key}: must be a whole number, got {short(getattr(self, key))}")
+            if getattr(self, key) < 1:
+                raise ConfigError(f"featurestore.{key}: must be >= 1 (samples), got {short(getattr(self, key))}")

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from eaglenest.featurestore.capture import identity, policy, turns
 from eaglenest.featurestore.capture.engine import Capturer, resolve_layer_ids
 from eaglenest.featurestore.capture.writer import FeatureWriter, bytes_per_token, captured_bytes_per_token
 from eaglenest.featurestore.schema import dtype_name
-from eaglenest.featurestore.table import fragments, lease, store
+from eaglenest.featurestore.table import fragments, lease, objects, store
 from eaglenest.hf import load_config, load_tokenizer
 from eaglenest.provenance import code_version
 from eaglenest.target import language_config, max_positions, read_config
@@ -95,11 +96,12 @@ def pending_conversations(store_uri: str, table: str = store.FEATURES) -> list[d
 
 
 def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta, pool_ids=()) -> S.FeatureMeta | None:
-    """The table's meta when ``table`` already holds this feature set (None: no table yet); refuses
-    a different one, naming the keys. A table of an older, still readable schema version whose
-    identity differs only in ``schema_version`` holds the same tensors: it is reused as is (read
-    only: adding rows to it is refused by ``fragments.check_identity``). So is a table captured before
-    a component of :data:`identity.ADDED` existed, same otherwise (its rows are added to)."""
+    """The table's meta when ``table`` already holds this feature set (None: no table yet, or one a
+    capture stopped before its first commit left empty, now removed); refuses a different one, naming
+    the keys. A table of an older, still readable schema version whose identity differs only in
+    ``schema_version`` holds the same tensors: it is reused as is (read only: adding rows to it is
+    refused by ``fragments.check_identity``). So is a table captured before a component of
+    :data:`identity.ADDED` existed, same otherwise (its rows are added to)."""
     if not store.exists(store_uri, table):
         return None
     try:
@@ -118,8 +120,11 @@ def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta, pool_ids=()) ->
         old = identity.legacy_tokenization(str(meta.identity_components.get("target", "")))
         want.update({k: old[k] for k in ("tokenizer_sha256", "chat_template_sha256") if have_comps.get(k) == old[k]})
     if have_comps and identity.identity_hash(want) == have.feature_set_id:
-        log.info("table '%s' was captured before %s joined the feature set's identity: reused", table,
-                 ", ".join(k for k in identity.ADDED if k not in have_comps) or "more tokenizer files")
+        added = [k for k in identity.ADDED if k not in have_comps and k in meta.identity_components]
+        # A hub id's revision that was not recorded is unknown: said as a warning (the weights may differ).
+        (log.warning if "target_revision" in added else log.info)(
+            "table '%s' was captured before %s joined the feature set's identity: reused", table,
+            ", ".join(added) or "more tokenizer files")
         return have
     diff = identity.differences(have_comps, want) or ["feature_set_id"]
     diff = [_pool_change(store_uri, table, pool_ids) if d.startswith("prompt_pool") else d for d in diff]
@@ -128,9 +133,23 @@ def check_reuse(store_uri: str, table: str, meta: S.FeatureMeta, pool_ids=()) ->
         log.info("table '%s' is features schema version %s (same feature set otherwise): reused",
                  table, S.schema_version(ds.schema))
         return have
+    if _never_committed(store_uri, ds):  # what a capture stopped before its first commit left: no rows to keep
+        log.warning("table '%s' in %s holds no row (a capture of feature set %s stopped before its first commit "
+                    "created it): replaced by this capture's (%s)", table, store_uri, have.feature_set_id,
+                    "; ".join(diff))
+        shutil.rmtree(store.table_path(store_uri, table))
+        return None
     raise StoreError(f"table '{table}' holds feature set {have.feature_set_id}, this capture is "
                      f"{meta.feature_set_id}: differs in {'; '.join(diff)}. Set featurestore.table to a new "
                      "name (or restore those keys)")
+
+
+def _never_committed(store_uri: str, ds) -> bool:
+    """Whether a local table is only the empty first version its first data files create (``write_fragment``),
+    no commit since: a capture killed (or failed) before its first commit leaves it, holding no feature set's
+    rows. Called under the table's writer lease, so no live writer is writing into it; an object store has no
+    lease, and such a table there is kept (refused as any other feature set's)."""
+    return not objects.is_remote(store_uri) and ds.count_rows() == 0 and len(ds.versions()) == 1
 
 
 def _pool_change(store_uri: str, table: str, pool_ids) -> str:

@@ -26,7 +26,8 @@ import os
 from pathlib import Path
 
 from eaglenest.errors import ConfigError
-from eaglenest.featurestore.capture.identity import legacy_tokenization, template_hash, vocab_hash, weights_hash
+from eaglenest.featurestore.capture.identity import (hub_revision, legacy_tokenization, template_hash, vocab_hash,
+                                                     weights_hash)
 from eaglenest.featurestore.table import fragments, store, versions
 
 log = logging.getLogger(__name__)
@@ -184,13 +185,20 @@ def require_target_folder(target: str) -> None:
 def check_features(meta, target: str, *, off_policy: bool, stage: str) -> None:
     """Refuse (unless ``off_policy``) features captured from another target than ``target``."""
     require_target_folder(target)
-    have = (meta.identity_components or {}).get("weights_sha256")
+    comps = meta.identity_components or {}
+    have = comps.get("weights_sha256")
     if not have:
         return
     mine = target_id(str(target))
     if have != mine:
         _refuse_or_warn(f"{stage}: features table holds hidden states of {meta.target} (weights {have[:12]}), "
                         f"but run.target is {target} (weights {mine[:12]})", off_policy=off_policy)
+    elif have.startswith("hub:") and comps.get("target_revision"):  # one hub id: the same revision?
+        now = hub_revision(str(target))
+        if now and now != comps["target_revision"]:
+            _refuse_or_warn(f"{stage}: features table holds hidden states of {meta.target} at revision "
+                            f"{comps['target_revision'][:12]}, but run.target {target} is at revision {now[:12]} "
+                            "in the local Hugging Face cache", off_policy=off_policy)
 
 
 __all__ = ["check_features", "check_prompts", "check_tokenization", "generating_targets", "lineage_record",

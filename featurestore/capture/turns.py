@@ -41,8 +41,8 @@ def assistant_spans(tokenizer, messages: list[dict], prompt_ids: list[int],
         try:
             start = _ids(tokenizer, messages[:i], open_turn=True, kwargs=kw)
             end = _ids(tokenizer, messages[:i + 1], open_turn=False, kwargs=kw)
-        except jinja2.TemplateError:  # a template (changed since ingest?) that refuses the conversation
-            return None
+        except (jinja2.TemplateError, ValueError):  # a template (changed since ingest?) that refuses the
+            return None  # conversation; transformers' ValueError: an assistant turn first opens after no message
         if end[:len(start)] != start or prompt_ids[:len(end)] != end or len(end) <= len(start):
             return None
         stop = len(end)

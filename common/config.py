@@ -118,22 +118,43 @@ def _yaml():
                 self._depth -= 1
 
         def construct_mapping(self, node, deep=False):
+            self._keys(node)
+            return super().construct_mapping(node, deep=deep)
+
+        def _keys(self, node) -> dict[str, int]:
             # PyYAML keeps the last of two equal keys without a word, and reads `yes:`, `1:` or `~:` as
-            # True, 1 and None (then equal to `1:`, or turned into the text "None" by a config).
-            seen: set[str] = set()
-            for key_node, _ in node.value:
+            # True, 1 and None (then equal to `1:`, or turned into the text "None" by a config). A key the
+            # mapping sets over one it merges (`<<:`) is YAML's override; a key two merged mappings both
+            # bring is refused too: PyYAML 6.0.4 keeps the first or the last of them depending on whether
+            # Python interned the key's text (`x` the first, as YAML says; `num_epochs` the last).
+            seen: dict[str, int] = {}  # key -> its line
+            merged: dict[str, int] = {}
+            merges = 0
+            for key_node, value_node in node.value:
+                line = key_node.start_mark.line + 1
                 if key_node.tag == "tag:yaml.org,2002:merge":
+                    merges += 1
+                    if merges > 1:
+                        raise _Refused(f"line {line}: the key '<<' is given twice; merge a list of mappings")
+                    subs = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                    for sub in subs:
+                        if not isinstance(sub, yaml.MappingNode):  # PyYAML's own error says what it wants
+                            continue
+                        for key, at in self._keys(sub).items():
+                            if key in merged:
+                                raise _Refused(f"line {at}: the key {short(key, 40)} is given twice (by two merged "
+                                               "mappings)")
+                            merged[key] = at
                     continue
                 key = self.construct_object(key_node, deep=True)
-                line = key_node.start_mark.line + 1
                 if not isinstance(key, str):
                     text = key_node.value if isinstance(key_node, yaml.ScalarNode) else type(key).__name__
                     raise _Refused(f"line {line}: the key {short_text(str(text), 40)} is read as "
                                    f"{type(key).__name__}, not text; quote it")
                 if key in seen:
                     raise _Refused(f"line {line}: the key {short(key, 40)} is given twice")
-                seen.add(key)
-            return super().construct_mapping(node, deep=deep)
+                seen[key] = line
+            return {**merged, **seen}
 
     return yaml, Loader
 
@@ -165,9 +186,14 @@ def _yaml_problem(exc) -> str:
 
 def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError, allow_empty: bool = True) -> dict[str, Any]:
     """Read a YAML mapping with the safe loader (no object construction, no aliases). A file with no
-    document (empty, blank or comments only) is ``{}``, or with ``allow_empty=False`` refused."""
+    document (empty, blank or comments only) is ``{}``, or with ``allow_empty=False`` refused. A leading
+    ``~`` is expanded as the run keys expand it (``ingest.manifest: ~/m.yaml``: no shell does)."""
     p = Path(path)
     name = short_text(str(p), 200)
+    try:
+        p = p.expanduser()
+    except RuntimeError:  # ~user of no such user: "file not found" below
+        pass
     try:
         if p.is_dir():
             raise error(f"{name}: is a directory, not a YAML file")
@@ -204,6 +230,8 @@ def load_yaml(path: str | Path, *, error: type[ConfigError] = ConfigError, allow
 _CORE_SCALAR = re.compile(r"true|True|TRUE|false|False|FALSE|[-+]?(0|[1-9][0-9]*)"
                           r"|[-+]?(\.[0-9]+|[0-9]+\.[0-9]*)([eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
                           r"|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)")
+#: YAML 1.1's booleans that an override keeps as text (YAML 1.2 has only true / false).
+_YAML11_BOOL = re.compile(r"yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF")
 #: Where YAML would start a comment: a '#' at the start or after a space.
 _COMMENT = re.compile(r"(^|\s)#")
 
@@ -239,7 +267,8 @@ def override_value(raw: str) -> Any:
 def apply_overrides(data: dict[str, Any], overrides: list[str], texts: dict[str, str] | None = None) -> dict[str, Any]:
     """Return a copy of ``data`` with ``a.b.c=value`` overrides applied (values parsed as YAML).
     ``texts``, when given, gets the text typed of each value read as a number, by dotted key: a key
-    that takes text takes that (:func:`build`), so ``train.stream.devices=1`` is "1"."""
+    that takes text takes that (:func:`build`), so ``train.stream.devices=1`` is "1". It also gets each
+    YAML 1.1 boolean word typed bare (``no``, ``off``): a key that takes any value refuses it (:func:`build`)."""
     out = copy.deepcopy(data)
     given: dict[str, str] = {}
     for item in overrides:
@@ -259,8 +288,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], texts: dict[str,
             value = override_value(raw)
         except ConfigError as exc:
             raise ConfigError(f"{key if _PLAIN_KEY.fullmatch(key) else short(key)}: {exc}") from None
-        if texts is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
-            texts[".".join(keys)] = raw.strip()
+        if texts is not None and (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                  or isinstance(value, str) and _YAML11_BOOL.fullmatch(raw.strip())):
+            texts[key] = raw.strip()
+        elif texts is not None:  # a later value of the key: the earlier one's text no longer applies
+            texts.pop(key, None)
         node = out
         for k in keys[:-1]:
             nxt = node.get(k)
@@ -375,6 +407,8 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError], texts: M
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        if bool in args:
+            _refuse_yaml11_bool(value, where, error, texts)
         last: ConfigError | None = None
         if any(arg in (int, float) for arg in args):  # a number is one of its values: not the text typed
             texts = None
@@ -401,6 +435,7 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError], texts: M
         _k, v_tp = get_args(tp) or (str, Any)
         return {str(k): _convert(v_tp, v, _name(where, str(k)), error, texts) for k, v in value.items()}
     if tp is Any:
+        _refuse_yaml11_bool(value, where, error, texts)
         return value
     if tp is float and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value):
         # YAML 1.1 (PyYAML) reads ``1e-3`` as text (it wants ``1.0e-3``); everyone writes a rate that way.
@@ -418,11 +453,22 @@ def _convert(tp: Any, value: Any, where: str, error: type[ConfigError], texts: M
         return typed
     if tp in (int, float, str, bool):
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            # YAML reads `0601`, `12:30` or `yes` as a number or a boolean, and shows it as such (385)
-            hint = "; quote the value for text" if tp is str and isinstance(value, (bool, int, float)) else ""
+            # YAML reads `0601`, `12:30`, `yes` or `2024-01-01` as a number, a boolean or a date, and shows it
+            # as such (385)
+            read = isinstance(value, (bool, int, float, datetime.date))
+            hint = "; quote the value for text" if tp is str and read else ""
             raise error(f"{where}: expected {tp.__name__}, got {short(value)}{hint}")
         return value
     return value
+
+
+def _refuse_yaml11_bool(value: Any, where: str, error: type[ConfigError], texts: Mapping[str, str] | None) -> None:
+    """Refuse ``no`` / ``off`` / ``yes`` / ``on`` typed bare on the command line for a key that takes any
+    value or a boolean among other types (``ingest.chat_template_kwargs.enable_thinking=no``): a recipe file
+    reads it as a boolean, the override keeps the text, and a chat template takes the text 'no' as true."""
+    if texts and isinstance(value, str) and texts.get(where) == value.strip() and _YAML11_BOOL.fullmatch(value.strip()):
+        raise error(f"{where}: {value.strip()!r} is a boolean in a recipe file but text on the command line; "
+                    f"write true or false, or quote it for the text (\"{where}='{value.strip()}'\" in a shell)")
 
 
 def _typed_text(value: Any, where: str, texts: Mapping[str, str] | None) -> str | None:

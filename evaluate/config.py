@@ -9,6 +9,7 @@ from eaglenest.config import short
 from eaglenest.engine import MAX_NUM_SPECULATIVE_TOKENS, MAX_TEMPERATURE, EngineConfig
 from eaglenest.errors import ConfigError
 from eaglenest.ingest.config import check_template_kwargs
+from eaglenest.runconfig import home_expanded
 
 #: Context buckets of the issue: prompt lengths in tokens (1K .. 32K).
 DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -88,6 +89,8 @@ class EvaluateConfig:
 
     def __post_init__(self) -> None:
         self.engine.check("evaluate.engine")
+        for key in ("draft", "prompt_path"):  # `~/drafts/d`: as run.workdir, no shell expands it in a recipe
+            object.__setattr__(self, key, home_expanded(getattr(self, key)))
         if self.chat_template_kwargs is not None:
             check_template_kwargs(self.chat_template_kwargs, "evaluate.chat_template_kwargs")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:

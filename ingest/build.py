@@ -45,7 +45,7 @@ from eaglenest.ingest.pool import PoolEntry, raw_text
 from eaglenest.ingest.reasoning import ThinkCheck, resolve_tags
 from eaglenest.ingest.regen import Dropped, gen_params_id, heldout_row, stream
 from eaglenest.ingest.shard import guarded, make_backend, shard_result, write_rows
-from eaglenest.provenance import write_json_atomic
+from eaglenest.provenance import code_version, write_json_atomic
 from eaglenest.text import SAMPLE_ID_SCHEME, SAMPLE_ID_SCHEMES
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,8 @@ def _build(manifest: Manifest, pool: list[PoolEntry], *, target: str, store_uri:
     # its prompts the same way unless told otherwise (evaluate/settings.py).
     lineage = {"stage": "ingest", "manifest": manifest.name, "manifest_hash": manifest.content_hash(),
                "gen_params_id": gen_id, "reasoning": manifest.generation.reasoning,
-               "chat_template_kwargs": rendered, "sample_id_scheme": id_scheme, **policy.lineage_record(target)}
+               "chat_template_kwargs": rendered, "sample_id_scheme": id_scheme, "code_version": code_version(),
+               **policy.lineage_record(target)}
     if heldout:
         guarded(lambda: commit(store_uri, write_rows(store_uri, [heldout_row(e, gen_id) for e in heldout]),
                                {**lineage, "shard": "heldout"}), store_uri)

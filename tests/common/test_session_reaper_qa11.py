@@ -27,7 +27,12 @@ INNER = textwrap.dedent("""
     def test_starts_a_server_and_never_stops_it():
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        Path(os.environ["CHILD_PID_FILE"]).write_text(str(proc.pid))
+        # the child's pid and start time, read here while it surely runs (the watcher may look only after the
+        # session ended it), written whole (renamed into place)
+        start = Path(f"/proc/{proc.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[19].decode()
+        tmp = Path(os.environ["CHILD_PID_FILE"] + ".tmp")
+        tmp.write_text(f"{proc.pid} {start}")
+        tmp.rename(os.environ["CHILD_PID_FILE"])
         if os.environ["HOW"] == "hangs":
             time.sleep(600)  # until pytest-timeout ends the session
         assert False, "the test fails with its server still running"
@@ -55,14 +60,17 @@ def test_a_child_a_failed_test_left_running_ends_with_the_session(tmp_path, how)
     child = start = None
     try:
         deadline = time.monotonic() + 60
-        while start is None and time.monotonic() < deadline and inner.poll() is None:
-            if pid_file.is_file() and pid_file.read_text():
-                child = int(pid_file.read_text())
-                start = _start_time(child)
+        while not pid_file.is_file() and time.monotonic() < deadline and inner.poll() is None:
             time.sleep(0.05)
-        assert start is not None, "the inner test did not start its child"
+        assert pid_file.is_file(), "the inner test did not start its child"
+        child, start = (int(x) for x in pid_file.read_text().split())
         out, _ = inner.communicate(timeout=120)  # the watchdog keeps the pipe open until it is done
-        assert inner.returncode != 0 and ("1 failed" in out or "Timeout" in out), out[-2000:]
+        # the inner session ended the way the case says: its assert failed, or pytest-timeout stopped it
+        assert inner.returncode != 0, out[-2000:]
+        if how == "fails":
+            assert "1 failed" in out and "the test fails with its server still running" in out, out[-2000:]
+        else:
+            assert "Timeout" in out and "1 failed" not in out, out[-2000:]
         deadline = time.monotonic() + 15
         while _start_time(child) == start and time.monotonic() < deadline:
             time.sleep(0.1)

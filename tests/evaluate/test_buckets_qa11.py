@@ -79,3 +79,6 @@ def test_building_long_prompts_does_not_warn_of_indexing_errors(tiny_target):
     assert all(len(p["prompt_token_ids"]) == 290 for p in out[290])
     warned = tok.deprecation_warnings.get("sequence-length-is-longer-than-the-specified-maximum", False)
     assert not warned, "transformers warned of indexing errors while the bucket prompts were built"
+    tok("owls hunt at night " * 100)  # the control: a text past model_max_length encoded as such sets the flag
+    assert tok.deprecation_warnings.get("sequence-length-is-longer-than-the-specified-maximum", False), \
+        "transformers no longer records this warning under that key: the check above would check nothing"

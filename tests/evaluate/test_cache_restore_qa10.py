@@ -61,6 +61,7 @@ def test_a_cached_run_writes_again_what_was_removed(measured, capsys, buckets, g
     else:
         (out / gone).unlink()
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != gone}
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != gone}
     assert run() == 0
     captured = capsys.readouterr()
     assert "already measures this draft" in captured.err  # not measured again
@@ -70,6 +71,11 @@ def test_a_cached_run_writes_again_what_was_removed(measured, capsys, buckets, g
     assert plots <= {p.name for p in out.iterdir()}
     assert (out / "al_by_context.png").exists() == buckets
     assert (out / "report.json").read_bytes() == before["report.json"]
+    assert (out / "report.json").stat().st_mtime_ns == mtimes["report.json"]
+    # what was in place stays as it was: report.md when a plot is missing (the plots are drawn together), the
+    # plots when report.md alone is
+    kept = [n for n in mtimes if (n.endswith(".png") if gone == "report.md" else n == "report.md")]
+    assert kept and all((out / n).stat().st_mtime_ns == mtimes[n] for n in kept), kept
     restored = f"{out / gone} was missing: written again from report.json" in captured.err
     assert restored == (gone != "al_by_context.png" or buckets)
 

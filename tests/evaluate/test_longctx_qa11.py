@@ -43,7 +43,14 @@ def test_a_recall_prompt_keeps_its_first_turn_whole_whatever_its_filler_starts_w
     assert evidence == tok.decode(clean.prompt_token_ids[slice(*clean.evidence)]), evidence
     assert "plus" not in evidence and evidence.endswith(f"{p.answer_value}."), evidence  # the turn, nothing spliced
     fact = evidence.index(p.answer_value)
-    assert tok.decode(p.prompt_token_ids)[:len(evidence) + 200].count(evidence[:fact]) == 1
+    text = tok.decode(p.prompt_token_ids)
+    assert text[:len(evidence) + 200].count(evidence[:fact]) == 1
+    # the acknowledgement's turn is closed right after it, and the next user turn opens: what the template
+    # writes between an assistant message and the next user message (rendered here), nothing spliced in between
+    two = tok.apply_chat_template([{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"},
+                                   {"role": "user", "content": "C"}], tokenize=False)
+    between = two[two.index("B") + 1:two.index("C")]
+    assert between and text[text.index(evidence) + len(evidence):].startswith(between), text[:len(evidence) + 300]
 
 
 @pytest.mark.parametrize("kind", ["records", "code", "recall"])

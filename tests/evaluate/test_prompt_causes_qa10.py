@@ -50,7 +50,8 @@ def test_every_question_with_an_empty_first_turn_is_named_as_the_cause(tmp_path,
     msg = str(e.value)
     assert "\n" not in msg and "overlap" not in msg
     assert f"all {len(turns)} questions of {tmp_path / 'question.jsonl'} have an empty first turn" in msg
-    assert "question_id 1, 2" in msg
+    ids = ", ".join(str(i) for i in range(1, len(turns) + 1))  # every question, each once
+    assert msg.endswith(f"(question_id {ids}): nothing to decode"), msg
 
 
 def test_an_invisible_first_turn_is_skipped_and_counted_like_an_empty_one(tmp_path):
@@ -64,7 +65,8 @@ def test_a_set_emptied_by_both_causes_names_both(tmp_path):
         load_prompt_set(_questions(tmp_path, "  what IS 5 + 5? ", ""), _store(tmp_path))
     msg = str(e.value)
     assert "\n" not in msg
-    assert "1 skipped for an empty first turn" in msg and "1 excluded as overlapping the training pool" in msg
+    assert "of 2 questions" in msg and "1 skipped for an empty first turn (question_id 2)" in msg
+    assert "1 excluded as overlapping the training pool" in msg
     assert "evaluate.exclude_overlap" in msg
 
 

@@ -18,9 +18,13 @@ from eaglenest.train.loop import train
 
 
 def test_training_refuses_an_input_token_outside_the_vocab_before_its_first_step(tmp_path, synth, tiny_target):
-    samples = synth.greedy_sequences(tiny_target, n=4, prompt_len=8, gen_len=8)
-    feats = synth.compute_features(tiny_target, [ids for ids, _ in samples])
-    vocab = synth.TARGET_SHAPE["vocab_size"]
+    # The refusal comes before any step reads a hidden state: random in-vocab ids and random states of the
+    # target's shapes (no model run) reach it the way captured ones do.
+    vocab, hidden = synth.TARGET_SHAPE["vocab_size"], synth.TARGET_SHAPE["hidden_size"]
+    rng = np.random.default_rng(0)
+    samples = [(rng.integers(3, vocab, 16).tolist(), [0] * 8 + [1] * 8) for _ in range(4)]
+    feats = [(rng.standard_normal((16, len(synth.LAYER_IDS), hidden)), rng.standard_normal((16, hidden)))
+             for _ in samples]
     meta = S.FeatureMeta(target=str(tiny_target), layer_ids=synth.LAYER_IDS, last_layer_id=8,
                          hidden_size=synth.TARGET_SHAPE["hidden_size"], dtype="float32")
     rows = []

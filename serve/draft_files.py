@@ -58,6 +58,14 @@ def vocab_map_error(d2t: np.ndarray, vocab_size: int, t2d: np.ndarray | None = N
     return None if t2d is None else _t2d_error(t2d.astype(bool), targets)
 
 
+def whole_vocab_error(d2t: np.ndarray, vocab_size: int) -> str | None:
+    """What is wrong with ``d2t`` for a draft whose vocabulary is the target's whole one: vLLM's draft
+    models then take draft ids as target ids (they have no map to load), so every offset must be 0."""
+    moved = np.flatnonzero(d2t) if d2t.shape == (vocab_size,) else []
+    return (f"d2t maps draft id {int(moved[0])} to another target id, but the draft vocabulary is the target's "
+            "whole vocabulary, whose ids vLLM serves as they are") if len(moved) else None
+
+
 def _t2d_error(t2d: np.ndarray, targets: np.ndarray) -> str | None:
     """Whether ``t2d`` marks exactly the target ids ``targets`` that d2t maps the draft ids to."""
     unmarked = targets[~t2d[targets]] if t2d.shape[0] > int(targets.max(initial=-1)) else targets
@@ -73,8 +81,9 @@ def _t2d_error(t2d: np.ndarray, targets: np.ndarray) -> str | None:
 def check_draft_dir(draft: str | Path, target_cfg: dict[str, Any] | None = None) -> None:
     """Refuse (ConfigError, one line naming the file) a draft directory vLLM would fail to load or
     would serve wrongly: weights missing or unreadable, a ``d2t`` / ``t2d`` of the wrong length or
-    mapping outside the vocabulary, or (``target_cfg``: the target's language config) a draft
-    exported for a target of another vocabulary or width."""
+    mapping outside the vocabulary (or any ``d2t`` for a draft of the whole vocabulary), or
+    (``target_cfg``: the target's language config) a draft exported for a target of another vocabulary
+    or width."""
     draft = Path(draft)
     cfg = _read_config(draft / "config.json")
     layer = cfg.get("transformer_layer_config") if isinstance(cfg.get("transformer_layer_config"), dict) else {}
@@ -101,6 +110,9 @@ def check_draft_dir(draft: str | Path, target_cfg: dict[str, Any] | None = None)
             raise ConfigError(f"{wpath}: no d2t tensor for a draft vocabulary of {draft_vocab} of {vocab} "
                               f"target ids (vLLM would take draft ids for target ids); {_AGAIN}")
         return
+    if draft_vocab == vocab:  # vLLM's draft models then have no map to load d2t into: refused at engine start
+        raise ConfigError(f"{wpath}: a d2t tensor, which vLLM refuses for a draft vocabulary that is the target's "
+                          f"whole vocabulary ({vocab} ids); {_AGAIN}")
     if d2t.shape != (draft_vocab,):
         raise ConfigError(f"{wpath}: d2t is {list(d2t.shape)}, config.json's draft_vocab_size makes it "
                           f"[{draft_vocab}]; {_AGAIN}")

@@ -9,8 +9,8 @@ The one boundary between eaglenest's training module and the serving format. Out
   ``serve/formats.py``), ``use_aux_hidden_state``, the EAGLE-3.1 flags and ``torch_dtype``.
 * ``model.safetensors``: ``fc.weight`` (+ ``input_norm.weight`` / ``fc_norm.{i}.weight`` when the
   3.1 flags are on), ``midlayer.*`` in HF Llama names, ``norm.weight``, ``lm_head.weight``,
-  ``d2t`` (int64 offsets: target = draft + d2t[draft]) and ``t2d`` (bool; vLLM skips it). No
-  ``embed_tokens``: vLLM shares the target's.
+  ``d2t`` (int64 offsets: target = draft + d2t[draft]) and ``t2d`` (bool; vLLM skips it), both left
+  out for a draft of the target's whole vocabulary (vLLM refuses a map there). No ``embed_tokens``.
 * ``README.md`` (the model card, ``serve/cards.py``) and ``provenance.json``.
 
 A P-EAGLE draft (``train.family=peagle``, eaglenest.train.peagle) is the same format plus
@@ -65,7 +65,7 @@ from eaglenest.paths import install_dir, make_dir, orphans, pid_prefix, shown_pa
 from eaglenest.provenance import write_json_atomic, write_provenance
 from eaglenest.serve import formats, fp8
 from eaglenest.serve.cards import dflash_card, model_card
-from eaglenest.serve.draft_files import vocab_map_error
+from eaglenest.serve.draft_files import vocab_map_error, whole_vocab_error
 from eaglenest.serve.run_check import check_finished
 from eaglenest.serve.target_check import check_target_weights, check_tokenization
 from eaglenest.target import read_config
@@ -314,6 +314,8 @@ def export_draft(ckpt_dir: str | Path, out_dir: str | Path, *, target_dir: str |
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
     _check_values(tensors, state, dtype=dtype, vocab_size=cfg["vocab_size"], path=Path(ckpt_dir) / WEIGHTS)
+    if cfg["draft_vocab_size"] == cfg["vocab_size"]:  # the whole vocabulary, d2t the identity (_check_values):
+        del tensors["d2t"], tensors["t2d"]  # vLLM's draft models have no map to load them into, and refuse them
     if quantization == "fp8":
         tensors = fp8.quantise_state(tensors)
         cfg["quantization_config"] = fp8.quantization_config()
@@ -516,7 +518,8 @@ def _check_values(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tenso
             raise ConfigError(f"serve.dtype: tensor {name} of {shown_path(path)} has values past {dtype}'s range "
                               f"(largest |w| {float(state[name].abs().max()):.4g}); export with serve.dtype=float32 "
                               "or bfloat16")
-    why = vocab_map_error(tensors["d2t"].numpy(), vocab_size, tensors["t2d"].numpy())
+    why = vocab_map_error(tensors["d2t"].numpy(), vocab_size, tensors["t2d"].numpy()) or whole_vocab_error(
+        tensors["d2t"].numpy(), vocab_size)
     if why:
         raise StoreError(f"{shown_path(path)}: {why}; the checkpoint is damaged: train again (`train run`)")
 

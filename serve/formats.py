@@ -72,6 +72,8 @@ def speculators_config(cfg: dict[str, Any], *, verifier: str, verifier_architect
     layer.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False, dtype=cfg["torch_dtype"])
     if len(ids) != 3:  # vLLM's llama_eagle3 sizes fc from this key (else 3); speculators from the ids
         layer["num_aux_hidden_states"] = len(ids)
+    if family == "peagle":  # vLLM 0.32's peagle updater copies no fc_norm / norm_output from the top level:
+        layer.update({flag: bool(cfg.get(flag, False)) for flag in FLAGS})  # its config starts from this dict
     out = {
         "architectures": ["PEagleSpeculator" if family == "peagle" else "Eagle3Speculator"],
         "speculators_model_type": family,

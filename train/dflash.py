@@ -82,6 +82,9 @@ def configure(draft_cfg, cfg: DFlashConfig, target_cfg: dict[str, Any]) -> None:
     draft_cfg.mask_token_id = mask_token_id(cfg, target_cfg)
     draft_cfg.dflash_block_size = int(cfg.block_size)
     draft_cfg.head_dim = head_dim_of(draft_cfg)
+    # vLLM's DFlash layer has a bias-free MLP (Qwen2MLP) and its loader drops unexpected biases without a
+    # word: a target's mlp_bias would train biases vLLM never serves. (Its attention keeps attention_bias.)
+    draft_cfg.mlp_bias = False
 
 
 class DFlashAttention(nn.Module):

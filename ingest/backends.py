@@ -252,6 +252,16 @@ def _choice(answer, where: str) -> dict:
     return choices[0]
 
 
+def _is_unicode(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (the prompts table's text columns): not if it holds a lone
+    surrogate, which a JSON escape (``"\\ud800"``) spells and Arrow refuses, failing the whole shard's write."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _token_ids(value, what: str, where: str) -> list[int]:
     """``value`` if it is a list of token ids (non-negative integers), else an EaglenestError: anything
     else would fail the Arrow write of the whole shard, far from the answer that held it."""
@@ -369,6 +379,8 @@ class EndpointBackend:
                                                                                        base + path)
                 if text is not None and not isinstance(text, str):
                     raise EaglenestError(f"{base}{path}: the answer's text is {type(text).__name__}, not a string")
+                if text and not _is_unicode(text):  # JSON can spell a lone surrogate; no UTF-8 writer takes it
+                    raise EaglenestError(f"{base}{path}: the answer's text is not valid Unicode (a lone surrogate)")
                 if kind == "chat" and ids and (message.get("reasoning_content") or message.get("reasoning")):
                     # a server with --reasoning-parser moves the thinking out of `content`; the
                     # stored text keeps it, as the token ids do

@@ -26,9 +26,11 @@ from eaglenest.hf import load_tokenizer
 
 #: Tags used when neither the recipe nor the target's template names any.
 DEFAULT_TAGS = ("<think>", "</think>")
-#: Pairs recognised in a chat template or a tokenizer's added tokens, first match wins.
+#: Pairs recognised in a chat template or a tokenizer's added tokens, first match wins. The last is the
+#: harmony format's (gpt-oss): its thinking is the ``analysis`` channel, which ``<|end|>`` closes.
 KNOWN_TAGS = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("\u25c1think\u25b7", "\u25c1/think\u25b7"),
-              ("<reasoning>", "</reasoning>"), ("<|begin_of_thought|>", "<|end_of_thought|>"))
+              ("<reasoning>", "</reasoning>"), ("<|begin_of_thought|>", "<|end_of_thought|>"),
+              ("<|channel|>analysis<|message|>", "<|end|>"))
 #: Prompt tokens decoded to see whether the generation prompt ends inside an open think block.
 PROMPT_TAIL_TOKENS = 32
 

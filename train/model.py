@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -197,12 +198,28 @@ def rotary_embedding(cfg) -> nn.Module:
     the head size it is given, so a partial rotary gets a config whose head_dim is the rotary dim
     (as vLLM's ``get_rope`` builds frequencies over rotary_dim)."""
     rot = rotary_dim(cfg)
-    if rot == head_dim_of(cfg):
-        return LlamaRotaryEmbedding(cfg)
-    sub = copy.deepcopy(cfg)
-    sub.head_dim = rot
-    sub.rope_parameters = {k: v for k, v in cfg.rope_parameters.items() if k != "partial_rotary_factor"}
-    return LlamaRotaryEmbedding(sub)
+    if rot != head_dim_of(cfg):
+        cfg = copy.deepcopy(cfg)
+        cfg.head_dim = rot
+        cfg.rope_parameters = {k: v for k, v in cfg.rope_parameters.items() if k != "partial_rotary_factor"}
+    return _static_frequencies(LlamaRotaryEmbedding(cfg), cfg)
+
+
+def _static_frequencies(emb: nn.Module, cfg) -> nn.Module:
+    """``emb`` with the frequencies vLLM serves with, fixed. Hugging Face switches LongRoPE between its short and
+    long factors, and grows dynamic NTK's base, from the longest position of the batch it is called on: a packed
+    row's neighbours would change a sample's positions. vLLM decides once per engine: LongRoPE's long factors
+    whenever the served length passes ``original_max_position_embeddings`` (the target's own length does), dynamic
+    NTK's unscaled base (``max_trained_positions`` = the model's length)."""
+    kind = str(emb.rope_type)
+    if kind == "longrope":
+        original = int(cfg.rope_parameters.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+        if cfg.max_position_embeddings > original:
+            inv_freq, emb.attention_scaling = ROPE_INIT_FUNCTIONS["longrope"](cfg, None, seq_len=original + 1)
+            emb.inv_freq = inv_freq
+    if kind == "longrope" or "dynamic" in kind:
+        emb.rope_type = "default"  # transformers' dynamic_rope_update leaves the frequencies alone
+    return emb
 
 
 def num_parameters(model: nn.Module) -> int:

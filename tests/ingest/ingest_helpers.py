@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.server
+
 from eaglenest.ingest.backends import Completion
 
 
@@ -33,4 +35,24 @@ class Scripted:
         self.ready.clear()
 
     def close(self):
+        pass
+
+
+class Answers(http.server.BaseHTTPRequestHandler):
+    """A loopback server that lists one model and answers every POST with ``server.body`` (HTTP 200)."""
+
+    def _send(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(b'{"data": [{"id": "m"}]}')
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send(self.server.body)
+
+    def log_message(self, *args):
         pass

@@ -6,6 +6,8 @@ import http.server
 import json
 import threading
 
+from ingest_helpers import Answers as _Answers  # tests/ingest on sys.path via conftest
+
 from eaglenest.config import build as build_cfg
 from eaglenest.featurestore.table import store
 from eaglenest.ingest import backends
@@ -13,26 +15,6 @@ from eaglenest.ingest.build import build
 from eaglenest.ingest.config import IngestConfig
 from eaglenest.ingest.manifest import Generation, Manifest
 from eaglenest.ingest.pool import PoolEntry
-
-
-class _Answers(http.server.BaseHTTPRequestHandler):
-    """Lists one model and answers every POST with ``server.body`` (HTTP 200)."""
-
-    def _send(self, body: bytes) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        self._send(b'{"data": [{"id": "m"}]}')
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
-        self._send(self.server.body)
-
-    def log_message(self, *args):
-        pass
 
 
 def _serve(body: bytes):

@@ -14,7 +14,7 @@ import shutil
 import threading
 
 import pytest
-from ingest_helpers import Scripted
+from ingest_helpers import Answers as _Answers, Scripted
 
 from eaglenest.config import build as build_cfg
 from eaglenest.errors import ManifestError
@@ -33,26 +33,6 @@ def _manifest(**top) -> Manifest:
 
 
 # -- an endpoint whose 200 answer is not a completion ---------------------------------------------------------
-class _Answers(http.server.BaseHTTPRequestHandler):
-    """A loopback server that lists one model and answers every POST with ``server.body`` (HTTP 200)."""
-
-    def _send(self, body: bytes) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        self._send(b'{"data": [{"id": "m"}]}')
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
-        self._send(self.server.body)
-
-    def log_message(self, *args):
-        pass
-
-
 _CHAT = [{"role": "user", "content": "hello"}]
 
 

@@ -17,7 +17,8 @@ vLLM on the same held-out prompts by the project's own commands (``train run``, 
     python bench/families.py --workdir runs/toy --quick       # smoke run: 1 epoch, K 1 and 3
 
 The store must exist (``make demo``, or ``ingest build`` + ``featurestore capture`` with the same
-``run.workdir``). Rows go to ``<workdir>/families.jsonl`` (a re-run skips rows already there);
+``run.workdir``). Rows go to ``<workdir>/families.jsonl`` (a re-run skips rows already there of the same
+``--recipe`` and overrides);
 outputs to ``<workdir>/lc_*`` and ``<workdir>/fam/``; commands are logged in ``<workdir>/lc/log.txt``.
 Printed: the tables and the ratios of the issue's goals (P-EAGLE / EAGLE-3 at K=3 and the same
 steps; DFlash's best AL / EAGLE-3's best AL).
@@ -34,7 +35,8 @@ from pathlib import Path
 from eaglenest.cli import at_least
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning_curves import BIN, _run, int_list, load_rows, measure, run_dir  # noqa: E402  (bench/ is not a package)
+from learning_curves import (BIN, _run, int_list, load_rows, measure, recipe_key, row_recipe,  # noqa: E402
+                             run_dir)  # (bench/ is not a package)
 
 FAMILIES = ("eagle3", "peagle", "dflash")
 #: The K every family is compared at (the issue's P-EAGLE goal is at 3).
@@ -191,10 +193,13 @@ def main() -> int:
     (workdir / "lc").mkdir(exist_ok=True)
     (workdir / "fam").mkdir(exist_ok=True)
     results = workdir / "families.jsonl"
-    rows = load_rows(results)
+    recipe = recipe_key(args.recipe)
+    # This run's rows: one measured with another recipe or other overrides is not a result of it.
+    rows = [r for r in load_rows(results) if row_recipe(r) == recipe and r.get("extra", []) == args.extra]
     log = workdir / "lc" / "log.txt"
 
     def keep(row: dict) -> None:
+        row = {**row, "recipe": recipe, "extra": args.extra}
         rows.append(row)
         with results.open("a") as f:
             f.write(json.dumps(row) + "\n")

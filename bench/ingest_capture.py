@@ -11,8 +11,9 @@ it). Arms, order rotated every round, each into a fresh store:
   token ids through the capture engine, features table written), i.e. the pipeline's two passes.
 * ``regen+prefill`` (``--floor``, a reference, not a pipeline path): regeneration, then the same
   prompt + response sequences through the *regeneration* engine with ``max_tokens=1`` (no capture
-  method, no connector, nothing read or stored). It is the second forward pass alone, so its ratio
-  is the floor for any two-pass capture on this machine.
+  method, no connector, nothing read or stored), its prefix cache emptied first (the capture engine
+  has none of these sequences cached; the count of cached tokens is printed). It is the second forward
+  pass alone, so its ratio is the floor for any two-pass capture on this machine.
 * ``one-pass`` (``--one-pass``, an experiment, not a pipeline path): the capture engine generates
   the responses itself with ``kv_transfer_params.include_output_tokens`` and the hidden states of
   prompt + response (minus the last token) are read back from the same pass (checked, not stored:
@@ -70,6 +71,7 @@ def main() -> None:
     # featurestore.capture builds its own Capturer; hand it the live one (kept open across rounds).
     fbuild.Capturer = lambda *args, **kw: contextlib.nullcontext(cap)
     scratch = Path(tempfile.mkdtemp(prefix="bench-ingest-capture-"))
+    floor_cached: list[int] = []  # prompt tokens the floor's prefills found in the prefix cache, per run
     try:
 
         def regen(uri: str) -> int:
@@ -89,9 +91,14 @@ def main() -> None:
 
             n = regen(uri)
             seqs = [c["prompt_token_ids"] + c["response_token_ids"] for c in fbuild.pool_conversations(uri)]
+            # The regeneration just left these sequences' KV blocks in this engine's prefix cache: a prefill
+            # reading them back would compute a fraction of the second pass. The capture engine has none of
+            # them, so the floor starts from an empty cache too.
+            llm.reset_prefix_cache()
             outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs],
                                 SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
             assert len(outs) == len(pool)
+            floor_cached.append(sum(o.num_cached_tokens or 0 for o in outs))
             return n
 
         def one_pass(uri: str) -> int:
@@ -139,6 +146,9 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"prompts={len(pool)} max_tokens={a.max_tokens} max_num_seqs={a.max_num_seqs} rounds={a.rounds}; "
           f"generated tokens per arm: {toks}; captured tokens (prompt + response): {sum(rows)}")
+    if a.floor:
+        print(f"floor prefill: tokens read from the prefix cache per round {floor_cached} (0: all computed, "
+              f"as in the capture engine)")
     for name in names[1:]:
         ratios = [x / b for x, b in zip(secs[name], secs["regen"])]
         print(f"{name} / regen (time) = {statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]   "

@@ -11,10 +11,11 @@ and whether every output was identical to the target alone (lossless).
         --variant lm_head+norm=train.init_lm_head=target,train.init_norm=target
 
 A variant is ``name=override[,override...]`` (dotted recipe overrides; empty = the recipe as is).
-Results are appended to ``<workdir>/learning_curves.jsonl`` (a re-run skips rows already there) and
-printed as a markdown table, with the ratio of each variant's AL to the first variant's at the
-same epochs. Outputs go to ``<workdir>/lc_train_*``, ``lc_draft_*`` and ``lc/eval_*`` and are kept
-(drafts can be re-evaluated); the commands run are logged in ``<workdir>/lc/log.txt``.
+Results are appended to ``<workdir>/learning_curves.jsonl`` (a re-run skips rows already there: same
+name, overrides, epochs and recipe) and printed as a markdown table of this run's variants, with the
+ratio of each variant's AL to the first ``--variant``'s at the same epochs. Outputs go to
+``<workdir>/lc_train_*``, ``lc_draft_*`` and ``lc/eval_*`` and are kept (drafts can be re-evaluated);
+the commands run are logged in ``<workdir>/lc/log.txt``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+#: The recipe of rows written before rows named theirs (every one of them was measured with it).
+DEFAULT_RECIPE = "recipes/toy.yaml"
+
+
+def recipe_key(recipe: str) -> str:
+    """``--recipe`` as rows record it: relative to the repository root where it lies under it (the commands
+    run there), so ``./recipes/toy.yaml`` and an absolute path to it name the same recipe."""
+    path = (ROOT / Path(recipe).expanduser()).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def row_recipe(row: dict) -> str:
+    return row.get("recipe") or DEFAULT_RECIPE
 
 
 def _run(cmd: list[str], log: Path) -> float:
@@ -120,8 +134,11 @@ def measure(recipe: str, workdir: Path, name: str, overrides: list[str], epochs:
             "lossless": f"{lossless.get('identical')}/{lossless.get('prompts')}", "prompts": overall["prompts"]}
 
 
-def table(rows: list[dict]) -> str:
-    base = {r["epochs"]: r["served_al"] for r in rows if r["variant"] == rows[0]["variant"]}
+def table(rows: list[dict], first: str | None = None) -> str:
+    """The rows as markdown, each AL also as a ratio to variant ``first``'s (default: the first row's) at
+    the same epochs."""
+    first = first or rows[0]["variant"]
+    base = {r["epochs"]: r["served_al"] for r in rows if r["variant"] == first}
     out = ["| variant | epochs | steps | train s | served AL | vs first | acceptance by position | lossless |",
            "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["variant"], r["epochs"])):
@@ -144,19 +161,20 @@ def main() -> int:
     workdir = run_dir(p, args.workdir)
     (workdir / "lc").mkdir(exist_ok=True)
     results = workdir / "learning_curves.jsonl"
-    rows = load_rows(results)
+    recipe = recipe_key(args.recipe)
+    # This run's rows: a row of another recipe, or of other overrides under the same name, is not a result of it.
+    rows = [r for r in load_rows(results) if row_recipe(r) == recipe and (r["variant"], r.get("overrides")) in variants]
     log = workdir / "lc" / "log.txt"
     for epochs in args.epochs:
         for name, overrides in variants:
             if any(r["variant"] == name and r["epochs"] == epochs and r["overrides"] == overrides for r in rows):
                 continue
-            row = measure(args.recipe, workdir, name, overrides, epochs, log)
+            row = {**measure(args.recipe, workdir, name, overrides, epochs, log), "recipe": recipe}
             rows.append(row)
             with results.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
-    names = [n for n, _ in variants]
-    print(table([r for r in rows if r["variant"] in names]))
+    print(table(rows, first=variants[0][0]))
     return 0
 
 

@@ -60,15 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     from eaglenest.serve.export import export_draft
 
     work, out = Path(a.workdir), Path(a.out)
-    # An --out that cannot be written or a missing checkpoint: one line, before any AL is measured.
+    # An --out that cannot be written, a missing checkpoint or store: one line, before any AL is measured.
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         p.error(f"--out {out}: {exc.strerror}")
+    cfg = EvaluateConfig(max_prompts_per_domain=a.max_prompts_per_domain, max_tokens=a.max_tokens,
+                         context_buckets=())
     try:
         drafts = {name: export_draft(work / "train", out / name, target_dir=a.target, dtype=dtype, quantization=q)
                   for name, dtype, q in (("native", "auto", "none"), ("bf16", "bfloat16", "none"),
                                          ("fp8", "auto", "fp8"))}
+        groups, info = load_prompt_set(cfg, str(work / "store"))
     except EaglenestError as exc:
         p.error(str(exc))
     errs = weight_error(drafts["fp8"], drafts["native"])
@@ -78,9 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in errs.items():
         print(f"  {name}: max/amax {r['max_err_over_row_amax']:.4f}, mean rel {r['mean_abs_err_over_mean_abs']:.4f}")
 
-    cfg = EvaluateConfig(max_prompts_per_domain=a.max_prompts_per_domain, max_tokens=a.max_tokens,
-                         context_buckets=())
-    groups, info = load_prompt_set(cfg, str(work / "store"))
     n = sum(len(v) for v in groups.values())
     results = {"prompts": n, "weight_error": errs, "offline": {}, "served": {}}
     for name, d in drafts.items():

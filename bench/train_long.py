@@ -111,7 +111,7 @@ def measure(t: int, *, hidden: int, ttt_steps: int, chunk: int, steps: int, cp: 
            "doc_tokens": doc_tokens, "window": window, "skip_masked_keys": skip,
            "rank_tokens": tokens, "saved_activations_mib": round(sum(saved.values()) / 2**20, 1),
            "peak_rss_mib": round(rss_mib(), 1), "rss_before_mib": round(before, 1),
-           "step_seconds": round(min(seconds[1:] or seconds), 2)}
+           "step_seconds": round(min(seconds[1:] or seconds), 6)}  # 2 places read 0.0 for a short row
     dist.close()
     return out
 
@@ -198,7 +198,7 @@ def main() -> None:
               f"{r['saved_activations_mib']} | {r['tokens_per_second']} | {r['tokens'] / first['tokens']:.0f} | "
               f"{r['step_rss_mib'] / max(first['step_rss_mib'], 1e-9):.2f} | "
               f"{r['tokens_per_second'] / first['tokens_per_second']:.2f} |")
-    if len(rows) > 1:
+    if len({r["tokens"] for r in rows}) > 1:  # a line needs two lengths (a length repeated is a repeat, not a fit)
         a, b, r2 = fit([r["tokens"] for r in rows], [r["peak_rss_mib"] for r in rows])
         print(f"\npeak RSS = {a:.0f} MiB + {b * 1024:.1f} MiB per 1K tokens (least squares, R^2 = {r2:.4f})")
     if args.cp > 1:

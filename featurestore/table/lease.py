@@ -271,15 +271,20 @@ def pin(uri: str, name: str, version: int, *, purpose: str = "train") -> Iterato
     # the file): a gc between the open and the lock would take the pin for a dead reader's and
     # delete it, and one between the lock and the write would find no version in it.
     tmp = path.with_suffix(".tmp")
+    # Known as this process's own before the file appears under its name: a gc in another thread of this
+    # process would otherwise lock it (record locks are the process's), take it for a dead reader's,
+    # delete it, and drop the lock by closing its descriptor.
+    with _mutex:
+        _pins[str(path)] = int(version)
     try:
         fd = _make_pin(path, tmp, version, purpose)
     except OSError as exc:
+        with _mutex:
+            _pins.pop(str(path), None)
         _unpinned(uri, name, version, exc)
         yield
         return
     try:
-        with _mutex:
-            _pins[str(path)] = int(version)
         yield
     finally:
         with _mutex:

@@ -200,20 +200,16 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
         if objects.is_remote(uri):
             log.warning("gc of table '%s' in %s: reader pins do not exist on object storage (docs/storage.md), "
                         "so a training run reading a version older than %s h loses it", name, uri, older_than_hours)
-        older_than = dt.timedelta(hours=min(older_than_hours, MAX_HOURS))
         stamps = {int(v["version"]): v["timestamp"] for v in listed}
-        if pinned & set(stamps):
-            oldest = min(stamps[p] for p in pinned if p in stamps)
-            now = dt.datetime.now(oldest.tzinfo) if oldest.tzinfo else dt.datetime.now()
-            older_than = max(older_than, now - oldest + dt.timedelta(seconds=1))
         # The lineage of every version that may go (a minute's margin), kept first: their rows stay in later
         # versions, and the on-policy guard reads which target generated them from it.
-        cut = dt.datetime.now(dt.timezone.utc) - older_than
+        cut = dt.datetime.now(dt.timezone.utc) - _max_age(older_than_hours, pinned, stamps)
         fragments.keep_lineage(uri, name, ds, [v for v, t in stamps.items()
                                                if v != ds.version and _utc(t) < cut + dt.timedelta(minutes=1)])
         # delete_unverified=False: Lance deletes only files some removed version referenced. It
         # would delete files of no version (uncommitted) at any age with True: swept below instead.
-        stats = ds.cleanup_old_versions(older_than=older_than,
+        # The age is measured again here: the pinned version has aged while the lineage was written.
+        stats = ds.cleanup_old_versions(older_than=_max_age(older_than_hours, pinned, stamps),
                                         delete_unverified=False, error_if_tagged_old_versions=False)
         ds = base.dataset(uri, name)
         live = referenced_files(uri, name, ds)
@@ -242,6 +238,18 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
             "uncommitted_files_removed": swept, "checksums_removed": len(stale),
             "temporary_files_removed": len(litter),
             "pinned_versions_kept": sorted(pinned)}
+
+
+def _max_age(older_than_hours: float, pinned: set[int], stamps: dict) -> dt.timedelta:
+    """The age past which ``gc`` removes a version: ``older_than_hours``, or more so that the oldest
+    pinned version stays. Measured from now, so read it just before Lance compares (it takes ages, not
+    times): a pinned version one second inside the age when measured is gone after a slow second."""
+    older_than = dt.timedelta(hours=min(older_than_hours, MAX_HOURS))
+    if pinned & set(stamps):
+        oldest = min(stamps[p] for p in pinned if p in stamps)
+        now = dt.datetime.now(oldest.tzinfo) if oldest.tzinfo else dt.datetime.now()
+        older_than = max(older_than, now - oldest + dt.timedelta(seconds=1))
+    return older_than
 
 
 def _intact_latest(uri: str, name: str):

@@ -11,22 +11,19 @@ past what parsing needs. bench/ is not a package: scripts are loaded from their 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import load_bench  # tests/bench on sys.path via conftest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_qa_{Path(name).stem}", BENCH / name)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(name, "_bench_qa")
 
 
 @pytest.fixture

@@ -7,20 +7,14 @@ bench/ is not a package: scripts are loaded from their files.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from bench_helpers import load_bench  # tests/bench on sys.path via conftest
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_qa3_{Path(name).stem}", BENCH / name)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(name, "_bench_qa3")
 
 
 # Before the fix: featurestore_read divided by --rank-tokens-per-s after the whole run (ZeroDivisionError);

@@ -6,7 +6,6 @@ what it does waits for argparse, not for torch.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
+from bench_helpers import load_bench  # tests/bench on sys.path via conftest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -71,10 +71,7 @@ def test_the_probe_sees_a_heavy_import_at_module_top(tmp_path, monkeypatch):
 # --- the ingest benches remove their scratch stores however they end ---------------------------------
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_qa5_{Path(name).stem}", BENCH / name)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(name, "_bench_qa5")
 
 
 def _scratch(folder: Path) -> list[str]:

@@ -4,13 +4,13 @@ for the benches that had rotted (bench/ is not a package: each script is loaded 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import load_bench  # tests/bench on sys.path via conftest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -20,10 +20,7 @@ OPTION = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*")
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{Path(name).stem}", BENCH / name)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(name, "_bench")
 
 
 def example_options(name: str) -> set[str]:

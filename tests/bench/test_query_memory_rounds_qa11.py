@@ -5,17 +5,13 @@ large/small is printed per round as median [min, max] (the ``--check`` reads the
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_helpers import load_bench  # tests/bench on sys.path via conftest
 
 
 def test_the_ratio_is_per_round_with_an_interval(capsys):
-    spec = importlib.util.spec_from_file_location("_bench_qm_qa11", ROOT / "bench" / "featurestore_query_memory.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("featurestore_query_memory.py", "_bench_qm_qa11")
     assert bench.main(["--sizes", "4,8", "--row-mib", "4", "--rounds", "3"]) == 0
     out = capsys.readouterr().out
     found = re.search(r"peak RSS growth \(MiB\)\s+(\d+)\s+(\d+)\s+([\d.]+) \[([\d.]+), ([\d.]+)\] over 3 rounds", out)
@@ -27,10 +23,7 @@ def test_the_ratio_is_per_round_with_an_interval(capsys):
 def test_small_columns_mode_builds_tables_the_store_accepts(capsys):
     """``--small`` (a command BENCHMARKS.md records) built rows whose loss mask held num_tokens ones against a
     num_loss_tokens of num_tokens - 1: the store refused the first write, a SchemaError traceback."""
-    path = ROOT / "bench" / "featurestore_query_memory.py"
-    spec = importlib.util.spec_from_file_location("_bench_qm_small_qa11", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("featurestore_query_memory.py", "_bench_qm_small_qa11")
     assert bench.main(["--small", "--sizes", "1,2", "--rounds", "1", "--check"]) in (0, 1)  # 1: a missed check
     out = capsys.readouterr().out
     assert re.search(r"table \(MiB of small columns\)\s+1\s+2\s+ratio", out), out

@@ -9,25 +9,19 @@ exist makes ``train run`` fail at once, and the bench stops naming the command.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench"
+from bench_helpers import load_bench  # tests/bench on sys.path via conftest
 
 ROW = {"steps": 36, "train_seconds": 100.0, "acceptance_by_position": [0.5, 0.3, 0.1], "lossless": "87/87",
        "prompts": 87}
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_qa11_{Path(name).stem}", BENCH / name)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(name, "_bench_qa11")
 
 
 @pytest.fixture

@@ -4,22 +4,19 @@ table instead of a ZeroDivisionError after every child ran."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_helpers import load_bench  # tests/bench on sys.path via conftest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("_bench_train_long_qa11", ROOT / "bench" / "train_long.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("train_long.py", "_bench_train_long_qa11")
 
 
 def test_fit_agrees_with_numpy():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import threading
 
+from eaglenest.ingest import backends
 from eaglenest.ingest.backends import Completion
 
 
@@ -56,3 +59,24 @@ class Answers(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+def serve(handler, body: bytes = b""):
+    """A loopback HTTP server answering with ``handler`` (``server.body``; requests kept in ``server.seen``):
+    ``(server, url)``; the caller shuts it down."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.body, httpd.seen = body, []
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+@contextlib.contextmanager
+def endpoint(handler, target, *, body: bytes = b"", max_retries: int = 0):
+    """:func:`serve` and an EndpointBackend on it: ``(server, url, backend)``, both closed after."""
+    httpd, url = serve(handler, body)
+    backend = backends.EndpointBackend([url], target=str(target), max_retries=max_retries, backoff_s=0, timeout_s=10)
+    try:
+        yield httpd, url, backend
+    finally:
+        backend.close()
+        httpd.shutdown()

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 
-from ingest_helpers import Answers as _Answers  # tests/ingest on sys.path via conftest
+from ingest_helpers import Answers, endpoint, serve  # tests/ingest on sys.path via conftest
 
 from eaglenest.config import build as build_cfg
 from eaglenest.featurestore.table import store
@@ -17,27 +15,15 @@ from eaglenest.ingest.manifest import Generation, Manifest
 from eaglenest.ingest.pool import PoolEntry
 
 
-def _serve(body: bytes):
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
-    httpd.body = body
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
-
-
 # JSON may spell a lone surrogate ("\ud800"): Python reads it into a str that no UTF-8 writer (Arrow) takes.
 _SURROGATE = json.dumps({"choices": [{"text": "fine \ud800 answer", "token_ids": [7, 8], "finish_reason": "stop"}],
                          "prompt_token_ids": [1, 2]}).encode()
 
 
 def test_an_answer_text_that_is_not_valid_unicode_is_a_failed_request(tiny_target):
-    httpd, url = _serve(_SURROGATE)
-    backend = backends.EndpointBackend([url], target=str(tiny_target), max_retries=1, backoff_s=0, timeout_s=10)
-    try:
+    with endpoint(Answers, tiny_target, body=_SURROGATE, max_retries=1) as (_, url, backend):
         backend.submit("k", "raw", "hello", Generation())
         ((key, result),) = backend.poll()
-    finally:
-        backend.close()
-        httpd.shutdown()
     assert key == "k" and isinstance(result, backends.Failure), result
     assert result.error.startswith(f"2 attempt(s) failed; last: {url}/v1/completions: ") and "\n" not in result.error
 
@@ -45,7 +31,7 @@ def test_an_answer_text_that_is_not_valid_unicode_is_a_failed_request(tiny_targe
 def test_a_build_on_such_answers_fails_the_requests_not_the_shard_write(tmp_path, tiny_target):
     # The Completion was accepted and the shard's Arrow write raised UnicodeEncodeError ("surrogates not
     # allowed"): a traceback after regeneration, every other answer of the shard lost with it.
-    httpd, url = _serve(_SURROGATE)
+    httpd, url = serve(Answers, _SURROGATE)
     m = build_cfg(Manifest, {"name": "t", "licence": "x", "domains": {
         "d": {"cap_prompts": 5, "sources": [{"path": "x", "provenance": "p"}]}}})
     pool = [PoolEntry(sample_id=f"d-{i:016x}", domain="d", source="s", split="train", mode="raw", system="",
@@ -75,13 +61,8 @@ def test_thinking_a_reasoning_parser_moved_out_of_content_stays_in_the_stored_te
         body = {"model": "m", "prompt_token_ids": prompt, "choices": [{
             "message": {"role": "assistant", "content": "4", field: "two and two"}, "token_ids": ids,
             "finish_reason": "stop"}]}
-        httpd, url = _serve(json.dumps(body).encode())
-        backend = backends.EndpointBackend([url], target=str(tiny_target), max_retries=0, timeout_s=10)
-        try:
+        with endpoint(Answers, tiny_target, body=json.dumps(body).encode()) as (_, _url, backend):
             backend.submit("k", "chat", chat, Generation())
             ((_, result),) = backend.poll()
-        finally:
-            backend.close()
-            httpd.shutdown()
         assert isinstance(result, backends.Completion), (field, result)
         assert result.text == output and result.response_ids == ids, field

@@ -6,15 +6,12 @@ UTF-16 files. Pure functions, a scripted backend and a tiny loopback HTTP server
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import http.server
 import json
 import shutil
-import threading
 
 import pytest
-from ingest_helpers import Answers as _Answers, Scripted
+from ingest_helpers import Answers as _Answers, Scripted, endpoint as _endpoint
 
 from eaglenest.config import build as build_cfg
 from eaglenest.errors import ManifestError
@@ -36,20 +33,6 @@ def _manifest(**top) -> Manifest:
 _CHAT = [{"role": "user", "content": "hello"}]
 
 
-@contextlib.contextmanager
-def _endpoint(handler, target, *, body: bytes = b"", max_retries: int = 0):
-    """A local HTTP server answering with ``handler`` (``server.body``; requests kept in ``server.seen``)
-    and an EndpointBackend on it: ``(server, url, backend)``, both closed after."""
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    httpd.body, httpd.seen = body, []
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    backend = backends.EndpointBackend([url], target=str(target), max_retries=max_retries, backoff_s=0, timeout_s=10)
-    try:
-        yield httpd, url, backend
-    finally:
-        backend.close()
-        httpd.shutdown()
 _BAD_BODIES = [
     ("chat", {"choices": [{"message": None, "token_ids": [1], "finish_reason": "stop"}], "prompt_token_ids": [1]}),
     ("raw", {"choices": [[1, 2]], "prompt_token_ids": [1]}),

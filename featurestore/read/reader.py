@@ -65,7 +65,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
-import operator
 import os
 import resource
 from pathlib import Path
@@ -82,6 +81,7 @@ from eaglenest.featurestore.read.profile import ReadProfile, section
 from eaglenest.featurestore.read.sample import (Into, Sample, binary_value, list_values, stored_torch_dtype,
                                                 torch_module)
 from eaglenest.featurestore.read.window import MEMORY_BUDGET, AdaptiveWindow
+from eaglenest.featurestore.table.base import whole_number
 from eaglenest.featurestore.table.integrity import check_version, read_error
 
 COLUMNS = ["input_ids", "loss_mask", "aux_hidden", "last_hidden"]
@@ -235,11 +235,8 @@ class SampleReader:
     def _row(self, index) -> int:
         """A row number as an int (numpy integers too); a float (``1.5``), a bool or anything else is one
         :class:`StoreError` line, not truncated to another row."""
-        if not isinstance(index, (bool, np.bool_)):
-            try:
-                return operator.index(index)
-            except TypeError:
-                pass
+        if (row := whole_number(index)) is not None:
+            return row
         raise StoreError(f"table v{self.ds.version}: row {index!r} is not a row number (an integer; "
                          f"the version has {self.num_rows} rows: 0..{self.num_rows - 1})")
 

@@ -74,15 +74,25 @@ def expected_schema(name: str, meta: S.FeatureMeta | None = None) -> pa.Schema:
     return S.features_schema(meta)
 
 
+def whole_number(value) -> int | None:
+    """``value`` as an int when it is a whole number (numpy integers too); None for a bool (``True == 1``),
+    a float (``1.5``) or anything else: a row or version number given so is refused, not truncated."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _version_arg(uri: str, name: str, version) -> int | str | None:
     """``version`` as Lance takes it: None, a tag, or a version number (a numpy integer as an int). A bool
-    (``True == 1``) or a float (``1.5``) is refused in one line rather than opened as another version
-    (Lance reads ``True`` as version 1, and reports a numpy integer as a damaged manifest)."""
+    or a float is refused in one line rather than opened as another version (Lance reads ``True`` as
+    version 1, and reports a numpy integer as a damaged manifest)."""
     if version is None or isinstance(version, str):
         return version
-    if not isinstance(version, (bool, np.bool_)):
-        with contextlib.suppress(TypeError):
-            return operator.index(version)
+    if (number := whole_number(version)) is not None:
+        return number
     raise StoreError(f"table '{name}' in {uri}: version {version!r} is not a version number or a tag "
                      f"({type(version).__name__}; `featurestore versions` lists them)")
 

@@ -18,8 +18,9 @@ vLLM on the same held-out prompts by the project's own commands (``train run``, 
 
 The store must exist (``make demo``, or ``ingest build`` + ``featurestore capture`` with the same
 ``run.workdir``). Rows go to ``<workdir>/families.jsonl`` (a re-run skips rows already there of the same
-``--recipe`` and overrides);
-outputs to ``<workdir>/lc_*`` and ``<workdir>/fam/``; commands are logged in ``<workdir>/lc/log.txt``.
+``--recipe`` and overrides), its provenance to ``<workdir>/families.provenance.json``;
+outputs to ``<workdir>/lc_*`` and ``<workdir>/fam/`` (folder names end in a hash of the recipe and the
+overrides: ``learning_curves.point_tag``); commands are logged in ``<workdir>/lc/log.txt``.
 Printed: the tables and the ratios of the issue's goals (P-EAGLE / EAGLE-3 at K=3 and the same
 steps; DFlash's best AL / EAGLE-3's best AL).
 """
@@ -35,8 +36,8 @@ from pathlib import Path
 from eaglenest.cli import at_least
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning_curves import (BIN, _run, int_list, load_rows, measure, recipe_key, row_recipe,  # noqa: E402
-                             run_dir)  # (bench/ is not a package)
+from learning_curves import (BIN, _run, int_list, load_rows, measure, point_dirs, point_tag,  # noqa: E402
+                             recipe_key, row_recipe, run_dir, write_results_provenance)  # (bench/: no package)
 
 FAMILIES = ("eagle3", "peagle", "dflash")
 #: The K every family is compared at (the issue's P-EAGLE goal is at 3).
@@ -57,22 +58,37 @@ def forwards_per_round(draft: Path, k: int) -> int:
     return 1 if spec["method"] == "dflash" or spec.get("parallel_drafting") else k
 
 
-def curve_point(args, workdir: Path, family: str, epochs: int, log: Path) -> dict:
-    over = [f"train.family={family}", f"evaluate.num_speculative_tokens={K_REF}",
+def curve_overrides(args, family: str) -> list[str]:
+    return [f"train.family={family}", f"evaluate.num_speculative_tokens={K_REF}",
             f"evaluate.ngram_order={args.ngram_order}", *args.extra]
-    row = measure(args.recipe, workdir, family, over, epochs, log)
-    tag = f"{family}_e{epochs}"
-    report = json.loads((workdir / "lc" / f"eval_{tag}" / "report.json").read_text())
-    info = json.loads((workdir / f"lc_train_{tag}" / "checkpoint.json").read_text())
+
+
+def curve_point(args, workdir: Path, family: str, epochs: int, log: Path) -> dict:
+    row = measure(args.recipe, workdir, family, curve_overrides(args, family), epochs, log, key=list(args.extra))
+    dirs = curve_dirs(args, workdir, family, epochs)
+    report = json.loads((dirs["eval"] / "report.json").read_text())
+    info = json.loads((dirs["train"] / "checkpoint.json").read_text())
     row.update(kind="curve", family=family, k=K_REF, table_version=info.get("table_version"),
                ngram_al=report["overall"].get("ngram_al"),
-               forwards_per_round=forwards_per_round(workdir / f"lc_draft_{tag}", K_REF))
+               forwards_per_round=forwards_per_round(dirs["draft"], K_REF))
     return row
 
 
+def curve_dirs(args, workdir: Path, family: str, epochs: int) -> dict[str, Path]:
+    """The folders of a family's curve point (``learning_curves.point_dirs``), keyed by the recipe and the extra
+    overrides as its rows are (the family is in the name; K and the n-gram order only evaluate the draft)."""
+    return point_dirs(workdir, args.recipe, family, list(args.extra), epochs)
+
+
+def fam_dir(args, workdir: Path, kind: str, family: str, epochs: int, k: int) -> Path:
+    """``<workdir>/fam/<kind>_<family>_e<epochs>_k<k>_<key>``: keyed by the recipe and the extra overrides
+    as the curve points are, so two recipes' sweeps do not overwrite each other's."""
+    return workdir / "fam" / f"{kind}_{point_tag(args.recipe, family, list(args.extra), epochs)}_k{k}"
+
+
 def sweep_point(args, workdir: Path, family: str, epochs: int, k: int, log: Path) -> dict:
-    draft = workdir / f"lc_draft_{family}_e{epochs}"
-    out = workdir / "fam" / f"sweep_{family}_e{epochs}_k{k}"
+    draft = curve_dirs(args, workdir, family, epochs)["draft"]
+    out = fam_dir(args, workdir, "sweep", family, epochs, k)
     _run([str(BIN / "evaluate"), "al", "--recipe", args.recipe, f"run.workdir={workdir}", f"evaluate.draft={draft}",
           f"evaluate.num_speculative_tokens={k}", "evaluate.context_buckets=[]", "evaluate.check_lossless=false",
           f"evaluate.ngram_order={args.ngram_order}", "--out", str(out), *args.extra], log)
@@ -83,8 +99,8 @@ def sweep_point(args, workdir: Path, family: str, epochs: int, k: int, log: Path
 
 
 def throughput_point(args, workdir: Path, family: str, epochs: int, k: int, log: Path) -> dict:
-    draft = workdir / f"lc_draft_{family}_e{epochs}"
-    out = workdir / "fam" / f"tput_{family}_e{epochs}_k{k}"
+    draft = curve_dirs(args, workdir, family, epochs)["draft"]
+    out = fam_dir(args, workdir, "tput", family, epochs, k)
     _run([str(BIN / "evaluate"), "throughput", "--recipe", args.recipe, f"run.workdir={workdir}",
           f"evaluate.draft={draft}", f"evaluate.num_speculative_tokens={k}", "evaluate.concurrency=[1]",
           "evaluate.throughput_seeds=[0]", f"evaluate.throughput_prompts={args.tput_prompts}",
@@ -203,6 +219,7 @@ def main() -> int:
         rows.append(row)
         with results.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        write_results_provenance(results, args.recipe, {k: v for k, v in vars(args).items() if k != "recipe"})
         print(json.dumps(row), flush=True)
 
     def have(kind, f, e, k) -> bool:

@@ -13,18 +13,23 @@ and whether every output was identical to the target alone (lossless).
 A variant is ``name=override[,override...]`` (dotted recipe overrides; empty = the recipe as is).
 Results are appended to ``<workdir>/learning_curves.jsonl`` (a re-run skips rows already there: same
 name, overrides, epochs and recipe) and printed as a markdown table of this run's variants, with the
-ratio of each variant's AL to the first ``--variant``'s at the same epochs. Outputs go to
-``<workdir>/lc_train_*``, ``lc_draft_*`` and ``lc/eval_*`` and are kept (drafts can be re-evaluated);
-the commands run are logged in ``<workdir>/lc/log.txt``.
+ratio of each variant's AL to the first ``--variant``'s at the same epochs; its provenance (the resolved
+recipe, the variants, the command) is ``<workdir>/learning_curves.provenance.json``. Outputs go to
+``<workdir>/lc_train_<variant>_e<epochs>_<key>``, ``lc_draft_*`` and ``lc/eval_*``, where ``<key>`` is a hash of
+the recipe and the overrides (two recipes, or one variant name given other overrides, keep their own
+folders), and are kept (drafts can be re-evaluated); the commands run are logged in ``<workdir>/lc/log.txt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,24 +119,59 @@ def int_list(low: int, *, empty: bool = False):
     return parse
 
 
-def measure(recipe: str, workdir: Path, name: str, overrides: list[str], epochs: int, log: Path) -> dict:
-    tag = f"{name}_e{epochs}".replace("+", "_")
+def point_tag(recipe: str, name: str, overrides: list[str], epochs: int) -> str:
+    """The folder name part of one point: the variant's name made safe for a folder (``a/b``, ``../x`` or a
+    blank stay inside the workdir), its epochs, and a hash of the recipe and the overrides, so that two
+    recipes (or one name given other overrides) do not overwrite each other's drafts and reports."""
+    key = hashlib.sha256(json.dumps([recipe_key(recipe), list(overrides)]).encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name).lstrip('.') or '_'}_e{epochs}_{key}"
+
+
+def point_dirs(workdir: Path, recipe: str, name: str, overrides: list[str], epochs: int) -> dict[str, Path]:
+    """The train, draft and eval folders of one point (:func:`point_tag`)."""
+    tag = point_tag(recipe, name, overrides, epochs)
+    return {"train": workdir / f"lc_train_{tag}", "draft": workdir / f"lc_draft_{tag}",
+            "eval": workdir / "lc" / f"eval_{tag}"}
+
+
+def measure(recipe: str, workdir: Path, name: str, overrides: list[str], epochs: int, log: Path, *,
+            key: list[str] | None = None) -> dict:
+    """One point: train, export, evaluate. Its folders are keyed by the recipe and ``key`` (default: the
+    overrides; :func:`point_dirs`)."""
+    dirs = point_dirs(workdir, recipe, name, overrides if key is None else key, epochs)
     common = ["--recipe", recipe, f"run.workdir={workdir}"]
     train_s = _run([str(BIN / "train"), "run", *common, f"train.num_epochs={epochs}",
-                    f"train.output_subdir=lc_train_{tag}", "train.state.resume=never", *overrides], log)
-    _run([str(BIN / "serve"), "export", *common, f"serve.checkpoint_subdir=lc_train_{tag}",
-          f"serve.draft_subdir=lc_draft_{tag}", *overrides], log)
-    out = workdir / "lc" / f"eval_{tag}"
-    draft = workdir / f"lc_draft_{tag}"
+                    f"train.output_subdir={dirs['train'].name}", "train.state.resume=never", *overrides], log)
+    _run([str(BIN / "serve"), "export", *common, f"serve.checkpoint_subdir={dirs['train'].name}",
+          f"serve.draft_subdir={dirs['draft'].name}", *overrides], log)
+    out, draft = dirs["eval"], dirs["draft"]
     _run([str(BIN / "evaluate"), "al", *common, f"evaluate.draft={draft}",
           "--out", str(out), "evaluate.context_buckets=[]", "evaluate.ngram_order=0", *overrides], log)
     report = json.loads((out / "report.json").read_text())
-    info = json.loads((workdir / f"lc_train_{tag}" / "checkpoint.json").read_text())
+    info = json.loads((dirs["train"] / "checkpoint.json").read_text())
     overall, lossless = report["overall"], report.get("lossless") or {}
     return {"variant": name, "overrides": overrides, "epochs": epochs, "steps": info["step"],
             "train_seconds": round(train_s, 1), "served_al": overall["acceptance_length"],
             "acceptance_by_position": overall["acceptance_by_position"],
             "lossless": f"{lossless.get('identical')}/{lossless.get('prompts')}", "prompts": overall["prompts"]}
+
+
+def write_results_provenance(results: Path, recipe: str, settings: dict) -> Path:
+    """``<results>.provenance.json`` beside a results file (as ``featurestore query --out`` names it), of the
+    last run that appended to it: the command, the code, the recipe resolved (without the variants'
+    overrides; each row records its recipe and overrides) and ``settings``. Each point's own folders hold
+    the provenance of the commands that made them."""
+    from eaglenest.provenance import write_provenance
+    from eaglenest.recipe import load_recipe
+
+    target = results.with_name(results.stem + ".provenance.json")
+    with tempfile.TemporaryDirectory(dir=results.parent, prefix=".provenance-") as tmp:
+        # read from the checkout, as the commands run there (``_run``)
+        resolved = load_recipe(str(ROOT / Path(recipe).expanduser())).to_dict()
+        made = write_provenance(tmp, config={"recipe": resolved, "bench": settings},
+                                inputs={"recipe": recipe_key(recipe)}, extra={"outputs": {"results": results.name}})
+        os.replace(made, target)
+    return target
 
 
 def table(rows: list[dict], first: str | None = None) -> str:
@@ -173,6 +213,8 @@ def main() -> int:
             rows.append(row)
             with results.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+            write_results_provenance(results, args.recipe, {"variants": [list(v) for v in variants],
+                                                            "epochs": args.epochs})
             print(json.dumps(row), flush=True)
     print(table(rows, first=variants[0][0]))
     return 0

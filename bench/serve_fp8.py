@@ -8,7 +8,8 @@ linears (max |w - q*s| / amax of the row, against the e4m3 bound 2**-4), then th
 (``evaluate offline``: HF target, PyTorch draft with the FP8 weights dequantised, greedy) of the
 three drafts on the same held-out prompts, and with ``--served`` the AL vLLM measures when it
 serves each draft (the FP8 one through its own compressed-tensors loader and FP8 kernels), same
-prompts, same engine settings. Ratios are FP8 / unquantised.
+prompts, same engine settings. Ratios are FP8 / unquantised. ``results.json`` and its ``provenance.json``
+go to ``--out``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from eaglenest.cli import at_least, path_arg
 from eaglenest.errors import EaglenestError
-from eaglenest.provenance import write_json_atomic
+from eaglenest.provenance import write_json_atomic, write_provenance
 
 
 def weight_error(draft_dir: Path, ref_dir: Path) -> dict:
@@ -120,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in results["offline"].values():
         r.pop("outputs")
     write_json_atomic(out / "results.json", results)
+    # beside the results, as every output has (STYLE.md 12); the exports hold their own (serve export's record)
+    write_provenance(out, config={"bench": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}},
+                     argv=None if argv is None else [f"bench/{Path(__file__).name}", *argv],
+                     inputs={"checkpoint": str(work / "train"), "store": str(work / "store"), "target": a.target,
+                             "prompts": n}, extra={"outputs": {"results": "results.json", "drafts": sorted(drafts)}})
     return 0
 
 

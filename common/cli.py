@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -101,6 +103,9 @@ def run(prog: str, description: str, commands: dict[str, Command], argv: list[st
         p.add_argument("-v", "--verbose", action="count", default=0)
         for flags, kwargs in cmd.args:
             p.add_argument(*flags, **kwargs)
+    # What the command ran with (its provenance records it); a library caller's paths are words, as
+    # subprocess takes them.
+    argv = sys.argv[1:] if argv is None else [os.fspath(a) if isinstance(a, os.PathLike) else a for a in argv]
     # Options may come before or after the overrides (``al key=v --out D k2=v2``): argparse stops
     # the positional list at the first option, so overrides after an option are picked up here.
     args, extra = parser.parse_known_args(argv)
@@ -113,4 +118,4 @@ def run(prog: str, description: str, commands: dict[str, Command], argv: list[st
     args.verbose += args.verbose_before
     # Everything past parsing lives in eaglenest.launch (the recipe, the engine plumbing, the process
     # guard): imported only now, so --help never pays for it. Named by string like the command bodies.
-    return importlib.import_module("eaglenest.launch").execute(prog, commands[args.command], args)
+    return importlib.import_module("eaglenest.launch").execute(prog, commands[args.command], args, argv)

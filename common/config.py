@@ -265,7 +265,8 @@ def override_value(raw: str) -> Any:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str], texts: dict[str, str] | None = None) -> dict[str, Any]:
-    """Return a copy of ``data`` with ``a.b.c=value`` overrides applied (values parsed as YAML).
+    """Return a copy of ``data`` with ``a.b.c=value`` overrides applied (values parsed as YAML); a mapping
+    value merges into a mapping already there (:func:`merged`), any other value replaces what is there.
     ``texts``, when given, gets the text typed of each value read as a number, by dotted key: a key
     that takes text takes that (:func:`build`), so ``train.stream.devices=1`` is "1". It also gets each
     YAML 1.1 boolean word typed bare (``no``, ``off``): a key that takes any value refuses it (:func:`build`)."""
@@ -301,7 +302,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], texts: dict[str,
             if not isinstance(nxt, dict):
                 raise ConfigError(f"override {short(dotted)}: {short(k)} is not a section")
             node = nxt
-        node[keys[-1]] = value
+        old = node.get(keys[-1])
+        # A mapping merges into the mapping there, as Hydra and OmegaConf do and as the same keys given
+        # dotted would (``train={num_epochs: 3}`` keeps the file's other train keys); null first starts afresh.
+        node[keys[-1]] = merged(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+    return out
+
+
+def merged(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``base`` with ``new``'s keys set, mappings under the same key merged at any depth."""
+    out = dict(base)
+    for key, value in new.items():
+        old = out.get(key)
+        out[key] = merged(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
     return out
 
 

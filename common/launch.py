@@ -42,6 +42,7 @@ from eaglenest.config import printable
 from eaglenest.engine import defer_quiet_vllm
 from eaglenest.errors import EaglenestError
 from eaglenest.paths import pid_alive, pid_prefix
+from eaglenest.provenance import running_command
 from eaglenest.recipe import load_recipe
 
 
@@ -307,8 +308,16 @@ def resolve(fn: Callable[..., int] | str) -> Callable[..., int]:
     return getattr(importlib.import_module(module), name)
 
 
-def execute(prog: str, cmd, args: argparse.Namespace) -> int:
-    """Run ``cmd`` (an ``eaglenest.cli.Command``) on the parsed ``args``; the exit code."""
+def execute(prog: str, cmd, args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Run ``cmd`` (an ``eaglenest.cli.Command``) on the parsed ``args``; the exit code. ``argv``: the
+    arguments the command was run with (after ``prog``), which its provenance files record."""
+    if argv is None:
+        return _execute(prog, cmd, args)
+    with running_command(prog, argv):
+        return _execute(prog, cmd, args)
+
+
+def _execute(prog: str, cmd, args: argparse.Namespace) -> int:
     setup_logging(args.verbose)
     dump_stacks_on_sigusr1()
     reaper.guard()  # engines and helpers end with this process, even under SIGKILL (common/reaper.py)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -146,12 +147,32 @@ def redact(obj: Any) -> Any:
     return walk(obj)
 
 
+#: The commands running in this process, innermost last: (program, the argv it was run with), pushed by
+#: :func:`running_command` (``eaglenest.launch.execute``).
+_running: list[tuple[str, list[str]]] = []
+
+
+@contextlib.contextmanager
+def running_command(prog: str, argv: list[str]):
+    """While the block runs, a provenance file written without an argv of its own (or with ``sys.argv``)
+    records ``prog`` and ``argv``, the command that ran, where they are not the process's own command line
+    (a library caller, a notebook or a workflow engine running ``main([...])``)."""
+    _running.append((prog, list(argv)))
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
 def command_line(argv: list[str] | None = None) -> list[str]:
     """The command as a user would retype it: ``python -m <module> ...`` for a module run (not the
     module file's absolute path), and a program under the working directory relative to it, so a
     provenance file names no machine's paths for the project's own commands. ``sys.argv`` itself (what
     the evaluate commands hand over) is the process's command too: its first word under ``-m`` is the
-    module's file."""
+    module's file. Inside a command run with an argv of its own (:func:`running_command`), that command."""
+    if (argv is None or list(argv) == sys.argv) and _running and _running[-1][1] != sys.argv[1:]:
+        prog, args = _running[-1]
+        return [prog, *args]
     if argv is None or list(argv) == sys.argv:
         # The interpreter's own options come first (``-u``, ``-X dev``): the module is the word just before
         # the program's arguments (sys.argv[1:], the tail of orig_argv), with "-m" before it.

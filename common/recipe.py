@@ -8,6 +8,7 @@ reported before work starts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import logging
 from pathlib import Path
@@ -67,6 +68,12 @@ def _section_hint(key: str, *, besides: str = "") -> str:
     return f"; did you mean {' or '.join(owners)}?" if owners else ""
 
 
+def _close_section(name: str) -> str:
+    """'; did you mean train?' for a misspelt section (``trian.lr=3``), or ''."""
+    close = difflib.get_close_matches(name, list(SECTIONS), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def _misplaced_key(name: str, section: Any) -> str | None:
     """The line for a key section ``name`` does not have but another section does, typed under the
     wrong section (``train.workdir=...``); None when there is none, or when the section's own message
@@ -96,7 +103,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     unknown = sorted(map(str, set(data) - set(SECTIONS)))
     if unknown:
         raise ConfigError(f"{short_text(unknown[0])}: unknown recipe section (known: {', '.join(SECTIONS)})"
-                          f"{_section_hint(unknown[0])}")
+                          f"{_section_hint(unknown[0]) or _close_section(unknown[0])}")
     for name in SECTIONS:
         if line := _misplaced_key(name, data.get(name)):
             raise ConfigError(line)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 from pathlib import Path
 
 from eaglenest import memfit
@@ -18,6 +17,7 @@ from eaglenest.paths import ensure_writable, shown_path
 from eaglenest.pipeline.served_al import served_al_scorer
 from eaglenest.target import read_config
 from eaglenest.train.config import TrainConfig
+from eaglenest.train.dist import rank_env
 from eaglenest.train.loop import train
 from eaglenest.train.model import draft_shape
 
@@ -84,7 +84,7 @@ def _check_target_sizes(cfg: dict, target: str) -> None:
 def _train_estimate(recipe, cfg: dict, t: TrainConfig) -> memfit.Estimate:
     """memfit's estimate of one step of ``t`` (a train section) on this rank."""
     cp = max(1, int(getattr(t, "context_parallel", 1) or 1))
-    world = max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    world = rank_env().world_size
     shape = draft_shape(cfg, t.draft.shape())
     # anchors past a row's tokens are not drawn: the trainer takes at most one per position
     peagle_anchors, dflash_anchors = (min(a, t.pack_tokens) for a in (t.peagle.anchors_per_row,
@@ -124,7 +124,7 @@ def selection_evaluate_config(recipe):
 def cmd_run(recipe, args) -> int:
     """``train run``: train a draft on the features table; with ``train.select.every_steps``, each
     snapshot is scored by serving it (rendered as ``evaluate`` renders: ``resolve_chat_template_kwargs``)."""
-    main_rank = os.environ.get("RANK", "0") == "0"
+    main_rank = rank_env().rank == 0  # a torchrun variable that cannot be torchrun's: one line, before any work
     if not main_rank:  # torchrun: one rank reports
         logging.getLogger("eaglenest").setLevel(logging.WARNING)
     r = recipe.run

@@ -1,11 +1,12 @@
 """Distributed state for the trainer: one explicit object holding the process group's DeviceMesh.
 
 ``DistState.from_env()`` reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``). Without it the trainer is a plain single process: no process group, no
-FSDP, and every helper here still works (``all_reduce_sum`` is the identity, ``barrier`` a no-op),
-so rank-0 code paths need no special cases. Under torchrun (any world size, 1 included) the draft
-is wrapped with FSDP2: ``fully_shard`` on the block (``midlayer``), then on the root, with a bf16
-mixed-precision policy on CUDA when ``train.param_dtype`` asks for it (CPU/gloo stays fp32).
+``LOCAL_WORLD_SIZE``; checked once for every reader by :func:`rank_env`). Without it the trainer is a
+plain single process: no process group, no FSDP, and every helper here still works (``all_reduce_sum``
+is the identity, ``barrier`` a no-op), so rank-0 code paths need no special cases. Under torchrun (any
+world size, 1 included) the draft is wrapped with FSDP2: ``fully_shard`` on the block (``midlayer``),
+then on the root, with a bf16 mixed-precision policy on CUDA when ``train.param_dtype`` asks for it
+(CPU/gloo stays fp32).
 
 Across nodes (``train launch --nnodes M``) the global rank says which rows a rank trains on and who
 writes (rank 0); ``LOCAL_RANK`` only picks the GPU. c10d assigns global ranks at rendezvous, so
@@ -39,6 +40,60 @@ def check_local_gpu(local_rank: int, num_gpus: int) -> None:
     if not 0 <= local_rank < num_gpus:
         raise ConfigError(f"LOCAL_RANK {local_rank}: this node has {num_gpus} visible GPU(s), so at most "
                           f"--nproc-per-node {num_gpus} (one rank per GPU; CUDA_VISIBLE_DEVICES picks them)")
+
+
+#: torchrun's variables, each an integer of at least this when set.
+_TORCHRUN_VARS = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1}
+
+
+def _env_int(name: str) -> int | None:
+    """torchrun's variable ``name`` as an int (None when unset): one line naming it for a value that is not a
+    whole number of at least :data:`_TORCHRUN_VARS`'s bound (``WORLD_SIZE=""``, ``RANK=x``, ``LOCAL_RANK=-1``)."""
+    text = os.environ.get(name)
+    if text is None:
+        return None
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    low = _TORCHRUN_VARS[name]
+    if value is None or value < low:
+        raise ConfigError(f"{name}={text!r} in the environment: torchrun's {name} must be an integer >= {low} "
+                          "(unset RANK and WORLD_SIZE to train in one process)")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class RankEnv:
+    """torchrun's environment, checked: this process's global rank, the world size, and its node's."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int | None = None
+    local_world_size: int | None = None
+
+
+def rank_env() -> RankEnv:
+    """torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``, read the same way by every
+    reader (the trainer, ``train run``'s rank-0 duties and memory estimate, the streaming source): rank 0 and
+    world 1 where unset. A value that cannot be torchrun's (not an integer, a rank past the world) is one
+    :class:`ConfigError` naming the variable, not a bare ``int()`` error or a process group that waits for
+    ranks that never come. ``DistState.from_env`` joins a process group only when both ``RANK`` and
+    ``WORLD_SIZE`` are set; the local variables are read only then (``LOCAL_RANK=-1`` is how other launchers
+    say "not distributed")."""
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if rank is None or world is None:
+        return RankEnv(rank=rank or 0, world_size=world or 1)
+    if rank >= world:
+        raise ConfigError(f"RANK={rank} in the environment is not below WORLD_SIZE={world} (torchrun's ranks "
+                          f"are 0..{world - 1})")
+    local, local_world = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
+    if local_world is not None and local_world > world:
+        raise ConfigError(f"LOCAL_WORLD_SIZE={local_world} in the environment is more than WORLD_SIZE={world}")
+    if local is not None and local >= (local_world or world):
+        raise ConfigError(f"LOCAL_RANK={local} in the environment is not below "
+                          + (f"LOCAL_WORLD_SIZE={local_world}" if local_world is not None else f"WORLD_SIZE={world}"))
+    return RankEnv(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)
 
 
 #: The last barrier's work, held until the interpreter tears this module down. gloo completes a work on
@@ -81,14 +136,15 @@ class DistState:
     @classmethod
     def from_env(cls) -> "DistState":
         """Join torchrun's process group if its environment is set, else a plain single process."""
+        env = rank_env()
         if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
             return cls()
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        rank, world = env.rank, env.world_size
         # The GPU of this rank on its node (a launcher without LOCAL_RANK: ranks filled node by node).
-        local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+        local = env.local_rank if env.local_rank is not None else rank % max(1, torch.cuda.device_count())
         if torch.cuda.is_available():
             check_local_gpu(local, torch.cuda.device_count())
             torch.cuda.set_device(local)
@@ -100,7 +156,7 @@ class DistState:
         mesh = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
         log.info("rank %d/%d joined a %s process group", rank, world, backend)
         return cls(rank=rank, world_size=world, local_rank=local, device=device, mesh=mesh,
-                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+                   local_world_size=env.local_world_size or world)
 
     def check_shared_dir(self, path: Path) -> None:
         """Refuse a ``path`` that not every rank sees as rank 0 does (a collective).

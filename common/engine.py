@@ -31,7 +31,7 @@ from typing import Any, Literal, get_args
 from eaglenest.config import short
 from eaglenest.engine_errors import TOO_LONG, TOO_MANY_SEQS, kv_cache_problem, one_line, shown, weights_mismatch
 from eaglenest.errors import ConfigError, require
-from eaglenest.hf import is_refusal, refusal
+from eaglenest.hf import is_refusal, refusal, revision_kwargs
 from eaglenest.paths import read_json_object
 from eaglenest.provenance import write_text_atomic
 from eaglenest.precheck import check_engine_target
@@ -331,6 +331,7 @@ def engine_kwargs(cfg: EngineConfig, model: str = "", *, trust_remote_code: bool
         "seed": cfg.seed,
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "trust_remote_code": trust_remote_code,
+        **revision_kwargs(model),  # run.target_revision: a hub id's revision and tokenizer_revision
     }
     if dtype == "float32" and is_mla_checkpoint(model) and not has_cuda():
         # On a CPU with AMX, vLLM picks its AMX MLA backend, whose weight packing takes bf16 / fp16

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from eaglenest.errors import ConfigError, EaglenestError
 from eaglenest.paths import shown_path, user_path
-from eaglenest.target import local_dir
+from eaglenest.target import local_dir, missing_revision, pinned_revision
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +91,32 @@ def check_target(target: str | Path, *, key: str = "run.target", label: str = ""
     # part (legacy repos) is accepted only from the local cache, as docs/targets.md says.
     # So is namespace/name whose namespace is a directory here (models/qwen3 with a typo in qwen3): as a
     # hub id it would be fetched for a minute of retries, after the stage made its store.
-    if ("/" not in text or root.parent.is_dir()) and not (local_dir(text) / "config.json").is_file():
+    revision = pinned_revision(text)
+    cached = (local_dir(text) / "config.json").is_file()
+    if ("/" not in text or root.parent.is_dir()) and not cached:
+        if revision:
+            raise missing_revision(text, revision)
         raise ConfigError(f"{label}: no such directory in the current directory ({Path.cwd()}) and "
                           "no hub model of that name in the local cache (a relative path is read from the current "
                           "directory)")
+    if revision and not cached and _offline():  # transformers' own error names neither the id nor the revision
+        raise missing_revision(text, revision)
+
+
+def revision_kwargs(target: str | Path) -> dict[str, str]:
+    """The keyword arguments that make ``vllm.LLM`` read ``target`` at its pinned revision
+    (``run.target_revision``; ``eaglenest.target.pinned_revision``): its weights and config, tokenizer and own
+    code (``run.trust_remote_code``); {} when none is pinned (the cache's main). ``vllm serve`` takes each as
+    ``--revision``, ``--tokenizer-revision``, ``--code-revision``."""
+    revision = pinned_revision(target)
+    return {key: revision for key in ("revision", "tokenizer_revision", "code_revision")} if revision else {}
+
+
+def _offline() -> bool:
+    """Whether Hugging Face loaders may not reach the hub (``HF_HUB_OFFLINE``): only the cache counts."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def check_remote_code(target: str | Path, *, trust_remote_code: bool, key: str = "run.target") -> None:
@@ -141,14 +163,19 @@ def _load(loader, target, trust_remote_code: bool, *, what: str = "files", key: 
     """``loader(target)``; what it refuses is one :class:`ConfigError` naming ``key`` and ``what``
     it was loading (a config.json transformers refuses raises ZeroDivisionError, TypeError, ...)."""
     check_remote_code(target, trust_remote_code=trust_remote_code, key=key)
+    revision = pinned_revision(target)  # run.target_revision: a hub id at another revision than the cache's main
     try:
-        return loader(str(target), trust_remote_code=trust_remote_code, **kwargs)
+        return loader(str(target), trust_remote_code=trust_remote_code, **({"revision": revision} if revision else {}),
+                      **kwargs)
     except (EaglenestError, ImportError, MemoryError):  # already one line; a missing package or memory: not the target
         raise
     except OSError as exc:  # a hub id neither in the local cache nor reachable (no network, no such repo)
         if Path(target).is_dir():
             raise
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        if revision:
+            raise ConfigError(f"run.target_revision: {revision}: {target} cannot be loaded at that revision "
+                              f"({first}); a branch, tag or commit of it, or empty for the cache's main") from None
         raise ConfigError(f"{key}: {target}: no such directory in the current directory ({Path.cwd()}), "
                           f"and not loadable as a hub id ({first})") from None
     except Exception as exc:  # noqa: BLE001 - a config.json transformers refuses raises anything (ZeroDivisionError)

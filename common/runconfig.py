@@ -10,6 +10,7 @@ from pathlib import Path
 from eaglenest.config import short
 from eaglenest.errors import ConfigError
 from eaglenest.paths import shown_path
+from eaglenest.target import pin_revision
 
 #: Seeds feed numpy (>= 0) and torch (< 2**64); this range suits both, with room for seed + epoch.
 SEED_RANGE = range(0, 2**63)
@@ -107,6 +108,9 @@ class RunConfig:
     workdir: str = "runs/toy"
     #: Target model: a local Hugging Face directory (the tiny target by default) or a hub id.
     target: str = "assets/tiny-target"
+    #: The revision (branch, tag or commit) of a target named by hub id that every loader and engine reads;
+    #: empty: the local Hugging Face cache's ``main``. A local folder has none.
+    target_revision: str = ""
     #: LanceDB directory of the feature store; empty means ``<workdir>/store``. Also an object
     #: store: ``s3://bucket/prefix``, ``gs://...``, ``az://...`` (docs/storage.md).
     store: str = ""
@@ -133,6 +137,8 @@ class RunConfig:
         for key in ("workdir", "target", "store"):  # the same folder for every reader of the recipe
             check_no_shell_variable(key, getattr(self, key))
             object.__setattr__(self, key, home_expanded(getattr(self, key)))
+        if self.target_revision and (problem := revision_problem(self.target, self.target_revision)):
+            raise ConfigError(f"run.target_revision: {problem}")
         if self.seed not in SEED_RANGE:
             raise ConfigError(f"run.seed: must be in [0, 2**63), got {short(self.seed)}")
         store = self.store_uri
@@ -157,7 +163,10 @@ class RunConfig:
 
     def register_storage(self) -> None:
         """Make ``storage_options`` the options of every path under an object-store ``store_uri`` in
-        this process: called once, where a command has resolved its recipe (``eaglenest.launch.execute``)."""
+        this process, and ``target_revision`` the revision every loader reads ``target`` at
+        (``eaglenest.target.pin_revision``): called once, where a command has resolved its recipe
+        (``eaglenest.launch.execute``)."""
+        pin_revision(self.target, self.target_revision)
         store = self.store_uri
         if "://" in store and store.split("://", 1)[0].lower() in REMOTE_SCHEMES:
             register_storage_options(store, dict(self.storage_options))
@@ -168,6 +177,21 @@ class RunConfig:
 
     def path(self, *parts: str) -> Path:
         return Path(self.workdir, *parts)
+
+
+def revision_problem(target: str, revision: str) -> str | None:
+    """Why ``run.target_revision`` ``revision`` is refused for ``run.target`` ``target`` (None when it is
+    fine): not a git revision name (blanks, control characters, ``..``: it names a folder of the cache),
+    or a target that is a local folder, which has no revisions."""
+    shown = short(revision)
+    if (any(c.isspace() or not c.isprintable() or c in "\\~^:?*[" for c in revision) or ".." in revision
+            or revision.startswith(("/", "-", ".")) or revision.endswith(("/", ".")) or "//" in revision):
+        return f"a branch, tag or commit of the hub id run.target names, got {shown}"
+    text = str(target)
+    if (Path(text).is_dir() or Path(text).is_absolute() or text.startswith((".", "~")) or text.count("/") > 1):
+        return (f"{shown} pins a revision, but run.target {text} is a local folder, which has no revisions "
+                "(leave run.target_revision empty, or name the target by its hub id)")
+    return None
 
 
 def store_key_problem(uri: str) -> str | None:

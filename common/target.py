@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,16 +30,71 @@ _INHERITED = ("torch_dtype", "dtype", "tie_word_embeddings")
 ZERO_CENTRED_NORM = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
-def local_dir(target: str | Path) -> Path:
+#: The revision ``run.target_revision`` pins for a target named by hub id, in this process (target -> revision):
+#: registered where a command resolves its recipe (``RunConfig.register_storage``, called by
+#: ``eaglenest.launch.execute``), and read by every loader of the target (:func:`local_dir`, ``eaglenest.hf``'s
+#: loaders, the engine's ``revision``), so none of them reads the cache's ``main`` instead.
+_PINNED: dict[str, str] = {}
+
+
+def pin_revision(target: str | Path, revision: str) -> None:
+    """Make ``revision`` the one every loader in this process reads ``target`` at ("": the cache's main); a
+    short commit id is written out (:func:`_written_out`)."""
+    if revision:
+        _PINNED[str(target)] = _written_out(str(target), revision)
+    else:
+        _PINNED.pop(str(target), None)
+
+
+#: A commit id as git and the hub show it short (7 or more hex digits); a full one is 40.
+_SHORT_COMMIT = re.compile(r"[0-9a-f]{7,39}")
+
+
+def _written_out(target: str, revision: str) -> str:
+    """``revision`` as the full commit of the one snapshot of ``target`` in the local Hugging Face cache that it
+    abbreviates (7 or more hex digits, as the hub and git show one): transformers and vLLM take a full commit only,
+    so a short one the cache holds was "no such revision" offline. As given otherwise (a branch or tag, a ref
+    of that name, a full commit, none or several snapshots it abbreviates)."""
+    if not _SHORT_COMMIT.fullmatch(revision):
+        return revision
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    try:
+        repo = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=target, repo_type="model")
+        if (repo / "refs" / revision).is_file():  # a branch or tag of that name: the hub reads it first
+            return revision
+        found = [p.name for p in (repo / "snapshots").iterdir() if p.name.startswith(revision)]
+    except (OSError, ValueError):  # no such folder, or no repo id
+        return revision
+    return found[0] if len(found) == 1 else revision
+
+
+def pinned_revision(target: str | Path) -> str:
+    """The revision pinned for ``target`` in this process (:func:`pin_revision`); "" when none is."""
+    return _PINNED.get(str(target), "")
+
+
+def missing_revision(target: str | Path, revision: str) -> ConfigError:
+    """The one line for a ``run.target_revision`` the local Hugging Face cache does not hold (and, offline,
+    cannot fetch)."""
+    return ConfigError(f"run.target_revision: {revision}: {target} has no such revision in the local Hugging Face "
+                       f"cache (a branch, tag or commit of it: fetch it with `hf download {target} --revision "
+                       f"{revision}`, or leave run.target_revision empty for the cache's main)")
+
+
+def local_dir(target: str | Path, *, revision: str | None = None) -> Path:
     """The directory holding ``target``'s files: ``target`` itself, or for a hub id (``namespace/name``)
-    that is not a local path, its snapshot in the local Hugging Face cache when one is there."""
+    that is not a local path, its snapshot in the local Hugging Face cache when one is there: at
+    ``revision`` (a branch, tag or commit; None: the one pinned, :func:`pinned_revision`, else ``main``)."""
     root = Path(target)
     if root.exists() or root.is_absolute() or str(target).startswith((".", "~")):
         return root
     from huggingface_hub import try_to_load_from_cache
 
+    revision = pinned_revision(target) if revision is None else revision
     try:
-        cached = try_to_load_from_cache(str(target), "config.json")
+        cached = try_to_load_from_cache(str(target), "config.json", revision=revision or None)
     except ValueError:  # not a repo id either
         return root
     return Path(cached).parent if isinstance(cached, str) else root
@@ -48,6 +104,8 @@ def read_config(target: str | Path, *, key: str = "run.target") -> dict[str, Any
     """``config.json`` of a local target directory (or a cached hub id's snapshot) as a dict; what is
     wrong with it is one line naming ``key`` (how the user gave the target)."""
     p = local_dir(target) / "config.json"
+    if not p.is_file() and not Path(target).is_dir() and pinned_revision(target):
+        raise missing_revision(target, pinned_revision(target))
     if not p.is_file():
         raise ConfigError(f"{key}: {target} has no config.json (a local Hugging Face model directory, "
                           "or a hub id in the local cache, is required)")
@@ -180,7 +238,8 @@ def _rope_parameters(text: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-__all__ = ["NESTED", "language_config", "local_dir", "max_positions", "nested_key", "read_config"]
+__all__ = ["NESTED", "language_config", "local_dir", "max_positions", "missing_revision", "nested_key", "pin_revision",
+           "pinned_revision", "read_config"]
 
 
 #: The end of the one line for a target's weight file or index that cannot be read.

@@ -47,6 +47,7 @@ from eaglenest.engine import quiet_vllm
 from eaglenest.errors import ConfigError, EaglenestError, StoreError, require
 from eaglenest.ingest.shard import make_backend, run_shard
 from eaglenest.runconfig import register_storage_options, registered_storage_options
+from eaglenest.target import pin_revision, pinned_revision
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ def _target_stamp(target: str) -> tuple:
 
 
 def _backend(cfg, target: str, trust_remote_code: bool):
-    key = repr((tuple(getattr(cfg, k) for k in BACKEND_KEYS), target, _target_stamp(target), trust_remote_code))
+    key = repr((tuple(getattr(cfg, k) for k in BACKEND_KEYS), target, pinned_revision(target), _target_stamp(target),
+                trust_remote_code))
     if key not in _BACKENDS:
         _close_backends()  # one engine per worker: never two warm at once
         if cfg.backend == "vllm":
@@ -124,7 +126,7 @@ def adopt_storage_options(registered: dict[str, dict[str, str]] | None) -> None:
 
 
 def _shard_task(cfg, target: str, store_uri: str, entries, gen, gen_id: str, think=None,
-                trust_remote_code: bool = False, storage_options: dict | None = None) -> dict:
+                trust_remote_code: bool = False, storage_options: dict | None = None, revision: str = "") -> dict:
     """Runs on a worker. Hooks for the fault tests: ``EAGLENEST_TEST_SHARD_STARTED`` names a directory
     where the task drops ``<pid>-<first sample id>`` before working, ``EAGLENEST_TEST_SHARD_WRITTEN``
     one where it drops the same name once the shard's fragments are written (then the fault point
@@ -133,6 +135,7 @@ def _shard_task(cfg, target: str, store_uri: str, entries, gen, gen_id: str, thi
     with _LOCK:
         _mark("EAGLENEST_TEST_SHARD_STARTED", name)
         adopt_storage_options(storage_options)
+        pin_revision(target, revision)  # run.target_revision: the driver's, sent with every task like the options
         check_worker(cfg, target, store_uri)
         backend = _backend(cfg, target, trust_remote_code)
         before = getattr(backend, "retries", 0)
@@ -272,7 +275,8 @@ def run(shards, *, cfg, target, store_uri, gen, gen_id, on_result, client=None, 
         # or target) must not be mistaken for this one's, so each run's keys carry their own token.
         run_id = uuid.uuid4().hex[:12]
         futures = {client.submit(_shard_task, cfg, target, store_uri, shard, gen, gen_id, think, trust_remote_code,
-                                 options, pure=False, key=f"ingest-shard-{k}-{shard[0].sample_id}-{run_id}"): k
+                                 options, pinned_revision(target), pure=False,
+                                 key=f"ingest-shard-{k}-{shard[0].sample_id}-{run_id}"): k
                    for k, shard in enumerate(shards)}
         for fut in as_completed(futures):
             try:

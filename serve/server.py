@@ -25,6 +25,7 @@ from pathlib import Path
 
 from eaglenest.engine import checkpoint_dtype, quiet_vllm, speculative_config
 from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.hf import revision_kwargs
 from eaglenest.paths import make_dir
 from eaglenest.precheck import check_engine_target
 from eaglenest.serve.draft_files import check_draft_dir, local_target_config
@@ -78,6 +79,8 @@ def server_argv(target: str, *, port: int, draft: str | None, num_speculative_to
             "--dtype", checkpoint_dtype(target) if dtype == "auto" else dtype]
     if trust_remote_code:  # run.trust_remote_code: the target's own Python code (eaglenest.hf)
         argv.append("--trust-remote-code")
+    for name, revision in revision_kwargs(target).items():  # run.target_revision: a hub id at that revision
+        argv += [f"--{name.replace('_', '-')}", revision]
     if draft:
         spec = speculative_config(draft, num_speculative_tokens)  # + parallel_drafting for a P-EAGLE draft
         argv += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]

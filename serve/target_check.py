@@ -18,10 +18,11 @@ They also compare the weights (a warning, serving or measuring): those the draft
 target folder's, hashed once per process (``identity.weights_hash`` caches each content by its files' stat).
 
 A target named by hub id has no files here: its weights are ``hub:<id>``, and what pins them is the revision
-its local cache resolves to (``identity.hub_revision``), which the feature identity records as
-``target_revision``: export refuses another revision of the same id as it refuses other weights, ``serve up``
-and ``evaluate`` warn. An identity recorded before revisions were (a ``hub:<id>`` alone) is an unknown
-revision: a warning, never a refusal.
+it is read at (``run.target_revision``, else the one its local cache resolves ``main`` to: ``identity.hub_revision``),
+which the feature identity records as ``target_revision``: export refuses another revision of the same id as it
+refuses other weights, ``serve up`` and ``evaluate`` warn (``identity.revision_change``, as capture and train).
+An identity recorded before revisions were (a ``hub:<id>`` alone) is an unknown revision: a warning, never a
+refusal.
 
 Trade-off: a checkpoint without the record (saved before it, or trained from imported features that
 carry no identity), or a hub id on one side and a local folder on the other, is not checked.
@@ -36,7 +37,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eaglenest.errors import ConfigError
-from eaglenest.featurestore.capture.identity import hub_revision, legacy_tokenization, tokenizer_hashes, weights_hash
+from eaglenest.featurestore.capture.identity import (legacy_tokenization, revision_change, tokenizer_hashes,
+                                                     weights_hash)
 from eaglenest.paths import shown_path
 
 log = logging.getLogger(__name__)
@@ -58,8 +60,8 @@ def check_target_weights(info: dict[str, Any], target: str, *, ckpt: Path, off_p
     have = weights_hash(target)
     if have == want and want.startswith("hub:"):  # the same hub id: the same weights if the same revision
         meta = info.get("feature_meta")
-        message = _revision_change(_identity(meta.get("identity") if isinstance(meta, dict) else None), target,
-                                   recorded=f"the feature identity of {shown_path(ckpt)}")
+        message = revision_change(_identity(meta.get("identity") if isinstance(meta, dict) else None), target,
+                                  recorded=f"the feature identity of {shown_path(ckpt)}")
         if not message:
             return
     elif have == want or "hub:" in (have[:4], want[:4]):  # a hub id beside a folder: no weights to compare
@@ -127,7 +129,7 @@ def _served_weights(comps: dict[str, Any], info: dict[str, Any], target: str, *,
                     ckpt: Path | None) -> str:
     """The line naming ``target``'s weights when they are not those the draft was trained with (``info``:
     its checkpoint.json's ``target_weights_sha256``, else the feature identity ``comps``' ``weights_sha256``),
-    both local folders; for a hub id, its revision (:func:`_revision_change`). Empty when they agree, or
+    both local folders; for a hub id, its revision (``identity.revision_change``). Empty when they agree, or
     when nothing (or a hub id beside a folder) can be compared."""
     want, where = info.get("target_weights_sha256"), shown_path(ckpt) if ckpt else ""
     if not isinstance(want, str) or not want:
@@ -135,7 +137,7 @@ def _served_weights(comps: dict[str, Any], info: dict[str, Any], target: str, *,
     if not isinstance(want, str) or not want:
         return ""
     if want.startswith("hub:"):
-        return _revision_change(comps, target, recorded=recorded) if want == f"hub:{target}" else ""
+        return revision_change(comps, target, recorded=recorded) if want == f"hub:{target}" else ""
     if not Path(target).is_dir():
         return ""
     have = weights_hash(target)  # cached per process by the files' stat: not hashed again by a later check
@@ -143,26 +145,6 @@ def _served_weights(comps: dict[str, Any], info: dict[str, Any], target: str, *,
         return ""
     return (f"run.target: {target} (weights {have[:12]}) is not the target the draft was trained with "
             f"({trained_on}, weights {want[:12]} in {where}): its drafts are verified by other weights")
-
-
-def _revision_change(comps: dict[str, Any], target: str, *, recorded: str) -> str:
-    """For a ``target`` named by hub id that the feature identity ``comps`` (read from ``recorded``) names
-    too: the line naming the revision its local cache resolves to when it is not the one the features were
-    captured at. Empty when they agree, when the id is not cached or not the identity's, and when the
-    identity records no revision (captured before revisions were recorded: unknown, a warning)."""
-    now = hub_revision(target)
-    if not now or comps.get("weights_sha256") != f"hub:{target}":
-        return ""
-    was = comps.get("target_revision")
-    if not isinstance(was, str) or not was:
-        log.warning("run.target: %s is at revision %s in the local Hugging Face cache; %s records no revision "
-                    "(captured before revisions were recorded), so whether the draft was trained on that "
-                    "revision is unknown", target, now[:12], recorded)
-        return ""
-    if was == now:
-        return ""
-    return (f"run.target: {target} is at revision {now[:12]} in the local Hugging Face cache, not at {was[:12]}, "
-            f"the revision the draft's features were captured at ({recorded}): other weights")
 
 
 def _tokenization_changes(comps: dict[str, Any], target: str, *, trained_on: str, recorded: str) -> str:

@@ -152,7 +152,7 @@ def _parsed_defaults(monkeypatch) -> dict[str, dict[str, object]]:
     import eaglenest.launch as launch
 
     parsed: list[argparse.Namespace] = []
-    monkeypatch.setattr(launch, "execute", lambda prog, cmd, args: parsed.append(args) or 0)
+    monkeypatch.setattr(launch, "execute", lambda prog, cmd, args, argv=None: parsed.append(args) or 0)
     out: dict[str, dict[str, object]] = {}
     for script, target in C.SCRIPTS.items():
         if script not in SECTIONS:

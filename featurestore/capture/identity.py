@@ -10,9 +10,11 @@ zero target forward passes. The identity covers:
   target is identified in seconds; a hub revision pins the rest. This is the trade-off: a
   same-size in-place edit of the middle of a huge weight file would go unnoticed. A target named by
   hub id has no files here: its ``weights_sha256`` is ``hub:<id>``, and ``target_revision`` records the
-  commit its local cache resolves the id to (:func:`hub_revision`: the snapshot every loader reads, as no
-  recipe key names a revision), so two revisions of one id are two feature sets. A local folder records
-  no ``target_revision``; nor does a table captured before it counted (:data:`ADDED`: revision unknown);
+  commit its local cache resolves the id to (:func:`hub_revision`: the snapshot every loader reads, at the
+  revision ``run.target_revision`` pins, else the cache's ``main``), so two revisions of one id are two
+  feature sets. A local folder records no ``target_revision``; nor does a table captured before it counted
+  (:data:`ADDED`: revision unknown). :func:`revision_change` is the one comparison of a recorded revision
+  with the one read now (capture and train, ``policy``; export, serving and measuring, ``serve.target_check``);
 * ``config_sha256``: a hash of the target's ``config.json`` (norm epsilon, rotary settings, activation,
   attention layout: what turns the weights into hidden states), its keys that change no hidden state
   of given token ids left out (:data:`CONFIG_IGNORED`). A table captured before this component
@@ -39,7 +41,7 @@ from pathlib import Path
 
 from eaglenest.errors import ConfigError
 from eaglenest.featurestore import schema as S
-from eaglenest.target import local_dir
+from eaglenest.target import local_dir, pinned_revision
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ KEYS = {
     "last_layer_id": "run.target", "capture_point": "(code version)", "prompt_pool": "ingest.manifest",
     "gen_params_ids": "ingest.manifest (generation)", "dtype": "featurestore.engine.dtype",
     "storage": "featurestore.storage", "schema_version": "(code version)", "config_sha256": "run.target",
-    "target_revision": "run.target (the hub cache's revision)",
+    "target_revision": "run.target_revision",
 }
 
 #: Components added after tables were first captured: a stored identity that lacks one (and holds the
@@ -84,11 +86,42 @@ def _sha_file(path: Path, *, full: bool) -> str:
 
 def hub_revision(target: str) -> str:
     """The commit a target named by hub id resolves to in the local Hugging Face cache (the snapshot folder
-    its files are read from, ``refs/main`` by default); empty for a local folder, or a hub id not cached."""
+    its files are read from: at the revision ``run.target_revision`` pins, else ``refs/main``); a pinned
+    revision the cache does not hold as given (a loader fetches it); empty for a local folder, or a hub id
+    neither pinned nor cached."""
     if Path(target).is_dir():
         return ""
-    files = local_dir(target)
+    return _cached_commit(target) or pinned_revision(target)
+
+
+def _cached_commit(target: str, revision: str | None = None) -> str:
+    """The commit of the snapshot ``revision`` of hub id ``target`` names in the local cache (None: the pinned
+    one, else ``main``); empty when the cache has none."""
+    files = local_dir(target, revision=revision)
     return files.name if files != Path(target) and files.parent.name == "snapshots" else ""
+
+
+def revision_change(comps: dict, target: str, *, recorded: str, what: str = "features were captured") -> str:
+    """For a ``target`` named by hub id that the feature identity ``comps`` (read from ``recorded``) names too:
+    the line naming the revision it is read at now (:func:`hub_revision`) when it is not the one the features
+    were captured at (``what``: the responses generated, for a prompts table's lineage). Empty when they agree,
+    when the id is neither pinned nor cached or is not the identity's, and when the identity records no revision
+    (captured before revisions were: unknown, logged as a warning)."""
+    now = hub_revision(target)
+    if not now or comps.get("weights_sha256") != f"hub:{target}":
+        return ""
+    pinned = pinned_revision(target)
+    where = f"(run.target_revision={pinned})" if pinned else "in the local Hugging Face cache"
+    was = comps.get("target_revision")
+    if not isinstance(was, str) or not was:
+        log.warning("run.target: %s is at revision %s %s; %s records no revision (captured before revisions "
+                    "were recorded), so whether its features are of that revision is unknown",
+                    target, now[:12], where, recorded)
+        return ""
+    if now in (was, _cached_commit(target, was)):  # a branch recorded as given before it was cached: its commit now
+        return ""
+    return (f"run.target: {target} is at revision {now[:12]} {where}, not at {was[:12]}, the revision the "
+            f"{what} at ({recorded}): other weights (run.target_revision={was} reads those)")
 
 
 def weights_hash(target: str) -> str:

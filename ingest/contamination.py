@@ -4,7 +4,8 @@ Evaluation sets are read at run time from files the manifest names (MT-Bench ``q
 ``{"turns": [...]}``; SPEED-Bench style JSONL: ``prompt``, ``turns`` or ``messages``), never vendored.
 A training conversation is contaminated when any of its user turns equals an evaluation prompt
 (:func:`eaglenest.text.content_key`, the same identity deduplication uses) or, with a threshold, is
-a near duplicate of one (Jaccard similarity of word 5-gram sets). The pool's held-out split is an
+a near duplicate of one (Jaccard similarity of word 5-gram sets, letter 5-grams in Chinese, Japanese or
+Thai: :func:`eaglenest.ingest.neardup.shingles`). The pool's held-out split is an
 evaluation set too: a training conversation with a user turn equal to a held-out one (the same
 question under another system prompt, or inside a multi-turn chat) is contaminated, and with a
 threshold so is a near duplicate of one.

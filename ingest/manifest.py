@@ -203,6 +203,8 @@ def read_manifest(path: str | Path, *, base_dir: str | Path | None = None) -> tu
     if isinstance(gen, dict) and isinstance(gen.get("reasoning"), bool):  # YAML 1.1 reads `off` as False
         gen["reasoning"] = "on" if gen["reasoning"] else "off"
     problems: list[str] = []
+    if "held_out_fraction" in data and data["held_out_fraction"] is None and data.get("held_out_count") is not None:
+        del data["held_out_fraction"]  # null beside a count: "not this one", as a domain's null is
     if data.get("held_out_fraction") is not None and data.get("held_out_count") is not None:  # as in a domain
         problems.append("held_out_count: give held_out_fraction or held_out_count, not both")
     manifest = build(Manifest, data, error=ManifestError, problems=problems)
@@ -257,8 +259,13 @@ def check(m: Manifest, *, base_dir: str | Path | None = None) -> list[str]:
                 input_file(path, base_dir, key=f"contamination.{kind}[{i}]")
             except ManifestError as exc:
                 p.append(str(exc))
+    first_of: dict[str, str] = {}  # lower-cased name -> the first domain so named
     for name, d in m.domains.items():
         where = f"domains.{short_text(name)}"  # a name with a newline stays one line
+        twin = first_of.setdefault(name.lower(), name)
+        if twin != name:  # one domain typed twice? two ids, caps and rows of stats that read as one
+            p.append(f"{where}: the same name as domains.{short_text(twin)} but for letter case; give each domain "
+                     "its own name (or merge their sources into one domain)")
         if not DOMAIN_NAME.fullmatch(name):  # ASCII: names go into sample ids and file names
             p.append(f"{where}: domain names use ASCII letters, digits, '-' and '_'")
         if d.cap_prompts is None and d.cap_tokens is None:
@@ -341,6 +348,9 @@ def _check_source(where: str, s: Source, m: Manifest, base_dir: str | Path | Non
     p = []
     if bool(s.path) == bool(s.hf_id):
         p.append(f"{where}: give exactly one of 'path' or 'hf_id'")
+    if s.system_field and s.system_field == s.field and not s.messages_field:  # each prompt its own system prompt
+        p.append(f"{where}.system_field: '{short_text(s.system_field)}' is the prompt's column (field) too; name the "
+                 "column that holds the system prompt, or leave system_field out")
     p += _blank_licence(f"{where}.licence", s.licence)
     if not m.allow_unlicensed:
         if not (s.licence or m.licence):

@@ -1,7 +1,9 @@
 """Near-duplicate detection: MinHash signatures over word shingles, LSH banding, exact verification.
 
 A text becomes the set of its word ``n``-grams (shingles, after :func:`eaglenest.text.normalise` and
-lower-casing). Two texts are near duplicates when the Jaccard similarity of their shingle sets is at
+lower-casing, without the invisible characters identity leaves out). A word keeps its combining marks, and
+in scripts written without spaces (Chinese, Japanese, Thai) each letter is a word: their shingles are letter
+n-grams. Two texts are near duplicates when the Jaccard similarity of their shingle sets is at
 least the threshold. Finding them without comparing all pairs: each shingle is hashed (CRC-32, so the
 result never depends on the process or platform) and ``num_perm`` universal hash functions
 ``(a * x + b) mod p`` (``p = 2**32 + 15``, prime; ``a``, ``b`` drawn once from a fixed seed) give a
@@ -22,11 +24,13 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
+import unicodedata
 import zlib
 
 import numpy as np
 
-from eaglenest.text import normalise
+from eaglenest.text import INVISIBLE, normalise
 
 _P = np.uint64((1 << 32) + 15)  # prime > every 32-bit shingle hash; a*x + b stays below 2**64
 _SEED = 0x5EED_D0D0
@@ -34,9 +38,44 @@ _SEED = 0x5EED_D0D0
 _CHUNK = 4096
 
 
+#: Scripts written without spaces between words (Han, kana, Yi; Thai, Lao, Myanmar, Khmer, Tai Tham): each
+#: letter is a word of its own, so their shingles are letter n-grams (a sentence is not one "word").
+_UNSPACED = ("\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u1950-\u19df\u1a20-\u1aaf\u2e80-\u2fdf\u3005-\u3007"
+             "\u3021-\u3029\u3031-\u3035\u303b\u3040-\u30ff\u3100-\u312f\u31a0-\u31bf\u31f0-\u31ff"
+             "\u3400-\u4dbf\u4e00-\u9fff\ua000-\ua4cf\uf900-\ufaff\U00020000-\U0003ffff")
+
+
+@functools.cache
+def _patterns() -> tuple[re.Pattern, re.Pattern, re.Pattern]:
+    """(a run of word characters and combining marks, which \\w leaves out: Devanagari vowel signs, Thai tone
+    marks; a letter of an unspaced script; the words of a run that holds one). Built once (a pass over Unicode)."""
+    marks, first = [], None
+    for c in range(sys.maxunicode + 2):
+        is_mark = c <= sys.maxunicode and unicodedata.category(chr(c))[0] == "M"
+        if is_mark and first is None:
+            first = c
+        elif not is_mark and first is not None:
+            marks.append(f"{re.escape(chr(first))}-{re.escape(chr(c - 1))}")
+            first = None
+    m = "".join(marks)
+    return (re.compile(f"[\\w{m}]+"), re.compile(f"[{_UNSPACED}]"),
+            re.compile(f"(?=\\w)[{_UNSPACED}][{m}]*|[^{_UNSPACED}]+"))
+
+
+def _words(text: str) -> list[str]:
+    if text.isascii():  # no mark, no unspaced script: the plain (fast) pattern
+        return re.findall(r"\w+", text)
+    run, unspaced, split = _patterns()
+    words = []
+    for w in run.findall(text):
+        words.extend(split.findall(w) if unspaced.search(w) else (w,))
+    return words
+
+
 def shingles(text: str, n: int = 5) -> frozenset[str]:
-    """Word ``n``-grams of the normalised, lower-cased text (the whole text if it has fewer words)."""
-    words = re.findall(r"\w+", normalise(text).lower())
+    """Word ``n``-grams of the normalised, lower-cased text (the whole text if it has fewer words); in scripts
+    written without spaces (Chinese, Japanese, Thai, ...) each letter is a word."""
+    words = _words(normalise(INVISIBLE.sub("", text)).lower())  # as identity: a soft hyphen splits no word
     if len(words) < n:
         return frozenset([" ".join(words)]) if words else frozenset()
     return frozenset(" ".join(words[i:i + n]) for i in range(len(words) - n + 1))

@@ -33,6 +33,10 @@ KNOWN_TAGS = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("\u25c1th
               ("<|channel|>analysis<|message|>", "<|end|>"))
 #: Prompt tokens decoded to see whether the generation prompt ends inside an open think block.
 PROMPT_TAIL_TOKENS = 32
+#: The harmony format's (gpt-oss) thinking and answer channels, and the tokens that end a message.
+HARMONY_ANALYSIS = KNOWN_TAGS[-1][0]
+HARMONY_FINAL = "<|channel|>final<|message|>"
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 
 
 def template_kwargs(reasoning: str, base: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -87,6 +91,23 @@ class ThinkCheck:
         opened, closed = text.rfind(self.open_tag), text.rfind(self.close_tag)
         return opened > closed and not text[opened + len(self.open_tag):].strip()
 
+    def history_text(self, response_ids: Sequence[int], text: str) -> str:
+        """What an answer is in the history of its conversation's next turn: ``text`` as generated, except the
+        answer of a harmony-format target (gpt-oss), which goes back as its ``final`` channel ('' if it has
+        none): gpt-oss's template renders an earlier answer's content as that channel, drops the analysis of
+        earlier turns, and refuses channel tags in a content, while vLLM's text skips the special tokens and
+        runs the channels together ("analysis...assistantfinal...")."""
+        if self.open_tag != HARMONY_ANALYSIS and "<|channel|>" not in _added_vocab(self.target, self.trust_remote_code):
+            return text
+        raw = self._decode(response_ids) if response_ids else text
+        if "<|channel|>" not in raw:  # a harmony target answering without channels: nothing to take apart
+            return text
+        at = raw.rfind(HARMONY_FINAL)
+        final = raw[at + len(HARMONY_FINAL):] if at >= 0 else ""
+        for end in HARMONY_ENDS:
+            final = final.split(end, 1)[0]
+        return final
+
     def _decode(self, ids: Sequence[int]) -> str:
         return _tokenizer(self.target, self.trust_remote_code).decode(list(ids), skip_special_tokens=False)
 
@@ -95,3 +116,8 @@ class ThinkCheck:
 def _tokenizer(target: str, trust_remote_code: bool):
     """One tokenizer per process and target (a Dask worker loads it once for all its shards)."""
     return load_tokenizer(target, trust_remote_code=trust_remote_code)
+
+
+@functools.lru_cache(maxsize=4)
+def _added_vocab(target: str, trust_remote_code: bool) -> frozenset[str]:
+    return frozenset(_tokenizer(target, trust_remote_code).get_added_vocab())

@@ -7,7 +7,8 @@ prompt and response token ids, so the feature store later captures exactly the t
 produced (no re-tokenisation drift).
 
 Multi-turn conversations are answered turn by turn, in order: turn ``t`` of a conversation is queued
-as soon as turn ``t - 1`` is answered, its history holding the target's *own* earlier answers. The
+as soon as turn ``t - 1`` is answered, its history holding the target's *own* earlier answers (as its
+template takes them back: a harmony-format answer, gpt-oss's, as its ``final`` channel). The
 stored row is the whole conversation in ``messages_json``; its token ids are those of the last turn
 (prompt = the full rendered history, response = the last answer), so the loss covers the final
 assistant turn while earlier on-policy answers are context. A request that fails (after the
@@ -92,6 +93,8 @@ def stream(backend, entries: Iterable[PoolEntry], gen: Generation, gen_id: str, 
                     continue
                 history = messages + [{"role": "assistant", "content": c.text}]
                 if e.mode == "chat" and turn < len(e.later_turns):  # the target's own answer, then the next turn
+                    said = think.history_text(c.response_ids, c.text) if think is not None else c.text
+                    history[-1]["content"] = said  # as the template takes it back (gpt-oss: the final channel)
                     live[sid] = (e, history + [{"role": "user", "content": e.later_turns[turn]}], turn + 1)
                     backend.submit(sid, "chat", live[sid][1], gen)
                 else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 
 from eaglenest.errors import ConfigError
 
@@ -30,6 +31,8 @@ _LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 def parse_addr(addr: str, key: str = "train.stream.addr") -> tuple[str, int]:
     """``(host, port)`` of ``addr`` (an IPv6 host in brackets, ``[::1]:29650``); a
     :class:`ConfigError` naming ``key`` (where the address came from) otherwise."""
+    if "://" in str(addr):  # tcp://HOST:PORT, as a Dask scheduler's address is written
+        raise ConfigError(f"{key}: host:port of the stream's store, not a URL: got {addr!r}")
     host, _, port = str(addr).rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")
     if bracketed:
@@ -58,4 +61,9 @@ def _host_problem(host: str, bracketed: bool) -> str | None:
     if len(host) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
         return (f"host {shown} is neither an IP address nor a host name (ASCII letters, digits, '-' and '_' in "
                 "dot-separated parts of 1-63 characters; an international name in its xn-- form)")
+    if labels[-1].isdigit():  # no top-level domain is all digits (RFC 3696): an IPv4 address, or a typo of one
+        try:
+            socket.inet_aton(host)  # what the resolver takes as an address (127.1 too)
+        except OSError:  # an engine host retried it as a name not published yet, for its whole timeout
+            return f"host {shown} is not an IPv4 address"
     return None

@@ -111,6 +111,7 @@ class Group:
             raise ConfigError(f"capture stream ({who}): timeout {timeout_s} s: a number of seconds in (0, "
                               f"{MAX_TIMEOUT_S:.0f}] (train.stream.timeout_s; stream-serve --timeout-s)")
         self.addr, self.who, self.timeout_s = addr, who, timeout_s
+        self._host, self._port = host, port
         self.timeout = datetime.timedelta(seconds=timeout_s)
         local = is_local(host, addr, key) if is_master else True
         if not is_master:
@@ -135,16 +136,36 @@ class Group:
             raise StoreError(f"capture stream ({who}): cannot {how} the stream store at {addr}: {why}") from None
         self.pg = None
 
-    def join(self, group_rank: int, size: int) -> None:
+    def join(self, group_rank: int, size: int, poll_s: float = 0.5) -> None:
+        """Form the gloo group, polling the abort flag meanwhile: a participant that cannot join (an engine
+        restarted in place of one that died after joining) ends every wait at once; the group's own
+        formation waited the whole timeout. The forming thread, when given up, stays blocked in C++ until
+        the process ends (a daemon: it keeps no process alive)."""
         import torch.distributed as dist
 
-        try:
-            with quiet_cpp_log():  # no engine came: each side's C++ "waitForInput ... timed out" before our line
-                self.pg = dist.ProcessGroupGloo(dist.PrefixStore("eaglenest-stream/pg", self.store.target),
-                                                group_rank, size, self.timeout)
-        except RuntimeError as exc:
+        box: dict = {}
+
+        def form() -> None:
+            try:  # a client of its own: the store's client holds its lock through a wait, which the poll would share
+                client = _tcp_store(self._host, self._port, is_master=False, timeout=self.timeout)
+                box["pg"] = dist.ProcessGroupGloo(dist.PrefixStore("eaglenest-stream/pg", client),
+                                                  group_rank, size, self.timeout)
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller
+                box["error"] = exc
+
+        worker = threading.Thread(target=form, name="eaglenest-stream-join", daemon=True)
+        with quiet_cpp_log():  # no engine came: each side's C++ "waitForInput ... timed out" before our line
+            worker.start()
+            while worker.is_alive():
+                worker.join(poll_s)
+                if worker.is_alive():
+                    self.check(poll_s)
+        if isinstance(box.get("error"), RuntimeError):
             raise StoreError(f"capture stream ({self.who}): the group of {size} did not form within "
-                             f"{self.timeout_s:.0f} s (train.stream.timeout_s): {exc}") from None
+                             f"{self.timeout_s:.0f} s (train.stream.timeout_s): {box['error']}") from None
+        if "error" in box:
+            raise box["error"]
+        self.pg = box["pg"]
 
     def get(self, key: str) -> bytes:
         try:
@@ -152,6 +173,13 @@ class Group:
         except RuntimeError as exc:
             raise StoreError(f"capture stream ({self.who}): no {key!r} in the stream store at {self.addr} "
                              f"within {self.timeout_s:.0f} s: {exc}") from None
+
+    def put(self, key: str, value: str) -> None:
+        try:
+            self.store.set(key, value)
+        except RuntimeError as exc:
+            raise StoreError(f"capture stream ({self.who}): the stream store at {self.addr} is gone: "
+                             f"{str(exc).splitlines()[0][:200]}") from None
 
     def claim(self, name: str, me: str) -> str:
         """Take ``name`` for ``me`` if no one has (first come, first served); returns who holds it."""

@@ -66,6 +66,10 @@ SOCKET_NAME = "captures.sock"
 STALE_S = 600.0
 #: Longest JSON header of a frame the consumer reads (a publisher's is under 200 bytes).
 MAX_HEADER_BYTES = 1 << 16
+#: How long the consumer waits, once the engine closed the connection mid-stream, for the producer to exit
+#: and say why: an EngineCore that died is seen within 0.5 s, its other processes are ended (up to 10 s),
+#: and the producer exits with ``producer.ENGINE_DIED``, its log naming the cause.
+EOF_GRACE_S = 20.0
 
 
 class Channel:
@@ -78,14 +82,15 @@ class Channel:
     ``(token_ids int64 [T], hidden torch [T, layers, H])``.
     """
 
-    def __init__(self, path: str, *, num_items: int, depth: int, check, poll_s: float = 0.5):
+    def __init__(self, path: str, *, num_items: int, depth: int, check, poll_s: float = 0.5,
+                 eof_grace_s: float = 0.0):
         if depth < 1:
             raise StoreError(f"stream depth must be >= 1, got {depth} (train.stream.depth)")
         if depth > MAX_DEPTH:
             raise ConfigError(f"train.stream.depth: {depth} captures in flight is more than the {MAX_DEPTH} the "
                               "stream can grant (each one a whole conversation's hidden states): lower it")
         self.path, self.num_items, self.depth = path, num_items, depth
-        self._check, self._poll_s = check, poll_s
+        self._check, self._poll_s, self._eof_grace_s = check, poll_s, eof_grace_s
         self._listener: socket.socket | None = _listen(path)
         self._conn: socket.socket | None = None
         self._pending: dict[int, tuple[dict, bytearray]] = {}
@@ -181,11 +186,21 @@ class Channel:
             except ConnectionResetError:  # the engine process died mid-send (EngineCore killed): as EOF
                 k = 0
             if k == 0:
-                self._check()
+                self._check_after_eof()
                 raise StoreError(f"capture stream: the engine closed the connection after {len(self.sent_at)} "
                                  f"of {self.num_items} captures")
             got += k
         return buf
+
+    def _check_after_eof(self) -> None:
+        """``check()`` until it raises or ``eof_grace_s`` passed: the engine's end of the socket closed before
+        the producer noticed, and the producer's exit says why (its log, which an error naming it keeps)."""
+        deadline = time.monotonic() + self._eof_grace_s
+        while True:
+            self._check()
+            if self._closed or time.monotonic() >= deadline:
+                return
+            time.sleep(min(self._poll_s, 0.1))
 
     def _recv_frame(self) -> tuple[dict, bytearray]:
         magic, hlen, plen = FRAME.unpack(self._recv_exactly(FRAME.size))
@@ -234,7 +249,7 @@ class CaptureStream:
         self.log_path = log_path or str(self._dir / "producer.log")
         try:
             self.channel = Channel(str(self._dir / SOCKET_NAME), num_items=len(sequences), depth=depth,
-                                   check=self._check_producer, poll_s=poll_s)
+                                   check=self._check_producer, poll_s=poll_s, eof_grace_s=EOF_GRACE_S)
         except BaseException:  # refused before anything started: leave no temp folder behind
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
@@ -358,6 +373,20 @@ def _last_line(path: str) -> str:
 _LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ [\w.]+: ")
 
 
+def check_socket_path() -> None:
+    """What :func:`_listen` would refuse of this process's temp dir (its stream's socket path too long), refused
+    before anything starts: an engine host found out once it had joined the cross-host stream, which its
+    failure then ended for every trainer rank."""
+    path = os.path.join(tempfile.gettempdir(), f"{pid_prefix(DIR_PREFIX)}{'x' * 8}", SOCKET_NAME)  # mkdtemp's 8
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        raise StoreError(f"capture stream: cannot listen at {path} (a path of {len(os.fsencode(path))} bytes); "
+                         f"{_SHORTER_TMPDIR}")
+
+
+#: What a socket path too long for the kernel asks of the user.
+_SHORTER_TMPDIR = f"a Unix socket path holds at most {_MAX_SOCKET_PATH} bytes: set TMPDIR to a shorter folder"
+
+
 def _listen(path: str) -> socket.socket:
     """A Unix-domain socket listening at ``path``; a path the kernel refuses (longer than ~107
     bytes: a deep ``TMPDIR``) is one :class:`StoreError` naming it."""
@@ -367,8 +396,7 @@ def _listen(path: str) -> socket.socket:
         sock.listen(1)
     except OSError as exc:
         sock.close()
-        hint = "; a Unix socket path holds at most 107 bytes: set TMPDIR to a shorter folder" \
-            if len(os.fsencode(path)) > _MAX_SOCKET_PATH else ""
+        hint = f"; {_SHORTER_TMPDIR}" if len(os.fsencode(path)) > _MAX_SOCKET_PATH else ""
         raise StoreError(f"capture stream: cannot listen at {path} ({exc.strerror or exc}){hint}") from None
     return sock
 

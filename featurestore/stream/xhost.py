@@ -47,7 +47,8 @@ from eaglenest.engine import EngineConfig
 from eaglenest.errors import ConfigError, StoreError
 from eaglenest.featurestore.stream import hostcheck
 from eaglenest.featurestore.stream.group import Group, lost
-from eaglenest.featurestore.stream.local import MAX_DEPTH, CaptureStream
+from eaglenest.featurestore.stream.local import MAX_DEPTH, CaptureStream, check_socket_path
+from eaglenest.paths import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +297,31 @@ def engine_captures(spec: dict, sequences: list[list[int]], target: str | None =
                          window=int(spec["window"]), trust_remote_code=bool(spec.get("trust_remote_code", False)))
 
 
+def _take_over(group: Group, engine_rank: int, holder: str, me: str, num_engines: int) -> None:
+    """``--engine-rank`` held by ``holder``: taken over when that stream-serve died on this host before it
+    joined the group (a restart), else one line. Two hosts given one rank: the group would wait
+    train.stream.timeout_s and never form. Restarted after the dead one joined (the others may hold its
+    gloo address): the stream is aborted, so every participant fails at once, not after the timeout."""
+    host, _, rest = holder.partition(" pid ")
+    pid = rest.split(" ", 1)[0]
+    if host != socket.gethostname() or not pid.isdigit() or pid_alive(int(pid)):
+        raise ConfigError(f"--engine-rank {engine_rank}: already taken by the stream-serve on {holder}; give "
+                          f"each engine host its own rank 0..{num_engines - 1}")
+    why = group.aborted()
+    if why is not None:
+        raise StoreError(f"capture stream aborted (engine {engine_rank}): {why}")
+    if group.store.check([f"joined/engine-{engine_rank}"]):
+        msg = (f"engine {engine_rank}: its stream-serve on {holder} died after it joined the stream's group, "
+               "which cannot take another in its place: restart the trainer, then the stream-serves")
+        group.abort(msg)
+        raise StoreError(f"capture stream: {msg}")
+    now = group.store.compare_set(f"claim/engine-{engine_rank}", holder, me).decode()
+    if now != me:  # another restart was first
+        raise ConfigError(f"--engine-rank {engine_rank}: already taken by the stream-serve on {now}")
+    log.warning("engine %d: taking the rank over from the stream-serve on %s, which died before it joined",
+                engine_rank, holder)
+
+
 def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: float = 1800.0,
           poll_s: float = 0.5, captures=None) -> int:
     """One engine host: capture the linked ranks' shares with a local engine, forward each capture.
@@ -308,6 +334,8 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
         raise ConfigError(f"--engine-rank {engine_rank}: must be >= 0 (0..train.stream.engines-1)")
     if target is not None:  # found out here, not once the whole group formed and this engine starts
         hostcheck.check_target_flag(target)
+    if captures is None:  # the local stream's socket, likewise
+        check_socket_path()
     who = f"engine {engine_rank}"
     group = Group(addr, is_master=False, timeout_s=timeout_s, who=who, key="--addr")
     spec = _spec(group.get("spec"), addr)
@@ -320,16 +348,16 @@ def serve(addr: str, engine_rank: int, *, target: str | None = None, timeout_s: 
         hostcheck.check_same_shape(target or str(spec.get("target")), spec, given=target is not None)
     me = f"{socket.gethostname()} pid {os.getpid()} ({uuid.uuid4().hex[:8]})"
     holder = group.claim(f"engine-{engine_rank}", me)
-    if holder != me:  # two hosts given the same rank: the group would wait train.stream.timeout_s, never form
-        raise ConfigError(f"--engine-rank {engine_rank}: already taken by the stream-serve on {holder}; give "
-                          f"each engine host its own rank 0..{M - 1}")
+    if holder != me:
+        _take_over(group, engine_rank, holder, me, M)
     ranks = ranks_of(engine_rank, M, N)
     items = []  # (step, rank, position, sequence): merged by training step
     for r in ranks:
         pos, steps, seqs = _unpack(group.get(f"share/{r}/{engine_rank}"))
         items += [(s, r, p, q) for p, s, q in zip(pos, steps, seqs)]
     items.sort(key=lambda it: it[:3])
-    group.join(N + engine_rank, N + M)
+    group.put(f"joined/engine-{engine_rank}", me)  # from here on the others may hold its gloo address
+    group.join(N + engine_rank, N + M, poll_s)
     credits = {r: 0 for r in ranks}
     closed: dict[int, bool] = {}
     errors: dict[int, str] = {}

@@ -20,11 +20,13 @@ import logging
 import math
 import os
 import shlex
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 
 from eaglenest.cli import Command, run
 from eaglenest.errors import ConfigError
@@ -131,8 +133,13 @@ def _launch(recipe, args) -> int:
         rest += ["--recipe", args.recipe]
     rest += list(args.overrides) + ["-v"] * args.verbose
     log.info("%s", shlex.join(["torchrun", *opts, *rest]))
-    cmd = [sys.executable, "-c", _TORCHRUN, *opts, *rest]
-    return wait_torchrun(cmd)
+    # torchrun's own folder (its ranks' error files) is a mkdtemp it never removes: one /tmp/torchelastic_* per
+    # launch. Given here (the same attempt/rank layout inside), removed once torchrun has reported.
+    logs = tempfile.mkdtemp(prefix="eaglenest-torchrun-")
+    try:
+        return wait_torchrun([sys.executable, "-c", _TORCHRUN, f"--log-dir={logs}", *opts, *rest])
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 #: Seconds torchrun gets to stop its ranks after a Ctrl-C or SIGTERM of `train launch` (then it is killed).

@@ -56,8 +56,11 @@ def test_two_ranks_match_one_rank(tmp_path, feature_store, tiny_target, family):
                 target_dir=str(tiny_target), seed=0)
     cmd = [sys.executable, "-m", "eaglenest.pipeline.train_cli", "launch", "--nproc", "2", "--recipe", RECIPE,
            *overrides(cfg, tmp_path / "two", feature_store, tiny_target)]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    tmp = tmp_path / "tmp"  # the launch's temp dir: torchrun's folder of error files is removed once it reported
+    tmp.mkdir()
+    proc = subprocess.run(cmd, env={**env(), "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-12000:]
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "eaglenest-torchrun-"))]
     a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert one.steps == 20 and [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 21))
     assert a[-1]["loss"] < 0.8 * a[0]["loss"]  # it trains

@@ -1,0 +1,97 @@
+"""Ctrl-C while a console script still imports its command (QA pass 12): one line and SIGINT, no traceback.
+
+The console scripts of ``[project.scripts]`` run as installed in the environment (``.venv/bin``): a real
+process, a real SIGINT. A slow import (a cold disk cache, a network file system) is made certain with a
+``sitecustomize`` that holds the import of ``eaglenest.cli``, which every command imports before its
+``main`` runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+#: The console scripts, as ``[project.scripts]`` names them, and the argv each is given.
+SCRIPTS = {"ingest": ["build"], "featurestore": ["capture"], "train": ["run"], "serve": ["export"],
+           "evaluate": ["al"], "eaglenest-tiny-target": ["--prompts-only"]}
+
+#: Holds the import of ``eaglenest.cli`` (saying so on stdout when ``EAGLENEST_QA_SAY`` is set).
+_SLOW_IMPORT = """
+import os, sys, time
+
+class _Slow:
+    def find_spec(self, name, path=None, target=None):
+        if name == "eaglenest.cli":
+            if os.environ.get("EAGLENEST_QA_SAY"):
+                print("importing", flush=True)
+            time.sleep(30)
+        return None
+
+sys.meta_path.insert(0, _Slow())
+"""
+
+
+def _start(tmp_path: Path, script: str, *, say: bool) -> subprocess.Popen:
+    exe = Path(sys.executable).parent / script
+    assert exe.exists(), f"{exe}: the console script is not installed (pip install -e .)"
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(_SLOW_IMPORT)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    env.pop("EAGLENEST_QA_SAY", None)
+    if say:
+        env["EAGLENEST_QA_SAY"] = "1"
+    return subprocess.Popen([str(exe), *SCRIPTS[script]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path, env=env)
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_ctrl_c_while_the_command_imports_ends_it_with_one_line(tmp_path, script):
+    proc = _start(tmp_path, script, say=True)
+    try:
+        assert proc.stdout.readline().strip() == "importing"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "Traceback" not in err, err
+    assert err.splitlines() == [f"{script}: interrupted"]
+    # ended by SIGINT, as a Ctrl-C once the command runs ends it: a shell sees 130 and a loop running it stops
+    assert proc.returncode == -signal.SIGINT
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.2], ids=["at once", "after 0.2 s"])
+def test_ctrl_c_right_after_the_start_leaves_no_traceback(tmp_path, delay_s):
+    proc = _start(tmp_path, "ingest", say=False)
+    try:
+        time.sleep(delay_s)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.splitlines() in ([], ["ingest: interrupted"])  # [] : before Python set its Ctrl-C handler up
+    assert proc.returncode == -signal.SIGINT
+
+
+def test_python_m_still_runs_the_command(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "eaglenest.ingest.cli", "--help"], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0 and "validate" in proc.stdout, proc.stderr
+
+
+def test_an_entry_point_loaded_in_process_takes_its_argv(tmp_path, capsys):
+    # tests/archs loads the installed console script's entry point and calls it with an argv
+    from importlib.metadata import entry_points
+
+    main = entry_points(group="console_scripts")["ingest"].load()
+    assert main(["validate", "--manifest", str(tmp_path / "no such manifest.yaml")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("ingest: error:") and "no such manifest.yaml" in err[0], err

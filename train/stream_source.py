@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import numpy as np
 import torch
@@ -39,6 +38,7 @@ from eaglenest.featurestore.stream.local import CaptureStream
 from eaglenest.featurestore.stream.xhost import RankStream
 from eaglenest.featurestore.table import store
 from eaglenest.train.data import aux_order, collate, plan_batches, rank_rows
+from eaglenest.train.dist import rank_env
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class StreamShards:
                  timeout_s: float = 1800.0):
         if featurestore is None:
             raise ConfigError("train.source=stream needs the recipe's featurestore section (engine, layer_ids)")
-        if transport == "gloo" and int(os.environ.get("RANK", 0)) == 0:  # the rank that hosts the stream's store
+        if transport == "gloo" and rank_env().rank == 0:  # the rank that hosts the stream's store
             is_local(parse_addr(addr)[0], addr, "train.stream.addr")  # resolves: before the data and the target load
         if not store.exists(store_uri, store.PROMPTS):
             raise StoreError(f"no prompts table in {store_uri}: run `ingest build` first")
@@ -121,7 +121,7 @@ class StreamShards:
 
         ``rank`` defaults to torchrun's ``RANK``. With the unix transport the engine is started
         here (one rank only); with gloo this rank joins the engines started by ``stream-serve``."""
-        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        rank = rank_env().rank if rank is None else rank
         if self.transport == "unix" and world_size != 1:
             raise ConfigError("train.source=stream with train.stream.transport=unix feeds one rank: run "
                               "`train run`, or set train.stream.transport=gloo for torchrun")

@@ -58,6 +58,13 @@ def exists(uri: str, name: str) -> bool:
     return objects.exists(objects.join(table_uri(uri, name), "_versions"), directory=True)
 
 
+def must_exist(uri: str, name: str, what: str) -> None:
+    """Refuse ``what`` (a maintenance verb) on a table that is not there, before its lease files would make
+    a store folder out of a mistyped path."""
+    if not exists(uri, name):
+        raise StoreError(f"no table '{name}' in store {uri}; {what} changed nothing")
+
+
 def table_names(uri: str) -> list[str]:
     """Names of the tables in the store (directories ``<name>.lance`` holding a version)."""
     names = sorted(e.name[:-len(".lance")] for e in objects.listdir(uri)
@@ -158,7 +165,7 @@ def version_list(ds, uri: str, name: str) -> list[dict]:
     try:
         return ds.versions()
     except LANCE_ERRORS as exc:
-        first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        first = lance_line(exc)
         raise StoreError(f"table '{name}' in {uri}: cannot list its versions ({first}); a manifest under "
                          f"{name}.lance/_versions is damaged: restore it from a backup") from None
 
@@ -308,7 +315,7 @@ def unreadable(uri: str, name: str, version: int, *, filter: str | None = None):
     try:
         yield
     except (OSError, pa.ArrowException) as exc:
-        first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        first = lance_line(exc)
         raise StoreError(f"table '{name}' in {uri}, version {version}: cannot read it ({first}); "
                          "`featurestore verify` names the damaged fragment and file") from None
     except ValueError as exc:

@@ -197,7 +197,7 @@ def _create(uri: str, name: str, want: pa.Schema) -> None:
         os.rename(tmp, path)
     except OSError as exc:
         raise StoreError(f"run.store: cannot create table '{name}' in {uri} "
-                         f"({str(exc).splitlines()[0][:300]})") from None
+                         f"({base.lance_line(exc)[:300]})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     base.record_head(uri, name, 1)
@@ -215,7 +215,7 @@ def _create_remote(lance, uri: str, name: str, want: pa.Schema) -> None:
     except (OSError, ValueError) as exc:
         if not base.exists(uri, name):
             raise StoreError(f"run.store: cannot create table '{name}' in {uri} "
-                             f"({str(exc).splitlines()[0][:300]})") from None
+                             f"({base.lance_line(exc)[:300]})") from None
         log.debug("table %s was created by another writer meanwhile", path)
         return
     base.record_head(uri, name, 1)
@@ -244,7 +244,7 @@ def fragment_sample_ids(uri: str, name: str, fragments: list, ds) -> list[str]:
                                 columns=["sample_id"]).read_all().to_table()
         except (OSError, ValueError) as exc:
             raise StoreError(f"table '{name}': cannot read the uncommitted data file {path} "
-                             f"({str(exc).splitlines()[0][:200]}); was it deleted?") from None
+                             f"({base.lance_line(exc)[:200]}); was it deleted?") from None
         ids += t.column("sample_id").to_pylist()
     return ids
 
@@ -309,7 +309,7 @@ def commit_fragments(uri: str, name: str, fragments: list, *, meta: S.FeatureMet
             except OSError as exc:
                 if not _is_conflict(exc) or attempt == max_retries:
                     raise StoreError(f"commit to table '{name}' failed after {attempt + 1} attempt(s): "
-                                     f"{str(exc).splitlines()[0][:300]}") from None
+                                     f"{base.lance_line(exc)[:300]}") from None
                 delay = min(2.0, 0.05 * 2 ** attempt) * (0.5 + random.random())
                 log.info("commit conflict on %s (attempt %d), retrying in %.2fs", path, attempt + 1, delay)
                 time.sleep(delay)

@@ -60,6 +60,10 @@ log = logging.getLogger(__name__)
 WAIT_S = 30.0
 #: How long ``compact``, ``gc``, ``restore`` and tag changes wait before saying who holds it.
 MAINTENANCE_WAIT_S = 5.0
+#: How long a new pin waits for a ``gc`` that is removing versions (then a one-line error naming it, s).
+PIN_WAIT_S = 60.0
+#: A pin's temporary (``<pid>-<id>.tmp``) unlocked and older than this is a killed reader's (seconds).
+PIN_TMP_AGE_S = 60.0
 
 _held: dict[str, list] = {}  # lease path -> [fd, depth, thread] for leases this process holds
 _pins: dict[str, int] = {}   # pin file -> version, for pins this process holds
@@ -270,14 +274,13 @@ def pin(uri: str, name: str, version: int, *, purpose: str = "train") -> Iterato
     # Locked and written under a name gc does not list, then renamed into place (the lock stays with
     # the file): a gc between the open and the lock would take the pin for a dead reader's and
     # delete it, and one between the lock and the write would find no version in it.
-    tmp = path.with_suffix(".tmp")
     # Known as this process's own before the file appears under its name: a gc in another thread of this
     # process would otherwise lock it (record locks are the process's), take it for a dead reader's,
     # delete it, and drop the lock by closing its descriptor.
     with _mutex:
         _pins[str(path)] = int(version)
     try:
-        fd = _make_pin(path, tmp, version, purpose)
+        fd = _make_pin(path, version, purpose)
     except OSError as exc:
         with _mutex:
             _pins.pop(str(path), None)
@@ -285,19 +288,23 @@ def pin(uri: str, name: str, version: int, *, purpose: str = "train") -> Iterato
         yield
         return
     try:
+        # A gc that listed the pins before this one appeared and is removing versions now: waited out, so
+        # the caller's next open of the version finds it kept or names it collected (not half-deleted later).
+        _wait_for_gc(uri, name, version, purpose)
         yield
     finally:
         with _mutex:
             _pins.pop(str(path), None)
-        for leftover in (path, tmp):
+        for leftover in (path, path.with_suffix(".tmp")):
             with contextlib.suppress(OSError):
                 leftover.unlink()
         os.close(fd)
 
 
-def _make_pin(path: Path, tmp: Path, version: int, purpose: str) -> int:
-    """The pin file ``path``, made through ``tmp`` (pin), locked; its descriptor. Failing (no
+def _make_pin(path: Path, version: int, purpose: str) -> int:
+    """The pin file ``path``, made through ``<path>.tmp`` (pin), locked; its descriptor. Failing (no
     permission, no locks on this file system, a full disk), the OSError, with nothing left behind."""
+    tmp = path.with_suffix(".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -311,6 +318,45 @@ def _make_pin(path: Path, tmp: Path, version: int, purpose: str) -> int:
             tmp.unlink()
         raise
     return fd
+
+
+def _wait_for_gc(uri: str, name: str, version: int, purpose: str) -> None:
+    """Return once no ``gc`` of table ``name`` is between its last listing of the pins and the end of Lance's
+    removal (it holds the table's "pins" lock, ``kind="pins"`` of :func:`hold`, for that window); waiting
+    longer than :data:`PIN_WAIT_S`, a :class:`StoreError` naming it. The lock is only tested, never written
+    (a read leaves the store as it was), and not looked for where no gc ever made it."""
+    path = lease_path(uri, name, "pins")
+    key = str(path)
+    deadline = time.monotonic() + PIN_WAIT_S
+    busy = (f"table '{name}' in {uri}: a `featurestore gc` is removing versions; the pin of version {version} "
+            f"({purpose}) waited {PIN_WAIT_S:.0f} s for it")
+    if _claim(key, deadline, f"{busy} (another thread of this process, pid {os.getpid()})"):
+        with _mutex:  # this thread is the gc: its own pins are counted as it lists them
+            _held[key][1] -= 1
+        return
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:  # no gc made it yet (a later one lists this pin), or it cannot be opened: no gc here
+            return
+        try:
+            while True:
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                        return
+                    if time.monotonic() >= deadline:
+                        raise StoreError(f"{busy} (held by {describe(_read_info(fd))}); run it again when that "
+                                         "gc has finished") from None
+                    time.sleep(0.05 + 0.1 * random.random())
+            fcntl.lockf(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+    finally:
+        with _mutex:
+            del _held[key]
 
 
 def _unpinned(uri: str, name: str, version: int, exc: OSError) -> None:
@@ -336,6 +382,7 @@ def pinned_versions(uri: str, name: str) -> set[int]:
     folder = _pins_dir(uri, name)
     if not folder.is_dir():
         return out
+    _sweep_pin_temporaries(folder)
     for path in folder.glob("*.json"):
         with _mutex:
             mine = _pins.get(str(path))
@@ -358,3 +405,28 @@ def pinned_versions(uri: str, name: str) -> set[int]:
         finally:
             os.close(fd)
     return out
+
+
+def _sweep_pin_temporaries(folder: Path) -> None:
+    """Remove the pin temporaries (``*.tmp``) of readers killed before the rename: unlocked and older than
+    :data:`PIN_TMP_AGE_S` (a live reader locks its own within microseconds of making it, until it is renamed).
+    This process's own are never opened (closing one would unlock it)."""
+    for tmp in folder.glob("*.tmp"):
+        with _mutex:
+            if str(tmp.with_suffix(".json")) in _pins:
+                continue
+        try:
+            if time.time() - tmp.lstat().st_mtime < PIN_TMP_AGE_S:
+                continue
+            fd = os.open(tmp, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a live reader's
+            continue
+        else:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        finally:
+            os.close(fd)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import logging
+import numbers
 import re
 import shutil
 import time
@@ -50,7 +51,7 @@ def verify(uri: str, name: str, *, version: int | str | None = None) -> dict:
         ds = base.dataset(uri, name, version, allow_rolled_back=True)
         meta = S.feature_meta(ds.schema) if base.is_features(name) else None
     except Exception as exc:  # a corrupt manifest, schema or feature metadata is a finding, not a crash
-        return {"table": name, "ok": False, "problems": [f"cannot open: {str(exc).splitlines()[0][:300]}"]}
+        return {"table": name, "ok": False, "problems": [f"cannot open: {base.lance_line(exc)[:300]}"]}
     if version is None and (rolled := base.rolled_back(uri, name, ds.version)):
         problems.append(rolled)
     # Pinned while every byte is read: a compact and a gc meanwhile would delete this version's files
@@ -90,7 +91,7 @@ def _check_version(uri: str, name: str, ds, meta: S.FeatureMeta | None, problems
         try:
             got, found = _scan_fragment(frag, meta)
         except Exception as exc:
-            problems.append(f"fragment {fid}: unreadable ({str(exc).splitlines()[0][:200]})")
+            problems.append(f"fragment {fid}: unreadable ({base.lance_line(exc)[:200]})")
             continue
         if got != frag.metadata.physical_rows - (frag.metadata.num_deletions or 0):
             problems.append(f"fragment {fid}: {got} rows read, manifest says "
@@ -103,7 +104,7 @@ def _check_version(uri: str, name: str, ds, meta: S.FeatureMeta | None, problems
         ids = ds.to_table(columns=["sample_id"]).column("sample_id").to_pylist()
     except (OSError, ValueError) as exc:  # a fragment that does not read is reported above
         ids = []
-        problems.append(f"sample_id: not checked for duplicates ({str(exc).splitlines()[0][:200]})")
+        problems.append(f"sample_id: not checked for duplicates ({base.lance_line(exc)[:200]})")
     dup = sorted({i for i, n in collections.Counter(ids).items() if n > 1})
     if dup:
         problems.append(f"sample_id: {len(dup)} id(s) stored more than once, {len(ids) - len(set(ids))} extra "
@@ -156,6 +157,7 @@ def compact(uri: str, name: str, *, target_rows_per_fragment: int = 1 << 20) -> 
     the table's writer lease. Every data file is first held to its checksum
     (:func:`integrity.checked_dataset`): compacting a damaged file would rewrite its bad bytes under
     a fresh, valid CRC, and a later ``gc`` would delete the intact original."""
+    base.must_exist(uri, name, "compact")
     with lease.hold(uri, name, purpose="featurestore compact", wait_s=lease.MAINTENANCE_WAIT_S):
         ds = integrity.checked_dataset(uri, name)
         before = len(ds.get_fragments())
@@ -182,13 +184,18 @@ SIDE_TMP = re.compile(r"\.json\.tmp\d+-\d+$")
 
 def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRACE_HOURS) -> dict:
     """Drop untagged versions older than ``older_than_hours`` (tagged ones and the latest stay),
-    their unreferenced data files, uncommitted data files older than ``grace_hours``, and stale
+    their unreferenced data files, uncommitted data files (``data/*.lance`` of no version, as Lance
+    names them; no other file there is touched) older than ``grace_hours``, and stale
     CRC sidecars. Runs under the table's writer lease, so never while a capture or ingest that may
     still commit its written fragments is live; the grace period also protects fragments that a
     writer outside eaglenest's leases (a bare ``write_fragment`` caller) has not committed yet.
     A rolled-back table is refused: its lost version's files are the only copy left."""
-    if not all(0 <= h < float("inf") for h in (older_than_hours, grace_hours)):  # NaN fails both
-        raise StoreError("featurestore gc: --older-than-hours and --grace-hours must be finite and >= 0")
+    hours = (older_than_hours, grace_hours)  # a string or a bool ("24", True) is no number of hours
+    if not all(isinstance(h, numbers.Real) and not isinstance(h, bool) and 0 <= h < float("inf")  # NaN fails
+               for h in hours):
+        raise StoreError(f"featurestore gc: --older-than-hours and --grace-hours must be finite and >= 0 "
+                         f"numbers (got {older_than_hours!r} and {grace_hours!r})")
+    base.must_exist(uri, name, "gc")
     with lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S), \
             lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
         ds = _intact_latest(uri, name)
@@ -208,16 +215,22 @@ def gc(uri: str, name: str, *, older_than_hours: float, grace_hours: float = GRA
                                                if v != ds.version and _utc(t) < cut + dt.timedelta(minutes=1)])
         # delete_unverified=False: Lance deletes only files some removed version referenced. It
         # would delete files of no version (uncommitted) at any age with True: swept below instead.
+        # The pins are listed again, and no new one is made until Lance has removed (lease.pin waits): a
+        # reader that pinned since the first listing keeps its version, one that pins now is told gc runs.
         # The age is measured again here: the pinned version has aged while the lineage was written.
-        stats = ds.cleanup_old_versions(older_than=_max_age(older_than_hours, pinned, stamps),
-                                        delete_unverified=False, error_if_tagged_old_versions=False)
+        with lease.hold(uri, name, purpose="featurestore gc", wait_s=lease.MAINTENANCE_WAIT_S, kind="pins"):
+            pinned = lease.pinned_versions(uri, name)
+            stats = ds.cleanup_old_versions(older_than=_max_age(older_than_hours, pinned, stamps),
+                                            delete_unverified=False, error_if_tagged_old_versions=False)
         ds = base.dataset(uri, name)
         live = referenced_files(uri, name, ds)
         data_dir = objects.join(base.table_uri(uri, name), "data")
         cutoff = time.time() - min(grace_hours, MAX_HOURS) * 3600
         swept, swept_bytes = 0, 0
         for e in objects.listdir(data_dir):  # local directory or object-store prefix alike
-            if e.is_file and e.name not in live and e.mtime_s is not None and e.mtime_s < cutoff:
+            # Lance's own rule for files of no version: only ``data/*.lance`` is its (a user's notes are not)
+            if e.is_file and e.name.endswith(".lance") and e.name not in live and e.mtime_s is not None \
+                    and e.mtime_s < cutoff:
                 try:
                     objects.delete(objects.join(data_dir, e.name))
                 except FileNotFoundError:

@@ -40,6 +40,7 @@ def set_tag(uri: str, name: str, tag: str, version: int | str | None) -> int:
     An existing tag is moved, with a warning naming both versions: the old one loses the tag's
     protection from ``gc``."""
     base.check_tag(tag)
+    base.must_exist(uri, name, "tags")
     with lease.hold(uri, name, purpose="featurestore tags", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
         ds = base.dataset(uri, name, allow_rolled_back=version is not None)
         v = int(base.dataset(uri, name, version).version)
@@ -50,7 +51,7 @@ def set_tag(uri: str, name: str, tag: str, version: int | str | None) -> int:
             else:
                 ds.tags.create(tag, v)
         except (OSError, ValueError) as exc:  # Lance's own ref rules, should names.TAG fall behind them
-            raise StoreError(f"table '{name}': cannot set tag {tag!r} ({str(exc).splitlines()[0][:200]})") from None
+            raise StoreError(f"table '{name}': cannot set tag {tag!r} ({base.lance_line(exc)[:200]})") from None
     if old is not None and int(old["version"]) != v:
         log.warning("tag '%s' of table '%s' moved from version %s to version %d (version %s loses the tag's "
                     "protection from `featurestore gc`)", tag, name, old["version"], v, old["version"])
@@ -59,6 +60,7 @@ def set_tag(uri: str, name: str, tag: str, version: int | str | None) -> int:
 
 def delete_tag(uri: str, name: str, tag: str) -> None:
     base.check_tag(tag)
+    base.must_exist(uri, name, "tags")
     with lease.hold(uri, name, purpose="featurestore tags", wait_s=lease.MAINTENANCE_WAIT_S, kind="tags"):
         ds = base.dataset(uri, name, allow_rolled_back=True)
         if tag not in base.tag_list(ds, uri, name):
@@ -100,13 +102,14 @@ def restore(uri: str, name: str, version: int | str) -> int:
     Under the table's writer lease (a restore during a capture would drop rows the capture has
     committed while it goes on believing they are stored). On a rolled-back table this is how the
     loss is accepted: the new version becomes the recorded head."""
+    base.must_exist(uri, name, "restore")
     with lease.hold(uri, name, purpose="featurestore restore", wait_s=lease.MAINTENANCE_WAIT_S):
         ds = base.dataset(uri, name, version)
         try:
             ds.restore()  # reads the latest manifest to number the new version
         except (OSError, ValueError) as exc:
             raise StoreError(f"table '{name}' in {uri}: cannot restore version {ds.version} "
-                             f"({str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}); "
+                             f"({base.lance_line(exc)}); "
                              f"is the latest manifest under {name}.lance/_versions damaged? "
                              "`featurestore verify` checks it") from None
         new = int(base.dataset(uri, name, allow_rolled_back=True).version)

@@ -13,7 +13,9 @@ weights of one run segment under the served AL of another.
 
 Trade-off: each evaluation starts a vLLM engine (~25 s on 2 CPU cores) while the other ranks
 wait at a barrier, so selection is off by default and meant for sparse intervals. The held-out
-slice is small, so served AL differences of a few hundredths are noise; ties keep the earlier step.
+slice is small, so served AL differences of a few hundredths are noise; ties keep the earlier step. A
+snapshot vLLM measured no draft round of (every output ended at its first token) has no served AL: its
+record says null, and it is never kept as best/ (not 0.0, which would keep an early snapshot as the run's).
 
 ``report.json`` / ``report.png``: loss, per-step accuracy and served AL against the step.
 """
@@ -119,11 +121,18 @@ class Selector:
         work = self.outdir / "select"
         snap = checkpoint.save_checkpoint(work / "snapshot", draft, info=info)
         scored = self.score(snap)
-        rec = {"step": step, "served_al": float(scored.get("served_al") or 0.0), "prompts": scored.get("prompts"),
+        # None when vLLM ran no draft round (every output ended at its prefill token): unmeasured, not 0.0,
+        # so such a snapshot is recorded as null and never kept as best/.
+        al = scored.get("served_al")
+        rec = {"step": step, "served_al": None if al is None else float(al), "prompts": scored.get("prompts"),
                "loss": (info.get("metrics") or {}).get("loss")}
         prev = self.best()
         with self.path.open("a", encoding="utf-8") as f:
             f.write(_line(rec))
+        if rec["served_al"] is None:
+            log.warning("step %d: served AL not measured (no draft round: every output ended at its first "
+                        "token, e.g. evaluate.max_tokens=1): not a candidate for best/", step)
+            return None
         if math.isfinite(rec["served_al"]) and (prev is None or rec["served_al"] > prev["served_al"]):
             tmp = self.outdir / ".best.tmp"
             shutil.rmtree(tmp, ignore_errors=True)

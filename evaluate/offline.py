@@ -46,6 +46,7 @@ from eaglenest.hf import load_causal_lm, load_tokenizer
 from eaglenest.paths import read_json_object, shown_path
 from eaglenest.serve import formats, fp8
 from eaglenest.specdecode import SpecCounters
+from eaglenest.target import pinned_revision
 from eaglenest.train import dflash, peagle
 from eaglenest.train.checkpoint import INFO, WEIGHTS, load_checkpoint
 from eaglenest.train.model import Eagle3Draft, chunk_doc_mask
@@ -213,7 +214,8 @@ def load_target(target_dir: str | Path, *, trust_remote_code: bool = False):
     tok = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
     stops = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     try:
-        eos = GenerationConfig.from_pretrained(str(target_dir)).eos_token_id
+        pinned = pinned_revision(target_dir)  # run.target_revision of a hub id
+        eos = GenerationConfig.from_pretrained(str(target_dir), **({"revision": pinned} if pinned else {})).eos_token_id
         stops |= set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
     except OSError:
         pass

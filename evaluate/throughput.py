@@ -80,7 +80,8 @@ async def _point(url: str, prompts: list[dict], *, concurrency: int, max_tokens:
         async with sem:
             return i, await _one(client, url, prompts[i], max_tokens, seed, chat_template_kwargs)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    # trust_env=False: a proxy of the environment (HTTP_PROXY) cannot reach the server on this machine
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), trust_env=False) as client:
         t0 = time.perf_counter()
         done = dict(await asyncio.gather(*(run(i) for i in order)))
         wall = time.perf_counter() - t0
@@ -157,7 +158,7 @@ def server_counters(url: str) -> dict[str, float]:
     without speculation exports no ``spec_decode`` series)."""
     import httpx
 
-    text = httpx.get(f"{url}/metrics", timeout=30.0).text
+    text = httpx.get(f"{url}/metrics", timeout=30.0, trust_env=False).text  # never through HTTP_PROXY
     out = dict.fromkeys(COUNTERS, 0.0)
     names = {v: k for k, v in COUNTERS.items()}
     for line in text.splitlines():

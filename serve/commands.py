@@ -11,8 +11,9 @@ from eaglenest.engine import draft_num_speculative_tokens
 from eaglenest.errors import ConfigError, ManifestError
 from eaglenest.ingest.manifest import load_manifest
 from eaglenest.precheck import check_max_model_len
+from eaglenest.serve.config import check_repo_id
 from eaglenest.serve.draft_files import check_draft_dir, local_target_config
-from eaglenest.serve.push import check_repo_id, plan_push, push_draft, read_report, resolve_token
+from eaglenest.serve.push import plan_push, push_draft, read_report, resolve_token
 from eaglenest.serve.server import Server
 from eaglenest.serve.target_check import check_served_tokenization
 from eaglenest.train.config import recommended_num_speculative_tokens
@@ -60,8 +61,10 @@ def cmd_up(recipe, args) -> int:
         while server.proc.poll() is None and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.5)
         code = server.proc.poll()
-    if code not in (None, 0):  # the server ended by itself (or was killed), before Ctrl-C or --for-seconds
-        print(f"serve: error: server exited with code {code} (log {server.log_path})", file=sys.stderr)
+    if code is not None:  # the server ended by itself (or another process stopped it), before Ctrl-C or
+        # --for-seconds: nothing serves any more, whatever its code (vLLM's is 0 after a SIGTERM of its own)
+        print(f"serve: error: server exited with code {code} before it was asked to stop (log {server.log_path})",
+              file=sys.stderr)
         return 2
     return 0
 

@@ -83,6 +83,8 @@ class ServeConfig:
         if self.format == "speculators" and self.quantization != "none":
             raise ConfigError("serve.format: speculators checkpoints carry no quantised weights; "
                               "use serve.format=vllm with serve.quantization=fp8")
+        if self.hub_repo_id:  # refused here too, so --dry-run says so (empty: `serve push` asks for one)
+            check_repo_id(self.hub_repo_id)
         if not is_branch_name(self.hub_revision):  # refused before the Hub, where the repo would be made first
             raise ConfigError(f"serve.hub_revision: a branch name git accepts, got {short(self.hub_revision)}")
 
@@ -90,9 +92,23 @@ class ServeConfig:
 def is_branch_name(name: str) -> bool:
     """Whether git accepts ``name`` as a branch (``git check-ref-format --branch``'s rules): no
     whitespace, control or ``~^:?*[\\`` characters, no ``..``, ``@{`` or empty path component, no
-    component starting with ``.`` or ending in ``.lock``, not starting with ``-`` or ending in ``.``."""
+    component starting with ``.`` or ending in ``.lock``, not starting with ``-`` or ending in ``.``, not ``HEAD``."""
     parts = name.split("/")
-    return (bool(name) and not name.startswith("-") and not name.endswith(".")
+    return (bool(name) and name != "HEAD" and not name.startswith("-") and not name.endswith(".")
             and ".." not in name and "@{" not in name
             and not any(c.isspace() or ord(c) < 32 or ord(c) == 127 or c in "~^:?*[\\" for c in name)
             and all(p and not p.startswith(".") and not p.endswith(".lock") for p in parts))
+
+
+def check_repo_id(repo_id: str) -> None:
+    """``serve.hub_repo_id`` must be a Hub model id ("namespace/name"), as the Hub client validates one."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not repo_id:
+        raise ConfigError("serve.hub_repo_id: set the Hub repo to push to, e.g. serve.hub_repo_id=me/my-draft")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise ConfigError(f"serve.hub_repo_id: {exc}") from None
+    if "/" not in repo_id:
+        raise ConfigError(f"serve.hub_repo_id: 'namespace/name', got {repo_id!r}")

@@ -1,11 +1,11 @@
 """Push an exported draft to the Hugging Face Hub, with a model card that says where it came from.
 
-``serve push`` uploads the draft directory (config.json, weights, provenance.json) in one commit
-whose README.md is built here: the export's own card with Hub metadata on top (licence, base
-model, tags), then the data lineage (feature store, table and version, feature-set identity), the
-licences the manifest gives its sources, and the AL table of ``evaluate al`` when its report
-measured this very directory. The repo is created when missing (``serve.hub_visibility``), the
-branch too (``serve.hub_revision``).
+``serve push`` uploads the draft directory (config.json, weights, provenance.json: what the export
+writes; any other file there is refused) in one commit whose README.md is built here: the export's
+own card with Hub metadata on top (licence, base model, tags), then the data lineage (feature store,
+table and version, feature-set identity), the licences the manifest gives its sources, and the AL
+table of ``evaluate al`` when its report measured this very directory. The repo is created when
+missing (``serve.hub_visibility``), the branch too (``serve.hub_revision``).
 
 The token comes from HF_TOKEN or the saved login (``huggingface_hub.get_token``) and goes only to
 the client's Authorization header: it is never printed, logged, or written to a file. The
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.engine import MAX_NUM_SPECULATIVE_TOKENS, draft_family
-from eaglenest.errors import ConfigError, EaglenestError
+from eaglenest.errors import EaglenestError
 from eaglenest.paths import read_json_object, shown_path
 from eaglenest.serve import formats
 from eaglenest.serve.draft_files import check_draft_dir
@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 HUB_LICENCES = frozenset({"apache-2.0", "mit", "cc0-1.0", "cc-by-4.0", "cc-by-sa-4.0", "cc-by-nc-4.0",
                           "cc-by-nc-sa-4.0", "cc-by-3.0", "bsd-2-clause", "bsd-3-clause", "mpl-2.0", "gpl-3.0",
                           "lgpl-3.0", "agpl-3.0", "odc-by", "odbl", "pddl", "unlicense", "llama3.1", "gemma"})
+#: What ``serve push`` sends from the draft folder: what ``serve export`` writes there (its ``EXPORT_FILES``;
+#: README.md is rebuilt for the Hub). Any other file in the folder is refused, never published.
+PUSHED_FILES = frozenset({"config.json", "model.safetensors", "provenance.json", "README.md"})
 #: The draft families' names in the commit message (the card's tag is the family itself).
 FAMILY_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash"}
 
@@ -56,20 +59,6 @@ class PushPlan:
         return self.files["README.md"].decode("utf-8")
 
 
-def check_repo_id(repo_id: str) -> None:
-    """``serve.hub_repo_id`` must be a Hub model id ("namespace/name")."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if not repo_id:
-        raise ConfigError("serve.hub_repo_id: set the Hub repo to push to, e.g. serve.hub_repo_id=me/my-draft")
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as exc:
-        raise ConfigError(f"serve.hub_repo_id: {exc}") from None
-    if "/" not in repo_id:
-        raise ConfigError(f"serve.hub_repo_id: 'namespace/name', got {repo_id!r}")
-
-
 def resolve_token() -> str:
     """HF_TOKEN, else the saved login; a clear error when there is neither."""
     from huggingface_hub import get_token
@@ -86,6 +75,11 @@ def plan_push(draft_dir: str | Path, *, repo_id: str, revision: str = "main", vi
     draft = Path(draft_dir)
     if not (draft / "config.json").is_file():
         raise EaglenestError(f"serve push: no exported draft at {draft}: run `serve export` first")
+    extra = sorted(p.name for p in draft.iterdir() if not p.name.startswith(".") and p.name not in PUSHED_FILES)
+    if extra:  # a note, a log, a link to a secret elsewhere: published with the draft, and public repos exist
+        raise EaglenestError(f"serve push: {shown_path(draft / extra[0])} is not part of the export (only "
+                             f"{', '.join(sorted(PUSHED_FILES))} are pushed): nothing pushed; move it out of "
+                             "the folder")
     check_draft_dir(draft)  # weights whole, vocabulary map consistent: never push a draft vLLM cannot load
     if not (draft / "provenance.json").is_file():  # the card's lineage would be all blanks
         raise EaglenestError(f"serve push: {shown_path(draft / 'provenance.json')} is missing: the model card's "
@@ -98,8 +92,8 @@ def plan_push(draft_dir: str | Path, *, repo_id: str, revision: str = "main", vi
     if prov.get("format", "vllm") not in typing.get_args(formats.Format):  # it becomes a tag in the card's YAML
         raise EaglenestError(f"{shown_path(draft / 'provenance.json')}: format: {str(prov['format'])[:60]!r} is not "
                              f"one of {', '.join(typing.get_args(formats.Format))}; export the draft again (`serve export`)")
-    files: dict[str, Path | bytes] = {p.name: p for p in sorted(draft.iterdir())
-                                      if p.is_file() and not p.name.startswith(".") and p.name != "README.md"}
+    files: dict[str, Path | bytes] = {name: draft / name for name in sorted(PUSHED_FILES - {"README.md"})
+                                      if (draft / name).is_file()}
     card_in = (draft / "README.md").read_text(encoding="utf-8") if (draft / "README.md").is_file() else ""
     if report is not None and Path(str(report.get("draft", ""))).resolve() != draft.resolve():
         log.info("evaluate report measured %s, not %s: no AL table in the card", report.get("draft"), draft)

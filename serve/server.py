@@ -12,6 +12,7 @@ measure them back to back; size ``memory_fraction`` for both.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -58,6 +59,9 @@ def _bound(host: str, port: int) -> socket.socket:
         s.bind(addr)
     except OSError as e:
         s.close()
+        if e.errno == errno.EADDRNOTAVAIL:  # another machine's address (or a down interface's): not the port
+            raise EaglenestError(f"serve.host: {host} is not an address of this machine ({e.strerror or e}); set "
+                                 "serve.host to one of its addresses (127.0.0.1, 0.0.0.0: all of them)") from None
         raise EaglenestError(f"serve.port: cannot listen on {_netloc(host, port)} ({e.strerror or e}); set "
                              "serve.port=<free port> (0 picks one) or serve.host") from None
     return s
@@ -163,8 +167,8 @@ class Server:
                 why = exit_reason(self.log_path.read_text(errors="replace"))
                 raise EaglenestError(f"vLLM server exited with code {self.proc.returncode} during start-up "
                                      f"(log {self.log_path}): {why[:300]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+            try:  # asked directly: a proxy of the environment (HTTP_PROXY) cannot reach this machine's server
+                if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).status_code == 200:
                     log.info("vLLM server ready at %s", self.url)
                     return
             except httpx.HTTPError:

@@ -46,14 +46,7 @@ def draft_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype: 
         **formats.aux_layer_keys(list(info["layer_ids"])),
         "torch_dtype": dtype,
     }
-    for key in FROM_TARGET:
-        if target_cfg.get(key) is not None:
-            cfg[key] = target_cfg[key]
-    _set_positions(cfg, target_cfg)
-    rope = d.get("rope_parameters") or {}
-    cfg["rope_parameters"] = rope
-    if rope.get("rope_theta") is not None:
-        cfg["rope_theta"] = rope["rope_theta"]  # readers that predate rope_parameters
+    _from_target(cfg, target_cfg, d, FROM_TARGET)
     for flag in FLAGS:
         cfg[flag] = bool(d.get(flag, False))
     if "sliding_attention" in (d.get("layer_types") or ()):  # train.sliding_window (vLLM's Llama reads both)
@@ -101,18 +94,25 @@ def dflash_hf_config(info: dict[str, Any], target_cfg: dict[str, Any], *, dtype:
         "sliding_window": None,
         "torch_dtype": dtype,
     }
-    for key in ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
-        if target_cfg.get(key) is not None:
-            cfg[key] = target_cfg[key]
-    _set_positions(cfg, target_cfg)
-    rope = d.get("rope_parameters") or {}
-    cfg["rope_parameters"] = rope
-    if rope.get("rope_theta") is not None:
-        cfg["rope_theta"] = rope["rope_theta"]  # vLLM's qwen3_dflash defaults a missing theta to 1e6
+    _from_target(cfg, target_cfg, d, ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"))
     if cfg["hidden_size"] != target_cfg["hidden_size"]:
         raise ConfigError("draft hidden size differs from the target's: vLLM shares the target embeddings")
     return cfg
 
+
+
+def _from_target(cfg: dict[str, Any], target_cfg: dict[str, Any], draft: dict[str, Any], keys) -> None:
+    """``keys`` copied from the target's config, its length (:func:`_set_positions`), and the draft's own rotary
+    settings, with ``rope_theta`` beside them for readers that predate ``rope_parameters`` (vLLM's
+    qwen3_dflash defaults a missing theta to 1e6)."""
+    for key in keys:
+        if target_cfg.get(key) is not None:
+            cfg[key] = target_cfg[key]
+    _set_positions(cfg, target_cfg)
+    rope = draft.get("rope_parameters") or {}
+    cfg["rope_parameters"] = rope
+    if rope.get("rope_theta") is not None:
+        cfg["rope_theta"] = rope["rope_theta"]
 
 
 def _set_positions(cfg: dict[str, Any], target_cfg: dict[str, Any]) -> None:

@@ -9,11 +9,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from eaglenest.config import apply_overrides
 from eaglenest.errors import ConfigError
 from eaglenest.recipe import load_recipe
+from eaglenest.train.config import TrainConfig
 
 
 @pytest.fixture
@@ -39,7 +42,9 @@ def test_a_nested_mapping_merges_at_every_depth():
 
 def test_null_then_a_mapping_starts_the_section_afresh(toy):
     fresh = load_recipe(toy, ["train=null", "train={num_epochs: 3}"])
-    assert fresh.train.num_epochs == 3 and fresh.train.sliding_window != "auto"
+    # every other key at the dataclass's own default, none of the file's (toy.yaml sets sliding_window: auto)
+    assert fresh.train == dataclasses.replace(TrainConfig(), num_epochs=3)
+    assert fresh.train.sliding_window == TrainConfig().sliding_window != "auto"
 
 
 def test_a_scalar_still_replaces_a_section_and_is_refused(toy):

@@ -74,18 +74,29 @@ def _pinned(root: Path, revision: str, *more: str) -> RunConfig:
     return run
 
 
-def test_the_key_defaults_to_the_cache_main(hub_cache, root):
+def _main_values(tiny_target) -> tuple[float, int]:
+    """What refs/main's snapshot (the tiny target as is) says, read from its files, not from a loader: each
+    differs from the other snapshot's, so a loader reading the wrong one is seen."""
+    eps = json.loads((Path(tiny_target) / "config.json").read_text())["rms_norm_eps"]
+    max_len = json.loads((Path(tiny_target) / "tokenizer_config.json").read_text())["model_max_length"]
+    assert (eps, max_len) != (1e-3, 777) and eps != pytest.approx(1e-3) and max_len != 777
+    return eps, max_len
+
+
+def test_the_key_defaults_to_the_cache_main(hub_cache, root, tiny_target):
+    main_eps, main_len = _main_values(tiny_target)
     run = _pinned(root, "")
     assert run.target_revision == "" and RunConfig().target_revision == ""
     assert T.local_dir(HUB) == hub_cache / "snapshots" / MAIN
-    assert load_config(HUB, trust_remote_code=False).rms_norm_eps == pytest.approx(1e-5)
-    assert load_tokenizer(HUB, trust_remote_code=False).model_max_length == 32768
+    assert load_config(HUB, trust_remote_code=False).rms_norm_eps == pytest.approx(main_eps)
+    assert load_tokenizer(HUB, trust_remote_code=False).model_max_length == main_len
     assert revision_kwargs(HUB) == {}
     assert identity.hub_revision(HUB) == MAIN
 
 
 @pytest.mark.parametrize("revision", ["v2", OTHER])
-def test_a_pinned_revision_is_what_every_loader_reads(hub_cache, root, revision):
+def test_a_pinned_revision_is_what_every_loader_reads(hub_cache, root, revision, tiny_target):
+    main_eps, _ = _main_values(tiny_target)
     run = _pinned(root, revision)
     assert run.target_revision == revision
     assert T.local_dir(HUB) == hub_cache / "snapshots" / OTHER
@@ -103,7 +114,7 @@ def test_a_pinned_revision_is_what_every_loader_reads(hub_cache, root, revision)
     assert policy.lineage_record(HUB)["target_revision"] == OTHER
     assert identity.KEYS["target_revision"] == "run.target_revision"
     _pinned(root, "")  # unpinned again (the next command of this process): the cache's main
-    assert load_config(HUB, trust_remote_code=False).rms_norm_eps == pytest.approx(1e-5)
+    assert load_config(HUB, trust_remote_code=False).rms_norm_eps == pytest.approx(main_eps)
     assert identity.hub_revision(HUB) == MAIN
 
 

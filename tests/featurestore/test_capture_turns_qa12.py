@@ -96,6 +96,7 @@ def test_a_think_block_only_on_the_last_turn_still_gives_every_earlier_answer(ti
         "{% generation %}{{ message['content'] }}",
         "{% generation %}{% if loop.last and not add_generation_prompt %}<think>\n\n</think>\n\n{% endif %}"
         "{{ message['content'] }}")
+    assert "<think>" in tok.chat_template  # the template was changed: the case under test is reachable
     prompt = _prompt(tok, CONV[:-1])
     spans = assistant_spans(tok, CONV, prompt)
     assert [tok.decode(prompt[a:b]) for a, b in spans] == ["Answer 1.<|end|>", "Answer 2.<|end|>"]

@@ -25,7 +25,8 @@ from eaglenest.engine import close_llm, make_llm, speculative_config
 from eaglenest.errors import EaglenestError
 from eaglenest.evaluate import farctx, ngram
 from eaglenest.evaluate.al import per_request_summary
-from eaglenest.evaluate.buckets import bucket_lengths, bucket_rows, build_bucket_prompts, merged_buckets
+from eaglenest.evaluate.buckets import (bucket_lengths, bucket_rows, build_bucket_prompts, heldout_material,
+                                        merged_buckets)
 from eaglenest.evaluate.intervals import add_intervals, per_prompt, spec_counts
 from eaglenest.evaluate.plan import plan
 from eaglenest.evaluate.prompts import heldout, mode_of
@@ -175,7 +176,8 @@ def evaluate_al(*, target: str, draft: str, store_uri: str, cfg, features_table:
             domains[name] = row
             log.info("%s: AL %.3f over %d prompts", name, row["acceptance_length"] or 0, len(prompts))
         if cfg.context_buckets:
-            bucket_prompts = _bucket_prompts(llm, tok, pool, outputs, cfg, max_pos)
+            bucket_prompts = _bucket_prompts(llm, tok, pool, outputs, cfg, max_pos, target=target,
+                                             trust_remote_code=trust_remote_code)
             for b, prompts in bucket_prompts.items():
                 counts: dict = {}
                 row, toks, _ = _measure(llm, prompts, cfg, max_tokens=cfg.bucket_max_tokens, prompt_ids=prompt_ids,
@@ -343,13 +345,15 @@ def spearman(xs, ys) -> float | None:
     return round(cov / (vx * vy) ** 0.5, 4) if vx and vy else None
 
 
-def _bucket_prompts(llm, tok, pool: list[dict], outputs: dict, cfg, max_pos: int) -> dict[int, list[dict]]:
+def _bucket_prompts(llm, tok, pool: list[dict], outputs: dict, cfg, max_pos: int, *, target: str,
+                    trust_remote_code: bool = False) -> dict[int, list[dict]]:
     """The context buckets' prompts from ``pool`` (``buckets.material_pool``) and its answers: the held-out
-    decode's, or (other prompt sets) the target's answers decoded now (not part of the report)."""
+    decode's, or (other prompt sets) the target's answers decoded now (not part of the report), each as its
+    conversation's next turn holds it (``buckets.heldout_material``: a harmony target's final channel)."""
     if cfg.prompt_set != "heldout" and pool:
         outs = _decode(llm, pool, cfg)
         outputs = {**outputs, **{p["sample_id"]: list(r.outputs[0].token_ids) for p, r in zip(pool, outs)}}
-    material = [(p["messages"], tok.decode(outputs[p["sample_id"]], skip_special_tokens=True)) for p in pool]
+    material = heldout_material(tok, pool, outputs, target=target, trust_remote_code=trust_remote_code)
     return build_bucket_prompts(tok, material, tuple(cfg.context_buckets), per_bucket=cfg.bucket_prompts,
                                 max_positions=max_pos, max_tokens=cfg.bucket_max_tokens, seed=cfg.engine.seed,
                                 chat_template_kwargs=cfg.chat_template_kwargs, kinds=tuple(cfg.bucket_material))

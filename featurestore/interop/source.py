@@ -205,6 +205,10 @@ def staged_export(src: Source, out: str | Path, *, purpose: str) -> Iterator[Pat
         raise ConfigError(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
     try:
         with lease.pin(src.uri, src.name, src.version, purpose=purpose):
+            # A gc between the open (open_source) and the pin may have removed the version: opened again by its
+            # number, it is now either kept for the export or named garbage-collected in one line, before the
+            # export starts (as train's FeatureShards does).
+            store.dataset(src.uri, src.name, src.version)
             yield tmp
         if out.exists():
             out.rmdir()

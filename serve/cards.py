@@ -10,6 +10,7 @@ from typing import Any
 
 from eaglenest.engine import RECOMMENDED_K
 from eaglenest.serve import formats
+from eaglenest.target import pinned_revision
 
 
 def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any], *,
@@ -22,10 +23,12 @@ def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]
     steps = (f"P-EAGLE slots {(train.get('peagle') or {}).get('num_slots')}, mask token "
              f"{cfg.get('mask_token_id')}" if cfg.get("parallel_drafting")
              else f"TTT steps {train.get('ttt_steps')}")
+    usage = formats.usage_text(format, inputs['target'], cfg['architectures'][0],
+                               parallel=bool(cfg.get('parallel_drafting')),
+                               num_speculative_tokens=cfg.get(RECOMMENDED_K, 3), revision=target_revision(inputs))
     return f"""# {family} draft head (eaglenest)
 
-{formats.usage_text(format, inputs['target'], cfg['architectures'][0], parallel=bool(cfg.get('parallel_drafting')),
-                    num_speculative_tokens=cfg.get(RECOMMENDED_K, 3))}
+{usage}
 
 | | |
 |---|---|
@@ -39,11 +42,11 @@ def model_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any]
 | trained steps | {info.get('step')} ({steps}) |
 | speculative tokens when none is set | {cfg.get(RECOMMENDED_K, 'n/a')} (the family's best on the demo, docs/families.md) |
 | sliding window | {window} |
-| features | `{inputs['store_uri']}` table `{inputs['table']}` version {inputs['version']} |
+| features | {_cell(inputs['store_uri'])} table {_cell(inputs['table'])} version {inputs['version']} |
 | last logged loss | {_number(m.get('loss'), '.4f')} |
 | last logged per-step top-1 accuracy | {acc} |
 
-`d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`. Full provenance in `provenance.json`.
+{_vocab_map_text(cfg)} Full provenance in `provenance.json`.
 
 {formats.readers_text(cfg, format, notes, inputs['target'])}
 
@@ -60,6 +63,7 @@ def dflash_card(cfg: dict[str, Any], info: dict[str, Any], inputs: dict[str, Any
     m = info.get("metrics") or {}
     acc = ", ".join(f"{a:.3f}" for a in m.get("step_acc") or []) or "n/a"
     k = cfg.get(RECOMMENDED_K) or cfg["block_size"] - 1
+    revision = target_revision(inputs)
     if format == "speculators":
         usage = f"""in speculators' DFlash checkpoint format
 (`speculators_model_type: dflash`): {cfg['num_hidden_layers']} Qwen3-style layers over the target's hidden states, one
@@ -70,7 +74,7 @@ the block causal, which this draft was not trained for).
 
 ```python
 from vllm import LLM
-llm = LLM(model="<this directory>")  # the target and the number of draft tokens come from config.json
+{formats.speculators_llm(revision)}
 ```"""
     else:
         usage = f"""in vLLM's flat DFlash format
@@ -79,12 +83,12 @@ forward per round, non-causal attention inside the block (`dflash_config.causal:
 
 ```python
 from vllm import LLM
-llm = LLM(model="{inputs['target']}",
+llm = LLM(model={formats.python_literal(inputs['target'])}{formats.revision_arg(revision)},
           speculative_config={{"method": "dflash", "model": "<this directory>", "num_speculative_tokens": {k}}})
 ```"""
     return f"""# DFlash draft (eaglenest)
 
-Speculative-decoding draft for the target `{inputs['target']}`, {usage}
+Speculative-decoding draft for the target {formats.target_text(inputs['target'], revision)}, {usage}
 
 vLLM's V1 runner ignores `block_size` and drafts `num_speculative_tokens` mask slots; the draft was
 trained for up to {cfg['block_size'] - 1}, and `serve` / `evaluate` use {k} when the recipe sets none
@@ -100,11 +104,11 @@ trained for up to {cfg['block_size'] - 1}, and `serve` / `evaluate` use {k} when
 | rotary | {_rope_text(cfg['rope_parameters'])} |
 | dtype | {cfg['torch_dtype']} |
 | trained steps | {info.get('step')} (block size {cfg['block_size']}) |
-| features | `{inputs['store_uri']}` table `{inputs['table']}` version {inputs['version']} |
+| features | {_cell(inputs['store_uri'])} table {_cell(inputs['table'])} version {inputs['version']} |
 | last logged loss | {_number(m.get('loss'), '.4f')} |
 | last logged per-slot top-1 accuracy | {acc} |
 
-`d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`. Full provenance in `provenance.json`.
+{_vocab_map_text(cfg)} Full provenance in `provenance.json`.
 
 Training configuration:
 
@@ -112,6 +116,38 @@ Training configuration:
 {json.dumps(info.get('train_config', {}), indent=2, sort_keys=True)}
 ```
 """
+
+
+def target_revision(inputs: dict[str, Any]) -> str:
+    """The hub revision the export read its target at, which the card's snippets name (else a reader loads
+    ``main``): ``run.target_revision`` as pinned in this process, else the ``target_revision`` the feature
+    identity records for that same hub id (the revision its features were captured at, which export checked
+    the target is at). "" for a local folder, or an identity that records none."""
+    target = str(inputs.get("target") or "")
+    if revision := pinned_revision(target):
+        return revision
+    try:
+        comps = json.loads(inputs.get("feature_identity") or "{}")
+    except (TypeError, ValueError):
+        return ""
+    if not isinstance(comps, dict) or comps.get("target") != target:
+        return ""
+    revision = comps.get("target_revision")
+    return revision if isinstance(revision, str) else ""
+
+
+def _vocab_map_text(cfg: dict[str, Any]) -> str:
+    """What maps draft ids to target ids: ``d2t`` offsets, or nothing for a whole-vocabulary draft (export
+    writes no ``d2t`` / ``t2d`` then: vLLM's draft models have no map to load them into)."""
+    if cfg["draft_vocab_size"] == cfg["vocab_size"]:
+        return "The draft's vocabulary is the target's whole vocabulary (draft id = target id): no `d2t` / `t2d`."
+    return "`d2t` holds offsets: `target_id = draft_id + d2t[draft_id]`."
+
+
+def _cell(text: Any) -> str:
+    """``text`` as inline code in a table cell: a ``|`` in it (a store path may hold one) escaped, which would
+    otherwise end the cell."""
+    return formats.code_span(str(text)).replace("|", "\\|")
 
 
 def _number(x: Any, spec: str) -> str:

@@ -23,15 +23,22 @@ reader cannot represent is returned by :func:`reader_notes` and goes to the log 
 The speculators layout is written for the three families (``speculators_model_type`` eagle3, peagle,
 dflash); vLLM 0.32 maps peagle to eagle3 with ``parallel_drafting`` and DFlash's
 ``sliding_window_non_causal`` to ``dflash_config.causal`` (negated, every layer).
+
+The model card's snippets name the target quoted for the language they are in (:func:`python_literal`, a
+POSIX shell's quoting, :func:`code_span` in prose), so a path holding quotes, backslashes or a newline reads
+back as itself.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from typing import Any, Literal
 
 import torch
 
+from eaglenest.config import printable
 from eaglenest.errors import ConfigError
 
 #: speculators release whose checkpoint layout ``format=speculators`` writes.
@@ -151,11 +158,55 @@ def flat_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def convert_command(cfg: dict[str, Any], target: str) -> str:
-    """The ``speculators convert`` line that keeps what the converter would otherwise drop."""
+    """The ``speculators convert`` line that keeps what the converter would otherwise drop (the target
+    quoted for a POSIX shell: a path may hold spaces, quotes or a newline)."""
     kwargs = {"eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
               "norm_before_residual": bool(cfg.get("norm_before_residual"))}
-    return (f"speculators convert <this directory> --algorithm eagle3 --verifier {target} "
-            f"--algorithm-kwargs '{json.dumps(kwargs)}'")
+    verifier = shlex.quote(str(target)) if _utf8(str(target)) else "<the target>"  # not UTF-8
+    return (f"speculators convert <this directory> --algorithm eagle3 --verifier {verifier} "
+            f"--algorithm-kwargs {shlex.quote(json.dumps(kwargs))}")
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (a path's byte that is not reads as a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def python_literal(text: str) -> str:
+    """``text`` as a Python string literal a snippet can hold, any quote, backslash or newline escaped:
+    double-quoted as the snippets' other strings (JSON's escapes are Python's), else Python's own repr
+    (a character JSON leaves raw that a reader would not see, or cannot be written as UTF-8)."""
+    literal = json.dumps(str(text), ensure_ascii=False)
+    return literal if literal.isprintable() else repr(str(text))
+
+
+def code_span(text: str) -> str:
+    """``text`` as Markdown inline code on one line: a newline or another character that is not printable
+    shown escaped (``\\n``; a path's byte that is not UTF-8, ``\\udcff``), the delimiter longer than any
+    run of backticks in it."""
+    text = printable(str(text))
+    run = max((len(r) for r in re.findall(r"`+", text)), default=0)
+    return f"`{text}`" if not run else f"{'`' * (run + 1)} {text} {'`' * (run + 1)}"
+
+
+def revision_arg(revision: str) -> str:
+    """The ``LLM(...)`` keyword reading the target at ``revision`` (``run.target_revision``); "" for none."""
+    return f", revision={python_literal(revision)}" if revision else ""
+
+
+def target_text(target: str, revision: str) -> str:
+    """The target as the card's prose names it, with the hub revision it is read at."""
+    return code_span(target) + (f" at revision {code_span(revision)}" if revision else "")
+
+
+def fenced(code: str, lang: str) -> str:
+    """A Markdown code block holding ``code`` as is: its fence is longer than any run of backticks in it."""
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", code)), default=0))
+    return f"{fence}{lang}\n{code}\n{fence}"
 
 
 def reader_notes(cfg: dict[str, Any], fmt: Format, *, target_layers: int) -> list[tuple[str, str]]:
@@ -179,22 +230,23 @@ def reader_notes(cfg: dict[str, Any], fmt: Format, *, target_layers: int) -> lis
 
 
 def usage_text(fmt: Format, target: str, architecture: str, *, parallel: bool = False,
-               num_speculative_tokens: int = 3) -> str:
+               num_speculative_tokens: int = 3, revision: str = "") -> str:
     """The card's opening: which format this is and how vLLM loads it (``parallel``: a P-EAGLE draft,
     served with ``parallel_drafting``; ``num_speculative_tokens``: the K its snippet serves, the
-    draft's recommended one: a fixed 3 would be past the depth of a 2-slot or ttt_steps=2 draft)."""
+    draft's recommended one: a fixed 3 would be past the depth of a 2-slot or ttt_steps=2 draft;
+    ``revision``: the hub revision the target is read at, "" for none)."""
     if fmt == "speculators":
         kind = "P-EAGLE (`speculators_model_type: peagle`)" if parallel else "Eagle-3"
         note = ("\n\nServed as trained with no flag to add: vLLM turns `speculators_model_type: peagle` into "
                 "`method: eagle3` with `parallel_drafting: true` and takes `mask_token_id` as the parallel-drafting "
                 "token (loading `mask_hidden`); served without `parallel_drafting` it would draft sequentially, "
                 "which it was not trained for.") if parallel else ""
-        return f"""Speculative-decoding draft for the target `{target}`, in speculators' {kind} checkpoint format
-(`speculators_config` names the target; vLLM serves it directly).
+        return f"""Speculative-decoding draft for the target {target_text(target, revision)}, in speculators' {kind} \
+checkpoint format (`speculators_config` names the target; vLLM serves it directly).
 
 ```python
 from vllm import LLM
-llm = LLM(model="<this directory>")  # the target and the number of draft tokens come from config.json
+{speculators_llm(revision)}
 ```{note}"""
     spec = f'"num_speculative_tokens": {int(num_speculative_tokens)}'
     if parallel:
@@ -202,13 +254,23 @@ llm = LLM(model="<this directory>")  # the target and the number of draft tokens
     note = ("\n\nA P-EAGLE draft: vLLM drafts all tokens of a round in one forward (`mask_token_id` and "
             "`mask_hidden` at depth >= 1); without `parallel_drafting` it would be served as a sequential "
             "EAGLE-3 draft, which it was not trained to be.") if parallel else ""
-    return f"""Speculative-decoding draft for the target `{target}`, in vLLM's `{architecture}` format.
+    return f"""Speculative-decoding draft for the target {target_text(target, revision)}, in vLLM's \
+`{architecture}` format.
 
 ```python
 from vllm import LLM
-llm = LLM(model="{target}",
+llm = LLM(model={python_literal(target)}{revision_arg(revision)},
           speculative_config={{"method": "eagle3", "model": "<this directory>", {spec}}})
 ```{note}"""
+
+
+def speculators_llm(revision: str) -> str:
+    """The line loading a speculators-format draft: vLLM reads the target from its config.json, at
+    ``revision`` (``LLM``'s ``revision`` is the target's once vLLM has swapped the draft for it)."""
+    if revision:
+        return (f'llm = LLM(model="<this directory>"{revision_arg(revision)})  # the target (at this revision) and '
+                "the number of draft tokens come from config.json")
+    return 'llm = LLM(model="<this directory>")  # the target and the number of draft tokens come from config.json'
 
 
 def _speculators_line(cfg: dict[str, Any], target: str) -> str:
@@ -219,7 +281,7 @@ def _speculators_line(cfg: dict[str, Any], target: str) -> str:
         return ("- speculators: export with `serve.format=speculators` (`speculators_model_type: peagle`); "
                 "`speculators convert` has no P-EAGLE algorithm (its `--algorithm eagle3` drops `mask_hidden`, "
                 "and vLLM would serve the result sequentially, which this draft was not trained for).")
-    return (f"- speculators: `{convert_command(cfg, target)}` (the converter reads the aux ids and "
+    return ("- speculators: `speculators convert`, below (the converter reads the aux ids and "
             "`norm_before_residual` only from `--algorithm-kwargs`), or export with `serve.format=speculators`.")
 
 
@@ -236,4 +298,8 @@ def readers_text(cfg: dict[str, Any], fmt: Format, notes: list[tuple[str, str]],
                  "\"output of block k\" (id - 1); vLLM reads only its length. Other readers (SGLang) are not tested.",
                  _speculators_line(cfg, target)]
     lines += [f"- **{reader}**: {note}." for reader, note in notes]
-    return "## Readers\n\n" + "\n".join(lines)
+    # The command in a block of its own: a quoted target may hold a newline or backticks, which a list
+    # item's inline code would not keep.
+    block = ("\n\n" + fenced(convert_command(cfg, target), "shell")
+             if fmt == "vllm" and not cfg.get("parallel_drafting") else "")
+    return "## Readers\n\n" + "\n".join(lines) + block

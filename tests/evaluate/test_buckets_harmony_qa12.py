@@ -3,40 +3,21 @@
 
 from __future__ import annotations
 
-import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
 from eaglenest.evaluate.buckets import build_bucket_prompts, heldout_material
 from eaglenest.hf import load_tokenizer
 
-HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
-#: gpt-oss's chat template, cut to a chat without tools: an earlier answer is rendered as its final channel
-#: (its analysis dropped), and channel tags inside a content are refused (as gpt-oss's own template does).
-TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message.role == 'user' -%}<|start|>user<|message|>{{ message.content }}<|end|>"
-    "{%- elif message.role == 'assistant' -%}"
-    "{%- if '<|channel|>' in message.content -%}{{ raise_exception('channel tags in the content field') }}"
-    "{%- endif -%}"
-    "{%- if message.thinking and loop.last -%}<|start|>assistant<|channel|>analysis<|message|>"
-    "{{ message.thinking }}<|end|>{%- endif -%}"
-    "<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
-    "{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+INGEST_TESTS = str(Path(__file__).resolve().parents[1] / "ingest")
+if INGEST_TESTS not in sys.path:  # the ingest tests' helpers: the offline harmony-format target
+    sys.path.insert(0, INGEST_TESTS)
+
+from ingest_helpers import harmony_target  # noqa: E402
+
 QUESTIONS = ["What is 2 + 2?", "Name a colour.", "Say hello.", "Count to three."]
-
-
-def _harmony_target(tmp_path, tiny_target, special: bool):
-    """A tiny-target copy (a path with a space) with gpt-oss's template and (``special``) its special tokens."""
-    root = tmp_path / "harmony target"
-    shutil.copytree(tiny_target, root)
-    tok = load_tokenizer(root, trust_remote_code=False)
-    if special:
-        tok.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(root)
-    return root
 
 
 def _pool_and_outputs(tok):
@@ -54,7 +35,7 @@ def test_chat_bucket_history_of_a_harmony_target_holds_final_channels(tmp_path, 
     # slowly.assistantfinalAnswer 0.", rendered into the bucket's history as one final channel (the target
     # asked to continue a conversation it never had); with plain-text tags the content held channel tags,
     # which gpt-oss's template refuses (the evaluation stopped with a Jinja error).
-    root = _harmony_target(tmp_path, tiny_target, special)
+    root = harmony_target(tmp_path, tiny_target, special=special)
     tok = load_tokenizer(root, trust_remote_code=False)
     pool, outputs = _pool_and_outputs(tok)
     material = heldout_material(tok, pool, outputs, target=str(root))
@@ -84,7 +65,7 @@ def test_evaluate_builds_its_chat_buckets_from_final_channels(tmp_path, tiny_tar
     from eaglenest.evaluate import run
     from eaglenest.evaluate.config import EvaluateConfig
 
-    root = _harmony_target(tmp_path, tiny_target, special=True)
+    root = harmony_target(tmp_path, tiny_target)
     tok = load_tokenizer(root, trust_remote_code=False)
     pool, outputs = _pool_and_outputs(tok)
     cfg = dataclasses.replace(EvaluateConfig(), context_buckets=(200,), bucket_material=("chat",), bucket_prompts=1,

@@ -14,9 +14,9 @@ from eaglenest.hf import load_tokenizer
 
 
 def _ingest_helpers():
-    """tests/ingest/test_harmony_history_qa12.py: the offline tiny-target copy with gpt-oss's special tokens."""
-    path = Path(__file__).resolve().parents[1] / "ingest" / "test_harmony_history_qa12.py"
-    spec = importlib.util.spec_from_file_location("harmony_history_qa12", path)
+    """tests/ingest/ingest_helpers.py: the offline tiny-target copy with gpt-oss's special tokens."""
+    path = Path(__file__).resolve().parents[1] / "ingest" / "ingest_helpers.py"
+    spec = importlib.util.spec_from_file_location("ingest_helpers_for_capture", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -45,7 +45,7 @@ CONV = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "co
 @pytest.fixture(scope="module")
 def harmony_root(tmp_path_factory, tiny_target):
     """A tiny-target copy (in a folder with a space) with gpt-oss's special tokens and this template."""
-    root = _ingest_helpers()._harmony_target(tmp_path_factory.mktemp("harmony"), tiny_target)
+    root = _ingest_helpers().harmony_target(tmp_path_factory.mktemp("harmony"), tiny_target)
     tok = load_tokenizer(root, trust_remote_code=False)
     tok.chat_template = TEMPLATE
     tok.save_pretrained(root)

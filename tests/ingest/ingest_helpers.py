@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import http.server
 import threading
 
+from eaglenest.hf import load_tokenizer
 from eaglenest.ingest import backends
 from eaglenest.ingest.backends import Completion
 
@@ -80,3 +82,33 @@ def endpoint(handler, target, *, body: bytes = b"", max_retries: int = 0):
     finally:
         backend.close()
         httpd.shutdown()
+
+
+#: An offline stand-in for a gpt-oss (harmony format) target, shared by the ingest, capture and evaluate tests.
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+#: gpt-oss's chat template, cut to what a chat without tools uses: an earlier answer is rendered as its
+#: final channel (the analysis of earlier turns is dropped), and channel tags inside a content are refused.
+HARMONY_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'user' -%}<|start|>user<|message|>{{ message.content }}<|end|>"
+    "{%- elif message.role == 'assistant' -%}"
+    "{%- if '<|channel|>' in message.content -%}{{ raise_exception('channel tags in the content field') }}"
+    "{%- endif -%}"
+    "{%- if message.thinking and loop.last -%}<|start|>assistant<|channel|>analysis<|message|>"
+    "{{ message.thinking }}<|end|>{%- endif -%}"
+    "<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+
+
+def harmony_target(tmp_path, tiny_target, *, special: bool = True):
+    """A tiny-target copy with gpt-oss's template and (``special``) its special tokens, which text decoded as
+    vLLM decodes it leaves out; without them the tags are plain text, kept in the answer's text."""
+    root = tmp_path / "harmony target"
+    shutil.copytree(tiny_target, root)
+    tok = load_tokenizer(root, trust_remote_code=False)
+    if special:
+        tok.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    tok.chat_template = HARMONY_TEMPLATE
+    tok.save_pretrained(root)
+    return root

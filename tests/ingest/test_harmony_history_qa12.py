@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -13,35 +12,7 @@ from eaglenest.ingest.manifest import Generation
 from eaglenest.ingest.pool import PoolEntry
 from eaglenest.ingest.reasoning import ThinkCheck, resolve_tags
 from eaglenest.ingest.regen import regenerate
-
-HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
-#: gpt-oss's chat template, cut to what a chat without tools uses: an earlier answer is rendered as its
-#: final channel (the analysis of earlier turns is dropped), and channel tags inside a content are refused.
-TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message.role == 'user' -%}<|start|>user<|message|>{{ message.content }}<|end|>"
-    "{%- elif message.role == 'assistant' -%}"
-    "{%- if '<|channel|>' in message.content -%}{{ raise_exception('channel tags in the content field') }}"
-    "{%- endif -%}"
-    "{%- if message.thinking and loop.last -%}<|start|>assistant<|channel|>analysis<|message|>"
-    "{{ message.thinking }}<|end|>{%- endif -%}"
-    "<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
-    "{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
-
-
-def _harmony_target(tmp_path, tiny_target, *, special: bool = True):
-    """A tiny-target copy with gpt-oss's template and (``special``) its special tokens, which text decoded as
-    vLLM decodes it leaves out; without them the tags are plain text, kept in the answer's text."""
-    root = tmp_path / "harmony target"
-    shutil.copytree(tiny_target, root)
-    tok = load_tokenizer(root, trust_remote_code=False)
-    if special:
-        tok.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(root)
-    return root
-
+from ingest_helpers import harmony_target  # tests/ingest/conftest.py puts it on sys.path
 
 class Harmony:
     """Answers each chat turn in the harmony format, the text decoded as vLLM returns it (special tokens
@@ -74,7 +45,7 @@ def test_earlier_answers_of_a_harmony_target_go_back_as_their_final_channel(tmp_
     # joined ("analysisStep 1: ...assistantfinalAnswer 1."), which the template then rendered as the final
     # channel: the target was asked to continue a conversation it never had, and the stored row trained on it.
     # With the tags as plain text the history held them, and gpt-oss's template refuses such a content.
-    root = _harmony_target(tmp_path, tiny_target, special=special)
+    root = harmony_target(tmp_path, tiny_target, special=special)
     tok = load_tokenizer(root, trust_remote_code=False)
     tags = resolve_tags([], tok)
     assert tags == ("<|channel|>analysis<|message|>", "<|end|>")

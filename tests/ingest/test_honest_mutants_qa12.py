@@ -3,27 +3,17 @@ goes back as, in the cases the qa12 tests left out (checked against the answer t
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from eaglenest.hf import load_tokenizer
 from eaglenest.ingest.reasoning import HARMONY_ANALYSIS, ThinkCheck
-
-
-def _harmony_target(tmp_path, tiny_target):
-    """tests/ingest/test_harmony_history_qa12.py's tiny-target copy with gpt-oss's special tokens."""
-    path = Path(__file__).resolve().parent / "test_harmony_history_qa12.py"
-    spec = importlib.util.spec_from_file_location("harmony_history_qa12_for_mutants", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._harmony_target(tmp_path, tiny_target)
+from ingest_helpers import harmony_target  # tests/ingest/conftest.py puts it on sys.path
 
 
 @pytest.fixture
 def harmony(tmp_path, tiny_target):
-    root = _harmony_target(tmp_path, tiny_target)
+    root = harmony_target(tmp_path, tiny_target)
     tok = load_tokenizer(root, trust_remote_code=False)
 
     def history(raw: str) -> str:

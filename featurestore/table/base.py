@@ -59,9 +59,10 @@ def exists(uri: str, name: str) -> bool:
 
 
 def must_exist(uri: str, name: str, what: str) -> None:
-    """Refuse ``what`` (a maintenance verb) on a table that is not there, before its lease files would make
-    a store folder out of a mistyped path."""
-    if not exists(uri, name):
+    """Refuse ``what`` (a maintenance verb) on a table of a store that is not there (a mistyped path), before
+    its lease files would make a store folder of it. A store that is there goes on to the table's lease: a
+    capture writing the table's first version holds it, and says so ("being written by")."""
+    if not exists(uri, name) and not objects.exists(uri, directory=True):
         raise StoreError(f"no table '{name}' in store {uri}; {what} changed nothing")
 
 

@@ -163,7 +163,13 @@ def test_an_engine_killed_mid_capture_is_one_store_error(tiny_target):
         stream = cap.stream(seqs, max_in_flight=2, budget_bytes=float("inf"), bytes_per_token=0)
         aux, _ = next(stream)
         assert aux.shape == (20, 3, 128)
-        core = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
+        def command(p) -> str:  # a child that ended meanwhile (a zombie not yet reaped) has none
+            try:
+                return " ".join(p.cmdline())
+            except (psutil.ZombieProcess, psutil.NoSuchProcess):
+                return ""
+
+        core = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in command(p)]
         assert len(core) == 1, core
         core[0].kill()
         core[0].wait(30)

@@ -89,6 +89,7 @@ def test_a_rank_past_the_nodes_gpus_is_one_line_naming_the_count(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun's for --nproc 8 (and not a value another test left)
     with pytest.raises(ConfigError) as info:
         DistState.from_env()
     assert str(info.value).startswith("LOCAL_RANK 3: this node has 1 visible GPU(s), so at most --nproc-per-node 1")

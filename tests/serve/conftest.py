@@ -34,3 +34,14 @@ def stamp_identity():
         (ckpt_dir / "checkpoint.json").write_text(json.dumps(info))
 
     return stamp
+
+
+@pytest.fixture(scope="session")
+def dflash_bias_checkpoint(tmp_path_factory, synth):
+    """A DFlash checkpoint of a target with MLP biases (the draft's own MLP is bias-free) and the target."""
+    from eaglenest.train.config import DFlashConfig, TrainConfig
+
+    work = tmp_path_factory.mktemp("dflash bias")
+    target = synth.make_target(work / "target", mlp_bias=True)
+    cfg = TrainConfig(family="dflash", dflash=DFlashConfig(num_layers=1, block_size=3))
+    return synth.untrained_checkpoint(cfg, target, work / "train"), target

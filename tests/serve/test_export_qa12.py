@@ -17,15 +17,6 @@ from eaglenest.train.checkpoint import FORMAT, WEIGHTS, weights_digest
 from eaglenest.train.config import DFlashConfig, TrainConfig
 
 
-@pytest.fixture(scope="module")
-def dflash_ckpt(tmp_path_factory, synth):
-    """A DFlash checkpoint of a target with MLP biases (the draft's own MLP has none) and its target."""
-    work = tmp_path_factory.mktemp("dflash bias")
-    target = synth.make_target(work / "target", mlp_bias=True)
-    cfg = TrainConfig(family="dflash", dflash=DFlashConfig(num_layers=1, block_size=3))
-    return synth.untrained_checkpoint(cfg, target, work / "train"), target
-
-
 def _old_checkpoint(ckpt, dest, *, bias_value: float):
     """``ckpt`` as a DFlash run from before its MLP was fixed bias-free wrote it: ``draft_config.mlp_bias``
     true (the target's) and a bias on each MLP projection."""
@@ -41,10 +32,10 @@ def _old_checkpoint(ckpt, dest, *, bias_value: float):
     return dest
 
 
-def test_an_old_dflash_checkpoint_with_trained_mlp_biases_is_refused(tmp_path, dflash_ckpt):
+def test_an_old_dflash_checkpoint_with_trained_mlp_biases_is_refused(tmp_path, dflash_bias_checkpoint):
     """vLLM's DFlash layer (Qwen2MLP, no bias) loads such weights and drops the biases without a word: the
     draft served is not the one trained. The export refuses it in one line naming the checkpoint."""
-    ckpt, target = dflash_ckpt
+    ckpt, target = dflash_bias_checkpoint
     old = _old_checkpoint(ckpt, tmp_path / "old run", bias_value=0.25)
     with pytest.raises(StoreError, match=r"old run.*MLP biases.*mlp_bias.*train the draft again") as err:
         export_draft(old, tmp_path / "draft", target_dir=target, off_policy=True)
@@ -52,9 +43,9 @@ def test_an_old_dflash_checkpoint_with_trained_mlp_biases_is_refused(tmp_path, d
     assert not (tmp_path / "draft").exists()
 
 
-def test_an_old_dflash_checkpoint_with_zero_mlp_biases_exports_without_them(tmp_path, dflash_ckpt):
+def test_an_old_dflash_checkpoint_with_zero_mlp_biases_exports_without_them(tmp_path, dflash_bias_checkpoint):
     """All-zero biases compute nothing: dropping them serves exactly what was trained."""
-    ckpt, target = dflash_ckpt
+    ckpt, target = dflash_bias_checkpoint
     old = _old_checkpoint(ckpt, tmp_path / "old", bias_value=0.0)
     out = export_draft(old, tmp_path / "draft", target_dir=target, off_policy=True)
     with safe_open(str(out / "model.safetensors"), "pt") as f:

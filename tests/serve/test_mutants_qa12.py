@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 from eaglenest.errors import EaglenestError
 from eaglenest.serve.export import export_draft
 from eaglenest.train.checkpoint import FORMAT, INFO, WEIGHTS, save_checkpoint, weights_digest
-from eaglenest.train.config import DFlashConfig, TrainConfig
+from eaglenest.train.config import TrainConfig
 from eaglenest.train.loop import build_draft
 from eaglenest.train.model import Eagle3Draft
 from eaglenest.train.target import load_target_tensors
@@ -76,15 +76,6 @@ def test_a_mask_token_id_equal_to_the_vocabulary_size_is_refused(tmp_path, peagl
     ckpt = _rewrite(shutil.copytree(peagle_checkpoint, tmp_path / "ck"),
                     change_info=lambda i: i["draft_config"].update(mask_token_id=vocab))
     _refused(ckpt, tmp_path / "draft", tiny_target, rf"mask_token_id: a token id .*got {vocab}")
-
-
-@pytest.fixture(scope="module")
-def dflash_bias_checkpoint(tmp_path_factory, synth):
-    """A DFlash checkpoint of a target with MLP biases (its draft's own MLP is bias-free) and the target."""
-    work = tmp_path_factory.mktemp("dflash")
-    target = synth.make_target(work / "target", mlp_bias=True)
-    cfg = TrainConfig(family="dflash", dflash=DFlashConfig(num_layers=1, block_size=3))
-    return synth.untrained_checkpoint(cfg, target, work / "train"), target
 
 
 def test_an_old_dflash_checkpoint_with_one_negative_mlp_bias_is_refused(tmp_path, dflash_bias_checkpoint):

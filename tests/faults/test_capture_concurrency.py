@@ -51,7 +51,7 @@ def test_second_capture_and_gc_loop_during_a_capture(tmp_path, root, tiny_target
             f"run.target={tiny_target}", "featurestore.commit_every=3", "featurestore.write_buffer_mb=0.001",
             "featurestore.engine.max_model_len=128", "featurestore.engine.memory_fraction=0.1",
             "featurestore.engine.max_num_seqs=4"]
-    env = {**os.environ, faults.ENV: "featurestore.before_commit=0.5"}
+    env = {**os.environ, faults.ENV: "featurestore.before_commit=2"}  # alive well past a loaded start-up of the second
     first = subprocess.Popen(argv, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              start_new_session=True, env=env)
     try:
